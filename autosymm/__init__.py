@@ -1,0 +1,28 @@
+"""autosymm: tuned symmetric-memory collectives for NVLink GPUs, with an NCCL fallback.
+
+    import autosymm
+    autosymm.all_reduce(x)                 # in place, like dist.all_reduce(x)
+    autosymm.explain(x)                    # which backend/config serves it, and why
+    dst = autosymm.convert_dp_to_ep(src, assignment, expt_indx, gate_indx)
+
+See README.md for tuning (`autosymm tune`) and the shipped databases.
+"""
+
+__version__ = "0.1.0"
+
+from .api import all_reduce, convert_dp_to_ep, convert_ep_to_dp, empty, explain, init, reset, stats  # noqa: E402
+from .dispatch import Decision  # noqa: E402
+from .moe import (  # noqa: E402
+    ExptAssignment,
+    make_expt_assignment,
+    make_expt_dict_random,
+    make_expt_dict_uniform,
+    route,
+)
+from .problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
+
+__all__ = [
+    "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEShape", "Problem", "__version__", "all_reduce",
+    "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
+    "make_expt_dict_random", "make_expt_dict_uniform", "reset", "route", "stats",
+]

@@ -1,0 +1,273 @@
+"""The public runtime: ``all_reduce``, the MoE conversions, ``explain``, ``stats``, ``init``.
+
+Per process group a ``_GroupState`` holds what the first call found out (collectively, on every
+rank: hostnames, the workspace rendezvous, the databases' digest) and a dict of prepared calls
+keyed by (op, dtype, size, mode). A repeated call is a dict lookup, two counter increments and
+the backend's launcher. Call ``init(group)`` (or make one eager call) before capturing a CUDA
+graph: the first call on a group runs collectives that must not be captured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import dispatch
+from .backends import Capabilities, RunContext, get_backend
+from .dispatch import Decision
+from .problem import MoEShape, Problem, dtype_name
+
+log = logging.getLogger("autosymm")
+if os.environ.get("AUTOSYMM_LOG"):
+    logging.basicConfig()
+    log.setLevel(os.environ["AUTOSYMM_LOG"].upper())
+
+_NCCL_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+@dataclass
+class _Entry:
+    """A prepared call: its decision, launcher and counters."""
+
+    decision: Decision
+    launcher: Any
+    calls: int = 0
+    nbytes: int = 0
+
+
+class _GroupState:
+    def __init__(self, group) -> None:
+        from .db import shipped_db_paths, user_db_path
+        from .hardware import fingerprint
+
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        backend = str(dist.get_backend(group)).lower()
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+                       else torch.device("cpu"))
+        self.fingerprint = fingerprint()
+        self.hardware = self.fingerprint.hardware_slug
+        hosts: list = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        intra_node = len(set(hosts)) == 1
+        self.workspace = None
+        if (self.device.type == "cuda" and self.world_size > 1 and intra_node
+                and not dispatch.disabled_by_env()):
+            from .symm import get_workspace
+
+            self.workspace = get_workspace(group, self.device)
+        ws = self.workspace
+        self.caps = Capabilities(
+            world_size=self.world_size,
+            all_reduce_bytes=ws.capacity("all_reduce") if ws else 0,
+            moe_bytes=ws.capacity("moe") if ws else 0,
+            has_multicast=bool(ws and ws.has_multicast),
+            intra_node=intra_node,
+            torch_symm_ops=bool(ws) and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"),
+            compute_capability=self.fingerprint.compute_capability,
+        )
+        self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
+        self._agree_on_databases()
+        self.ctx = RunContext(group=group, workspace=ws)
+        self.cache: dict[tuple, _Entry] = {}
+
+    def _agree_on_databases(self) -> None:
+        """Every rank must read the same rows: compare digests; on a mismatch use none."""
+        digest = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
+        digests: list = [None] * self.world_size
+        dist.all_gather_object(digests, digest, group=self.group)
+        self.db_agreed = len(set(digests)) == 1
+        if not self.db_agreed:
+            if self.rank == 0:
+                warnings.warn("autosymm: ranks read different tuning databases "
+                              f"({len(set(digests))} digests); every rank uses NCCL", stacklevel=3)
+            self.sources = []
+
+    def decide(self, problem: Problem, mode: str) -> Decision:
+        decision = dispatch.decide(problem, mode, self.caps, self.sources, self.hardware)
+        if not self.db_agreed and decision.source == "":
+            decision = Decision(decision.backend, decision.config,
+                                "ranks disagree on the tuning databases; " + decision.reason,
+                                bucket=decision.bucket, mode=mode)
+        return decision
+
+    def prepare(self, problem: Problem, mode: str) -> _Entry:
+        decision = self.decide(problem, mode)
+        log.info("autosymm: %s %s -> %s", problem.describe(), mode, decision.describe())
+        if decision.backend == "noop":
+            launcher = _identity
+        else:
+            launcher = get_backend(decision.backend).prepare(problem, decision.config, self.ctx)
+        return _Entry(decision, launcher)
+
+
+def _identity(x, *args):
+    return x
+
+
+_STATES: dict[Any, _GroupState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def _state(group) -> _GroupState:
+    state = _STATES.get(group)
+    if state is None:
+        if not dist.is_initialized():
+            raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
+        with _STATES_LOCK:
+            state = _STATES.get(group)
+            if state is None:
+                state = _STATES[group] = _GroupState(group if group is not None else dist.group.WORLD)
+    return state
+
+
+def init(group=None) -> None:
+    """Set up autosymm on ``group`` now (collective): workspace, databases, rank agreement."""
+    _state(group)
+
+
+def _mode() -> str:
+    return "graph" if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() else "eager"
+
+
+def _check_tensor(x: torch.Tensor, state: _GroupState, what: str) -> None:
+    if x.device.type != state.device.type or (x.device.type == "cuda" and x.device != state.device):
+        raise ValueError(f"autosymm.{what}: tensor is on {x.device}, the group's device is {state.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"autosymm.{what}: tensor of shape {tuple(x.shape)} with strides {x.stride()} "
+                         f"is not contiguous")
+
+
+def all_reduce(x: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over ``group`` in place (like dist.all_reduce) and return it."""
+    state = _STATES.get(group) or _state(group)
+    mode = _mode()
+    # is_cuda/is_contiguous in the key: a tensor unlike the first one re-enters the checks.
+    key = ("all_reduce", x.dtype, x.numel(), x.is_cuda, x.is_contiguous(), mode, op)
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = _prepare_all_reduce(state, x, op, mode, key)
+    entry.calls += 1
+    entry.nbytes += x.numel() * x.element_size()
+    return entry.launcher(x)
+
+
+def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, mode: str, key: tuple) -> _Entry:
+    _check_tensor(x, state, "all_reduce")
+    if op not in _NCCL_OPS:
+        raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(_NCCL_OPS)}")
+    try:
+        dtype = dtype_name(x.dtype)
+    except ValueError:
+        dtype = None
+    if op != "sum" or dtype is None:
+        # Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
+        reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
+        decision = Decision("nccl", None, f"{reason} has no tuned kernel: NCCL", mode=mode)
+        reduce_op = getattr(dist.ReduceOp, _NCCL_OPS[op])
+        group = state.group
+
+        def launcher(t):
+            dist.all_reduce(t, op=reduce_op, group=group)
+            return t
+
+        entry = _Entry(decision, launcher)
+        log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
+    else:
+        problem = Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size)
+        entry = state.prepare(problem, mode)
+    state.cache[key] = entry
+    return entry
+
+
+def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
+    state = _STATES.get(group) or _state(group)
+    mode = _mode()
+    n_expts_tot = int(expt_assignment.expt_map.shape[1])
+    key = (op, src.dtype, tuple(src.shape), n_expts_tot, tuple(expt_indx.shape), mode)
+    entry = state.cache.get(key)
+    if entry is None:
+        _check_tensor(src, state, op)
+        n_expts_act = int(expt_indx.shape[1])
+        if op == "dp_to_ep":
+            n_tokens_local, d_model = int(src.shape[0]), int(src.shape[1])
+        else:
+            n_tokens_local, d_model = int(src.shape[0]) // (n_expts_act * state.world_size), int(src.shape[1])
+        problem = Problem.moe(op, MoEShape(d_model, n_expts_tot, n_expts_act), max(1, n_tokens_local),
+                              dtype_name(src.dtype), state.world_size)
+        entry = state.cache[key] = state.prepare(problem, mode)
+    entry.calls += 1
+    entry.nbytes += src.numel() * src.element_size()
+    return entry.launcher(src, expt_assignment, expt_indx, indx)
+
+
+def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, gate_indx: torch.Tensor,
+                     group=None) -> torch.Tensor:
+    """Send each local token's row to the ranks owning its top-k experts (see autosymm.moe).
+
+    ``src`` [n_tokens_local, d_model]; ``expt_indx`` [n_tokens_global, k] global expert ids;
+    ``gate_indx`` from ``autosymm.route``. Returns this rank's [n_tokens_global * k, d_model]
+    expert-ordered buffer (a workspace view, valid until the next dp->ep call).
+    """
+    return _moe_call("dp_to_ep", src, expt_assignment, expt_indx, gate_indx, group)
+
+
+def convert_ep_to_dp(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, topk_indx: torch.Tensor,
+                     group=None) -> torch.Tensor:
+    """Send expert outputs back to their tokens' home ranks (inverse of convert_dp_to_ep).
+
+    ``src`` [n_tokens_global * k, d_model] in expert order; returns this rank's
+    [n_tokens_local * k, d_model] rows (a workspace view, valid until the next ep->dp call).
+    """
+    return _moe_call("ep_to_dp", src, expt_assignment, expt_indx, topk_indx, group)
+
+
+def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_reduce", mode: Optional[str] = None,
+            problem: Optional[Problem] = None) -> Decision:
+    """The Decision a call would get on ``group`` (backend, config, DB row or fallback reason,
+    expected µs), without running it. Give a tensor (all-reduce) or a Problem."""
+    state = _state(group)
+    mode = mode or _mode()
+    if problem is None:
+        if x is None:
+            raise ValueError("explain needs a tensor or a Problem")
+        problem = Problem.all_reduce(x.numel() * x.element_size(), dtype_name(x.dtype), state.world_size)
+    return state.decide(problem, mode)
+
+
+def stats(group=None) -> dict[str, dict[str, int]]:
+    """Calls and bytes per backend since start (all groups, or one group)."""
+    out: dict[str, dict[str, int]] = {}
+    states = [_STATES[group]] if group in _STATES else list(_STATES.values()) if group is None else []
+    for state in states:
+        for entry in state.cache.values():
+            agg = out.setdefault(entry.decision.backend, {"calls": 0, "bytes": 0})
+            agg["calls"] += entry.calls
+            agg["bytes"] += entry.nbytes
+    return out
+
+
+def empty(shape, dtype: torch.dtype = torch.bfloat16, group=None) -> torch.Tensor:
+    """A tensor inside the group's workspace: all_reduce of it needs no copy (zero-copy path).
+
+    Every rank must call it in the same order with the same shapes.
+    """
+    state = _state(group)
+    if state.workspace is None:
+        return torch.empty(shape, dtype=dtype, device=state.device)
+    return state.workspace.empty(tuple(shape), dtype)
+
+
+def reset() -> None:
+    """Forget every group's state and prepared calls (tests; after destroy_process_group)."""
+    _STATES.clear()

@@ -1,0 +1,402 @@
+"""The `autosymm` command line: a thin click group over the library.
+
+Commands: run, tune, bench, show, explain, info, db merge, db export.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from . import __version__
+from .problem import MODEL_SHAPES, MODES, MoEShape, Problem, format_bytes, parse_bytes, parse_size_range
+
+DEFAULT_SIZES = "4KiB:256MiB"
+DEFAULT_TOKENS = "1:8192"
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=160)
+
+
+def _table(title: str, columns: list[str], rows: list[list]):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*[str(v) for v in row])
+    return table
+
+
+def _parse_shapes(text: str) -> dict[str, MoEShape]:
+    """'deepseek-v3,d4096_e8_k2' -> shapes (model names or MoEShape keys)."""
+    out = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        out[item] = MODEL_SHAPES[item] if item in MODEL_SHAPES else MoEShape.from_key(item)
+    return out
+
+
+def _parse_tokens(text: str) -> list[int]:
+    if ":" in text:
+        low, high = (int(t) for t in text.split(":", 1))
+        tokens, t = [], low
+        while t <= high:
+            tokens.append(t)
+            t *= 2
+        return tokens
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+@click.group()
+@click.version_option(__version__, prog_name="autosymm")
+def main() -> None:
+    """Tuned symmetric-memory collectives for NVLink GPUs (all-reduce, MoE dp<->ep)."""
+
+
+# ---------------------------------------------------------------------------------------- run
+@main.command()
+@click.pass_context
+def run(ctx: click.Context) -> None:
+    """The main job: `tune` with the default sweep on a GPU node; elsewhere, show the dispatch
+    plan of every shipped database."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
+        ctx.invoke(tune)
+        return
+    from .db import TuningDB, shipped_db_paths
+
+    console = _console()
+    console.print("No CUDA GPU here: showing the dispatch plan of the shipped tuning databases.")
+    paths = shipped_db_paths()
+    if not paths:
+        console.print("No shipped tuning database found.")
+        return
+    from .dispatch import open_sources
+
+    for path in paths:
+        sources = open_sources(None, [path])
+        combos = sorted({(r.hardware, r.gpu, r.world_size) for s in sources for r in s.db.rows()})
+        for hardware, gpu, world_size in combos:
+            _plan(console, hardware, gpu, world_size, "bf16", sources, None, ["all_reduce", "dp_to_ep", "ep_to_dp"])
+
+
+# --------------------------------------------------------------------------------------- tune
+@main.command()
+@click.option("--nproc", type=int, default=None, help="GPUs (worker processes); default: all local GPUs")
+@click.option("--ops", default="all_reduce,dp_to_ep,ep_to_dp", show_default=True)
+@click.option("--sizes", default=DEFAULT_SIZES, show_default=True, help="all-reduce sizes: low:high (powers of two) or a list")
+@click.option("--dtypes", default="bf16", show_default=True)
+@click.option("--modes", default="eager,graph", show_default=True)
+@click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True, help="MoE shapes: model names or d{D}_e{E}_k{K}")
+@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="MoE tokens per rank: low:high (powers of two) or a list")
+@click.option("--strategy", type=click.Choice(["auto", "grid", "optuna"]), default="auto", show_default=True)
+@click.option("--trials", type=int, default=None, help="Optuna trials per problem and backend (default: 30% of the space)")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")
+@click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
+def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_path, json_summary) -> None:
+    """Tune every applicable backend on the local GPUs and record the winners."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
+    from .db import user_db_path
+    from .jobs import TuneOptions, tune_job
+    from .workers import run_workers
+
+    options = TuneOptions(
+        ops=[o.strip() for o in ops.split(",") if o.strip()],
+        sizes=parse_size_range(sizes), dtypes=[d.strip() for d in dtypes.split(",")],
+        modes=[m.strip() for m in modes.split(",")], shapes=_parse_shapes(shapes), tokens=_parse_tokens(tokens),
+        strategy=strategy, trials=trials, db_path=str(db_path or user_db_path()),
+    )
+    for mode in options.modes:
+        if mode not in MODES:
+            raise click.BadParameter(f"mode {mode!r} is not one of {MODES}", param_hint="--modes")
+    summary = run_workers(tune_job, nproc, options)
+    _print_summary(summary or [])
+    if json_summary:
+        Path(json_summary).write_text(json.dumps(summary, indent=1))
+
+
+def _print_summary(rows: list[dict]) -> None:
+    columns = ["op", "size/shape", "mode", "winner", "config", "us", "NCCL us", "speedup"]
+    body = [[r["op"], r["label"], r["mode"], r["backend"], r["config"], f"{r['us']:.2f}",
+             f"{r['nccl_us']:.2f}" if r.get("nccl_us") else "-",
+             f"{r['speedup']:.2f}x" if r.get("speedup") else "-"] for r in rows]
+    _console().print(_table("autosymm tune: winners", columns, body))
+
+
+# -------------------------------------------------------------------------------------- bench
+@main.command()
+@click.option("--nproc", type=int, default=None, help="GPUs (worker processes); default: all local GPUs")
+@click.option("--sizes", default=DEFAULT_SIZES, show_default=True)
+@click.option("--modes", default="eager,graph", show_default=True)
+@click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True)
+@click.option("--tokens", default="128,1024,4096", show_default=True)
+@click.option("--ops", default="all_reduce,dp_to_ep,ep_to_dp", show_default=True)
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="write all measurements as CSV")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="draw latency/bandwidth vs size (PNG)")
+def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None:
+    """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise click.ClickException("autosymm bench needs CUDA GPUs; none is visible here")
+    from .bench import BenchOptions, bench_job, print_bench, write_bench_csv
+    from .workers import run_workers
+
+    options = BenchOptions(sizes=parse_size_range(sizes), modes=[m.strip() for m in modes.split(",")],
+                           shapes=_parse_shapes(shapes), tokens=_parse_tokens(tokens),
+                           ops=[o.strip() for o in ops.split(",") if o.strip()])
+    result = run_workers(bench_job, nproc, options)
+    print_bench(result, _console())
+    if csv_path:
+        write_bench_csv(result, csv_path)
+    if plot_path:
+        from .plot import plot_bench
+
+        plot_bench(result, plot_path)
+
+
+# --------------------------------------------------------------------------------------- show
+@main.command()
+@click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="database(s) to read (default: the user DB and the shipped ones)")
+@click.option("--all", "all_rows", is_flag=True, help="every backend's row, not only the winner per key")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list of rows")
+@click.option("--op", default=None)
+@click.option("--world-size", type=int, default=None)
+def show(db_paths, all_rows, as_json, op, world_size) -> None:
+    """List tuned results (the winner per key, or every row with --all)."""
+    rows = _collect_rows(db_paths, op, world_size, winners_only=not all_rows)
+    if as_json:
+        click.echo(json.dumps([_row_json(r) for r in rows], indent=1))
+        return
+    columns = ["gpu", "ws", "op", "dtype", "size/tokens", "shape", "mode", "backend", "config", "us", "NCCL us", "speedup"]
+    body = []
+    for r in rows:
+        size = format_bytes(r.bucket) if r.op == "all_reduce" else str(r.bucket)
+        body.append([r.gpu, r.world_size, r.op, r.dtype, size, r.shape or "-", r.mode, r.backend, _short_config(r.config),
+                     f"{r.median_us:.2f}", f"{r.nccl_us:.2f}" if r.nccl_us else "-",
+                     f"{r.speedup:.2f}x" if r.speedup else "-"])
+    _console().print(_table(f"{len(rows)} rows", columns, body))
+
+
+def _db_paths(db_paths) -> list[Path]:
+    from .db import shipped_db_paths, user_db_path
+
+    if db_paths:
+        return [Path(p) for p in db_paths]
+    user = user_db_path()
+    return ([user] if user.exists() else []) + list(shipped_db_paths())
+
+
+def _collect_rows(db_paths, op, world_size, winners_only: bool):
+    from .db import TuningDB
+
+    rows = []
+    for path in _db_paths(db_paths):
+        db = TuningDB(path, readonly=True)
+        filters = {k: v for k, v in (("op", op), ("world_size", world_size)) if v is not None}
+        rows.extend(db.rows(**filters))
+    if winners_only:
+        best = {}
+        for r in rows:
+            key = (r.hardware, r.world_size, r.op, r.dtype, r.bucket, r.shape, r.mode)
+            if key not in best or r.median_us < best[key].median_us:
+                best[key] = r
+        rows = list(best.values())
+    rows.sort(key=lambda r: (r.hardware, r.world_size, r.op, r.shape, r.dtype, r.mode, r.bucket, r.median_us))
+    return rows
+
+
+def _row_json(r) -> dict:
+    out = {"gpu": r.gpu, "hardware": r.hardware, "world_size": r.world_size, "op": r.op, "dtype": r.dtype,
+           "mode": r.mode, "backend": r.backend, "config": json.loads(r.config or "{}"), "us": r.median_us,
+           "nccl_us": r.nccl_us, "speedup": r.speedup}
+    if r.op == "all_reduce":
+        out["size_bytes"] = r.bucket
+    else:
+        out["shape"] = r.shape
+        out["tokens_per_rank"] = r.bucket
+    return out
+
+
+def _short_config(config_json: Optional[str]) -> str:
+    data = json.loads(config_json or "{}")
+    data.pop("type", None)
+    return " ".join(f"{k}={v}" for k, v in data.items()) or "-"
+
+
+# ------------------------------------------------------------------------------------ explain
+@main.command()
+@click.option("--op", type=click.Choice(["all_reduce", "dp_to_ep", "ep_to_dp"]), default="all_reduce", show_default=True)
+@click.option("--bytes", "nbytes", default=None, help="all-reduce size, e.g. 1MiB")
+@click.option("--dtype", default="bf16", show_default=True)
+@click.option("--world-size", type=int, required=True)
+@click.option("--gpu", default=None, help='GPU name, e.g. "NVIDIA H200" (default: this machine\'s)')
+@click.option("--links", type=click.Choice(["nvlink", "pcie"]), default="nvlink", show_default=True)
+@click.option("--mode", type=click.Choice(["eager", "graph"]), default=None, help="default: both")
+@click.option("--shape", default=None, help="MoE shape: model name or d{D}_e{E}_k{K}")
+@click.option("--tokens", type=int, default=None, help="MoE tokens per rank")
+@click.option("--all", "all_sizes", is_flag=True, help="plan over all sizes (or token counts)")
+@click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False))
+def explain(op, nbytes, dtype, world_size, gpu, links, mode, shape, tokens, all_sizes, db_paths) -> None:
+    """Which backend and config would serve a call, and why (no GPU needed)."""
+    from .hardware import fingerprint, hardware_slug_for
+
+    fp = fingerprint()
+    gpu = gpu or fp.gpu_name
+    hardware = hardware_slug_for(gpu, links) if gpu != fp.gpu_name else fp.hardware_slug
+    console = _console()
+    moe_shape = _parse_shapes(shape)[shape] if shape else None
+    if op != "all_reduce" and moe_shape is None:
+        raise click.BadParameter("MoE ops need --shape", param_hint="--shape")
+    if all_sizes:
+        _plan(console, hardware, gpu, world_size, dtype, _open(db_paths), moe_shape, [op],
+              modes=[mode] if mode else list(MODES))
+        return
+    if op == "all_reduce":
+        if nbytes is None:
+            raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
+        problem = Problem.all_reduce(parse_bytes(nbytes), dtype, world_size)
+    else:
+        if tokens is None:
+            raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
+        problem = Problem.moe(op, moe_shape, tokens, dtype, world_size)
+    sources = _open(db_paths)
+    caps = _offline_caps(world_size, gpu)
+    from .dispatch import decide
+
+    for m in ([mode] if mode else list(MODES)):
+        decision = decide(problem, m, caps, sources, hardware)
+        console.print(f"{problem.describe()} [{m}] on {gpu} ({hardware}): {decision.describe()}")
+        for skipped in decision.skipped:
+            console.print(f"  skipped {skipped}")
+
+
+def _open(db_paths):
+    """Sources for --db paths (as given) or, without any, the user DB then the shipped ones."""
+    from .dispatch import open_sources
+
+    return open_sources(None, _db_paths(db_paths))
+
+
+def _offline_caps(world_size: int, gpu: str):
+    """Capabilities assumed when explaining for another machine: default workspace, no
+    multicast (autosymm never enables it), intra-node, torch's symm ops present."""
+    from .backends import Capabilities
+    from .symm import default_region_bytes
+
+    ar_bytes, moe_bytes = default_region_bytes()
+    cc = (9, 0) if any(name in gpu.upper() for name in ("H100", "H200", "H800", "H20", "GH200")) else (8, 0)
+    return Capabilities(world_size=world_size, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes, has_multicast=False,
+                        intra_node=True, torch_symm_ops=True, compute_capability=cc)
+
+
+def _plan(console, hardware, gpu, world_size, dtype, sources, moe_shape, ops, modes=MODES) -> None:
+    """One table per op: the decision at every default size (or shape x token count)."""
+    from .dispatch import decide
+
+    caps = _offline_caps(world_size, gpu)
+    for this_op in ops:
+        if this_op == "all_reduce":
+            problems = [(format_bytes(s), Problem.all_reduce(s, dtype, world_size)) for s in parse_size_range(DEFAULT_SIZES)]
+        else:
+            shapes = [moe_shape] if moe_shape else _shapes_in(sources, hardware, world_size, this_op)
+            problems = [(f"{s.key} {t} tok", Problem.moe(this_op, s, t, dtype, world_size))
+                        for s in shapes for t in _parse_tokens(DEFAULT_TOKENS)]
+        if not problems:
+            continue
+        body = []
+        for label, problem in problems:
+            row = [label]
+            for m in modes:
+                d = decide(problem, m, caps, sources, hardware)
+                row += [d.backend, _short_config_obj(d.config),
+                        f"{d.expected_us:.2f}" if d.expected_us else "-",
+                        f"{d.nccl_us / d.expected_us:.2f}x" if d.nccl_us and d.expected_us else "-"]
+            body.append(row)
+        columns = ["size" if this_op == "all_reduce" else "shape/tokens"]
+        for m in modes:
+            columns += [f"{m} backend", f"{m} config", f"{m} us", f"{m} vs NCCL"]
+        console.print(_table(f"{this_op} plan: {world_size}x {gpu} ({hardware}), {dtype}", columns, body))
+
+
+def _shapes_in(sources, hardware, world_size, op) -> list[MoEShape]:
+    keys = set()
+    for source in sources:
+        for row in source.db.rows(hardware=hardware, world_size=world_size, op=op):
+            keys.add(row.shape)
+    return [MoEShape.from_key(k) for k in sorted(keys) if k]
+
+
+def _short_config_obj(config) -> str:
+    if config is None:
+        return "-"
+    return " ".join(f"{k}={v}" for k, v in vars(config).items() if k != "algorithm")
+
+
+# --------------------------------------------------------------------------------------- info
+@main.command()
+def info() -> None:
+    """This machine's hardware fingerprint and the databases autosymm would read."""
+    from .db import shipped_db_paths, user_db_path
+    from .hardware import fingerprint
+
+    fp = fingerprint()
+    console = _console()
+    for key, value in fp.as_dict().items():
+        if key != "extra":
+            console.print(f"{key:20s} {value}")
+    console.print(f"{'user_db':20s} {user_db_path()} ({'exists' if user_db_path().exists() else 'absent'})")
+    for path in shipped_db_paths():
+        console.print(f"{'shipped_db':20s} {path}")
+
+
+# ----------------------------------------------------------------------------------------- db
+@main.group()
+def db() -> None:
+    """Merge and export tuning databases."""
+
+
+@db.command("merge")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--into", "target", required=True, type=click.Path(dir_okay=False), help="database to merge into (created if absent)")
+def db_merge(sources, target) -> None:
+    """Merge SOURCES into --into, keeping the faster row per key."""
+    from .db import TuningDB
+
+    into = TuningDB(target)
+    for source in sources:
+        inserted, replaced, kept = into.merge_from(TuningDB(source, readonly=True))
+        click.echo(f"{source}: {inserted} new, {replaced} replaced by faster rows, {kept} kept")
+
+
+@db.command("export")
+@click.argument("output", type=click.Path(dir_okay=False))
+@click.option("--db", "source", type=click.Path(exists=True, dir_okay=False), default=None, help="default: the user DB")
+@click.option("--hardware", default=None, help="only this hardware slug")
+@click.option("--world-size", type=int, default=None)
+@click.option("--overwrite", is_flag=True)
+def db_export(output, source, hardware, world_size, overwrite) -> None:
+    """Export (a subset of) a database into a new shippable file, e.g. tuning_db/<node slug>.sqlite."""
+    from .db import TuningDB, user_db_path
+
+    src = TuningDB(source or user_db_path(), readonly=True)
+    filters = {k: v for k, v in (("hardware", hardware), ("world_size", world_size)) if v is not None}
+    count = src.export(output, overwrite=overwrite, **filters)
+    click.echo(f"exported {count} rows to {output}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Launch configurations of the autosymm kernel families, their validity rules and search spaces.
+
+A config is a frozen dataclass: hashable (dispatch caches on it), comparable, and serialised to
+the tuning database as JSON through :func:`config_to_json` / :func:`config_from_json`.
+Illegal combinations are rejected in ``__post_init__`` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+WARP_SIZE = 32
+#: Most programs (thread blocks) one launch may use: the signal pads hold one slot per
+#: (program, peer), see autosymm.symm.SIGNAL_SLOTS_PER_RANK.
+MAX_PROGRAMS = 256
+#: Largest supported world size of a symmetric-memory group (one NVLink node).
+MAX_WORLD_SIZE = 8
+
+ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "multimem")
+
+
+def _is_pow2(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _check_num_warps(num_warps: int) -> None:
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps={num_warps} must be a power of two in 1..32")
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """One launch of a Triton all-reduce kernel.
+
+    ``block_size`` is the BLOCK width: elements one program handles per loop iteration
+    (a power of two; each of its ``num_warps * 32`` threads owns ``block_size / threads``
+    consecutive elements, 16 bytes or more when the vector loads are to be 128-bit).
+    ``num_blocks`` programs stride over the data, so any element count is served.
+    """
+
+    algorithm: str
+    block_size: int
+    num_blocks: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALL_REDUCE_ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r} is not one of {ALL_REDUCE_ALGORITHMS}")
+        _check_num_warps(self.num_warps)
+        if not _is_pow2(self.block_size):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if self.block_size < self.threads:
+            raise ValueError(
+                f"block_size={self.block_size} is smaller than the {self.threads} threads of "
+                f"num_warps={self.num_warps}: each thread needs at least one element"
+            )
+        if not 1 <= self.num_blocks <= MAX_PROGRAMS:
+            raise ValueError(f"num_blocks={self.num_blocks} must be in 1..{MAX_PROGRAMS}")
+
+    @property
+    def threads(self) -> int:
+        """Threads per program (block)."""
+        return self.num_warps * WARP_SIZE
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One launch of a MoE token conversion kernel (dp->ep or ep->dp).
+
+    ``block_n`` is the BLOCK width along d_model (elements per inner iteration);
+    ``rows_per_program`` token rows are copied by each program; ``num_blocks`` > 0 switches to a
+    persistent grid of that many programs striding over the rows (0: one program per
+    ``rows_per_program`` rows).
+    """
+
+    block_n: int
+    num_warps: int
+    rows_per_program: int = 1
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _check_num_warps(self.num_warps)
+        if not _is_pow2(self.block_n) or self.block_n < 16:
+            raise ValueError(f"block_n={self.block_n} must be a power of two >= 16")
+        if self.block_n < self.num_warps * WARP_SIZE:
+            raise ValueError(
+                f"block_n={self.block_n} is smaller than the {self.num_warps * WARP_SIZE} threads "
+                f"of num_warps={self.num_warps}"
+            )
+        if self.rows_per_program < 1 or self.rows_per_program > 64:
+            raise ValueError(f"rows_per_program={self.rows_per_program} must be in 1..64")
+        if self.num_blocks < 0 or self.num_blocks > 4 * 1024:
+            raise ValueError(f"num_blocks={self.num_blocks} must be 0 (one program per row group) or 1..4096")
+
+
+AnyConfig = AllReduceConfig | MoEConfig
+_CONFIG_TYPES = {"AllReduceConfig": AllReduceConfig, "MoEConfig": MoEConfig}
+
+
+def config_to_json(config: AnyConfig | None) -> str:
+    """Serialise a config (or None, for backends without one) as JSON with its type name."""
+    if config is None:
+        return "{}"
+    return json.dumps({"type": type(config).__name__, **dataclasses.asdict(config)}, sort_keys=True)
+
+
+def config_from_json(text: str | None) -> AnyConfig | None:
+    """Inverse of :func:`config_to_json`; unknown keys are ignored, an unknown type is an error."""
+    if not text:
+        return None
+    data: dict[str, Any] = json.loads(text)
+    if not data:
+        return None
+    type_name = data.pop("type", None)
+    cls = _CONFIG_TYPES.get(type_name)
+    if cls is None:
+        raise ValueError(f"unknown config type {type_name!r} in {text!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# --------------------------------------------------------------------------------------------
+# Search spaces
+# --------------------------------------------------------------------------------------------
+
+ALL_REDUCE_BLOCK_SIZES = (1024, 2048, 4096, 8192, 16384)
+ALL_REDUCE_NUM_WARPS = (4, 8, 16, 32)
+ALL_REDUCE_NUM_BLOCKS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 132)
+
+
+def _useful_counts(counts: tuple[int, ...], work_items: int) -> list[int]:
+    """The counts below ``work_items`` plus the first one that covers it (more only idle)."""
+    below = [c for c in counts if c < work_items]
+    covering = [c for c in counts if c >= work_items]
+    return below + covering[:1]
+
+
+def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: int) -> list[AllReduceConfig]:
+    """Valid, non-redundant configs of ``algorithm`` for an all-reduce of ``numel`` elements.
+
+    Redundant points are dropped: more programs than there are BLOCK-wide chunks to do, and
+    BLOCK widths far beyond the data (they only mask). Two-shot and multimem split the data in
+    ``world_size`` segments, so their chunk count is per segment. Never empty.
+    """
+    per_program = -(-numel // world_size) if algorithm in ("two_shot", "multimem") else numel
+    space: list[AllReduceConfig] = []
+    for block_size in ALL_REDUCE_BLOCK_SIZES:
+        # a BLOCK more than twice the data is only masking; keep the smallest such BLOCK.
+        if block_size > 2 * max(per_program, ALL_REDUCE_BLOCK_SIZES[0]) and block_size != ALL_REDUCE_BLOCK_SIZES[0]:
+            continue
+        chunks = max(1, -(-per_program // block_size))
+        for num_warps in ALL_REDUCE_NUM_WARPS:
+            if num_warps * WARP_SIZE > block_size:
+                continue
+            # fewer than 8 bytes a thread means narrow loads: keep only the widest-per-thread warps.
+            if block_size * elem_bytes // (num_warps * WARP_SIZE) < 8 and num_warps != ALL_REDUCE_NUM_WARPS[0]:
+                continue
+            for num_blocks in _useful_counts(ALL_REDUCE_NUM_BLOCKS, chunks):
+                space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))
+    return space
+
+
+MOE_BLOCK_N = (256, 512, 1024, 2048, 4096)
+MOE_NUM_WARPS = (1, 2, 4, 8, 16)
+MOE_ROWS_PER_PROGRAM = (1, 2, 4)
+MOE_NUM_BLOCKS = (0, 132, 264, 528)
+
+
+def moe_space(d_model: int, n_rows: int) -> list[MoEConfig]:
+    """Valid configs of a MoE conversion moving ``n_rows`` rows of ``d_model`` elements.
+
+    BLOCK widths far beyond d_model are dropped (they only mask), as are persistent grids with
+    more programs than row groups. Never empty.
+    """
+    space: list[MoEConfig] = []
+    for block_n in MOE_BLOCK_N:
+        if block_n > 2 * max(d_model, MOE_BLOCK_N[0]) and block_n != MOE_BLOCK_N[0]:
+            continue
+        for num_warps in MOE_NUM_WARPS:
+            if num_warps * WARP_SIZE > block_n:
+                continue
+            for rows in MOE_ROWS_PER_PROGRAM:
+                groups = max(1, -(-n_rows // rows))
+                for num_blocks in MOE_NUM_BLOCKS:
+                    if num_blocks and num_blocks >= groups:
+                        continue  # a persistent grid wider than the row groups is the plain grid
+                    space.append(MoEConfig(block_n, num_warps, rows, num_blocks))
+    return space
+
+
+def iter_space_fields(space: list[AnyConfig]) -> Iterator[tuple[str, list[Any]]]:
+    """(field, sorted distinct values) of a space: the axes an Optuna study suggests over."""
+    if not space:
+        return
+    for field in dataclasses.fields(space[0]):
+        values = sorted({getattr(c, field.name) for c in space}, key=lambda v: (str(type(v)), v))
+        yield field.name, values

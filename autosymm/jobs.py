@@ -1,0 +1,119 @@
+"""Worker bodies of `autosymm tune` (one process per GPU, see autosymm.workers)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .problem import DTYPES, MOE_OPS, MoEShape, Problem
+
+
+@dataclass
+class TuneOptions:
+    ops: list[str]
+    sizes: list[int]
+    dtypes: list[str]
+    modes: list[str]
+    shapes: dict[str, MoEShape]
+    tokens: list[int]
+    strategy: str = "auto"
+    trials: Optional[int] = None
+    db_path: str = ""
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
+    """The sweep: all-reduce sizes x dtypes, then MoE shapes x token counts x ops."""
+    problems = []
+    if "all_reduce" in options.ops:
+        problems += [Problem.all_reduce(n, d, world_size) for d in options.dtypes for n in options.sizes]
+    for op in (o for o in options.ops if o in MOE_OPS):
+        problems += [Problem.moe(op, shape, t, d, world_size)
+                     for d in options.dtypes for shape in options.shapes.values() for t in options.tokens]
+    return problems
+
+
+def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
+    """(all-reduce, MoE) region bytes the sweep needs (at least the defaults)."""
+    from .symm import default_region_bytes
+
+    ar_default, moe_default = default_region_bytes()
+    ar = max([p.nbytes for p in problems if p.op == "all_reduce"] + [ar_default])
+    moe = moe_default
+    for p in problems:
+        if p.op in MOE_OPS:
+            rows_global = p.world_size * p.n_tokens_local * p.shape.n_expts_act
+            rows_local = p.n_tokens_local * p.shape.n_expts_act
+            moe = max(moe, (rows_global + rows_local) * p.shape.d_model * p.elem_bytes + (1 << 20))
+    return ar, moe
+
+
+def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[list[dict]]:
+    """Tune ``options`` on this rank; rank 0 writes the DB and returns the summary rows."""
+    import torch.distributed as dist
+
+    from .backends import backend_names, get_backend
+    from .db import TuningDB
+    from .hardware import fingerprint
+    from .sweep import control_group_for, run_sweep
+    from .symm import get_workspace
+
+    group = dist.group.WORLD
+    problems = problems_for(options, world_size)
+    for p in problems:
+        if p.dtype not in DTYPES:
+            raise ValueError(f"dtype {p.dtype!r} is not one of {sorted(DTYPES)}")
+    ar_bytes, moe_bytes = workspace_bytes(problems)
+    device = torch.device("cuda", torch.cuda.current_device())
+    workspace = get_workspace(group, device, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes) if world_size > 1 else None
+    control = control_group_for(group)
+    db = TuningDB(options.db_path) if rank == 0 else None
+    backends = {}
+    for name in backend_names():
+        try:
+            backends[name] = get_backend(name)
+        except ImportError as exc:  # e.g. torch without symmetric memory: the others still tune
+            if rank == 0:
+                print(f"autosymm tune: backend {name} unavailable: {exc}")
+    progress, finish = _progress(rank, problems, options)
+    started = time.time()
+    items = run_sweep(problems, backends=backends, group=group, workspace=workspace, db=db, hardware=fingerprint(),
+                      strategy=options.strategy, trials=options.trials, modes=options.modes, progress=progress,
+                      control_group=control, seed=options.seed)
+    finish()
+    if rank != 0:
+        return None
+    elapsed = time.time() - started
+    summary = [s for s in (item.summary() for item in items) if s]
+    failed = [f"{i.problem.describe()} [{i.mode}]: {i.status} {i.reason}" for i in items if i.status in ("failed", "aborted")]
+    print(f"autosymm tune: {len(items)} (problem, mode) pairs in {elapsed:.1f} s on {world_size} GPU(s); "
+          f"{sum(i.rows_written for i in items)} rows written to {options.db_path}")
+    for line in failed:
+        print("  " + line)
+    return summary
+
+
+def _progress(rank: int, problems: list[Problem], options: TuneOptions):
+    """A rich progress bar on rank 0 (no-op elsewhere): (callback per item, finish)."""
+    if rank != 0:
+        return (lambda item: None), (lambda: None)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .sweep import default_modes
+
+    total = sum(len([m for m in default_modes(p) if m in options.modes]) for p in problems)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn())
+    task = bar.add_task("tuning", total=total)
+    bar.start()
+
+    def advance(item) -> None:
+        summary = item.summary()
+        text = f"{item.problem.describe()} [{item.mode}] -> {summary['backend'] if summary else item.status}"
+        bar.update(task, advance=1, description=text[:90])
+
+    return advance, bar.stop

@@ -1,0 +1,208 @@
+"""What a collective call is (`Problem`) and the tuning-database bucket it maps to.
+
+Bucket rules (documented in the README, relied on by dispatch and the tuner):
+
+* all-reduce: the bucket of ``nbytes`` is the next power of two >= ``nbytes`` (at least
+  :data:`MIN_BUCKET_BYTES`). A call between two tuned sizes therefore uses the decision of the
+  next larger tuned size: every kernel serves any element count, and the larger size's launch
+  shape never starves a smaller call of programs.
+* MoE conversions: the bucket of ``n_tokens_local`` is the next power of two >= it; the shape
+  (d_model, n_expts_tot, n_expts_act) must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+OPS = ("all_reduce", "dp_to_ep", "ep_to_dp")
+MOE_OPS = ("dp_to_ep", "ep_to_dp")
+MODES = ("eager", "graph")
+
+MIN_BUCKET_BYTES = 4096
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bf16' | 'fp16' | 'fp32' for a supported dtype; ValueError naming it otherwise."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} is not supported (supported: {sorted(DTYPES)})") from None
+
+
+def next_pow2(value: int) -> int:
+    """Smallest power of two >= value (1 for value <= 1)."""
+    return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()
+
+
+def size_bucket(nbytes: int) -> int:
+    """Database bucket (bytes) of an all-reduce of ``nbytes`` bytes."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+    return max(MIN_BUCKET_BYTES, next_pow2(nbytes))
+
+
+def token_bucket(n_tokens_local: int) -> int:
+    """Database bucket of a MoE conversion with ``n_tokens_local`` tokens per rank."""
+    if n_tokens_local < 1:
+        raise ValueError(f"n_tokens_local={n_tokens_local} must be >= 1")
+    return next_pow2(n_tokens_local)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A MoE layer's routing shape: hidden size, experts in total, experts per token (top-k)."""
+
+    d_model: int
+    n_expts_tot: int
+    n_expts_act: int
+
+    def __post_init__(self) -> None:
+        if self.d_model < 1 or self.n_expts_tot < 1:
+            raise ValueError(f"d_model={self.d_model} and n_expts_tot={self.n_expts_tot} must be >= 1")
+        if not 1 <= self.n_expts_act <= self.n_expts_tot:
+            raise ValueError(f"top-k n_expts_act={self.n_expts_act} must be in 1..n_expts_tot={self.n_expts_tot}")
+
+    @property
+    def key(self) -> str:
+        """Stable text form, e.g. 'd7168_e256_k8' (database column `shape`)."""
+        return f"d{self.d_model}_e{self.n_expts_tot}_k{self.n_expts_act}"
+
+    @classmethod
+    def from_key(cls, key: str) -> "MoEShape":
+        """Inverse of :attr:`key`; a ValueError naming ``key`` for any other text."""
+        match = re.fullmatch(r"d([1-9][0-9]*)_e([1-9][0-9]*)_k([1-9][0-9]*)", str(key))
+        if match is None:
+            raise ValueError(f"{key!r} is not a MoE shape key like 'd7168_e256_k8'")
+        return cls(*(int(group) for group in match.groups()))
+
+
+#: The MoE shapes tuned by default: (d_model, experts, top-k) of public model configs.
+MODEL_SHAPES: dict[str, MoEShape] = {
+    "deepseek-v3": MoEShape(7168, 256, 8),
+    "qwen3-30b-a3b": MoEShape(2048, 128, 8),
+    "gpt-oss-120b": MoEShape(2880, 128, 4),
+    "mixtral-8x7b": MoEShape(4096, 8, 2),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One collective call, as the tuner and the dispatcher see it.
+
+    For ``all_reduce``: ``nbytes`` is the tensor's size in bytes. For the MoE ops: ``shape`` and
+    ``n_tokens_local`` (tokens per rank) describe it and ``nbytes`` is the bytes of local tokens.
+    """
+
+    op: str
+    dtype: str
+    world_size: int
+    nbytes: int = 0
+    shape: Optional[MoEShape] = None
+    n_tokens_local: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op={self.op!r} is not one of {OPS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if not 1 <= self.world_size <= 8:
+            raise ValueError(f"world_size={self.world_size} must be in 1..8")
+        if self.op in MOE_OPS:
+            if self.shape is None or self.n_tokens_local < 1:
+                raise ValueError(f"{self.op} needs a MoEShape and n_tokens_local >= 1")
+        elif self.nbytes < 0:
+            raise ValueError(f"nbytes={self.nbytes} must be >= 0")
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def numel(self) -> int:
+        """Elements of the all-reduce tensor (all-reduce only)."""
+        return self.nbytes // self.elem_bytes
+
+    @property
+    def bucket(self) -> int:
+        """size_bucket(nbytes) for all-reduce, token_bucket(n_tokens_local) for MoE."""
+        if self.op in MOE_OPS:
+            return token_bucket(self.n_tokens_local)
+        return size_bucket(self.nbytes)
+
+    @property
+    def shape_key(self) -> str:
+        """The database `shape` column: '' for all-reduce, MoEShape.key for MoE."""
+        return self.shape.key if self.shape is not None else ""
+
+    @classmethod
+    def all_reduce(cls, nbytes: int, dtype: str = "bf16", world_size: int = 2) -> "Problem":
+        return cls("all_reduce", dtype, world_size, nbytes=nbytes)
+
+    @classmethod
+    def moe(cls, op: str, shape: MoEShape, n_tokens_local: int, dtype: str = "bf16", world_size: int = 2) -> "Problem":
+        elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        return cls(op, dtype, world_size, nbytes=n_tokens_local * shape.d_model * elem, shape=shape,
+                   n_tokens_local=n_tokens_local)
+
+    def describe(self) -> str:
+        if self.op in MOE_OPS:
+            return f"{self.op} {self.dtype} ws={self.world_size} {self.shape_key} tokens/rank={self.n_tokens_local}"
+        return f"all_reduce {self.dtype} ws={self.world_size} {format_bytes(self.nbytes)}"
+
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
+          "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
+
+
+def parse_bytes(text: str) -> int:
+    """'16KiB' -> 16384, '1MiB' -> 1048576, '4096' -> 4096 (binary units, case-insensitive)."""
+    s = str(text).strip().upper()
+    i = len(s)
+    while i > 0 and not s[i - 1].isdigit():
+        i -= 1
+    number, unit = s[:i], s[i:].strip()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"cannot read {text!r} as a size >= 0 (examples: 4096, 16KiB, 1MiB, 2GiB)")
+    return int(value)
+
+
+def parse_size_range(text: str) -> list[int]:
+    """'4KiB:256MiB' -> powers of two from 4 KiB to 256 MiB; '1MiB,4MiB' -> those sizes."""
+    if ":" in text:
+        low, high = (parse_bytes(t) for t in text.split(":", 1))
+        if low < 1 or high < low:
+            raise ValueError(f"size range {text!r} must be low:high with 1 <= low <= high")
+        sizes, size = [], next_pow2(low)
+        while size <= high:
+            sizes.append(size)
+            size *= 2
+        return sizes
+    sizes = [parse_bytes(t) for t in text.split(",") if t.strip()]
+    if not sizes:
+        raise ValueError(f"no sizes in {text!r} (examples: 4KiB:256MiB, 1MiB,4MiB)")
+    return sizes
+
+
+def format_bytes(nbytes: int) -> str:
+    """4096 -> '4KiB', 1572864 -> '1.5MiB'."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:g}{unit}"
+    return f"{nbytes}B"

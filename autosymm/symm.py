@@ -1,0 +1,301 @@
+"""The symmetric-memory workspace: one buffer per (process group, device), rendezvoused once.
+
+Layout of every rank's buffer (offsets identical on all ranks, so a peer's region is the
+peer's base address plus the same offset)::
+
+    [ signal pads | all-reduce region | MoE region ]
+
+* signal pads: ``N_SIGNAL_CHANNELS`` channels of ``SIGNAL_SLOTS_PER_RANK`` uint32 slots, zeroed
+  at creation. Slot ``[channel][program][sender]`` of rank r counts the signals rank ``sender``'s
+  program ``program`` sent to rank r and that r has not consumed yet (autosymm.kernels.barrier).
+  One channel per kernel family, so an all-reduce and a MoE conversion on two streams never
+  share a slot.
+* all-reduce region: the staging copy of the tensor being reduced (or, for tensors from
+  :meth:`Workspace.empty`, the tensor itself: zero-copy).
+* MoE region: the dp->ep and ep->dp destination buffers (peers write into them).
+
+Multicast is never created here: ``multicast_ptr`` is what torch's handle reports (0 when the
+driver, the group or ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` says no), and multimem kernels run only
+when it is non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from math import prod
+from typing import Optional, Sequence
+
+import torch
+
+from .configs import MAX_PROGRAMS, MAX_WORLD_SIZE
+
+ALIGN = 256  # bytes: every region and every tensor handed out starts on this boundary
+SIGNAL_SLOTS_PER_RANK = MAX_PROGRAMS * MAX_WORLD_SIZE
+N_SIGNAL_CHANNELS = 4
+SIGNAL_CHANNEL = {"all_reduce": 0, "moe": 1, "moe_end": 2, "host": 3}
+SIGNAL_BYTES = N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
+
+DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
+DEFAULT_MOE_BYTES = 256 * 1024**2
+
+
+def _align(value: int, alignment: int = ALIGN) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def multicast_disabled_by_env() -> bool:
+    """True when TORCH_SYMM_MEM_DISABLE_MULTICAST asks torch not to use multicast."""
+    return os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0") not in ("", "0", "false", "False")
+
+
+def default_region_bytes() -> tuple[int, int]:
+    """(all-reduce bytes, MoE bytes) from AUTOSYMM_WORKSPACE_BYTES (split in halves) or defaults."""
+    total = os.environ.get("AUTOSYMM_WORKSPACE_BYTES")
+    if total:
+        from .problem import parse_bytes
+
+        nbytes = parse_bytes(total)
+        if nbytes < 2 * ALIGN:
+            raise ValueError(f"AUTOSYMM_WORKSPACE_BYTES={total!r} is too small")
+        half = _align(nbytes // 2)
+        return half, max(ALIGN, nbytes - half)
+    return DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int  # bytes from the buffer's base, the same on every rank
+    nbytes: int
+
+
+class Workspace:
+    """A rank's view of the symmetric workspace of its group.
+
+    Attributes used by the backends (all on ``device``):
+      ``rank``, ``world_size``;
+      ``base_ptrs``: int64 tensor [world_size], each rank's buffer base address;
+      ``signal_ptrs(family)``: int64 tensor [world_size], each rank's signal channel address;
+      ``region_ptrs(name)``: int64 tensor [world_size], each rank's region address;
+      ``multicast_ptr``: multicast address of the buffer base, 0 when there is none.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        local_buffer: torch.Tensor,
+        peer_buffers: Sequence[torch.Tensor],
+        multicast_ptr: int = 0,
+        all_reduce_bytes: int,
+        moe_bytes: int,
+        group=None,
+        handle=None,
+    ) -> None:
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size={world_size} must be in 1..{MAX_WORLD_SIZE}")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.group = group
+        self.handle = handle
+        self.buffer = local_buffer
+        self.peer_buffers = tuple(peer_buffers)
+        self.multicast_ptr = int(multicast_ptr or 0)
+        self.regions = {
+            "signal": Region(0, SIGNAL_BYTES),
+            "all_reduce": Region(_align(SIGNAL_BYTES), _align(all_reduce_bytes)),
+        }
+        moe_offset = self.regions["all_reduce"].offset + self.regions["all_reduce"].nbytes
+        self.regions["moe"] = Region(moe_offset, _align(moe_bytes))
+        need = moe_offset + self.regions["moe"].nbytes
+        if local_buffer.numel() < need:
+            raise ValueError(f"workspace buffer has {local_buffer.numel()} bytes, layout needs {need}")
+        self._ptr_cache: dict[tuple[str, int], torch.Tensor] = {}
+        self._empty_offset = 0  # bump allocator of empty() inside the all-reduce region
+        # Made now, not per call: a host-to-device copy is not allowed inside CUDA-graph capture.
+        # Kernels take these plus byte offsets as scalars.
+        self.base_ptrs = self._ptrs_at(0)
+        for region_name in self.regions:
+            self.region_ptrs(region_name)
+        for family in SIGNAL_CHANNEL:
+            self.signal_ptrs(family)
+
+    # -- addresses -----------------------------------------------------------------------
+    def _ptrs_at(self, offset: int) -> torch.Tensor:
+        key = ("at", offset)
+        cached = self._ptr_cache.get(key)
+        if cached is None:
+            addrs = [int(b.data_ptr()) + offset for b in self.peer_buffers]
+            cached = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+            self._ptr_cache[key] = cached
+        return cached
+
+    def region_ptrs(self, name: str, offset: int = 0) -> torch.Tensor:
+        """int64 tensor [world_size]: each rank's address of ``region`` + ``offset`` bytes."""
+        region = self.regions[name]
+        return self._ptrs_at(region.offset + offset)
+
+    def signal_ptrs(self, family: str) -> torch.Tensor:
+        """int64 tensor [world_size]: each rank's signal channel of ``family`` (uint32 slots)."""
+        return self._ptrs_at(SIGNAL_CHANNEL[family] * SIGNAL_SLOTS_PER_RANK * 4)
+
+    def capacity(self, name: str) -> int:
+        """Bytes of region ``name``."""
+        return self.regions[name].nbytes
+
+    @property
+    def has_multicast(self) -> bool:
+        return self.multicast_ptr != 0 and not multicast_disabled_by_env()
+
+    # -- tensors -------------------------------------------------------------------------
+    def peer_view(self, rank: int, name: str, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        """A tensor of ``shape``/``dtype`` in ``rank``'s region ``name`` at ``offset`` bytes."""
+        region = self.regions[name]
+        elem = torch.empty((), dtype=dtype).element_size()
+        nbytes = prod(shape) * elem
+        if offset % ALIGN or offset < 0 or offset + nbytes > region.nbytes:
+            raise ValueError(
+                f"{tuple(shape)} {dtype} at offset {offset} does not fit region {name!r} of "
+                f"{region.nbytes} bytes (or offset is not {ALIGN}-byte aligned)"
+            )
+        start = region.offset + offset
+        return self.peer_buffers[rank][start:start + nbytes].view(dtype).view(tuple(shape))
+
+    def local_view(self, name: str, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        return self.peer_view(self.rank, name, shape, dtype, offset)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor living in the all-reduce region, so all_reduce of it needs no copy.
+
+        Allocation is a bump pointer: every rank must call this in the same order with the same
+        shapes (the usual SPMD pattern), so the tensor sits at the same offset everywhere.
+        :meth:`reset_empty` frees all of them at once.
+        """
+        elem = torch.empty((), dtype=dtype).element_size()
+        nbytes = _align(prod(shape) * elem)
+        region = self.regions["all_reduce"]
+        if self._empty_offset + nbytes > region.nbytes:
+            raise ValueError(
+                f"autosymm.empty({tuple(shape)}, {dtype}) needs {nbytes} bytes; the all-reduce region "
+                f"has {region.nbytes - self._empty_offset} of {region.nbytes} left "
+                f"(raise AUTOSYMM_WORKSPACE_BYTES)"
+            )
+        tensor = self.local_view("all_reduce", shape, dtype, self._empty_offset)
+        self._empty_offset += nbytes
+        return tensor
+
+    def reset_empty(self) -> None:
+        self._empty_offset = 0
+
+    def offset_in_region(self, tensor: torch.Tensor, name: str = "all_reduce") -> Optional[int]:
+        """Byte offset of ``tensor`` inside this rank's region ``name``, or None if outside."""
+        region = self.regions[name]
+        start = int(self.buffer.data_ptr()) + region.offset
+        addr = int(tensor.data_ptr())
+        end = addr + tensor.numel() * tensor.element_size()
+        if start <= addr and end <= start + region.nbytes and tensor.device == self.device:
+            return addr - start
+        return None
+
+    def barrier(self) -> None:
+        """Host-side barrier of the whole group (not on the hot path)."""
+        if self.handle is not None:
+            self.handle.barrier(channel=0)
+        elif self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+
+# ------------------------------------------------------------------------------------------
+# Creation
+# ------------------------------------------------------------------------------------------
+
+_WORKSPACES: dict[tuple[str, str], Workspace] = {}
+_LOCK = threading.Lock()
+
+
+def _group_name(group) -> str:
+    name = getattr(group, "group_name", None)
+    return str(name) if name is not None else str(id(group))
+
+
+def get_workspace(group=None, device: Optional[torch.device] = None, *, all_reduce_bytes: Optional[int] = None,
+                  moe_bytes: Optional[int] = None) -> Workspace:
+    """The workspace of (group, device), created by a collective rendezvous on first use.
+
+    Every rank of ``group`` must make the first call together. Later calls return the cached
+    workspace; asking for more bytes than it has raises (workspaces never silently grow).
+    """
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    default_ar, default_moe = default_region_bytes()
+    all_reduce_bytes = default_ar if all_reduce_bytes is None else all_reduce_bytes
+    moe_bytes = default_moe if moe_bytes is None else moe_bytes
+    key = (_group_name(group), str(device))
+    with _LOCK:
+        ws = _WORKSPACES.get(key)
+        if ws is not None:
+            if ws.capacity("all_reduce") < all_reduce_bytes or ws.capacity("moe") < moe_bytes:
+                raise ValueError(
+                    f"workspace of group {key[0]} on {device} has {ws.capacity('all_reduce')} all-reduce and "
+                    f"{ws.capacity('moe')} MoE bytes; {all_reduce_bytes} and {moe_bytes} were asked for. "
+                    f"Create it with the larger sizes first (autosymm.init) or set AUTOSYMM_WORKSPACE_BYTES."
+                )
+            return ws
+        ws = _rendezvous(group, device, all_reduce_bytes, moe_bytes)
+        _WORKSPACES[key] = ws
+        return ws
+
+
+def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: int) -> Workspace:
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if device.type != "cuda":
+        raise ValueError(f"symmetric memory needs a CUDA device, got {device}")
+    total = _align(SIGNAL_BYTES) + _align(all_reduce_bytes) + _align(moe_bytes)
+    buffer = symm_mem.empty((total,), dtype=torch.uint8, device=device)
+    buffer[:SIGNAL_BYTES].zero_()  # signal pads start at zero: no signal pending
+    torch.cuda.synchronize(device)
+    handle = symm_mem.rendezvous(buffer, group=_group_name(group))
+    rank, world_size = handle.rank, handle.world_size
+    # The tensor may start inside a larger symmetric allocation: address peers by the same offset.
+    base_offset = int(buffer.data_ptr()) - int(handle.buffer_ptrs[rank])
+    peers = []
+    for peer in range(world_size):
+        if peer == rank:
+            peers.append(buffer)
+        else:
+            peers.append(handle.get_buffer(peer, (total + base_offset,), torch.uint8)[base_offset:])
+    multicast = int(getattr(handle, "multicast_ptr", 0) or 0)
+    if multicast:
+        multicast += base_offset
+    if multicast_disabled_by_env():
+        multicast = 0
+    ws = Workspace(rank=rank, world_size=world_size, device=device, local_buffer=buffer, peer_buffers=peers,
+                   multicast_ptr=multicast, all_reduce_bytes=all_reduce_bytes, moe_bytes=moe_bytes,
+                   group=group, handle=handle)
+    dist.barrier(group=group)  # every rank's signal pads are zero before anyone signals
+    return ws
+
+
+def simulated_workspaces(world_size: int, *, all_reduce_bytes: int = 1 << 20, moe_bytes: int = 1 << 20,
+                         device: str = "cpu") -> list[Workspace]:
+    """``world_size`` workspaces over plain tensors of one process: ranks simulated for tests.
+
+    Under TRITON_INTERPRET=1 the kernels read and write the peers' buffers exactly as on GPUs.
+    """
+    total = _align(SIGNAL_BYTES) + _align(all_reduce_bytes) + _align(moe_bytes)
+    buffers = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    return [
+        Workspace(rank=r, world_size=world_size, device=torch.device(device), local_buffer=buffers[r],
+                  peer_buffers=buffers, all_reduce_bytes=all_reduce_bytes, moe_bytes=moe_bytes)
+        for r in range(world_size)
+    ]

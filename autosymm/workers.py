@@ -1,0 +1,97 @@
+"""Start one worker process per local GPU (or join a torchrun launch) and run a function on each.
+
+``run_workers(fn, nproc, *args)`` calls ``fn(rank, world_size, *args)`` in every worker after
+``init_process_group('nccl')`` with the worker's GPU selected, and returns rank 0's return value.
+Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) the current process is the worker. NVLink
+multicast stays off in every worker: the variables below are forced, not defaulted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+
+#: Forced in every worker: NVLink multicast must stay off on shared hosts.
+SAFE_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def apply_safe_env() -> None:
+    os.environ.update(SAFE_ENV)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _init(rank: int, world_size: int, local_rank: int) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", local_rank))
+
+
+def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    apply_safe_env()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    try:
+        _init(rank, world_size, rank)
+        value = fn(rank, world_size, *args)
+        if rank == 0:
+            results.put(("ok", value))
+    except BaseException as exc:  # report to the parent, then fail this worker
+        results.put(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable, nproc: int | None, *args: Any) -> Any:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` local GPUs; rank 0's result is returned.
+
+    ``fn`` must be importable (module level) since workers are spawned.
+    """
+    apply_safe_env()
+    if under_torchrun():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _init(rank, world_size, int(os.environ["LOCAL_RANK"]))
+        return fn(rank, world_size, *args)
+    available = torch.cuda.device_count()
+    nproc = nproc or available
+    if nproc < 1 or nproc > available:
+        raise RuntimeError(f"--nproc {nproc} asked for, {available} CUDA GPUs visible")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_spawned, args=(nproc, _free_port(), fn, args, results), nprocs=nproc, join=True,
+                           start_method="spawn")
+    except Exception as exc:
+        errors = []
+        while not results.empty():
+            status, value = results.get()
+            if status == "error":
+                errors.append(value)
+        raise RuntimeError("worker failed:\n" + "\n".join(errors or [str(exc)])) from None
+    value = None
+    while not results.empty():
+        status, payload = results.get()
+        if status == "ok":
+            value = payload
+    return value

@@ -1,0 +1,123 @@
+"""The public runtime with real process groups (gloo on the CPU): agreement, fallbacks, bad input."""
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from autosymm.db import Row, TuningDB
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_row(median_us):
+    return Row(hardware="cpu", world_size=2, op="all_reduce", dtype="bf16", bucket=4096, backend="nccl",
+               median_us=median_us, config=None, nccl_us=median_us, gpu="cpu")
+
+
+def _worker(rank, world_size, port, db_paths, env, body, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOSYMM_DB=str(db_paths[rank]), **env)
+    import torch.distributed as dist
+
+    import autosymm
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, "ok", body(rank, world_size, autosymm)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world_size, db_paths, body, env=None):
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(world_size, _free_port(), db_paths, env or {}, body, results),
+                       nprocs=world_size, join=True, start_method="spawn")
+    out = {}
+    while not results.empty():
+        rank, status, value = results.get()
+        if status == "error":
+            pytest.fail(f"rank {rank}:\n{value}")
+        out[rank] = value
+    assert len(out) == world_size
+    return out
+
+
+def _sum_and_explain(rank, world_size, autosymm):
+    x = torch.full((2048,), float(rank + 1), dtype=torch.bfloat16)
+    y = autosymm.all_reduce(x)
+    assert y is x
+    assert torch.equal(x, torch.full_like(x, sum(range(1, world_size + 1))))
+    decision = autosymm.explain(x)
+    return decision.backend, decision.source, decision.reason, autosymm.stats()
+
+
+def test_matching_databases_use_the_row(tmp_path):
+    path = tmp_path / "user.sqlite"
+    TuningDB(path).record(_cpu_row(11.0))
+    out = _run(2, [path, path], _sum_and_explain)
+    assert out[0][:2] == out[1][:2] == ("nccl", str(path))
+    assert out[0][3]["nccl"] == {"calls": 1, "bytes": 4096}
+
+
+def test_differing_databases_fall_back_on_every_rank(tmp_path):
+    paths = [tmp_path / "a.sqlite", tmp_path / "b.sqlite"]
+    TuningDB(paths[0]).record(_cpu_row(11.0))
+    TuningDB(paths[1]).record(_cpu_row(99.0))
+    out = _run(2, paths, _sum_and_explain)
+    for rank in (0, 1):
+        backend, source, reason, _ = out[rank]
+        assert backend == "nccl" and source == "" and "disagree" in reason
+
+
+def _world_size_one(rank, world_size, autosymm):
+    x = torch.randn(1000).bfloat16()
+    before = x.clone()
+    assert autosymm.all_reduce(x) is x and torch.equal(x, before)
+    return autosymm.explain(x).backend
+
+
+def test_world_size_one_is_a_noop(tmp_path):
+    assert _run(1, [tmp_path / "none.sqlite"], _world_size_one)[0] == "noop"
+
+
+def _bad_inputs(rank, world_size, autosymm):
+    base = torch.randn(64, 64).bfloat16()
+    with pytest.raises(ValueError, match="not contiguous"):
+        autosymm.all_reduce(base.t())
+    with pytest.raises(ValueError, match="op='xor'"):
+        autosymm.all_reduce(torch.ones(8), op="xor")
+    ints = torch.full((16,), rank + 1, dtype=torch.int32)
+    autosymm.all_reduce(ints)  # no tuned kernel for int32: NCCL (gloo here) on every rank
+    assert torch.equal(ints, torch.full_like(ints, 3))
+    mx = torch.full((16,), float(rank), dtype=torch.float32)
+    autosymm.all_reduce(mx, op="max")
+    assert torch.equal(mx, torch.ones(16))
+    return True
+
+
+def test_bad_input_errors_and_rank_consistent_fallbacks(tmp_path):
+    assert all(_run(2, [tmp_path / "x.sqlite"] * 2, _bad_inputs).values())
+
+
+def _disabled(rank, world_size, autosymm):
+    x = torch.ones(100, dtype=torch.bfloat16)
+    autosymm.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, 2))
+    return autosymm.explain(x).reason
+
+
+def test_disable_env_forces_nccl(tmp_path):
+    path = tmp_path / "user.sqlite"
+    TuningDB(path).record(_cpu_row(11.0))
+    out = _run(2, [path, path], _disabled, env={"AUTOSYMM_DISABLE": "1"})
+    assert out[0] == out[1] == "AUTOSYMM_DISABLE=1"

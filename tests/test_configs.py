@@ -1,0 +1,85 @@
+import pytest
+
+from autosymm.configs import (
+    ALL_REDUCE_ALGORITHMS,
+    AllReduceConfig,
+    MoEConfig,
+    all_reduce_space,
+    config_from_json,
+    config_to_json,
+    iter_space_fields,
+    moe_space,
+)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(algorithm="three_shot", block_size=1024, num_blocks=1, num_warps=4), "algorithm"),
+    (dict(algorithm="one_shot", block_size=1000, num_blocks=1, num_warps=4), "power of two"),
+    (dict(algorithm="one_shot", block_size=64, num_blocks=1, num_warps=4), "smaller than the 128 threads"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=0, num_warps=4), "num_blocks=0"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=257, num_warps=4), "num_blocks=257"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=1, num_warps=3), "num_warps=3"),
+])
+def test_all_reduce_config_rejects_illegal(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AllReduceConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_n=100, num_warps=4), "block_n=100"),
+    (dict(block_n=64, num_warps=4), "smaller than the 128 threads"),
+    (dict(block_n=512, num_warps=4, rows_per_program=0), "rows_per_program=0"),
+    (dict(block_n=512, num_warps=4, num_blocks=-1), "num_blocks=-1"),
+])
+def test_moe_config_rejects_illegal(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(**kwargs)
+
+
+def test_config_json_round_trip_and_unknown_keys():
+    for config in (AllReduceConfig("two_shot", 4096, 24, 16), MoEConfig(1024, 8, 2, 132), None):
+        assert config_from_json(config_to_json(config)) == config
+    text = config_to_json(MoEConfig(512, 4)).replace("{", '{"future_field": 3, ', 1)
+    assert config_from_json(text) == MoEConfig(512, 4)
+    with pytest.raises(ValueError, match="unknown config type"):
+        config_from_json('{"type": "Pickle", "x": 1}')
+
+
+@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("numel", [1, 2048, 8191, 1 << 20, 1 << 27])
+def test_all_reduce_space_valid_and_not_redundant(algorithm, numel):
+    space = all_reduce_space(algorithm, numel, world_size=4, elem_bytes=2)
+    assert space and len(space) == len(set(space))
+    per_program = -(-numel // 4) if algorithm != "one_shot" else numel
+    by_shape: dict = {}
+    for config in space:
+        assert config.algorithm == algorithm
+        by_shape.setdefault((config.block_size, config.num_warps), []).append(config.num_blocks)
+    for (block_size, _), counts in by_shape.items():
+        chunks = -(-per_program // block_size)
+        # at most one count covers all chunks: more programs would only idle
+        assert sum(c >= chunks for c in counts) <= 1, (block_size, counts)
+
+
+def test_all_reduce_space_grows_with_size():
+    small = all_reduce_space("one_shot", 2048, 2, 2)
+    large = all_reduce_space("one_shot", 1 << 26, 2, 2)
+    assert len(small) < len(large)
+    assert max(c.num_blocks for c in small) <= 2
+    assert max(c.num_blocks for c in large) == 132
+
+
+def test_moe_space():
+    space = moe_space(d_model=7168, n_rows=4096)
+    assert space and len(space) == len(set(space))
+    assert {c.block_n for c in space} >= {1024, 2048, 4096}
+    tiny = moe_space(d_model=64, n_rows=1)
+    assert all(c.block_n <= 512 for c in tiny)  # BLOCK beyond twice the row only masks
+    assert all(c.num_blocks == 0 for c in tiny)  # one row: no persistent grid is narrower
+
+
+def test_iter_space_fields():
+    fields = dict(iter_space_fields(all_reduce_space("two_shot", 1 << 20, 2, 2)))
+    assert set(fields) == {"algorithm", "block_size", "num_blocks", "num_warps"}
+    assert fields["algorithm"] == ["two_shot"]
+    assert fields["num_warps"] == sorted(fields["num_warps"])

@@ -1,0 +1,521 @@
+"""autosymm.db: the tuning database (in-memory and temp-file SQLite, no GPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+import pytest
+import sqlite_utils
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autosymm import db as dbmod
+from autosymm.configs import AllReduceConfig, MoEConfig
+from autosymm.db import (
+    SCHEMA_VERSION,
+    CorruptDatabaseError,
+    DatabaseVersionError,
+    Key,
+    ReadOnlyDatabaseError,
+    Row,
+    TuningDB,
+)
+
+HW = "nvidia-h200-nvlink"
+
+
+@pytest.fixture
+def db():
+    with TuningDB(":memory:") as fresh:
+        yield fresh
+
+
+def make_row(**changes) -> Row:
+    fields = dict(hardware=HW, gpu="NVIDIA H200", world_size=2, op="all_reduce", dtype="bf16",
+                  bucket=1 << 20, backend="triton_one_shot", mode="eager",
+                  config=AllReduceConfig("one_shot", 2048, 32, 8), median_us=10.0, p10_us=9.5,
+                  p90_us=11.0, nccl_us=20.0, trials=40, autosymm_version="0.1.0",
+                  torch_version="2.6.0", triton_version="3.2.0", cuda_version="12.4",
+                  driver_version="550.54", created="2025-01-01T00:00:00+00:00")
+    fields.update(changes)
+    return Row(**fields)
+
+
+def moe_row(**changes) -> Row:
+    fields = dict(op="dp_to_ep", bucket=256, shape="d7168_e256_k8", backend="triton_moe",
+                  config=MoEConfig(block_n=1024, num_warps=4, rows_per_program=2, num_blocks=132))
+    fields.update(changes)
+    return make_row(**fields)
+
+
+def sql(tdb: TuningDB, statement: str, params=()) -> None:
+    """Run a raw statement and commit it (what an outside tool, or a bug, might do)."""
+    tdb.db.conn.execute(statement, params)
+    tdb.db.conn.commit()
+
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+def test_round_trip_all_reduce_row(db):
+    row = make_row()
+    db.record(row)
+    assert db.rows() == [row]
+    assert db.rows()[0].config_obj == AllReduceConfig("one_shot", 2048, 32, 8)
+    assert row.speedup == 2.0  # nccl_us / median_us
+
+
+def test_round_trip_moe_row(db):
+    row = moe_row(mode="graph")
+    db.record(row)
+    (back,) = db.rows()
+    assert back == row
+    assert back.key == Key(HW, 2, "dp_to_ep", "bf16", 256, "d7168_e256_k8", "graph")
+    assert back.config_obj == MoEConfig(1024, 4, 2, 132)
+
+
+def test_config_less_backend_and_missing_measurements(db):
+    row = Row(hardware=HW, world_size=8, op="all_reduce", dtype="fp32", bucket=4096, backend="nccl",
+              median_us=7.5, config=None)
+    db.record(row)
+    (back,) = db.rows()
+    assert back.config == "{}" and back.config_obj is None
+    assert back.nccl_us is None and back.speedup is None and back.trials is None
+    assert back.created.endswith("+00:00")  # UTC
+
+
+@pytest.mark.parametrize("change", [
+    dict(median_us=0.0), dict(median_us=-1.0), dict(median_us=float("inf")), dict(median_us=float("nan")),
+    dict(bucket=0), dict(world_size=0), dict(world_size=2.5), dict(hardware=""), dict(mode=""),
+    dict(backend=None), dict(config="[1, 2]"), dict(config="not json"), dict(shape=None),
+])
+def test_row_rejects_bad_values(change):
+    with pytest.raises((TypeError, ValueError)):
+        make_row(**change)
+
+
+def test_record_rejects_unreadable_config_and_writes_nothing(db):
+    good, bad = make_row(), make_row(backend="other", config='{"type": "NoSuchConfig"}')
+    with pytest.raises(ValueError, match="NoSuchConfig"):
+        db.record_many([good, bad])
+    assert db.rows() == []
+
+
+def test_upsert_replaces_same_key_and_backend(db):
+    db.record(make_row(median_us=10.0))
+    db.record(make_row(median_us=30.0, config=AllReduceConfig("one_shot", 1024, 8, 4)))
+    (row,) = db.rows()
+    assert row.median_us == 30.0 and row.config_obj.num_blocks == 8
+    assert len(db) == 1
+
+
+# ------------------------------------------------------------------------------ lookups
+
+
+def test_best_and_ranked(db):
+    db.record_many([make_row(backend="nccl", median_us=20.0, config=None),
+                    make_row(backend="triton_one_shot", median_us=10.0),
+                    make_row(backend="torch_two_shot", median_us=15.0, config=None),
+                    make_row(backend="nccl", bucket=1 << 21, median_us=1.0, config=None)])
+    key = Key(HW, 2, "all_reduce", "bf16", 1 << 20)
+    assert [r.backend for r in db.ranked(*key)] == ["triton_one_shot", "torch_two_shot", "nccl"]
+    assert db.best(*key).backend == "triton_one_shot"
+    assert db.best(*key, exclude_backends=("triton_one_shot",)).backend == "torch_two_shot"
+    assert db.best(*key, exclude_backends="triton_one_shot").backend == "torch_two_shot"  # a str: one name
+    assert db.best(*key, exclude_backends=["triton_one_shot", "torch_two_shot", "nccl"]) is None
+    assert db.best(*key._replace(mode="graph")) is None
+    assert db.best(*key._replace(hardware="other")) is None
+
+
+def test_ranked_ties_break_by_backend_name(db):
+    db.record_many([make_row(backend="b", median_us=5.0), make_row(backend="a", median_us=5.0)])
+    assert [r.backend for r in db.ranked(*make_row().key)] == ["a", "b"]
+
+
+def test_key_for_problem():
+    from autosymm.problem import MoEShape, Problem
+
+    key = Key.for_problem(HW, Problem.moe("dp_to_ep", MoEShape(7168, 256, 8), 200), mode="graph")
+    assert key == Key(HW, 2, "dp_to_ep", "bf16", 256, "d7168_e256_k8", "graph")
+    assert Key.for_problem(HW, Problem.all_reduce(5000)).bucket == 8192
+
+
+def test_rows_filters(db):
+    db.record_many([make_row(), make_row(dtype="fp16"), moe_row(), make_row(world_size=4)])
+    assert len(db.rows()) == 4
+    assert {r.dtype for r in db.rows(op="all_reduce", world_size=2)} == {"bf16", "fp16"}
+    assert len(db.rows(op=["dp_to_ep", "ep_to_dp"])) == 1
+    assert len(db.rows(world_size=(2, 4), dtype=None)) == 4  # None: not filtered
+    assert db.rows(op=[]) == []
+    assert len(db.rows(gpu="NVIDIA H200", backend="triton_one_shot")) == 3
+    with pytest.raises(ValueError, match="median_us"):
+        db.rows(median_us=1.0)
+
+
+def test_buckets_sorted_and_scoped(db):
+    db.record_many([make_row(bucket=b) for b in (1 << 22, 4096, 1 << 16)]
+                   + [make_row(bucket=1 << 10, dtype="fp16"), moe_row(bucket=64), moe_row(bucket=8)])
+    assert db.buckets(HW, 2, "all_reduce", "bf16", "", "eager") == [4096, 1 << 16, 1 << 22]
+    assert db.buckets(HW, 2, "dp_to_ep", "bf16", "d7168_e256_k8", "eager") == [8, 64]
+    assert db.buckets(HW, 2, "all_reduce", "bf16", "", "graph") == []
+
+
+def test_hardware_slugs(db):
+    db.record_many([make_row(hardware="b-hw"), make_row(hardware="a-hw"), make_row(hardware="a-hw", bucket=4096)])
+    assert db.hardware_slugs() == ["a-hw", "b-hw"]
+
+
+def test_winners_view_and_method(db):
+    db.record_many([make_row(backend="nccl", median_us=20.0, config=None), make_row(median_us=10.0),
+                    make_row(backend="nccl", bucket=4096, median_us=3.0, config=None)])
+    assert [(r.bucket, r.backend) for r in db.winners()] == [(4096, "nccl"), (1 << 20, "triton_one_shot")]
+    sql = "SELECT backend FROM winners WHERE bucket = ?"
+    assert [r["backend"] for r in db.db.query(sql, [1 << 20])] == ["triton_one_shot"]
+
+
+def test_unknown_extra_columns_are_ignored(db):
+    db.record(make_row())
+    sql(db, "ALTER TABLE results ADD COLUMN energy_mj REAL")
+    sql(db, "UPDATE results SET energy_mj = 1.5")
+    assert db.rows() == [make_row()]
+    db.record(make_row(median_us=9.0))  # the upsert leaves the unknown column alone
+    assert db.rows()[0].median_us == 9.0
+
+
+def test_meta(db):
+    assert db.schema_version == SCHEMA_VERSION
+    db.set_meta("source", "h200 node 3")
+    assert db.meta() == {"schema_version": str(SCHEMA_VERSION), "source": "h200 node 3"}
+    with pytest.raises(ValueError):
+        db.set_meta("schema_version", "7")
+
+
+def test_wraps_an_open_sqlite_utils_database():
+    raw = sqlite_utils.Database(memory=True)
+    tdb = TuningDB(raw)
+    tdb.record(make_row())
+    assert "results" in raw.table_names() and raw["results"].count == 1
+
+
+def test_writes_join_a_callers_open_transaction():
+    raw = sqlite_utils.Database(memory=True)
+    tdb = TuningDB(raw)
+    raw.conn.execute("BEGIN")
+    tdb.record(make_row())
+    assert len(tdb) == 1
+    raw.conn.execute("ROLLBACK")  # the caller's rollback takes the row with it
+    assert len(tdb) == 0
+
+
+def test_values_are_data_not_sql(db):
+    sneaky = "x'); DROP TABLE results; --"
+    db.record(make_row(hardware=sneaky, backend='b" OR 1=1 --', shape="%_*"))
+    assert db.hardware_slugs() == [sneaky] and db.rows(shape="%_*")[0].backend == 'b" OR 1=1 --'
+    assert db.rows(shape="%") == []
+
+
+def test_schema_is_documented():
+    for column in dbmod._FIELDS + ("meta", "winners", "schema_version"):
+        assert column in dbmod.__doc__, column
+
+
+# ------------------------------------------------------------------------------ files, versions
+
+
+def build_v0(path: Path) -> None:
+    """Version 0 (pre-release): results without p10_us/p90_us/trials, no meta table, no view."""
+    conn = sqlite3.connect(path)
+    conn.execute("""CREATE TABLE results (hardware TEXT NOT NULL, gpu TEXT NOT NULL DEFAULT '',
+        world_size INTEGER NOT NULL, op TEXT NOT NULL, dtype TEXT NOT NULL, bucket INTEGER NOT NULL,
+        shape TEXT NOT NULL DEFAULT '', mode TEXT NOT NULL, backend TEXT NOT NULL,
+        config TEXT NOT NULL DEFAULT '{}', median_us REAL NOT NULL, nccl_us REAL, speedup REAL,
+        autosymm_version TEXT, torch_version TEXT, triton_version TEXT, cuda_version TEXT,
+        driver_version TEXT, created TEXT NOT NULL,
+        PRIMARY KEY (hardware, world_size, op, dtype, bucket, shape, mode, backend))""")
+    conn.execute("INSERT INTO results (hardware, world_size, op, dtype, bucket, mode, backend, median_us, "
+                 "nccl_us, created) VALUES (?, 2, 'all_reduce', 'bf16', 4096, 'eager', 'nccl', 8.0, 8.0, "
+                 "'2024-06-01T00:00:00+00:00')", [HW])
+    conn.commit()
+    conn.close()
+
+
+def test_migrates_v0_in_place(tmp_path):
+    path = tmp_path / "old.sqlite"
+    build_v0(path)
+    with TuningDB(path) as tdb:
+        assert tdb.schema_version == 1
+        (row,) = tdb.rows()
+        assert (row.backend, row.median_us, row.p10_us, row.trials) == ("nccl", 8.0, None, None)
+        assert [r.backend for r in tdb.winners()] == ["nccl"]
+        tdb.record(make_row())
+    with TuningDB(path) as again:  # reopening does not migrate twice
+        assert again.schema_version == 1 and len(again) == 2
+
+
+def test_migrates_v0_read_only_in_memory(tmp_path):
+    path = tmp_path / "old.sqlite"
+    build_v0(path)
+    before = file_sha(path)
+    with TuningDB(path, readonly=True) as tdb:
+        assert tdb.schema_version == 1 and tdb.best(HW, 2, "all_reduce", "bf16", 4096).backend == "nccl"
+        with pytest.raises(ReadOnlyDatabaseError):
+            tdb.record(make_row())
+    assert file_sha(path) == before
+    assert "meta" not in sqlite_utils.Database(path).table_names()
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_newer_schema_is_refused(tmp_path, readonly):
+    path = tmp_path / "new.sqlite"
+    with TuningDB(path) as tdb:
+        tdb.record(make_row())
+        sql(tdb, "UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
+    before = file_sha(path)
+    with pytest.raises(DatabaseVersionError, match=f"version {SCHEMA_VERSION + 1}.*version {SCHEMA_VERSION}"):
+        TuningDB(path, readonly=readonly)
+    assert issubclass(DatabaseVersionError, ValueError)
+    assert file_sha(path) == before
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_non_sqlite_file_is_refused(tmp_path, readonly):
+    path = tmp_path / "junk.sqlite"
+    path.write_bytes(b"this is not a database\n" * 100)
+    with pytest.raises(CorruptDatabaseError, match="junk.sqlite"):
+        TuningDB(path, readonly=readonly)
+    assert path.read_bytes() == b"this is not a database\n" * 100
+
+
+@pytest.mark.parametrize("ddl", [
+    "CREATE TABLE other (x INTEGER)",  # someone else's database
+    "CREATE TABLE results (x INTEGER)",  # a 'results' table that is not ours
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)",  # no schema_version
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema_version', '1')",
+])
+def test_foreign_or_incomplete_database_is_refused(tmp_path, ddl):
+    path = tmp_path / "foreign.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(ddl)
+    conn.close()
+    with pytest.raises(CorruptDatabaseError):
+        TuningDB(path)
+
+
+def test_unreadable_row_is_a_clear_error(db):
+    db.record(make_row())
+    sql(db, "UPDATE results SET config = 'garbage'")
+    with pytest.raises(CorruptDatabaseError, match="triton_one_shot"):
+        db.rows()
+
+
+def test_read_only_database_is_never_written(tmp_path):
+    path = tmp_path / "shipped.sqlite"
+    with TuningDB(path) as tdb:
+        tdb.record(make_row())
+    before = file_sha(path)
+    with TuningDB(path, readonly=True) as tdb:
+        assert tdb.rows() == [make_row()]
+        for write in (lambda: tdb.record(make_row(median_us=1.0)), lambda: tdb.set_meta("a", "b"),
+                      lambda: tdb.merge_from(TuningDB())):
+            with pytest.raises(ReadOnlyDatabaseError):
+                write()
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):  # SQLite itself refuses too
+            tdb.db.execute("DELETE FROM results")
+    assert file_sha(path) == before
+    with pytest.raises(FileNotFoundError):
+        TuningDB(tmp_path / "missing.sqlite", readonly=True)
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    with pytest.raises(CorruptDatabaseError):
+        TuningDB(empty, readonly=True)
+
+
+def test_creates_parent_folders(tmp_path):
+    path = tmp_path / "a" / "b" / "tuning.sqlite"
+    with TuningDB(path) as tdb:
+        tdb.record(make_row())
+    assert path.is_file() and len(TuningDB(path, readonly=True)) == 1
+
+
+# ------------------------------------------------------------------------------ merge, export, digest
+
+
+def test_merge_keeps_the_faster_row_and_never_loses_others(db, tmp_path):
+    db.record_many([make_row(backend="a", median_us=10.0), make_row(backend="b", median_us=10.0),
+                    make_row(backend="mine_only", median_us=50.0)])
+    other_path = tmp_path / "other.sqlite"
+    with TuningDB(other_path) as other:
+        other.record_many([make_row(backend="a", median_us=5.0),  # better: replaces
+                           make_row(backend="b", median_us=20.0),  # worse: kept
+                           moe_row()])  # new key: inserted
+        assert db.merge_from(other) == (1, 1, 1)
+    assert {r.backend: r.median_us for r in db.rows(op="all_reduce")} == {"a": 5.0, "b": 10.0, "mine_only": 50.0}
+    assert db.rows(op="dp_to_ep") == [moe_row()]
+    assert db.merge_from(other_path) == (0, 0, 3)  # from a path, again: nothing changes
+
+
+def test_export_subset(db, tmp_path):
+    db.record_many([make_row(), make_row(hardware="other-hw"), moe_row()])
+    db.set_meta("note", "from node 7")
+    out = tmp_path / "shipped" / f"{HW}-x2.sqlite"
+    assert db.export(out, hardware=HW) == 2
+    with TuningDB(out, readonly=True) as shipped:
+        assert shipped.rows() == db.rows(hardware=HW)
+        assert shipped.meta()["note"] == "from node 7"
+        assert shipped.db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # readable from a ro dir
+    with pytest.raises(FileExistsError):
+        db.export(out)
+    assert db.export(out, overwrite=True, op="dp_to_ep") == 1
+    assert len(TuningDB(out, readonly=True)) == 1
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temp files left
+    with pytest.raises(ValueError):
+        db.export(tmp_path / "never.sqlite", nope=1)
+    assert not (tmp_path / "never.sqlite").exists()
+
+
+def test_export_onto_itself_is_refused(tmp_path):
+    path = tmp_path / "t.sqlite"
+    with TuningDB(path) as tdb:
+        tdb.record(make_row())
+        with pytest.raises(ValueError):
+            tdb.export(path, overwrite=True)
+
+
+def test_digest_is_order_file_and_provenance_independent(db, tmp_path):
+    rows = [make_row(bucket=1 << k, median_us=float(k)) for k in range(12, 20)] + [moe_row()]
+    db.record_many(rows)
+    with TuningDB(tmp_path / "d.sqlite") as other:
+        other.record_many(reversed([r.__class__(**{**r.to_dict(), "created": "2030-01-01T00:00:00+00:00",
+                                                   "torch_version": "9.9"}) for r in rows]))
+        assert other.digest() == db.digest()
+        assert other.digest(op="dp_to_ep") == db.digest(op="dp_to_ep") != db.digest()
+        other.record(make_row(bucket=1 << 12, median_us=12.5))  # a value changes: the digest too
+        assert other.digest() != db.digest()
+        other.record(make_row(bucket=1 << 12, median_us=12.0, config=AllReduceConfig("one_shot", 1024, 8, 4)))
+        assert other.digest() != db.digest()  # same time, other config
+    assert TuningDB().digest() == TuningDB().digest()
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+N_OWN, N_SHARED = 60, 20
+
+
+def run_processes(target, path: Path, count: int) -> list:
+    """Run ``target(str(path), worker)`` in ``count`` processes at once; their exit codes."""
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    workers = [context.Process(target=target, args=(str(path), w)) for w in range(count)]
+    for proc in workers:
+        proc.start()
+    for proc in workers:
+        proc.join(timeout=120)
+    return [proc.exitcode for proc in workers]
+
+
+def _writer(path: str, worker: int) -> None:
+    tdb = TuningDB(path)  # every worker also races to create the schema of the fresh file
+    own = [make_row(backend=f"w{worker}", bucket=1 << (k % 30) if k < 30 else 4096 + k, median_us=1.0 + k)
+           for k in range(N_OWN)]
+    for start in range(0, N_OWN - 10, 10):
+        tdb.record_many(own[start:start + 10])
+    for row in own[N_OWN - 10:]:
+        tdb.record(row)
+    for k in range(N_SHARED):  # every worker writes these keys: the last writer wins, none is lost
+        tdb.record(make_row(backend="shared", bucket=1 << (k + 12), median_us=1.0 + worker))
+    tdb.close()
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "shared.sqlite"
+    assert run_processes(_writer, path, 4) == [0, 0, 0, 0]
+    with TuningDB(path, readonly=True) as tdb:
+        assert tdb.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert len(tdb) == 4 * N_OWN + N_SHARED
+        for w in range(4):
+            assert len(tdb.rows(backend=f"w{w}")) == N_OWN
+        assert {r.median_us for r in tdb.rows(backend="shared")} <= {1.0, 2.0, 3.0, 4.0}
+
+
+def _opener(path: str, worker: int) -> None:
+    with TuningDB(path) as tdb:
+        tdb.record(make_row(backend=f"w{worker}"))
+
+
+def test_concurrent_openers_migrate_an_old_file_once(tmp_path):
+    path = tmp_path / "old.sqlite"
+    build_v0(path)
+    assert run_processes(_opener, path, 4) == [0, 0, 0, 0]
+    with TuningDB(path, readonly=True) as tdb:
+        assert tdb.schema_version == SCHEMA_VERSION and len(tdb) == 5
+        assert tdb.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+# ------------------------------------------------------------------------------ locating
+
+
+def test_user_db_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "mine.sqlite"))
+    assert dbmod.user_db_path() == tmp_path / "mine.sqlite"
+    monkeypatch.delenv("AUTOSYMM_DB")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert dbmod.user_db_path() == tmp_path / "cache" / "autosymm" / "tuning.sqlite"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert dbmod.user_db_path() == Path.home() / ".cache" / "autosymm" / "tuning.sqlite"
+
+
+def test_shipped_databases(monkeypatch, tmp_path):
+    assert dbmod.shipped_db_dir() is not None and dbmod.shipped_db_dir().name == "tuning_db"
+    monkeypatch.setattr(dbmod, "shipped_db_dir", lambda: tmp_path)
+    (tmp_path / "b-hw-x2.sqlite").touch()
+    (tmp_path / "a-hw-x8.sqlite").touch()
+    (tmp_path / "README.md").touch()
+    assert [p.name for p in dbmod.shipped_db_paths()] == ["a-hw-x8.sqlite", "b-hw-x2.sqlite"]
+    assert dbmod.shipped_db_for("a-hw-x8") == tmp_path / "a-hw-x8.sqlite"
+    assert dbmod.shipped_db_for("c-hw-x2") is None
+    for bad in ("../etc/passwd", "a/b", "", ".hidden"):
+        with pytest.raises(ValueError):
+            dbmod.shipped_db_for(bad)
+
+
+# ------------------------------------------------------------------------------ properties
+
+_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
+_time = st.floats(min_value=1e-3, max_value=1e7, allow_nan=False, allow_infinity=False)
+_configs = st.one_of(
+    st.none(),
+    st.builds(AllReduceConfig, st.sampled_from(["one_shot", "two_shot", "multimem"]),
+              st.sampled_from([1024, 4096]), st.integers(1, 256), st.sampled_from([4, 8, 32])),
+    st.builds(MoEConfig, st.sampled_from([1024, 2048]), st.sampled_from([1, 4, 16]), st.integers(1, 64),
+              st.integers(0, 4096)),
+)
+_rows = st.builds(
+    Row, hardware=_text, gpu=st.text(max_size=8), world_size=st.integers(1, 8),
+    op=st.sampled_from(["all_reduce", "dp_to_ep", "ep_to_dp"]), dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
+    bucket=st.integers(1, 1 << 40), shape=st.text(max_size=16), mode=st.sampled_from(["eager", "graph"]),
+    backend=_text, config=_configs, median_us=_time, p10_us=st.none() | _time, p90_us=st.none() | _time,
+    nccl_us=st.none() | _time, trials=st.none() | st.integers(0, 10**6), torch_version=st.none() | _text,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_rows, max_size=8, unique_by=lambda r: r.pk))
+def test_property_round_trip(rows):
+    with TuningDB() as tdb:
+        tdb.record_many(rows)
+        back = tdb.rows()
+        assert sorted(back, key=lambda r: r.pk) == sorted(rows, key=lambda r: r.pk)
+        with TuningDB() as reordered:
+            reordered.record_many(reversed(rows))
+            assert reordered.digest() == tdb.digest()
+        for row in rows:  # excluding the faster backends of its key leaves ``row`` (or a tie) best
+            faster = [r.backend for r in rows if r.key == row.key and r.median_us < row.median_us]
+            assert tdb.best(*row.key, exclude_backends=faster).median_us == row.median_us
