@@ -30,7 +30,7 @@ from .configs import AnyConfig, MoEConfig, config_from_json
 from .problem import MOE_OPS, Problem
 
 #: Config used for the MoE conversion when no database row exists.
-DEFAULT_MOE_CONFIG = MoEConfig(block_n=1024, num_warps=4, rows_per_program=1, num_blocks=0)
+DEFAULT_MOE_CONFIG = MoEConfig(block_n=4096, num_warps=8, rows_per_program=2, num_blocks=0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,354 @@
+"""MoE dp->ep / ep->dp backends: ``triton_moe`` (symmetric-memory kernels) and ``nccl_all_to_all``.
+
+Launchers (see backends/base.py):
+  dp_to_ep: ``launcher(src, assignment, expt_indx, gate_indx) -> dst [n_tokens_global * k, d_model]``
+  ep_to_dp: ``launcher(src, assignment, expt_indx, topk_indx) -> dst [n_tokens_local * k, d_model]``
+with the meaning of autosymm.moe (rows of dropped pairs are left unwritten).
+
+``triton_moe``'s ``dst`` is a view into the workspace: valid until the next call of the same op
+by any rank of the group. The two ops own disjoint parts of the MoE region (ep->dp the first
+1/(R+1), dp->ep the rest), so in the usual cycle dp->ep -> experts -> ep->dp -> combine, the
+end barrier of each op guarantees that no peer writes a buffer its owner is still reading: a
+peer passes ep->dp's barrier only once this rank's ep->dp kernel ran, i.e. after this rank's
+expert kernels finished reading the dp->ep buffer (and symmetrically). Calling one op twice
+in a row while still reading the first result needs a copy or a host barrier in between.
+Each op uses its own signal slot, so the two may even run on different streams.
+
+``nccl_all_to_all`` is what a user would write without autosymm: split sizes computed locally
+from the global expt_indx, rows gathered, ``dist.all_to_all_single``, rows scattered into the
+same layout. The split sizes go through the host (``.tolist()``), so it is eager only, not
+CUDA-graph capturable (the dispatcher never picks it in graph mode).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..configs import MAX_WORLD_SIZE, MoEConfig, moe_space
+from ..kernels.barrier import SLOTS_PER_PROGRAM, _barrier_kernel
+from ..kernels.moe import _convert_dp_to_ep, _convert_ep_to_dp
+from ..moe import ExptAssignment
+from ..problem import DTYPES, MOE_OPS, Problem, next_pow2
+from ..symm import ALIGN
+from .base import BackendError, Capabilities, RunContext
+from .launch import LeanLauncher
+
+#: Largest top-k the backends accept (the kernels need no limit; this is the tested range).
+MAX_N_EXPTS_ACT = 32
+#: Signal slot (program index) of each op's end barrier in the 'moe_end' channel.
+SIGNAL_SLOT = {"dp_to_ep": 0, "ep_to_dp": 1}
+#: The end barrier is fused into the copy kernel when the grid has at most this many programs
+#: (each program adds one acq_rel.sys atomic), else barrier._barrier_kernel runs after it. On
+#: 2 x H200 (DeepSeek-V3 rows, best configs) fusing saved ~9 us per call in eager mode at 8
+#: tokens per rank (one launch fewer) and was within -1.1..+0.4 us under graph replay; at 128
+#: tokens (1024-program grids) it cost up to 3.7 us under graph replay.
+FUSED_BARRIER_MAX_PROGRAMS = 256
+INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+_KERNELS = {"dp_to_ep": _convert_dp_to_ep, "ep_to_dp": _convert_ep_to_dp}
+
+
+def buffer_layout(op: str, moe_bytes: int, world_size: int) -> tuple[int, int]:
+    """(offset, bytes) of ``op``'s destination buffer inside a MoE region of ``moe_bytes`` bytes."""
+    ep_to_dp_bytes = moe_bytes // (world_size + 1) // ALIGN * ALIGN
+    if op == "ep_to_dp":
+        return 0, ep_to_dp_bytes
+    return ep_to_dp_bytes, moe_bytes - ep_to_dp_bytes
+
+
+def dst_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
+    """Rows of ``op``'s destination buffer (also the rows its kernel's grid walks over for ep->dp)."""
+    return n_tokens_local * n_expts_act * (world_size if op == "dp_to_ep" else 1)
+
+
+def grid_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
+    """Pair rows the kernel's programs walk over: local pairs (dp->ep), all sorted rows (ep->dp)."""
+    return n_tokens_local * n_expts_act * (world_size if op == "ep_to_dp" else 1)
+
+
+def _vec(d_model: int, elem_bytes: int) -> int:
+    """Largest power-of-two element count <= 16 bytes dividing d_model."""
+    vec = 16 // elem_bytes
+    while d_model % vec:
+        vec //= 2
+    return vec
+
+
+class Conversion:
+    """``op``'s kernel and end barrier bound to a workspace and a config; no input checks (the
+    launcher of :meth:`TritonMoE.prepare` validates). Launches go through LeanLauncher (argument
+    binding skipped after the first call), one per specialisation of the kernel."""
+
+    def __init__(self, op: str, ws, config: MoEConfig) -> None:
+        self.op, self.ws, self.config = op, ws, config
+        self.world_size, self.rank = ws.world_size, ws.rank
+        self.dst_ptrs = ws.region_ptrs("moe", buffer_layout(op, ws.capacity("moe"), ws.world_size)[0])
+        self.signal_ptrs = _signal_ptrs(ws, op)
+        self._kernels: dict[tuple, LeanLauncher] = {}
+        self._barrier = LeanLauncher(_barrier_kernel, (1,), dict(RANK=ws.rank, WORLD_SIZE=ws.world_size),
+                                     num_warps=1)
+
+    def __call__(self, src: torch.Tensor, expt_owner: torch.Tensor, expt_indx: torch.Tensor, indx: torch.Tensor,
+                 fused_barrier: Optional[bool] = None) -> None:
+        """Run the conversion. ``fused_barrier`` None: the config's ``fused_barrier`` if it has
+        one, else fused for grids of at most FUSED_BARRIER_MAX_PROGRAMS programs."""
+        world_size, config = self.world_size, self.config
+        n_expts_act = expt_indx.shape[1]
+        n_tokens_local = expt_indx.shape[0] // world_size
+        d_model = src.shape[1]
+        groups = -(-grid_rows(self.op, n_tokens_local, n_expts_act, world_size) // config.rows_per_program)
+        grid = min(config.num_blocks, groups) if config.num_blocks else groups
+        if fused_barrier is None:  # a config may say (a future MoEConfig field); else by grid size
+            fused_barrier = getattr(config, "fused_barrier", None)
+        if fused_barrier is None:
+            fused_barrier = grid <= FUSED_BARRIER_MAX_PROGRAMS
+        fused = world_size > 1 and grid > 0 and bool(fused_barrier)
+        vec = _vec(d_model, src.element_size())
+        if grid > 0:
+            # One LeanLauncher per specialisation: grid, constexprs, dtypes and pointer alignment.
+            key = (grid, fused, src.dtype, vec, n_expts_act, expt_indx.dtype, indx.dtype, src.data_ptr() % 16 == 0,
+                   expt_owner.data_ptr() % 16 == 0, expt_indx.data_ptr() % 16 == 0, indx.data_ptr() % 16 == 0)
+            kernel = self._kernels.get(key) or self._kernel(key)
+            kernel(self.dst_ptrs, src, expt_owner, expt_indx, indx, self.signal_ptrs, n_tokens_local,
+                   expt_owner.numel(), d_model // vec)
+        if world_size > 1 and not fused:
+            self._barrier(self.signal_ptrs)
+
+    def _kernel(self, key: tuple) -> LeanLauncher:
+        grid, fused, _, vec, n_expts_act = key[:5]
+        rows = self.config.rows_per_program
+        constexprs = dict(N_EXPTS_ACT=n_expts_act, RANK=self.rank, WORLD_SIZE=self.world_size, VEC=vec,
+                          BLOCK_N=self.config.block_n, ROWS=rows, ROWS_PAD=next_pow2(rows), FUSED_BARRIER=fused)
+        kernel = self._kernels[key] = LeanLauncher(_KERNELS[self.op], (grid,), constexprs,
+                                                   num_warps=self.config.num_warps)
+        return kernel
+
+
+def launch(op: str, ws, config: MoEConfig, src: torch.Tensor, expt_owner: torch.Tensor, expt_indx: torch.Tensor,
+           indx: torch.Tensor, *, fused_barrier: Optional[bool] = None) -> None:
+    """One unchecked conversion on ``ws`` (tests and tools; launchers keep their Conversion)."""
+    Conversion(op, ws, config)(src, expt_owner, expt_indx, indx, fused_barrier)
+
+
+def _signal_ptrs(ws, op: str) -> torch.Tensor:
+    """int64 [world_size]: each rank's slot SIGNAL_SLOT[op] of the 'moe_end' channel."""
+    return ws.signal_ptrs("moe_end") + SIGNAL_SLOT[op] * int(SLOTS_PER_PROGRAM.value) * 4
+
+
+def _shape_reason(problem: Problem) -> Optional[str]:
+    if problem.op not in MOE_OPS:
+        return f"does not serve {problem.op}"
+    if not 1 <= problem.world_size <= MAX_WORLD_SIZE:
+        return f"world size {problem.world_size} > {MAX_WORLD_SIZE}"
+    if not 1 <= problem.shape.n_expts_act <= MAX_N_EXPTS_ACT:
+        return f"top-k {problem.shape.n_expts_act} outside 1..{MAX_N_EXPTS_ACT}"
+    if problem.shape.n_expts_tot < problem.world_size:
+        return f"{problem.shape.n_expts_tot} experts for {problem.world_size} ranks"
+    return None
+
+
+def _check_tensor(name: str, t, device: torch.device, dtypes, op: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise BackendError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise BackendError(f"{op}: {name} is on {t.device}, the group's device is {device}")
+    if t.dtype not in dtypes:
+        raise BackendError(f"{op}: {name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if not t.is_contiguous():
+        raise BackendError(f"{op}: {name} of shape {tuple(t.shape)} and strides {t.stride()} is not contiguous")
+
+
+def check_inputs(problem: Problem, device: torch.device, world_size: int, src, assignment, expt_indx, indx) -> int:
+    """Validate a call against its problem; return n_tokens_local. BackendError names the culprit."""
+    op, shape = problem.op, problem.shape
+    dtype = DTYPES[problem.dtype]
+    _check_tensor("src", src, device, (dtype,), op)
+    _check_tensor("expt_indx", expt_indx, device, INDEX_DTYPES, op)
+    _check_tensor("gate_indx" if op == "dp_to_ep" else "topk_indx", indx, device, INDEX_DTYPES, op)
+    if not isinstance(assignment, ExptAssignment):
+        raise BackendError(f"{op}: assignment must be an ExptAssignment, got {type(assignment).__name__}")
+    _check_tensor("assignment.expt_owner", assignment.expt_owner, device, (torch.int32,), op)
+    if assignment.n_expt_shard != world_size:
+        raise BackendError(f"{op}: assignment has {assignment.n_expt_shard} shards, the group {world_size} ranks")
+    if assignment.n_expts_tot != shape.n_expts_tot:
+        raise BackendError(f"{op}: assignment has {assignment.n_expts_tot} experts, the problem {shape.n_expts_tot}")
+    if expt_indx.dim() != 2 or expt_indx.shape[1] != shape.n_expts_act:
+        raise BackendError(f"{op}: expt_indx has shape {tuple(expt_indx.shape)}, expected "
+                           f"[n_tokens_global, {shape.n_expts_act}]")
+    if expt_indx.shape[0] % world_size:
+        raise BackendError(f"{op}: n_tokens_global={expt_indx.shape[0]} is not a multiple of world size {world_size}")
+    n_tokens_local = expt_indx.shape[0] // world_size
+    n_pairs = expt_indx.numel()
+    if indx.numel() != n_pairs:
+        raise BackendError(f"{op}: index tensor of shape {tuple(indx.shape)} has {indx.numel()} entries, "
+                           f"expected n_tokens_global * k = {n_pairs}")
+    src_rows = n_tokens_local if op == "dp_to_ep" else n_pairs
+    if src.dim() != 2 or src.shape[1] != shape.d_model or src.shape[0] != src_rows:
+        what = "n_tokens_local" if op == "dp_to_ep" else "n_tokens_global * k"
+        raise BackendError(f"{op}: src has shape {tuple(src.shape)}, expected [{src_rows}, {shape.d_model}] "
+                           f"([{what}, d_model]; n_tokens_global={expt_indx.shape[0]} must be "
+                           f"world size {world_size} * n_tokens_local)")
+    return n_tokens_local
+
+
+class TritonMoE:
+    """The Triton conversion kernels writing into the workspace's MoE region."""
+
+    name = "triton_moe"
+    ops = MOE_OPS
+
+    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+        reason = _shape_reason(problem)
+        if reason:
+            return reason
+        if not caps.intra_node:
+            return "not intra-node"
+        if caps.moe_bytes <= 0:
+            return "no symmetric-memory workspace"
+        need = dst_rows(problem.op, problem.n_tokens_local, problem.shape.n_expts_act, problem.world_size) \
+            * problem.shape.d_model * problem.elem_bytes
+        have = buffer_layout(problem.op, caps.moe_bytes, problem.world_size)[1]
+        if need > have:
+            return f"needs {need} bytes, the MoE workspace buffer has {have}"
+        return None
+
+    def search_space(self, problem: Problem) -> list[MoEConfig]:
+        rows = grid_rows(problem.op, problem.n_tokens_local, problem.shape.n_expts_act, problem.world_size)
+        return moe_space(problem.shape.d_model, rows)
+
+    def prepare(self, problem: Problem, config: Optional[MoEConfig], ctx: RunContext):
+        ws = ctx.workspace
+        if ws is None:
+            raise BackendError(f"{self.name} needs a symmetric-memory workspace (RunContext.workspace is None)")
+        if ws.world_size != problem.world_size:
+            raise BackendError(f"workspace has world size {ws.world_size}, the problem {problem.world_size}")
+        if not isinstance(config, MoEConfig):
+            raise BackendError(f"{self.name} needs a MoEConfig, got {config!r}")
+        op, shape, world_size = problem.op, problem.shape, ws.world_size
+        offset, capacity = buffer_layout(op, ws.capacity("moe"), world_size)
+        conversion = Conversion(op, ws, config)
+        dtype = DTYPES[problem.dtype]
+        row_bytes = shape.d_model * problem.elem_bytes
+        views: dict[int, torch.Tensor] = {}
+
+        def launcher(src, assignment, expt_indx, indx):
+            n_tokens_local = check_inputs(problem, ws.device, world_size, src, assignment, expt_indx, indx)
+            rows = dst_rows(op, n_tokens_local, shape.n_expts_act, world_size)
+            dst = views.get(rows)
+            if dst is None:
+                if rows * row_bytes > capacity:
+                    raise BackendError(f"{op}: the [{rows}, {shape.d_model}] {dtype} output needs "
+                                       f"{rows * row_bytes} bytes, the MoE workspace buffer has {capacity} "
+                                       f"(raise AUTOSYMM_WORKSPACE_BYTES)")
+                dst = views[rows] = ws.local_view("moe", (rows, shape.d_model), dtype, offset)
+            conversion(src, assignment.expt_owner, expt_indx, indx)
+            return dst
+
+        return launcher
+
+
+class NcclAllToAll:
+    """``dist.all_to_all_single`` with locally computed split sizes (eager only)."""
+
+    name = "nccl_all_to_all"
+    ops = MOE_OPS
+
+    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+        return _shape_reason(problem)
+
+    def search_space(self, problem: Problem) -> list[None]:
+        return [None]
+
+    def prepare(self, problem: Problem, config: None, ctx: RunContext):
+        import torch.distributed as dist
+
+        group = ctx.group
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if world_size != problem.world_size:
+            raise BackendError(f"group has world size {world_size}, the problem {problem.world_size}")
+        exchange = _nccl_dp_to_ep if problem.op == "dp_to_ep" else _nccl_ep_to_dp
+        outputs: dict[tuple, torch.Tensor] = {}
+
+        def launcher(src, assignment, expt_indx, indx):
+            check_inputs(problem, src.device, world_size, src, assignment, expt_indx, indx)
+            return exchange(src, assignment, expt_indx, indx, rank, world_size, group, outputs)
+
+        return launcher
+
+
+def _pair_owner(assignment: ExptAssignment, expt_indx: torch.Tensor) -> torch.Tensor:
+    """int64 [n_pairs] on expt_indx's device: owning rank per pair, -1 for a dropped pair."""
+    e = expt_indx.reshape(-1).long()
+    n = assignment.n_expts_tot
+    return torch.where((e >= 0) & (e < n), assignment.expt_owner.long()[e.clamp(0, n - 1)], -1)
+
+
+def _output(outputs: dict, shape: tuple[int, int], src: torch.Tensor) -> torch.Tensor:
+    key = (shape, src.dtype, src.device)
+    out = outputs.get(key)
+    if out is None:
+        out = outputs[key] = torch.empty(shape, dtype=src.dtype, device=src.device)
+    return out
+
+
+def _rank_counts(ranks: torch.Tensor, world_size: int) -> torch.Tensor:
+    """int64 [world_size]: how many entries of ``ranks`` equal each rank (-1 counts nowhere)."""
+    return (ranks[:, None] == torch.arange(world_size, device=ranks.device)).sum(0)
+
+
+def _grouped(ranks: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Positions of ``ranks`` stably sorted by rank, entries of -1 last (cut them off by count)."""
+    return torch.argsort(torch.where(ranks >= 0, ranks, world_size), stable=True)
+
+
+def _exchange(send, n_recv_rows, send_counts, recv_counts, group):
+    import torch.distributed as dist
+
+    recv = send.new_empty((n_recv_rows, send.shape[1]))
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    return recv
+
+
+def _nccl_dp_to_ep(src, assignment, expt_indx, gate_indx, rank, world_size, group, outputs):
+    k = expt_indx.shape[1]
+    n_pairs_local = src.shape[0] * k
+    owner = _pair_owner(assignment, expt_indx)
+    mine = owner[rank * n_pairs_local:(rank + 1) * n_pairs_local]
+    here = (owner == rank).to(torch.int8)
+    # The only host sync: every split size in one transfer.
+    counts = torch.cat([_rank_counts(mine, world_size), here.view(world_size, -1).sum(1)]).tolist()
+    send_counts, recv_counts = counts[:world_size], counts[world_size:]
+    # Send: this rank's pairs grouped by owner, in pair order within a group.
+    send_pairs = _grouped(mine, world_size)[:sum(send_counts)]
+    # Receive: every pair owned here, in pair order = grouped by sender, pair order within.
+    recv_pairs = torch.argsort(1 - here, stable=True)[:sum(recv_counts)]
+    recv = _exchange(src[send_pairs // k], len(recv_pairs), send_counts, recv_counts, group)
+    out = _output(outputs, (owner.numel(), src.shape[1]), src)
+    out[gate_indx.reshape(-1).long()[recv_pairs]] = recv
+    return out
+
+
+def _nccl_ep_to_dp(src, assignment, expt_indx, topk_indx, rank, world_size, group, outputs):
+    n_pairs = src.shape[0]
+    n_pairs_local = n_pairs // world_size
+    owner = _pair_owner(assignment, expt_indx)
+    mine = owner[rank * n_pairs_local:(rank + 1) * n_pairs_local]
+    here = (owner == rank).to(torch.int8)
+    counts = torch.cat([here.view(world_size, -1).sum(1), _rank_counts(mine, world_size)]).tolist()
+    send_counts, recv_counts = counts[:world_size], counts[world_size:]
+    topk = topk_indx.reshape(-1).long()
+    gate = torch.empty_like(topk)
+    gate[topk] = torch.arange(n_pairs, device=topk.device)
+    # Send: the pairs of this rank's experts in pair order (= grouped by home rank).
+    send_pairs = torch.argsort(1 - here, stable=True)[:sum(send_counts)]
+    # Receive: this rank's pairs grouped by owner (sender), pair order within.
+    recv_pairs = _grouped(mine, world_size)[:sum(recv_counts)]
+    recv = _exchange(src[gate[send_pairs]], len(recv_pairs), send_counts, recv_counts, group)
+    out = _output(outputs, (n_pairs_local, src.shape[1]), src)
+    out[recv_pairs] = recv
+    return out
+
+
+TRITON_MOE = TritonMoE()
+NCCL_ALL_TO_ALL = NcclAllToAll()

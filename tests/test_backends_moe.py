@@ -1,0 +1,183 @@
+"""The MoE backends: capability answers, search spaces, triton_moe launchers on simulated ranks
+(interpreter), and nccl_all_to_all over 2 gloo processes on CPU tensors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter tests (CUDA present, TRITON_INTERPRET unset)", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+
+from autosymm.backends import get_backend  # noqa: E402
+from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
+from autosymm.backends.moe import NCCL_ALL_TO_ALL, TRITON_MOE, buffer_layout  # noqa: E402
+from autosymm.configs import MoEConfig, moe_space  # noqa: E402
+from autosymm.moe import (make_expt_assignment, make_expt_dict_random, random_expt_indx,  # noqa: E402
+                          reference_dp_to_ep, reference_ep_to_dp, route, rows_written)
+from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
+from autosymm.symm import ALIGN, simulated_workspaces  # noqa: E402
+
+from _moe_sim import check_and_clear, presatisfy  # noqa: E402
+
+CAPS = Capabilities(world_size=8, moe_bytes=256 << 20)
+DSV3 = MODEL_SHAPES["deepseek-v3"]
+
+
+def test_registry_finds_both_backends():
+    assert get_backend("triton_moe") is TRITON_MOE and get_backend("nccl_all_to_all") is NCCL_ALL_TO_ALL
+    assert TRITON_MOE.ops == NCCL_ALL_TO_ALL.ops == ("dp_to_ep", "ep_to_dp")
+
+
+@pytest.mark.parametrize("problem,caps,reason", [
+    (Problem.moe("dp_to_ep", DSV3, 128, "bf16", 8), CAPS, None),
+    (Problem.moe("ep_to_dp", DSV3, 64, "fp32", 8), CAPS, None),
+    (Problem.all_reduce(4096), CAPS, "does not serve all_reduce"),
+    (Problem.moe("dp_to_ep", MoEShape(512, 64, 33), 4, "bf16", 8), CAPS, "top-k 33 outside 1..32"),
+    (Problem.moe("dp_to_ep", MoEShape(512, 4, 2), 4, "bf16", 8), CAPS, "4 experts for 8 ranks"),
+    (Problem.moe("dp_to_ep", DSV3, 128, "bf16", 8), Capabilities(8, moe_bytes=256 << 20, intra_node=False),
+     "not intra-node"),
+    (Problem.moe("dp_to_ep", DSV3, 128, "bf16", 8), Capabilities(8), "no symmetric-memory workspace"),
+    # 8 * 512 * 8 * 7168 * 2 bytes = 448 MiB > the dp->ep part (8/9) of 256 MiB
+    (Problem.moe("dp_to_ep", DSV3, 512, "bf16", 8), CAPS, "needs 469762048 bytes, the MoE workspace buffer has"),
+    (Problem.moe("ep_to_dp", DSV3, 512, "fp32", 8), CAPS, "needs 117440512 bytes"),
+])
+def test_triton_moe_unsupported_reason(problem, caps, reason):
+    got = TRITON_MOE.unsupported_reason(problem, caps)
+    assert got == reason if reason is None else reason in got
+
+
+def test_nccl_all_to_all_serves_what_the_group_cannot_hold():
+    problem = Problem.moe("dp_to_ep", DSV3, 4096, "bf16", 8)
+    assert NCCL_ALL_TO_ALL.unsupported_reason(problem, Capabilities(8, intra_node=False)) is None
+    assert "top-k" in NCCL_ALL_TO_ALL.unsupported_reason(Problem.moe("ep_to_dp", MoEShape(64, 64, 40), 4), CAPS)
+    assert NCCL_ALL_TO_ALL.search_space(problem) == [None]
+
+
+@pytest.mark.parametrize("op,rows", [("dp_to_ep", 64 * 8), ("ep_to_dp", 8 * 64 * 8)])
+def test_triton_moe_search_space(op, rows):
+    problem = Problem.moe(op, DSV3, 64, "bf16", 8)
+    space = TRITON_MOE.search_space(problem)
+    assert space == moe_space(DSV3.d_model, rows) and space and all(isinstance(c, MoEConfig) for c in space)
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_buffer_layout_splits_the_region_in_disjoint_aligned_buffers(world_size):
+    moe_bytes = 1 << 20
+    ep_off, ep_bytes = buffer_layout("ep_to_dp", moe_bytes, world_size)
+    dp_off, dp_bytes = buffer_layout("dp_to_ep", moe_bytes, world_size)
+    assert ep_off == 0 and dp_off == ep_bytes and dp_off + dp_bytes == moe_bytes
+    assert ep_off % ALIGN == dp_off % ALIGN == 0
+    # A problem whose ep->dp output fills its buffer has a dp->ep output (world_size times larger) that fits too.
+    assert ep_bytes * world_size <= dp_bytes
+
+
+# -- triton_moe launchers on simulated ranks -----------------------------------------------------
+
+@pytest.mark.parametrize("world_size,k,dtype,config", [
+    (2, 6, torch.bfloat16, MoEConfig(256, 1, rows_per_program=4)),
+    (4, 2, torch.float32, MoEConfig(128, 2, rows_per_program=8, num_blocks=3)),
+])
+def test_triton_moe_launchers_round_trip(world_size, k, dtype, config):
+    n_tokens_local, d_model, n_experts = 3, 72, 12
+    dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    assignment = make_expt_assignment(world_size, n_experts, make_expt_dict_random(world_size, n_experts, seed=3))
+    expt_indx = random_expt_indx(world_size * n_tokens_local, n_experts, k, seed=4, drop_fraction=0.1)
+    gate, topk = route(expt_indx)
+    srcs = [torch.randn(n_tokens_local, d_model).to(dtype) for _ in range(world_size)]
+    wss = simulated_workspaces(world_size, moe_bytes=1 << 20)
+    shape = MoEShape(d_model, n_experts, k)
+    launchers = {op: [TRITON_MOE.prepare(Problem.moe(op, shape, n_tokens_local, dtype_name, world_size), config,
+                                         RunContext(workspace=ws)) for ws in wss]
+                 for op in ("dp_to_ep", "ep_to_dp")}
+
+    def run(op, inputs, indx):
+        presatisfy(wss, op)
+        outs = [launch(x, assignment, expt_indx, indx) for launch, x in zip(launchers[op], inputs)]
+        check_and_clear(wss, op)
+        return outs
+
+    ep = run("dp_to_ep", srcs, gate)
+    for ws, out in zip(wss, ep):  # a view into the rank's own MoE region, at the dp->ep buffer
+        offset = ws.offset_in_region(out, "moe")
+        assert offset == buffer_layout("dp_to_ep", ws.capacity("moe"), world_size)[0]
+        assert out.shape == (world_size * n_tokens_local * k, d_model) and out.dtype == dtype
+    want = reference_dp_to_ep(srcs, assignment, expt_indx, gate)
+    written = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)
+    for rank in range(world_size):
+        assert torch.equal(ep[rank][written[rank]], want[rank][written[rank]])
+
+    ep_srcs = [x.clone() for x in ep]
+    dp = run("ep_to_dp", ep_srcs, topk)
+    assert run("ep_to_dp", ep_srcs, topk)[0] is dp[0]  # the same view, call after call
+    want = reference_ep_to_dp(ep_srcs, assignment, expt_indx, topk)
+    written = rows_written("ep_to_dp", assignment, expt_indx, topk, world_size)
+    for rank in range(world_size):
+        mask = written[rank]
+        assert torch.equal(dp[rank][mask], want[rank][mask])
+        assert torch.equal(dp[rank][mask], srcs[rank].repeat_interleave(k, 0)[mask])
+
+
+# -- nccl_all_to_all over gloo -------------------------------------------------------------------
+
+NCCL_CASES = [(6, torch.bfloat16, 0.1, 5), (2, torch.float32, 0.0, 4), (8, torch.float16, 0.2, 1)]
+
+
+def _gloo_worker(rank, world_size, port, errors):
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        ctx = RunContext(group=dist.group.WORLD)
+        for k, dtype, drop, n_tokens_local in NCCL_CASES:
+            d_model, n_experts = 24, 9
+            dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+            assignment = make_expt_assignment(world_size, n_experts,
+                                              make_expt_dict_random(world_size, n_experts, seed=k))
+            expt_indx = random_expt_indx(world_size * n_tokens_local, n_experts, k, seed=k, drop_fraction=drop)
+            gate, topk = route(expt_indx)
+            gen = torch.Generator().manual_seed(100 + k)
+            srcs = [torch.randn(n_tokens_local, d_model, generator=gen).to(dtype) for _ in range(world_size)]
+            shape = MoEShape(d_model, n_experts, k)
+            to_ep = NCCL_ALL_TO_ALL.prepare(Problem.moe("dp_to_ep", shape, n_tokens_local, dtype_name, world_size),
+                                            None, ctx)
+            to_dp = NCCL_ALL_TO_ALL.prepare(Problem.moe("ep_to_dp", shape, n_tokens_local, dtype_name, world_size),
+                                            None, ctx)
+            ep = to_ep(srcs[rank], assignment, expt_indx, gate)
+            mask = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)[rank]
+            want = reference_dp_to_ep(srcs, assignment, expt_indx, gate)[rank]
+            assert torch.equal(ep[mask], want[mask]), f"dp->ep k={k}"
+            # ep->dp from fully random expert-sorted rows: only this rank's experts' rows travel.
+            ep_srcs = [torch.randn(ep.shape, generator=gen).to(dtype) for _ in range(world_size)]
+            dp = to_dp(ep_srcs[rank], assignment, expt_indx, topk)
+            mask = rows_written("ep_to_dp", assignment, expt_indx, topk, world_size)[rank]
+            want = reference_ep_to_dp(ep_srcs, assignment, expt_indx, topk)[rank]
+            assert torch.equal(dp[mask], want[mask]), f"ep->dp k={k}"
+            # round trip
+            dp = to_dp(ep.clone(), assignment, expt_indx, topk)
+            assert torch.equal(dp[mask], srcs[rank].repeat_interleave(k, 0)[mask]), f"round trip k={k}"
+        dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+def test_nccl_all_to_all_over_gloo_matches_the_reference():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_gloo_worker, args=(2, port, errors), nprocs=2, join=True, start_method="spawn")
+    finally:
+        if not errors.empty():
+            rank, tb = errors.get()
+            pytest.fail(f"rank {rank} failed:\n{tb}")
