@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device session on a GPU node: GPU tests, the default tune, the benchmark. Logs and
+# results go to $OUT (default ./out). Steps: tests | tune | bench (default: all three).
+#   scripts/gpu_session.sh [tests] [tune] [bench]
+# Wheels for packages the node lacks (optuna, sqlite-utils) are taken from ./.whl if present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+steps=${*:-tests tune bench}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvidia-smi topo -m;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)";
+  python3 -m autosymm info; } 2>&1 | tee "$OUT/env.txt"
+for step in $steps; do
+  case $step in
+    tests) scripts/run_gpu_tests.sh -x -q 2>&1 | tee "$OUT/gpu_tests.txt" ;;
+    tune)  export AUTOSYMM_DB="$OUT/tuned.sqlite"
+           start=$(date +%s)
+           python3 -m autosymm tune --json-summary "$OUT/tune_summary.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.txt"
+           echo "tune wall time: $(( $(date +%s) - start )) s" | tee -a "$OUT/tune.txt" ;;
+    bench) export AUTOSYMM_DB="${AUTOSYMM_DB:-$OUT/tuned.sqlite}"
+           python3 -m autosymm bench --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
+  esac
+done

@@ -1,0 +1,72 @@
+"""How close does Optuna (seeded TPE) get to the exhaustive grid's best, with what share of trials?
+
+Runs on all local GPUs (one process each, like `autosymm tune`), dry-run (no database written):
+for each problem, the whole grid of every Triton backend, then Optuna with a 30 % budget, and
+prints best(optuna) / best(grid) per (problem, backend, mode).
+
+    PYTHONPATH=$PWD python3 scripts/optuna_vs_grid.py [--budget 0.3] [--sizes 64KiB,1MiB,16MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+
+def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens: list[int]):
+    import torch.distributed as dist
+
+    from autosymm.backends import get_backend
+    from autosymm.hardware import fingerprint
+    from autosymm.jobs import workspace_bytes
+    from autosymm.problem import MODEL_SHAPES, Problem
+    from autosymm.sweep import control_group_for, run_sweep
+    from autosymm.symm import get_workspace
+
+    group = dist.group.WORLD
+    problems = [Problem.all_reduce(n, "bf16", world_size) for n in sizes]
+    problems += [Problem.moe("dp_to_ep", MODEL_SHAPES["deepseek-v3"], t, "bf16", world_size) for t in moe_tokens]
+    ar_bytes, moe_bytes = workspace_bytes(problems)
+    workspace = get_workspace(group, torch.device("cuda", torch.cuda.current_device()),
+                              all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
+    control = control_group_for(group)
+    names = ["triton_one_shot", "triton_two_shot", "triton_moe"]
+    backends = {n: get_backend(n) for n in names}
+    report = []
+    for problem in problems:
+        for mode in ("graph",) if problem.op == "all_reduce" else ("eager",):
+            grid = run_sweep([problem], backends=backends, group=group, workspace=workspace, db=None,
+                             hardware=fingerprint(), strategy="grid", modes=[mode], control_group=control)[0]
+            for name, best_grid in (grid.outcome.best_by_backend() if grid.outcome else {}).items():
+                space = len(backends[name].search_space(problem))
+                trials = max(1, math.floor(budget * space))
+                tuned = run_sweep([problem], backends={name: backends[name]}, group=group, workspace=workspace,
+                                  db=None, hardware=fingerprint(), strategy="optuna", trials=trials, modes=[mode],
+                                  control_group=control)[0]
+                best_optuna = tuned.outcome.best_by_backend().get(name) if tuned.outcome else None
+                report.append((problem.describe(), mode, name, space, trials, best_grid.score,
+                               best_optuna.score if best_optuna else float("inf")))
+    return report if rank == 0 else None
+
+
+def main() -> None:
+    from autosymm.problem import parse_size_range
+    from autosymm.workers import run_workers
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budget", type=float, default=0.3, help="Optuna trials as a share of the grid")
+    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB")
+    parser.add_argument("--moe-tokens", default="1024")
+    parser.add_argument("--nproc", type=int, default=None)
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.moe_tokens.split(",") if t]
+    report = run_workers(_job, args.nproc, parse_size_range(args.sizes), args.budget, tokens)
+    print(f"{'problem':44s} {'mode':6s} {'backend':16s} {'grid':>5s} {'TPE':>4s} {'grid us':>9s} {'TPE us':>9s} {'TPE/grid':>8s}")
+    for desc, mode, name, space, trials, grid_us, tpe_us in report:
+        print(f"{desc:44s} {mode:6s} {name:16s} {space:5d} {trials:4d} {grid_us:9.2f} {tpe_us:9.2f} {tpe_us / grid_us:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
