@@ -155,8 +155,10 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
         for num_warps in ALL_REDUCE_NUM_WARPS:
             if num_warps * WARP_SIZE > block_size:
                 continue
-            # fewer than 8 bytes a thread means narrow loads: keep only the widest-per-thread warps.
-            if block_size * elem_bytes // (num_warps * WARP_SIZE) < 8 and num_warps != ALL_REDUCE_NUM_WARPS[0]:
+            # fewer than 8 bytes a thread means narrow loads (multimem: 16, one v4 operation a
+            # thread, else threads repeat it): keep only the widest-per-thread warps.
+            min_bytes = 16 if algorithm == "multimem" else 8
+            if block_size * elem_bytes // (num_warps * WARP_SIZE) < min_bytes and num_warps != ALL_REDUCE_NUM_WARPS[0]:
                 continue
             for num_blocks in _useful_counts(ALL_REDUCE_NUM_BLOCKS, chunks):
                 space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))

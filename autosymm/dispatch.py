@@ -9,8 +9,9 @@ once per group). Rules, in order:
 3. a group spanning nodes -> NCCL, the engine for that scale.
 4. the user database, then the shipped ones: the rows of (hardware, world size, op, dtype,
    bucket, shape, mode), fastest first; the first whose backend can serve the call wins
-   (a faster backend that cannot — dtype, alignment, size over the workspace, no multicast — is
-   skipped for the next). NCCL's own row takes part, so where NCCL measured faster it wins.
+   (a faster backend that cannot — dtype, alignment, size over the workspace, no multicast, not
+   capturable in graph mode — is skipped for the next). NCCL's own row takes part, so where
+   NCCL measured faster it wins.
    Bucket: the smallest tuned bucket >= the call's bucket, else the largest tuned one.
    No row for the mode: the other mode's rows. No row for the dtype: the bf16 rows of the
    same byte bucket (kernels are byte-bound), said in the reason.
@@ -129,7 +130,7 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
             rows = source.db.ranked(hardware, problem.world_size, problem.op, dtype, bucket, keyed.shape_key, row_mode)
             nccl_us = next((r.nccl_us for r in rows if r.nccl_us), None)
             for row in rows:
-                why_not = _why_not(row.backend, problem, caps)
+                why_not = _why_not(row.backend, problem, caps, mode)
                 if why_not is not None:
                     skipped.append(f"{row.backend}: {why_not}")
                     continue
@@ -144,13 +145,15 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
     return replace(decision, skipped=tuple(skipped))
 
 
-def _why_not(backend_name: str, problem: Problem, caps: Capabilities) -> Optional[str]:
+def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str) -> Optional[str]:
     try:
         backend = get_backend(backend_name)
     except (KeyError, ImportError) as exc:
         return f"not available here ({exc})"
     if problem.op not in backend.ops:
         return f"does not serve {problem.op}"
+    if mode == "graph" and not getattr(backend, "graph_capturable", True):
+        return "not CUDA-graph capturable"
     return backend.unsupported_reason(problem, caps)
 
 

@@ -34,8 +34,6 @@ from .tuner import Candidate, TuneOutcome, tune
 ALL_REDUCE_SIZES = [1 << p for p in range(12, 29)]  # 4 KiB .. 256 MiB
 MOE_TOKENS = [1 << p for p in range(0, 14)]  # 1 .. 8192 tokens per rank
 GRAPH_TOKENS_MAX = 256
-#: backends whose launcher cannot be captured in a CUDA graph (host-side split sizes)
-NOT_GRAPH_CAPTURABLE = frozenset({"nccl_all_to_all"})
 _SEED = 1234
 
 
@@ -299,8 +297,7 @@ def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[d
         if problem.op not in getattr(backend, "ops", ()):
             continue
         reason = backend.unsupported_reason(problem, caps)
-        if reason is None and mode == "graph" and (name in NOT_GRAPH_CAPTURABLE
-                                                    or getattr(backend, "graph_capturable", True) is False):
+        if reason is None and mode == "graph" and not getattr(backend, "graph_capturable", True):
             reason = "not CUDA-graph capturable"
         if reason is not None:
             why_not[name] = reason

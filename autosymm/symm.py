@@ -188,6 +188,11 @@ class Workspace:
         self._empty_offset += nbytes
         return tensor
 
+    @property
+    def empty_bytes(self) -> int:
+        """Bytes of the all-reduce region handed out by empty() (from offset 0 up)."""
+        return self._empty_offset
+
     def reset_empty(self) -> None:
         self._empty_offset = 0
 

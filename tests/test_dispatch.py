@@ -147,3 +147,15 @@ def test_open_sources_skips_missing_and_corrupt(tmp_path):
     with pytest.warns(UserWarning, match="ignoring tuning database"):
         sources = open_sources(tmp_path / "missing.sqlite", [good, corrupt])
     assert [s.label for s in sources] == [str(good)]
+
+
+def test_graph_mode_skips_backends_that_cannot_be_captured():
+    shape = MODEL_SHAPES["mixtral-8x7b"]
+    db = TuningDB(":memory:")
+    db.record(_row("nccl_all_to_all", 1, 20.0, None, op="ep_to_dp", shape=shape.key))  # pretend it won eagerly
+    db.record(_row("triton_moe", 1, 25.0, MoEConfig(512, 4), op="ep_to_dp", shape=shape.key))
+    source = DBSource(db, "moe.sqlite")
+    problem = Problem.moe("ep_to_dp", shape, 1, "bf16", 2)
+    assert decide(problem, "eager", CAPS, [source], HW).backend == "nccl_all_to_all"
+    graph = decide(problem, "graph", CAPS, [source], HW)
+    assert graph.backend == "triton_moe" and "nccl_all_to_all: not CUDA-graph capturable" in graph.skipped

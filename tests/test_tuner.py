@@ -181,7 +181,7 @@ def test_auto_strategy_and_default_budget():
     with pytest.raises(ValueError, match="strategy"):
         resolve_strategy("bayes", 10)
     assert default_trials(10) == 10 and default_trials(40) == 16 and default_trials(300) == 90
-    moe = moe_space(7168, 64)
+    moe = moe_space(7168, 4096)  # 126 configs: over the grid threshold
     ev = FakeEvaluate(times=lambda c: 1.0 if c.config is None else float(c.config.block_n) / c.config.num_warps)
     shape = MoEShape(7168, 256, 8)
     out = tune(Problem.moe("dp_to_ep", shape, 8, world_size=8), {"triton_moe": moe, "nccl_all_to_all": [None]}, ev,

@@ -50,6 +50,8 @@ Launcher = Callable[..., Any]
 class Backend(Protocol):
     name: str
     ops: tuple[str, ...]
+    # Backends whose launcher cannot be captured in a CUDA graph set ``graph_capturable = False``
+    # (read with getattr, default True): the tuner and the dispatcher skip them in graph mode.
 
     def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]: ...
 

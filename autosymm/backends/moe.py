@@ -253,6 +253,7 @@ class NcclAllToAll:
 
     name = "nccl_all_to_all"
     ops = MOE_OPS
+    graph_capturable = False  # split sizes go through the host (.tolist()): no CUDA-graph capture
 
     def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         return _shape_reason(problem)

@@ -1,0 +1,127 @@
+"""Lean launches of Triton kernels: bind and specialise once, then call the compiled kernel.
+
+``kernel[grid](*args, **constexprs)`` binds every argument, computes its specialisation key
+and looks the compiled kernel up on *every* call. A :class:`LeanLauncher` pays that once and
+afterwards calls ``CompiledKernel.run`` directly. Measured on 2x H200 (triton 3.6, torch 2.11,
+a VM where one cuLaunchKernelEx costs about 5 us), CPU time per eager 16 KiB one-shot
+all-reduce call: 26-33 us through ``kernel[grid]``, 15-17 us through ``CompiledKernel[grid]``
+(it builds launch metadata for the hook chains and asks the driver for the device each call),
+6.6-7 us through ``LeanLauncher.direct`` with int addresses; 7.5 us per call end to end.
+
+Written against triton 3.6 and 3.9 (checked in both sources):
+
+* ``JITFunction[grid](...)`` launches and returns the ``CompiledKernel`` it used (None under
+  ``TRITON_INTERPRET=1``: every call then takes the normal path);
+* ``CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
+  enter_hook, exit_hook, *args)`` is the call ``JITFunction.run`` makes, with *every* argument of
+  the signature in order, constexprs included (the C launcher skips them);
+* ``driver.active.get_current_stream(device)`` is torch's current raw stream (CUDA graphs capture).
+
+With a launch hook registered (``triton.knobs.runtime.launch_enter_hook.add(...)``, profilers),
+calls go through ``CompiledKernel[grid]``, which computes the launch metadata the hooks want.
+Anything unexpected (an older triton, a kernel whose constexprs are not its trailing parameters)
+keeps the normal path; nothing here raises for it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional, Sequence
+
+
+def interpreter_active() -> bool:
+    """True when TRITON_INTERPRET asks triton to run kernels on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def _stream_source() -> tuple[Callable[[int], int], int]:
+    """(get_stream(device) -> raw stream, current device index), as triton's launches use them."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream, driver.active.get_current_device()
+
+
+def _direct_launch(compiled: Any, grid: tuple[int, int, int], tail: tuple[Any, ...]) -> Optional[Callable[..., None]]:
+    """A function ``launch(*args)`` calling ``compiled`` on the current stream, or None."""
+    try:
+        from triton import knobs
+
+        runner = compiled[grid]  # the public path, for launch hooks
+        run = compiled.run  # loads the module on first access
+        function, metadata = compiled.function, compiled.packed_metadata
+        get_stream, device = _stream_source()
+        hooks = knobs.runtime
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    except Exception:  # an unexpected triton: keep the normal path
+        return None
+    if function is None or not callable(run) or not callable(runner):
+        return None
+    gx, gy, gz = grid
+
+    if isinstance(getattr(enter, "calls", None), list) and isinstance(getattr(leave, "calls", None), list):
+        # triton >= 3.4: hooks are HookChains, registered with .add(); empty lists mean none.
+        enter_calls, leave_calls = enter.calls, leave.calls
+
+        def launch(*args: Any) -> None:
+            if enter_calls or leave_calls:
+                runner(*args, *tail)
+            else:
+                run(gx, gy, gz, get_stream(device), function, metadata, None, None, None, *args, *tail)
+    else:
+
+        def launch(*args: Any) -> None:
+            if hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
+                run(gx, gy, gz, get_stream(device), function, metadata, None, None, None, *args, *tail)
+            else:
+                runner(*args, *tail)
+
+    return launch
+
+
+class LeanLauncher:
+    """Launch one ``@triton.jit`` kernel with a fixed grid, constexprs, options and specialisation.
+
+    ``launcher(*args)`` passes the non-constexpr parameters, in order. Make one LeanLauncher per
+    specialisation: whenever triton would compile the call differently (for pointer arguments,
+    whether they are 16-byte aligned; for integers not marked ``do_not_specialize``, divisibility
+    by 16 and equality to 1), use another instance. The kernels of autosymm mark every integer
+    ``do_not_specialize`` with a type annotation, so only pointer alignment remains. The first
+    call takes the normal path (compiling if needed); later ones launch the compiled kernel on
+    the current stream of the device current at the first call.
+    """
+
+    def __init__(self, fn: Any, grid: Sequence[int], constexprs: dict[str, Any], **options: Any) -> None:
+        self.fn = fn
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.constexprs = dict(constexprs)
+        self.options = options
+        names = list(getattr(fn, "arg_names", ()))
+        trailing = names[len(names) - len(self.constexprs):] if len(names) >= len(self.constexprs) else []
+        self._tail: Optional[tuple[Any, ...]] = None
+        if trailing and set(trailing) == set(self.constexprs):
+            self._tail = tuple(self.constexprs[name] for name in trailing)
+        self._launch: Optional[Callable[..., None]] = None
+        #: False when every call takes the normal path (interpreter, unknown kernel layout).
+        self.fast = self._tail is not None and not interpreter_active()
+
+    def __call__(self, *args: Any) -> None:
+        launch = self._launch
+        if launch is not None:
+            launch(*args)
+            return
+        compiled = self.fn[self.grid](*args, **self.constexprs, **self.options)
+        if self.fast and compiled is not None:
+            self._launch = _direct_launch(compiled, self.grid, self._tail)
+
+    @property
+    def is_bound(self) -> bool:
+        """True once calls skip triton's argument binding."""
+        return self._launch is not None
+
+    @property
+    def direct(self) -> Optional[Callable[..., None]]:
+        """Once bound, the launch function itself (None before): ``direct(*args)`` as ``self(*args)``
+        minus one Python call. Pointer arguments may then be int addresses: triton's C launcher
+        takes an int as is, where for a tensor it calls ``data_ptr()`` and ``cuPointerGetAttribute``
+        (about 0.2-0.5 us each on an H200 VM). The caller vouches for the device and alignment."""
+        return self._launch

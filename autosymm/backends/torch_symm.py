@@ -1,0 +1,143 @@
+"""Backends ``torch_one_shot`` and ``torch_two_shot``: torch's own symmetric-memory all-reduce ops.
+
+``torch.ops.symm_mem.one_shot_all_reduce_out`` and ``two_shot_all_reduce_`` need their input in
+a symmetric-memory tensor rendezvoused with the group. Each launcher copies ``x`` into a staging
+buffer (one ``symm_mem.empty`` per (group, device, dtype, capacity), created on first use by a
+collective rendezvous: every rank must prepare together) and, for two-shot, copies the sum back.
+
+What the ops accept (torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu): bf16 and
+fp32 only (AT_DISPATCH_FLOAT_AND_BFLOAT16, no fp16); input size a multiple of 4 bytes. We ask
+more, to hold on every torch version since the ops appeared: 16-byte multiples for one-shot and
+a whole number of 16-byte vectors per rank segment (``16 * world_size`` bytes) for two-shot.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from ..problem import DTYPES, Problem
+from .base import BackendError, Capabilities, RunContext
+
+SUPPORTED_DTYPES = ("bf16", "fp32")
+MIN_STAGING_BYTES = 1 << 20
+
+_STAGING: dict[tuple[str, str, torch.dtype, int], torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+def ops_available() -> bool:
+    """True when this torch registers the symm_mem one-shot/two-shot all-reduce ops."""
+    ops = getattr(torch.ops, "symm_mem", None)
+    try:
+        return ops is not None and hasattr(ops, "one_shot_all_reduce_out") and hasattr(ops, "two_shot_all_reduce_")
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def size_multiple(algorithm: str, world_size: int) -> int:
+    """Bytes the all-reduce size must be a multiple of for ``algorithm``."""
+    return 16 * world_size if algorithm == "two_shot" else 16
+
+
+def staging_buffer(group_name: str, device: torch.device, dtype: torch.dtype, capacity_bytes: int) -> torch.Tensor:
+    """The 1-D symmetric staging tensor of (group, device, dtype, capacity), rendezvoused once."""
+    key = (group_name, str(device), dtype, capacity_bytes)
+    with _LOCK:
+        buf = _STAGING.get(key)
+        if buf is None:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            elem = torch.empty((), dtype=dtype).element_size()
+            buf = symm_mem.empty((capacity_bytes // elem,), dtype=dtype, device=device)
+            symm_mem.rendezvous(buf, group_name)
+            _STAGING[key] = buf
+        return buf
+
+
+class _TorchLauncher:
+    """``launcher(x) -> x`` through torch's op, staging ``x`` in ``buffer``."""
+
+    def __init__(self, algorithm: str, group_name: str, buffer: torch.Tensor, world_size: int) -> None:
+        self.algorithm = algorithm
+        self.group_name = group_name
+        self.buffer = buffer
+        self.dtype = buffer.dtype
+        self.device = buffer.device
+        self.elem_bytes = buffer.element_size()
+        self.multiple = size_multiple(algorithm, world_size)
+        self._one_shot = algorithm == "one_shot"
+        ops = torch.ops.symm_mem
+        self._op = ops.one_shot_all_reduce_out if self._one_shot else ops.two_shot_all_reduce_
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not self.dtype or x.device != self.device or not x.is_contiguous():
+            raise BackendError(
+                f"torch_{self.algorithm} cannot reduce {tuple(x.shape)} {x.dtype} on {x.device} "
+                f"(strides {tuple(x.stride())}): needs a contiguous {self.dtype} tensor on {self.device}")
+        numel = x.numel()
+        nbytes = numel * self.elem_bytes
+        if nbytes > self.buffer.numel() * self.elem_bytes or nbytes % self.multiple:
+            raise BackendError(
+                f"torch_{self.algorithm} cannot reduce {tuple(x.shape)} {x.dtype} ({nbytes} bytes): the size "
+                f"must be a multiple of {self.multiple} bytes and at most {self.buffer.numel() * self.elem_bytes}")
+        if numel == 0:
+            return x
+        flat = x.view(-1)
+        staged = self.buffer[:numel]
+        staged.copy_(flat)
+        if self._one_shot:
+            self._op(staged, "sum", self.group_name, flat)
+        else:
+            self._op(staged, "sum", self.group_name)
+            flat.copy_(staged)
+        return x
+
+
+class TorchSymmAllReduce:
+    """torch's ``one_shot`` or ``two_shot`` symmetric-memory all-reduce as a Backend."""
+
+    ops = ("all_reduce",)
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self.name = f"torch_{algorithm}"
+
+    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+        if problem.op != "all_reduce":
+            return f"op {problem.op}"
+        if not caps.torch_symm_ops:
+            return "torch.ops.symm_mem all-reduce ops unavailable"
+        if not caps.intra_node:
+            return "group spans nodes"
+        if problem.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {problem.dtype} (torch's op supports {', '.join(SUPPORTED_DTYPES)})"
+        multiple = size_multiple(self.algorithm, problem.world_size)
+        if problem.nbytes % multiple:
+            return f"{problem.nbytes} bytes is not a multiple of {multiple}"
+        return None
+
+    def search_space(self, problem: Problem) -> list[None]:
+        return [None]
+
+    def prepare(self, problem: Problem, config: None, ctx: RunContext) -> _TorchLauncher:
+        """Collective on first use per (group, device, dtype, capacity): every rank must call it."""
+        if not ops_available():
+            raise BackendError(f"{self.name}: torch.ops.symm_mem has no one-shot/two-shot all-reduce here")
+        import torch.distributed as dist
+
+        group = ctx.group if ctx.group is not None else dist.group.WORLD
+        group_name = getattr(group, "group_name", None)
+        if group_name is None:
+            raise BackendError(f"{self.name} needs a process group with a group_name, got {group!r}")
+        device = ctx.workspace.device if ctx.workspace is not None else torch.device("cuda", torch.cuda.current_device())
+        capacity = max(MIN_STAGING_BYTES, 1 << max(0, problem.nbytes - 1).bit_length())
+        buffer = staging_buffer(group_name, device, DTYPES[problem.dtype], capacity)
+        return _TorchLauncher(self.algorithm, group_name, buffer, dist.get_world_size(group))
+
+
+torch_one_shot = TorchSymmAllReduce("one_shot")
+torch_two_shot = TorchSymmAllReduce("two_shot")
+BACKENDS = (torch_one_shot, torch_two_shot)

@@ -1,0 +1,191 @@
+"""Backends ``triton_one_shot``, ``triton_two_shot`` and ``triton_multimem``: the Triton
+all-reduce kernels of autosymm.kernels.all_reduce over the symmetric workspace.
+
+A launcher works on any contiguous tensor of the prepared dtype that fits the workspace's
+all-reduce region. A tensor from ``Workspace.empty`` (inside the region) is reduced in place
+there (zero-copy); any other tensor is staged by the kernel's fused copy-in at the *top* of the
+region (``Workspace.empty`` allocates from the bottom), so live zero-copy tensors are not
+overwritten unless the region is nearly full. Zero-copy must be symmetric: every rank passes a
+tensor at the same offset, as the SPMD use of ``Workspace.empty`` guarantees.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..configs import AllReduceConfig, all_reduce_space
+from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+from ..problem import DTYPES, Problem
+from .base import BackendError, Capabilities, RunContext
+from .launch import LeanLauncher
+
+CHANNEL = "all_reduce"
+STAGE_ALIGN = 256  # bytes; the stage's offset in the region is a multiple of it
+MAX_NUMEL = 2**31 - 1  # kernels index with int32
+
+
+def stage_offset(capacity: int, nbytes: int) -> int:
+    """Byte offset in the all-reduce region where a non-zero-copy tensor of ``nbytes`` is staged."""
+    return capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+
+
+def segment_vecs(numel: int, world_size: int, elem_bytes: int) -> int:
+    """Two-shot segment length in 16-byte units: ceil(numel / world_size) rounded up to 16 bytes."""
+    return -(-numel // (world_size * (16 // elem_bytes)))  # = ceil(ceil(numel / world_size) / vec)
+
+
+class _AllReduceLauncher:
+    """``launcher(x) -> x``: x summed in place over the group. Bound to one workspace and config."""
+
+    def __init__(self, algorithm: str, problem: Problem, config: AllReduceConfig, workspace) -> None:
+        self.algorithm = algorithm
+        self.workspace = workspace
+        self.dtype = DTYPES[problem.dtype]
+        self.elem_bytes = problem.elem_bytes
+        self.device = workspace.device
+        self.world_size = workspace.world_size
+        self.rank = workspace.rank
+        self.capacity = workspace.capacity(CHANNEL)
+        self.max_bytes = min(self.capacity, MAX_NUMEL * self.elem_bytes)
+        self.region_start = int(workspace.buffer.data_ptr()) + workspace.regions[CHANNEL].offset
+        self.region_end = self.region_start + self.capacity
+        self.region_ptrs = workspace.region_ptrs(CHANNEL)
+        self.signal_ptrs = workspace.signal_ptrs(CHANNEL)
+        self.mc_base = 0
+        if algorithm == "multimem":
+            self.mc_base = workspace.multicast_ptr + workspace.regions[CHANNEL].offset
+        self.config = config
+        self._one_shot = algorithm == "one_shot"
+        self._seg_div = self.world_size * (16 // self.elem_bytes)  # elements per 16 bytes of every rank
+        self._variants: dict[tuple[bool, bool, bool, int], LeanLauncher] = {}
+        self._direct: dict[tuple[bool, bool, bool, int], Callable[..., None]] = {}
+        self._region_addr = int(self.region_ptrs.data_ptr())  # the workspace keeps these tensors alive
+        self._signal_addr = int(self.signal_ptrs.data_ptr())
+
+    # -- hot path ---------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, phase: int = 0) -> torch.Tensor:
+        """Reduce ``x`` in place. ``phase`` != 0 runs one phase of the two-shot kernels (tests)."""
+        if x.dtype is not self.dtype or x.device != self.device or not x.is_contiguous():
+            raise self._bad_input(x)
+        numel = x.numel()
+        nbytes = numel * self.elem_bytes
+        if nbytes > self.max_bytes:
+            raise BackendError(
+                f"all_reduce of {tuple(x.shape)} {x.dtype} needs {nbytes} bytes; at most {self.max_bytes} fit "
+                f"(the workspace's all-reduce region and int32 indexing; raise AUTOSYMM_WORKSPACE_BYTES)")
+        if numel == 0 or self.world_size == 1:
+            return x  # the sum over one rank is x itself
+        addr = x.data_ptr()
+        x_aligned = addr % 16 == 0
+        if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
+            key = (True, x_aligned, x_aligned, phase)
+            offset = addr - self.region_start
+        else:
+            if addr < self.region_end and addr + nbytes > self.region_start:
+                raise BackendError(f"tensor {tuple(x.shape)} straddles the edge of the all-reduce region: "
+                                   "it can be neither reduced in place nor staged")
+            key = (False, True, x_aligned, phase)
+            offset = self.capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+            if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
+                raise BackendError(
+                    f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out by "
+                    f"autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
+        if self._one_shot:
+            sizes = (numel, offset)
+        else:  # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
+            sizes = (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
+        direct = self._direct.get(key)
+        if direct is not None:  # bound: int addresses, no per-pointer driver query
+            direct(addr, self._region_addr, self._signal_addr, *sizes)
+            return x
+        launch = self._variants.get(key) or self._variant(*key)
+        launch(x, self.region_ptrs, self.signal_ptrs, *sizes)
+        if launch.direct is not None:
+            self._direct[key] = launch.direct
+        return x
+
+    run = __call__
+
+    # -- cold path --------------------------------------------------------------------------
+    def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int) -> LeanLauncher:
+        """The launcher of one kernel specialisation (triton also specialises on x's alignment)."""
+        if self.algorithm == "multimem" and not aligned:
+            raise BackendError("triton_multimem needs a 16-byte aligned tensor; this zero-copy tensor "
+                               "(inside the all-reduce region) is not: allocate it with Workspace.empty")
+        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, BLOCK=self.config.block_size,
+                          ZERO_COPY=zero_copy, ALIGNED=aligned)
+        if self.algorithm == "one_shot":
+            if phase:
+                raise ValueError("one-shot has no phases")
+            kernel = _one_shot_all_reduce
+        else:
+            kernel = _two_shot_all_reduce
+            constexprs.update(MULTIMEM=self.algorithm == "multimem", PHASE=phase)
+        launcher = LeanLauncher(kernel, (self.config.num_blocks,), constexprs, num_warps=self.config.num_warps,
+                                num_stages=1)
+        self._variants[(zero_copy, aligned, x_aligned, phase)] = launcher
+        return launcher
+
+    def _bad_input(self, x: torch.Tensor) -> BackendError:
+        problems = []
+        if x.dtype is not self.dtype:
+            problems.append(f"dtype {x.dtype} (prepared for {self.dtype})")
+        if x.device != self.device:
+            problems.append(f"device {x.device} (the workspace is on {self.device})")
+        if not x.is_contiguous():
+            problems.append(f"strides {tuple(x.stride())} (must be contiguous)")
+        return BackendError(f"triton_{self.algorithm} cannot reduce tensor {tuple(x.shape)}: " + "; ".join(problems))
+
+
+class TritonAllReduce:
+    """One Triton all-reduce algorithm ('one_shot', 'two_shot' or 'multimem') as a Backend."""
+
+    ops = ("all_reduce",)
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self.name = f"triton_{algorithm}"
+
+    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+        if problem.op != "all_reduce":
+            return f"op {problem.op}"
+        if problem.dtype not in DTYPES:
+            return f"dtype {problem.dtype}"
+        if not caps.intra_node:
+            return "group spans nodes"
+        if caps.all_reduce_bytes <= 0:
+            return "no symmetric workspace"
+        if problem.nbytes > caps.all_reduce_bytes:
+            return f"{problem.nbytes} bytes exceed the {caps.all_reduce_bytes}-byte all-reduce region"
+        if problem.numel > MAX_NUMEL:
+            return f"{problem.numel} elements exceed int32 indexing"
+        if self.algorithm == "multimem":
+            if not caps.has_multicast:
+                return "no multicast"
+            if tuple(caps.compute_capability) < (9, 0):
+                return f"multimem needs sm_90+, got sm_{caps.compute_capability[0]}{caps.compute_capability[1]}"
+        return None
+
+    def search_space(self, problem: Problem) -> list[AllReduceConfig]:
+        return all_reduce_space(self.algorithm, problem.numel, problem.world_size, problem.elem_bytes)
+
+    def prepare(self, problem: Problem, config: Optional[AllReduceConfig], ctx: RunContext) -> _AllReduceLauncher:
+        """A launcher ``launcher(x) -> x`` for ``problem`` with ``config`` on ``ctx.workspace``."""
+        ws = ctx.workspace
+        if ws is None:
+            raise BackendError(f"{self.name} needs a symmetric workspace (ctx.workspace is None)")
+        if not isinstance(config, AllReduceConfig) or config.algorithm != self.algorithm:
+            raise BackendError(f"{self.name} needs an AllReduceConfig with algorithm={self.algorithm!r}, got {config!r}")
+        if ws.world_size != problem.world_size:
+            raise BackendError(f"{problem.describe()} does not match the workspace's world size {ws.world_size}")
+        if self.algorithm == "multimem" and not ws.has_multicast:
+            raise BackendError(f"{self.name} needs multicast; the workspace has none")
+        return _AllReduceLauncher(self.algorithm, problem, config, ws)
+
+
+triton_one_shot = TritonAllReduce("one_shot")
+triton_two_shot = TritonAllReduce("two_shot")
+triton_multimem = TritonAllReduce("multimem")
+BACKENDS = (triton_one_shot, triton_two_shot, triton_multimem)

@@ -1,0 +1,298 @@
+"""All-reduce (sum) kernels over the symmetric workspace (Triton, device side only).
+
+Every kernel reduces a contiguous tensor ``x`` of ``numel`` elements (bf16, fp16 or fp32) in
+place over the group; sums are accumulated in fp32 in a fixed peer order (0..WORLD_SIZE-1), so
+every rank gets bit-identical results. The data lives in the all-reduce region of the workspace:
+``region_ptrs[r] + stage_offset`` (bytes) is rank r's copy of ``x``, the *stage*. A fused
+copy-in puts ``x`` there, unless ``x`` already is the stage (ZERO_COPY: ``x`` was allocated
+with ``Workspace.empty`` and sits at ``stage_offset`` on every rank).
+
+Work split: the data is cut into BLOCK-element chunks, and program ``b`` of a grid of ``G``
+owns chunks ``b, b+G, b+2G, ...`` in every phase and on every rank. A peer's chunk is only ever
+read or written by the same program index that produced it, so the per-program signal-pad
+barriers of autosymm.kernels.barrier order every cross-rank access. After a kernel returns on a
+rank, every program of it has passed a barrier that each peer's same program entered after its
+last access to this rank's stage; hence the next kernel (whatever its grid or BLOCK) may
+overwrite the stage without an extra barrier.
+
+Vector width: full chunks are loaded and stored without masks, so with a 16-byte aligned stage
+(``ALIGNED``) and ``x`` the accesses are 128-bit; only the last (partial) chunk is masked.
+
+Kernels (launch parameters come from autosymm.configs.AllReduceConfig):
+
+* ``_one_shot_all_reduce``: copy-in, barrier, every rank reads every rank's stage and writes
+  the sum into ``x``, end barrier. 2 barriers. Per rank and call (N = bytes of x): N in over
+  NVLink from each of the W-1 peers, plus N read + N written locally for the copy-in.
+  ZERO_COPY holds each chunk's sum in registers until a barrier says every peer has read that
+  chunk of every x, then stores it: 1 + (chunks per program) barriers, no copy-in.
+* ``_two_shot_all_reduce``: copy-in, barrier, rank r reduces segment r (a W-th of the data,
+  16-byte aligned) from all stages and pushes the sum into segment r of every peer's stage and
+  its own x, barrier, copy the other segments from the stage into x. 2 barriers. Per rank:
+  N (W-1)/W bytes in and as many out over NVLink (peer loads, then peer stores), plus the local
+  copy-in (N) and copy-out (N (W-1)/W). ZERO_COPY skips both copies: the pushes land in the
+  peers' x. With MULTIMEM the reduce-and-push is one ``multimem.ld_reduce`` and one
+  ``multimem.st`` per 16 bytes through the multicast address: N/W bytes leave each rank per
+  instruction kind and the NVSwitch reduces and broadcasts.
+"""
+
+import triton
+import triton.language as tl
+
+from .barrier import barrier
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _stage_ptr(region_ptrs, rank, stage_offset, ALIGNED: tl.constexpr, ELEM: tl.constexpr):
+    """Pointer to ``rank``'s stage: its all-reduce region plus ``stage_offset`` bytes."""
+    ptr = (tl.load(region_ptrs + rank) + stage_offset).to(tl.pointer_type(ELEM))
+    if ALIGNED:
+        # Regions are 256-byte aligned and the host checked the offset. The hint must sit on the
+        # pointer: divisibility does not propagate through int_to_ptr.
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _copy(dst, src, offs, end, MASKED: tl.constexpr):
+    """dst[offs] = src[offs] (only where offs < end when MASKED)."""
+    if MASKED:
+        mask = offs < end
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    else:
+        tl.store(dst + offs, tl.load(src + offs))
+
+
+@triton.jit
+def _sum_stages(region_ptrs, stage_offset, offs, end, WORLD_SIZE: tl.constexpr, ALIGNED: tl.constexpr,
+                ELEM: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order) of stage[offs]."""
+    acc = tl.zeros(offs.shape, tl.float32)
+    for peer in tl.static_range(WORLD_SIZE):
+        src = _stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, ELEM) + offs
+        # .cg: peers' data is produced during this kernel, never serve it from L1.
+        if MASKED:
+            val = tl.load(src, mask=offs < end, other=0.0, cache_modifier=".cg")
+        else:
+            val = tl.load(src, cache_modifier=".cg")
+        acc += val.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _push(x_ptr, region_ptrs, stage_offset, offs, end, val, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+          ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    """Store ``val`` at ``offs`` of every peer's stage and of the local ``x``."""
+    mask = offs < end
+    for step in tl.static_range(WORLD_SIZE):
+        peer = (RANK + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
+        if peer == RANK:
+            dst = x_ptr + offs
+        else:
+            dst = _stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, x_ptr.dtype.element_ty) + offs
+        if MASKED:
+            tl.store(dst, val, mask=mask)
+        else:
+            tl.store(dst, val)
+
+
+# Multimem PTX (sm_90+). Predicated on $mask so tails and idle lanes issue nothing. 16-bit types
+# reduce with .acc::f32 (the switch accumulates in fp32, PTX ISA 8.6+; ptxas 12.8 accepts it).
+def _ld_reduce_asm(vec_type: str) -> str:
+    acc = "" if vec_type.endswith("f32") else ".acc::f32"
+    return ("{ .reg .pred %p; setp.ne.s32 %p, $5, 0;\n"
+            f"@%p multimem.ld_reduce.relaxed.sys.global.add{acc}.{vec_type} {{$0, $1, $2, $3}}, [$4]; }}")
+
+
+_LD_REDUCE_BF16: tl.constexpr = tl.constexpr(_ld_reduce_asm("v4.bf16x2"))
+_LD_REDUCE_F16: tl.constexpr = tl.constexpr(_ld_reduce_asm("v4.f16x2"))
+_LD_REDUCE_F32: tl.constexpr = tl.constexpr(_ld_reduce_asm("v4.f32"))
+_ST_128: tl.constexpr = tl.constexpr(
+    "{ .reg .pred %p; setp.ne.s32 %p, $6, 0;\n"
+    "@%p multimem.st.relaxed.sys.global.v4.f32 [$1], {$2, $3, $4, $5}; }")
+# Unicast and multicast addresses of one location are virtual aliases: order them explicitly.
+_PROXY_FENCE: tl.constexpr = tl.constexpr("fence.proxy.alias;")
+
+
+@triton.jit
+def _multimem_ld_reduce_128(addr, mask, ELEM: tl.constexpr):
+    """Sum over all ranks of the 16 bytes at multicast ``addr`` (int64), as four 32-bit words."""
+    if ELEM == tl.bfloat16:
+        asm: tl.constexpr = _LD_REDUCE_BF16
+    elif ELEM == tl.float16:
+        asm: tl.constexpr = _LD_REDUCE_F16
+    else:
+        asm: tl.constexpr = _LD_REDUCE_F32
+    return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,l,r", [addr, mask.to(tl.int32)],
+                                     dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=False, pack=1)
+
+
+@triton.jit
+def _multimem_st_128(addr, w0, w1, w2, w3, mask):
+    """Store four 32-bit words at multicast ``addr``: they land on every rank."""
+    return tl.inline_asm_elementwise(_ST_128, "=r,l,r,r,r,r,r", [addr, w0, w1, w2, w3, mask.to(tl.int32)],
+                                     dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _proxy_fence(token):
+    tl.inline_asm_elementwise(_PROXY_FENCE, "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+# --------------------------------------------------------------------------------------------
+# One-shot
+# --------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["numel", "stage_offset"])
+def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage_offset: tl.int64,
+                         RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                         ZERO_COPY: tl.constexpr, ALIGNED: tl.constexpr):
+    """x = sum over ranks of x; every rank reads every peer's stage (see the module docstring).
+
+    ZERO_COPY invariant: a peer reads chunk c of our ``x`` before it signals the barrier that
+    follows its read of c, and we store chunk c's sum only after that barrier, so no peer ever
+    reads a sum where it expects an input. Chunks of later rounds are untouched until their own
+    barrier. Without ZERO_COPY the sums go to ``x`` (not the stage) and the end barrier keeps
+    the stage alive until every peer has read it.
+    """
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_chunks = tl.cdiv(numel, BLOCK)
+    n_full = numel // BLOCK
+    lane = tl.arange(0, BLOCK)
+    if not ZERO_COPY:
+        stage = _stage_ptr(region_ptrs, RANK, stage_offset, ALIGNED, ELEM)
+        for chunk in range(pid, n_chunks, n_programs):
+            offs = chunk * BLOCK + lane
+            if chunk < n_full:
+                _copy(stage, x_ptr, offs, numel, False)
+            else:
+                _copy(stage, x_ptr, offs, numel, True)
+    barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every stage holds its rank's input
+    for chunk in range(pid, n_chunks, n_programs):
+        offs = chunk * BLOCK + lane
+        full = chunk < n_full
+        if full:
+            acc = _sum_stages(region_ptrs, stage_offset, offs, numel, WORLD_SIZE, ALIGNED, ELEM, False)
+        else:
+            acc = _sum_stages(region_ptrs, stage_offset, offs, numel, WORLD_SIZE, ALIGNED, ELEM, True)
+        if ZERO_COPY:
+            barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every rank has read this chunk of every x
+        if full:
+            tl.store(x_ptr + offs, acc.to(ELEM))
+        else:
+            tl.store(x_ptr + offs, acc.to(ELEM), mask=offs < numel)
+    if not ZERO_COPY:
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads our stage
+
+
+# --------------------------------------------------------------------------------------------
+# Two-shot (peer loads + pushes, or multimem)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _copy_segments(dst, src, numel, seg, pid, n_programs, SKIP: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """dst = src over this program's chunks of every segment except SKIP (-1: none)."""
+    lane = tl.arange(0, BLOCK)
+    for s in tl.static_range(WORLD_SIZE):
+        if s != SKIP:
+            seg_end = tl.minimum(s * seg + seg, numel)
+            for chunk in range(pid, tl.cdiv(seg, BLOCK), n_programs):
+                start = s * seg + chunk * BLOCK
+                if start + BLOCK <= seg_end:
+                    _copy(dst, src, start + lane, seg_end, False)
+                elif start < seg_end:
+                    _copy(dst, src, start + lane, seg_end, True)
+
+
+@triton.jit
+def _reduce_push_chunk(x_ptr, region_ptrs, stage_offset, offs, end, RANK: tl.constexpr,
+                       WORLD_SIZE: tl.constexpr, ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    acc = _sum_stages(region_ptrs, stage_offset, offs, end, WORLD_SIZE, ALIGNED, x_ptr.dtype.element_ty, MASKED)
+    _push(x_ptr, region_ptrs, stage_offset, offs, end, acc.to(x_ptr.dtype.element_ty), RANK, WORLD_SIZE,
+          ALIGNED, MASKED)
+
+
+@triton.jit
+def _multimem_chunk(mc_stage, start, seg_end, vec_end, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                    ELEM_BYTES: tl.constexpr, ELEM: tl.constexpr):
+    """ld_reduce + st of the whole 16-byte units of elements [start, min(start+BLOCK, vec_end))."""
+    unit = start + tl.arange(0, BLOCK // VEC) * VEC  # first element of each 16-byte unit
+    mask = unit < tl.minimum(seg_end, vec_end)
+    addr = mc_stage + unit.to(tl.int64) * ELEM_BYTES
+    w0, w1, w2, w3 = _multimem_ld_reduce_128(addr, mask, ELEM)
+    _multimem_st_128(addr, w0, w1, w2, w3, mask)
+
+
+@triton.jit(do_not_specialize=["numel", "stage_offset", "seg_vecs", "mc_base"])
+def _two_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage_offset: tl.int64,
+                         seg_vecs: tl.int32, mc_base: tl.int64,
+                         RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                         ZERO_COPY: tl.constexpr, ALIGNED: tl.constexpr, MULTIMEM: tl.constexpr,
+                         PHASE: tl.constexpr):
+    """x = sum over ranks of x by reduce-scatter + push all-gather (see the module docstring).
+
+    ``seg_vecs``: segment length in 16-byte units (segment r = elements [r*seg, (r+1)*seg) with
+    seg = seg_vecs * 16 / element size; the last ones may be short or empty). ``mc_base``: the
+    multicast address of the stage (MULTIMEM only, else ignored). PHASE 0 runs everything;
+    1, 2, 3 run copy-in + barrier, reduce + push, barrier + copy-out alone (tests run each
+    phase on every simulated rank in turn).
+
+    In-place invariant (why x may be the stage): in the reduce phase rank r reads only segment
+    r of every stage and writes only segment r of every stage, and each element of segment r is
+    read and then written by the same thread of the same program of rank r; segment r of a peer
+    is read by nobody else before the barrier, and after it the peer only reads (copy-out).
+    """
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    ELEM_BYTES: tl.constexpr = ELEM.primitive_bitwidth // 8
+    VEC: tl.constexpr = 16 // ELEM_BYTES
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    seg = seg_vecs * VEC
+    stage = _stage_ptr(region_ptrs, RANK, stage_offset, ALIGNED, ELEM)
+
+    if PHASE == 0 or PHASE == 1:
+        if not ZERO_COPY:
+            _copy_segments(stage, x_ptr, numel, seg, pid, n_programs, -1, WORLD_SIZE, BLOCK)
+        if MULTIMEM:
+            _proxy_fence(pid)  # our unicast stage writes before peers' multicast reads
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every stage holds its rank's input
+        if MULTIMEM:
+            _proxy_fence(pid)
+
+    if PHASE == 0 or PHASE == 2:
+        seg_start = RANK * seg
+        seg_end = tl.minimum(seg_start + seg, numel)
+        lane = tl.arange(0, BLOCK)
+        for chunk in range(pid, tl.cdiv(seg, BLOCK), n_programs):
+            start = seg_start + chunk * BLOCK
+            if MULTIMEM:
+                vec_end = numel // VEC * VEC  # the < VEC ragged elements go through peers' stages
+                if start < seg_end:
+                    _multimem_chunk(mc_base + stage_offset, start, seg_end, vec_end, BLOCK, VEC, ELEM_BYTES, ELEM)
+                if (start <= vec_end) & (vec_end < tl.minimum(start + BLOCK, seg_end)):
+                    tail = vec_end + tl.arange(0, VEC)
+                    _reduce_push_chunk(stage, region_ptrs, stage_offset, tail, seg_end, RANK, WORLD_SIZE,
+                                       ALIGNED, True)
+            elif start + BLOCK <= seg_end:
+                _reduce_push_chunk(x_ptr, region_ptrs, stage_offset, start + lane, seg_end, RANK, WORLD_SIZE,
+                                   ALIGNED, False)
+            elif start < seg_end:
+                _reduce_push_chunk(x_ptr, region_ptrs, stage_offset, start + lane, seg_end, RANK, WORLD_SIZE,
+                                   ALIGNED, True)
+
+    if PHASE == 0 or PHASE == 3:
+        if MULTIMEM:
+            _proxy_fence(pid)  # our multicast stores before peers' unicast reads
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every segment's sum is in every stage
+        if MULTIMEM:
+            _proxy_fence(pid)
+        if not ZERO_COPY:
+            # Multimem stored our own segment into the stage too; peers' loads pushed it to x.
+            SKIP: tl.constexpr = -1 if MULTIMEM else RANK
+            _copy_segments(x_ptr, stage, numel, seg, pid, n_programs, SKIP, WORLD_SIZE, BLOCK)

@@ -1,0 +1,123 @@
+"""Every all-reduce kernel compiles for Hopper (sm_90) on the CPU, and its PTX has what matters.
+
+triton.compile(ASTSource, GPUTarget("cuda", 90, 32)) runs in subprocesses without
+TRITON_INTERPRET (under the interpreter ``@triton.jit`` yields functions that cannot be
+compiled), two at a time; each returns the PTX features the tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned)
+CASES = [
+    ("one_shot", "bf16", 2, 1024, 4, False, True, True),
+    ("one_shot", "fp16", 4, 4096, 8, False, True, True),
+    ("one_shot", "fp32", 8, 16384, 32, False, True, True),
+    ("one_shot", "bf16", 8, 2048, 4, True, True, True),
+    ("one_shot", "fp16", 2, 1024, 4, True, False, False),
+    ("one_shot", "bf16", 4, 8192, 16, False, True, False),
+    ("two_shot", "bf16", 8, 4096, 8, False, True, True),
+    ("two_shot", "fp16", 2, 1024, 4, False, True, True),
+    ("two_shot", "fp32", 4, 8192, 16, True, True, True),
+    ("multimem", "bf16", 8, 4096, 8, False, True, True),
+    ("multimem", "fp16", 4, 2048, 4, False, True, True),
+    ("multimem", "fp32", 2, 16384, 32, True, True, True),
+]
+
+VEC_TYPE = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "v4.f32"}
+
+
+def _features(ptx: str) -> dict:
+    return {
+        "peer_v4_loads": len(re.findall(r"ld\.global\.cg\.v4\.b32", ptx)),
+        "peer_scalar_loads": len(re.findall(r"ld\.global\.cg\.(?:b16|b32) ", ptx)),
+        "v4_stores": len(re.findall(r"st\.global\.v4\.b32", ptx)),
+        "signals": len(re.findall(r"(?:atom|red)\.global\.sys\.release\.add", ptx)),
+        "acquire_polls": len(re.findall(r"ld\.global\.sys\.acquire|atom\.global\.sys\.acquire", ptx)),
+        "ld_reduce": re.findall(r"multimem\.ld_reduce\.relaxed\.sys\.global\.add\.([\w:.]+)", ptx),
+        "multimem_st": len(re.findall(r"multimem\.st\.relaxed\.sys\.global\.v4\.f32", ptx)),
+        "proxy_fences": ptx.count("fence.proxy.alias"),
+    }
+
+
+def _compile_cases(indices: list[int]) -> dict:
+    """Runs in a subprocess: compile CASES[i] for sm_90, return {i: features}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+
+    out = {}
+    for i in indices:
+        kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned = CASES[i]
+        signature = {"x_ptr": f"*{dtype}", "region_ptrs": "*i64", "signal_ptrs": "*i64", "numel": "i32",
+                     "stage_offset": "i64"}
+        constexprs = dict(RANK=world_size - 1, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
+                          ALIGNED=aligned)
+        fn = _one_shot_all_reduce
+        if kernel != "one_shot":
+            fn = _two_shot_all_reduce
+            signature.update(seg_vecs="i32", mc_base="i64")
+            constexprs.update(MULTIMEM=kernel == "multimem", PHASE=0)
+        signature.update({name: "constexpr" for name in constexprs})
+        # Pointer arguments that triton would see 16-byte aligned at run time.
+        attrs = {(j,): [["tt.divisibility", 16]] for j in ((0, 1, 2) if x_aligned else (1, 2))}
+        src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+        assert compiled.asm.get("cubin"), "ptxas produced no cubin"
+        out[i] = _features(compiled.asm["ptx"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def features():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    code = ("import json, sys; from test_compile_all_reduce import _compile_cases; "
+            "print('@@' + json.dumps(_compile_cases(json.loads(sys.argv[1]))))")
+    halves = [list(range(len(CASES)))[k::2] for k in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(h)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in halves]
+    result = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            pytest.fail(f"compiling for sm_90 failed:\n{stderr[-4000:]}")
+        line = next(l for l in stdout.splitlines() if l.startswith("@@"))
+        result.update({int(k): v for k, v in json.loads(line[2:]).items()})
+    return result
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c[:5])) + ("-zc" if c[5] else "")
+                                                         for c in CASES])
+def test_compiles_for_sm90(features, case):
+    kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned = CASES[case]
+    got = features[case]
+    peers = world_size - 1
+    n_barriers = 2  # all kernels here signal twice in the code (ZERO_COPY one-shot: once per round)
+    assert got["signals"] == n_barriers * peers, "one release signal per peer per barrier"
+    assert got["acquire_polls"] >= n_barriers * peers
+    if kernel == "multimem":
+        assert got["ld_reduce"] and set(got["ld_reduce"]) == {VEC_TYPE[dtype]}
+        assert got["multimem_st"] >= 1
+        assert got["proxy_fences"] == 4
+    else:
+        assert not got["ld_reduce"] and got["proxy_fences"] == 0
+    if aligned and kernel != "multimem":
+        # full chunks: a 128-bit load from every rank's stage (scalar ones only in the tail path)
+        assert got["peer_v4_loads"] >= world_size
+    if not aligned:
+        assert got["peer_v4_loads"] == 0, "an unaligned stage must not be read with 128-bit loads"
+    if x_aligned and not (kernel == "multimem" and zero_copy):  # that one only stores via multimem
+        assert got["v4_stores"] >= 1

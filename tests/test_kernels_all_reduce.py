@@ -1,0 +1,164 @@
+"""One-shot and two-shot all-reduce data paths under the Triton interpreter.
+
+2, 4 and 8 ranks are simulated in one process (autosymm.symm.simulated_workspaces). Everything
+the kernels must not touch is poisoned: the all-reduce regions are NaN-filled (a read of an
+element nobody staged shows up as NaN) and ``x`` sits inside a larger sentinel-filled tensor (a
+write past the tail shows up there).
+"""
+
+import pytest
+import torch
+
+from autosymm.backends.triton_all_reduce import segment_vecs
+from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+from autosymm.symm import simulated_workspaces
+
+from _all_reduce_sim import assert_close_to_sum, pads, preset, random_inputs, requires_interpreter, snapshot_workspace
+
+pytestmark = requires_interpreter
+
+REGION_BYTES = 1 << 16
+SENTINEL = 12345.0
+
+# (world_size, dtype, numel, block, programs, warps): every world size meets every dtype, every
+# size meets both kernels, and grids range from one program to more programs than chunks.
+CASES = [
+    (2, torch.bfloat16, 1, 128, 1, 4),
+    (2, torch.float16, 7, 256, 2, 2),
+    (2, torch.float32, 4099, 1024, 3, 8),
+    (4, torch.bfloat16, 4099, 256, 5, 4),
+    (4, torch.float16, 1000, 128, 3, 1),
+    (4, torch.float32, 7, 128, 2, 4),
+    (8, torch.bfloat16, 1000, 256, 2, 8),
+    (8, torch.float16, 4099, 1024, 1, 4),
+    (8, torch.float32, 1, 128, 3, 4),
+]
+
+
+def _poisoned_workspaces(world_size):
+    wss = simulated_workspaces(world_size, all_reduce_bytes=REGION_BYTES, moe_bytes=256)
+    for ws in wss:
+        region = ws.regions["all_reduce"]
+        ws.buffer[region.offset:region.offset + region.nbytes] = 0xFF  # NaN in every float dtype
+    return wss
+
+
+def _x_in_sentinel(values):
+    """``values`` copied into the front of a larger sentinel-filled tensor; returns (x, backing)."""
+    backing = torch.full((values.numel() + 64,), SENTINEL, dtype=values.dtype)
+    x = backing[:values.numel()]
+    x.copy_(values)
+    return x, backing
+
+
+def _check(results, inputs, dtype):
+    for result in results:
+        assert_close_to_sum(result, inputs, dtype)
+        assert torch.equal(result, results[0]), "ranks must get bit-identical sums"
+
+
+def _run_one_shot(wss, xs, numel, offset, block, programs, warps, zero_copy):
+    for rank, ws in enumerate(wss):
+        _one_shot_all_reduce[(programs,)](xs[rank], ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"),
+                                          numel, offset, RANK=rank, WORLD_SIZE=len(wss), BLOCK=block,
+                                          ZERO_COPY=zero_copy, ALIGNED=offset % 16 == 0, num_warps=warps)
+
+
+@pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps", CASES)
+def test_one_shot(world_size, dtype, numel, block, programs, warps):
+    wss = _poisoned_workspaces(world_size)
+    inputs = random_inputs(world_size, numel, dtype, seed=numel)
+    offset = 768
+    # Ranks run one after another: pre-stage every rank's input (the copy-in writes the same
+    # values again) and pre-set the signals of both barriers.
+    for ws, values in zip(wss, inputs):
+        ws.local_view("all_reduce", (numel,), dtype, offset).copy_(values)
+    expected_pads = preset([ws.buffer for ws in wss], programs, 2)
+    xs, backings = zip(*(_x_in_sentinel(v) for v in inputs))
+    _run_one_shot(wss, xs, numel, offset, block, programs, warps, zero_copy=False)
+    _check(xs, inputs, dtype)
+    for ws, backing, want in zip(wss, backings, expected_pads):
+        assert (backing[numel:] == SENTINEL).all(), "wrote past the end of x"
+        assert torch.equal(pads(ws.buffer), want)
+        stage_end = ws.regions["all_reduce"].offset + offset + numel * xs[0].element_size()
+        assert (ws.buffer[stage_end:stage_end + 64] == 0xFF).all(), "wrote past the end of the stage"
+
+
+@pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps, aligned",
+                         [(*CASES[2], True), (*CASES[3], False), (*CASES[5], True), (*CASES[7], True),
+                          (2, torch.bfloat16, 1000, 128, 3, 4, False)])
+def test_one_shot_zero_copy(world_size, dtype, numel, block, programs, warps, aligned):
+    """x is the stage; each sum is stored only after its round's barrier (peers are snapshots)."""
+    wss = _poisoned_workspaces(world_size)
+    inputs = random_inputs(world_size, numel, dtype, seed=7)
+    skip = 0 if aligned else 1  # unaligned: x starts one element into its 256-byte slot
+    xs = [ws.local_view("all_reduce", (numel + 1,), dtype, 256)[skip:skip + numel] for ws in wss]
+    offset = 256 + skip * xs[0].element_size()
+    for x, values in zip(xs, inputs):
+        x.copy_(values)
+    n_chunks = -(-numel // block)
+    for ws in wss:  # program p passes 1 + (its chunks) barriers; every peer's signals pre-set
+        view = pads(ws.buffer)
+        for program in range(programs):
+            view[program, :world_size] = 1 + len(range(program, n_chunks, programs))
+            view[program, ws.rank] = 0
+    snapshots = [snapshot_workspace(wss, r) for r in range(world_size)]  # inputs, before anyone runs
+    _run_one_shot(snapshots, xs, numel, offset, block, programs, warps, zero_copy=True)
+    _check(xs, inputs, dtype)
+    for ws in wss:
+        assert int(pads(ws.buffer).count_nonzero()) == 0, "every pre-set signal consumed exactly once"
+
+
+def _run_two_shot(wss, xs, numel, offset, block, programs, warps, zero_copy):
+    world_size = len(wss)
+    seg = segment_vecs(numel, world_size, xs[0].element_size())
+    for phase in (1, 2, 3):  # each phase on every rank before the next phase starts anywhere
+        for rank, ws in enumerate(wss):
+            _two_shot_all_reduce[(programs,)](xs[rank], ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"),
+                                              numel, offset, seg, 0, RANK=rank, WORLD_SIZE=world_size, BLOCK=block,
+                                              ZERO_COPY=zero_copy, ALIGNED=offset % 16 == 0, MULTIMEM=False,
+                                              PHASE=phase, num_warps=warps)
+
+
+@pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps", CASES)
+def test_two_shot(world_size, dtype, numel, block, programs, warps):
+    wss = _poisoned_workspaces(world_size)
+    inputs = random_inputs(world_size, numel, dtype, seed=numel + 1)
+    expected_pads = preset([ws.buffer for ws in wss], programs, 2)
+    xs, backings = zip(*(_x_in_sentinel(v) for v in inputs))
+    offset = 1024
+    _run_two_shot(wss, xs, numel, offset, block, programs, warps, zero_copy=False)
+    _check(xs, inputs, dtype)
+    for ws, backing, want in zip(wss, backings, expected_pads):
+        assert (backing[numel:] == SENTINEL).all(), "wrote past the end of x"
+        assert torch.equal(pads(ws.buffer), want)
+        stage_end = ws.regions["all_reduce"].offset + offset + numel * xs[0].element_size()
+        assert (ws.buffer[stage_end:stage_end + 64] == 0xFF).all(), "wrote past the end of the stage"
+
+
+@pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps", [CASES[1], CASES[3], CASES[6]])
+def test_two_shot_zero_copy_in_place(world_size, dtype, numel, block, programs, warps):
+    wss = _poisoned_workspaces(world_size)
+    inputs = random_inputs(world_size, numel, dtype, seed=3)
+    offset = 512
+    xs = [ws.local_view("all_reduce", (numel,), dtype, offset) for ws in wss]
+    for x, values in zip(xs, inputs):
+        x.copy_(values)
+    expected_pads = preset([ws.buffer for ws in wss], programs, 2)
+    _run_two_shot(wss, xs, numel, offset, block, programs, warps, zero_copy=True)
+    _check(xs, inputs, dtype)
+    for ws, want in zip(wss, expected_pads):
+        assert torch.equal(pads(ws.buffer), want)
+
+
+@pytest.mark.parametrize("kernel", ["one_shot", "two_shot"])
+def test_world_size_one_copies_through(kernel):
+    (ws,) = _poisoned_workspaces(1)
+    values = random_inputs(1, 1000, torch.bfloat16)[0]
+    x, backing = _x_in_sentinel(values)
+    if kernel == "one_shot":
+        _run_one_shot([ws], [x], 1000, 0, 256, 2, 4, zero_copy=False)
+    else:
+        _run_two_shot([ws], [x], 1000, 0, 256, 2, 4, zero_copy=False)
+    assert torch.equal(x, values)
+    assert (backing[1000:] == SENTINEL).all()
