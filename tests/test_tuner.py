@@ -295,7 +295,9 @@ class _FakeBackend:
 def test_candidates_for_skips_unsupported_and_uncapturable():
     shape = MoEShape(2048, 128, 8)
     problem = Problem.moe("dp_to_ep", shape, 4, world_size=2)
-    backends = {"nccl_all_to_all": _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None]),
+    not_capturable = _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None])
+    not_capturable.graph_capturable = False
+    backends = {"nccl_all_to_all": not_capturable,
                 "triton_moe": _FakeBackend("triton_moe", ("dp_to_ep",), moe_space(shape.d_model, 4)),
                 "nccl": _FakeBackend("nccl", ("all_reduce",), [None]),
                 "broken": _FakeBackend("broken", ("dp_to_ep",), [None], reason="no workspace")}
