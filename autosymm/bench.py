@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -30,7 +30,6 @@ class BenchOptions:
     tokens: list[int]
     ops: list[str]
     dtype: str = "bf16"
-    inputs: int = 4  # rotating input sets per measurement
 
 
 @dataclass
@@ -54,11 +53,19 @@ class BenchResult:
     rows: list[BenchRow] = field(default_factory=list)
 
 
-def _measure(fn, inputs, mode: str, group) -> float:
+def _measure(fn, inputs, problem: Problem, mode: str, group) -> float:
+    """Median us, MAX over ranks, timed exactly as the tuner times ``problem`` (sweep.timing_plan)."""
+    from .sweep import timing_plan
     from .timing import max_over_ranks, time_eager, time_graph
 
-    timer = time_graph if mode == "graph" else time_eager
-    return max_over_ranks(timer(fn, inputs, group=group), group).median_us
+    plan = timing_plan(problem, mode)
+    if mode == "graph":
+        timing = time_graph(fn, inputs, warmup=plan.warmup, repeats=plan.repeats,
+                            calls_per_graph=plan.calls_per_graph, group=group)
+    else:
+        timing = time_eager(fn, inputs, warmup=plan.warmup, repeats=plan.repeats,
+                            calls_per_sample=plan.calls_per_sample, group=group)
+    return max_over_ranks(timing, group).median_us
 
 
 def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
@@ -86,13 +93,17 @@ def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
     world_size = dist.get_world_size(group)
     dtype = DTYPES[options.dtype]
     ctx = RunContext(group=group, workspace=workspace)
-    caps = autosymm.api._state(group).caps
+    state = autosymm.api._state(group)
+    caps, device = state.caps, state.device
     for nbytes in options.sizes:
         problem = Problem.all_reduce(nbytes, options.dtype, world_size)
         numel = problem.numel
-        gen = torch.Generator(device=workspace.device).manual_seed(1234 + dist.get_rank(group))
-        inputs = [(torch.randn(numel, generator=gen, device=workspace.device, dtype=torch.float32).to(dtype),)
-                  for _ in range(options.inputs)]
+        from .sweep import timing_plan
+
+        gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank(group))
+        n_inputs = timing_plan(problem, "eager").n_inputs  # rotating inputs, as the tuner uses
+        inputs = [(torch.randn(numel, generator=gen, device=device, dtype=torch.float32).to(dtype),)
+                  for _ in range(n_inputs)]
         pristine = inputs[0][0].clone()  # timing reduces the inputs in place: validate on a copy
         reference = pristine.clone()
         dist.all_reduce(reference, group=group)
@@ -113,7 +124,7 @@ def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
             for mode in options.modes:
                 if impl == "autosymm":
                     backend = autosymm.explain(out, group=group, mode=mode).backend
-                us = _measure(launch, inputs, mode, group) if ok else None
+                us = _measure(launch, inputs, problem, mode, group) if ok else None
                 rows.append(BenchRow("all_reduce", format_bytes(nbytes), nbytes, mode, impl, us, backend,
                                      "" if ok else f"wrong result (rel. error {error:.3g})"))
         del inputs, reference
@@ -131,14 +142,14 @@ def _moe_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
     import autosymm
 
     from .backends import RunContext, get_backend
-    from .moe import make_expt_assignment, make_expt_dict_uniform, reference_dp_to_ep, route  # noqa: F401
+    from .moe import make_expt_assignment, make_expt_dict_uniform, route
     from .problem import DTYPES
 
     rows = []
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     dtype = DTYPES[options.dtype]
-    device = workspace.device
+    device = autosymm.api._state(group).device
     ctx = RunContext(group=group, workspace=workspace)
     for name, shape in options.shapes.items():
         assignment = make_expt_assignment(world_size, shape.n_expts_tot,
@@ -176,7 +187,7 @@ def _moe_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
                         backend = impl
                         if impl == "autosymm":
                             backend = autosymm.api._state(group).decide(problem, mode).backend
-                        us = _measure(fn, [args], mode, group) if ok else None
+                        us = _measure(fn, [args], problem, mode, group) if ok else None
                         rows.append(BenchRow(op, label, nbytes, mode, impl, us, backend, "" if ok else "wrong result"))
     return rows
 
@@ -201,7 +212,10 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
 
     group = dist.group.WORLD
     autosymm.init(group)
-    workspace = autosymm.api._state(group).workspace
+    state = autosymm.api._state(group)
+    workspace = state.workspace
+    if state.device.type != "cuda":  # gloo (tests): no CUDA graphs
+        options = replace(options, modes=[m for m in options.modes if m == "eager"])
     read_gbps, write_gbps = peer_bandwidth(workspace, group) if workspace is not None else (0.0, 0.0)
     result = BenchResult(fingerprint().as_dict(), world_size, read_gbps, write_gbps)
     if "all_reduce" in options.ops:

@@ -279,9 +279,9 @@ def explain(op, nbytes, dtype, world_size, gpu, links, mode, shape, tokens, all_
 
     for m in ([mode] if mode else list(MODES)):
         decision = decide(problem, m, caps, sources, hardware)
-        console.print(f"{problem.describe()} [{m}] on {gpu} ({hardware}): {decision.describe()}")
+        click.echo(f"{problem.describe()} [{m}] on {gpu} ({hardware}): {decision.describe()}")
         for skipped in decision.skipped:
-            console.print(f"  skipped {skipped}")
+            click.echo(f"  skipped {skipped}")
 
 
 def _open(db_paths):

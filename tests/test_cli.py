@@ -52,7 +52,8 @@ def test_explain_one_call_from_a_db(runner, db_file):
     result = runner.invoke(main, ["explain", "--op", "all_reduce", "--bytes", "3KiB", "--world-size", "2",
                                   "--gpu", "NVIDIA H200", "--db", str(db_file), "--mode", "eager"])
     assert result.exit_code == 0, result.output
-    assert "triton_one_shot" in result.output and "5.00 us" in result.output and "4.00x" in result.output
+    assert "triton_one_shot [algorithm=one_shot, block_size=2048, num_blocks=4, num_warps=8]" in result.output
+    assert "[eager]" in result.output and "5.00 us" in result.output and "4.00x" in result.output
 
 
 def test_explain_falls_back_without_rows(runner, db_file):

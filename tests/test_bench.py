@@ -1,0 +1,80 @@
+"""`autosymm bench`'s worker over 2 gloo processes (NCCL stands in as gloo; no GPU here)."""
+
+import os
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+from rich.console import Console
+
+from autosymm.bench import BenchOptions, BenchResult, print_bench, write_bench_csv
+from autosymm.problem import MODEL_SHAPES, MoEShape
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, db, options, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOSYMM_DB=db)
+    import torch.distributed as dist
+
+    from autosymm.bench import bench_job
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, bench_job(rank, world_size, options)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> BenchResult:
+    options = BenchOptions(sizes=[4096, 65536], modes=["eager", "graph"],
+                           shapes={"mixtral-8x7b": MoEShape(64, 8, 2)}, tokens=[4], ops=["all_reduce", "dp_to_ep", "ep_to_dp"])
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    db = str(tmp_path_factory.mktemp("bench") / "none.sqlite")
+    mp.start_processes(_worker, args=(2, _free_port(), db, options, results), nprocs=2, join=True, start_method="spawn")
+    out = dict(results.get() for _ in range(2))
+    assert out[1] is None  # only rank 0 returns the result
+    return out[0]
+
+
+def test_all_reduce_rows_are_validated_and_timed(result):
+    rows = [r for r in result.rows if r.op == "all_reduce"]
+    assert {r.mode for r in rows} == {"eager"}  # no CUDA graphs on the CPU
+    auto = [r for r in rows if r.impl == "autosymm"]
+    assert len(auto) == 2 and all(r.us and r.us > 0 and r.backend == "nccl" and not r.note for r in auto)
+    nccl = [r for r in rows if r.impl == "nccl"]
+    assert all(r.us and r.us > 0 for r in nccl)
+    torch_rows = [r for r in rows if r.impl.startswith("torch_")]
+    assert torch_rows and all(r.us is None and r.note for r in torch_rows)  # no symmetric workspace here
+
+
+def test_moe_rows(result):
+    rows = [r for r in result.rows if r.op in ("dp_to_ep", "ep_to_dp")]
+    assert {r.op for r in rows} == {"dp_to_ep", "ep_to_dp"}
+    assert all(r.us and r.us > 0 for r in rows), rows  # both impls agree with the NCCL path
+
+
+def test_table_and_csv(result, tmp_path):
+    console = Console(record=True, width=200)
+    print_bench(result, console)
+    text = console.export_text()
+    assert "all_reduce: median us" in text and "4KiB" in text and "autosymm/best other" in text
+    path = tmp_path / "bench.csv"
+    write_bench_csv(result, str(path))
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("op,label,nbytes,mode,impl,us") and len(lines) == 1 + len(result.rows)
+
+
+def test_plot(result, tmp_path):
+    pytest.importorskip("matplotlib")
+    from autosymm.plot import plot_bench
+
+    path = tmp_path / "bench.png"
+    plot_bench(result, str(path))
+    assert path.stat().st_size > 10_000
