@@ -41,7 +41,7 @@ class _Entry:
     decision: Decision
     launcher: Any
     calls: int = 0
-    nbytes: int = 0
+    bytes_per_call: int = 0  # the key fixes the size: bytes = calls * bytes_per_call
 
 
 class _GroupState:
@@ -136,8 +136,12 @@ def init(group=None) -> None:
     _state(group)
 
 
+_HAS_CUDA = torch.cuda.is_available()  # checked once: is_available() is a driver query per call
+
+
 def _mode() -> str:
-    return "graph" if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() else "eager"
+    """'graph' while the current stream is capturing a CUDA graph, else 'eager'."""
+    return "graph" if _HAS_CUDA and torch.cuda.is_current_stream_capturing() else "eager"
 
 
 def _check_tensor(x: torch.Tensor, state: _GroupState, what: str) -> None:
@@ -150,19 +154,20 @@ def _check_tensor(x: torch.Tensor, state: _GroupState, what: str) -> None:
 
 def all_reduce(x: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """Reduce ``x`` over ``group`` in place (like dist.all_reduce) and return it."""
+    # The hot path: one key, one dict lookup, one counter. A tensor's bytes follow from (dtype,
+    # numel); a non-contiguous tensor gets its own key, so it meets the checks of the first call
+    # (every launcher also refuses a tensor on another device).
     state = _STATES.get(group) or _state(group)
-    mode = _mode()
-    # is_cuda/is_contiguous in the key: a tensor unlike the first one re-enters the checks.
-    key = ("all_reduce", x.dtype, x.numel(), x.is_cuda, x.is_contiguous(), mode, op)
+    key = (x.dtype, x.numel(), x.is_contiguous(), op, _HAS_CUDA and torch.cuda.is_current_stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
-        entry = _prepare_all_reduce(state, x, op, mode, key)
+        entry = _prepare_all_reduce(state, x, op, key)
     entry.calls += 1
-    entry.nbytes += x.numel() * x.element_size()
     return entry.launcher(x)
 
 
-def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, mode: str, key: tuple) -> _Entry:
+def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, key: tuple) -> _Entry:
+    mode = "graph" if key[-1] else "eager"
     _check_tensor(x, state, "all_reduce")
     if op not in _NCCL_OPS:
         raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(_NCCL_OPS)}")
@@ -186,6 +191,7 @@ def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, mode: str,
     else:
         problem = Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size)
         entry = state.prepare(problem, mode)
+    entry.bytes_per_call = x.numel() * x.element_size()
     state.cache[key] = entry
     return entry
 
@@ -194,7 +200,7 @@ def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
     state = _STATES.get(group) or _state(group)
     mode = _mode()
     n_expts_tot = int(expt_assignment.expt_map.shape[1])
-    key = (op, src.dtype, tuple(src.shape), n_expts_tot, tuple(expt_indx.shape), mode)
+    key = (op, src.dtype, src.shape, n_expts_tot, expt_indx.shape, mode)
     entry = state.cache.get(key)
     if entry is None:
         _check_tensor(src, state, op)
@@ -206,8 +212,8 @@ def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
         problem = Problem.moe(op, MoEShape(d_model, n_expts_tot, n_expts_act), max(1, n_tokens_local),
                               dtype_name(src.dtype), state.world_size)
         entry = state.cache[key] = state.prepare(problem, mode)
+        entry.bytes_per_call = src.numel() * src.element_size()
     entry.calls += 1
-    entry.nbytes += src.numel() * src.element_size()
     return entry.launcher(src, expt_assignment, expt_indx, indx)
 
 
@@ -253,7 +259,7 @@ def stats(group=None) -> dict[str, dict[str, int]]:
         for entry in state.cache.values():
             agg = out.setdefault(entry.decision.backend, {"calls": 0, "bytes": 0})
             agg["calls"] += entry.calls
-            agg["bytes"] += entry.nbytes
+            agg["bytes"] += entry.calls * entry.bytes_per_call
     return out
 
 
