@@ -23,7 +23,8 @@ def apply_safe_env() -> None:
     os.environ.update(SAFE_ENV)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -80,7 +81,7 @@ def run_workers(fn: Callable, nproc: int | None, *args: Any) -> Any:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     try:
-        mp.start_processes(_spawned, args=(nproc, _free_port(), fn, args, results), nprocs=nproc, join=True,
+        mp.start_processes(_spawned, args=(nproc, free_port(), fn, args, results), nprocs=nproc, join=True,
                            start_method="spawn")
     except Exception as exc:
         errors = []

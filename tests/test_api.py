@@ -1,20 +1,10 @@
 """The public runtime with real process groups (gloo on the CPU): agreement, fallbacks, bad input."""
 
-import os
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _gloo import run_gloo
 
 from autosymm.db import Row, TuningDB
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_row(median_us):
@@ -22,34 +12,16 @@ def _cpu_row(median_us):
                median_us=median_us, config=None, nccl_us=median_us, gpu="cpu")
 
 
-def _worker(rank, world_size, port, db_paths, env, body, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOSYMM_DB=str(db_paths[rank]), **env)
-    import torch.distributed as dist
+def _run(world_size, db_paths, body, env=None):
+    """``body(rank, world_size, autosymm)`` on gloo ranks, rank r reading the user DB db_paths[r]."""
+    per_rank = {r: {**(env or {}), "AUTOSYMM_DB": str(db_paths[r])} for r in range(world_size)}
+    return run_gloo(_with_autosymm, world_size, body, env=per_rank)
 
+
+def _with_autosymm(rank, world_size, body):
     import autosymm
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        results.put((rank, "ok", body(rank, world_size, autosymm)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(world_size, db_paths, body, env=None):
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world_size, _free_port(), db_paths, env or {}, body, results),
-                       nprocs=world_size, join=True, start_method="spawn")
-    out = {}
-    while not results.empty():
-        rank, status, value = results.get()
-        if status == "error":
-            pytest.fail(f"rank {rank}:\n{value}")
-        out[rank] = value
-    assert len(out) == world_size
-    return out
+    return body(rank, world_size, autosymm)
 
 
 def _sum_and_explain(rank, world_size, autosymm):

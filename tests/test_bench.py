@@ -1,44 +1,25 @@
 """`autosymm bench`'s worker over 2 gloo processes (NCCL stands in as gloo; no GPU here)."""
 
-import os
-import socket
-
 import pytest
-import torch.multiprocessing as mp
+from _gloo import run_gloo
 from rich.console import Console
 
 from autosymm.bench import BenchOptions, BenchResult, print_bench, write_bench_csv
-from autosymm.problem import MODEL_SHAPES, MoEShape
+from autosymm.problem import MoEShape
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, db, options, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOSYMM_DB=db)
-    import torch.distributed as dist
-
+def _bench(rank, world_size, options):
     from autosymm.bench import bench_job
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        results.put((rank, bench_job(rank, world_size, options)))
-    finally:
-        dist.destroy_process_group()
+    return bench_job(rank, world_size, options)
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> BenchResult:
     options = BenchOptions(sizes=[4096, 65536], modes=["eager", "graph"],
                            shapes={"mixtral-8x7b": MoEShape(64, 8, 2)}, tokens=[4], ops=["all_reduce", "dp_to_ep", "ep_to_dp"])
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     db = str(tmp_path_factory.mktemp("bench") / "none.sqlite")
-    mp.start_processes(_worker, args=(2, _free_port(), db, options, results), nprocs=2, join=True, start_method="spawn")
-    out = dict(results.get() for _ in range(2))
+    out = run_gloo(_bench, 2, options, env={"all": {"AUTOSYMM_DB": db}})
     assert out[1] is None  # only rank 0 returns the result
     return out[0]
 

@@ -8,22 +8,15 @@ A failure on any rank fails the test with that rank's traceback. NVLink multicas
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-SAFE_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+from autosymm.workers import SAFE_ENV, free_port
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, errors):
@@ -56,7 +49,7 @@ def run_on_gpus(fn, *args, world_size: int | None = None) -> None:
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} present")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, errors), nprocs=world_size,
+    mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size,
                        join=True, start_method="spawn")
     if not errors.empty():
         rank, tb = errors.get()

@@ -1,0 +1,44 @@
+"""Run a test body in several CPU processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch.multiprocessing as mp
+
+from autosymm.workers import free_port
+
+
+def _worker(rank, world_size, port, env, body, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env.get(rank, env.get("all", {})))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results.put((rank, "ok", body(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(body, world_size: int, *args, env: dict | None = None) -> dict:
+    """``body(rank, world_size, *args)`` on ``world_size`` gloo processes; {rank: return value}.
+
+    ``env``: {"all": {...}} and/or {rank: {...}} environment variables set before the group is
+    made. A failure on any rank fails the test with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(world_size, free_port(), env or {}, body, args, results),
+                       nprocs=world_size, join=True, start_method="spawn")
+    out = {}
+    while not results.empty():
+        rank, status, value = results.get()
+        if status == "error":
+            pytest.fail(f"rank {rank}:\n{value}")
+        out[rank] = value
+    assert len(out) == world_size
+    return out
