@@ -35,6 +35,15 @@ ALL_REDUCE_SIZES = [1 << p for p in range(12, 29)]  # 4 KiB .. 256 MiB
 MOE_TOKENS = [1 << p for p in range(0, 14)]  # 1 .. 8192 tokens per rank
 GRAPH_TOKENS_MAX = 256
 _SEED = 1234
+MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
+
+
+def measure_timeout_s() -> float:
+    """Default timeout of one measurement (s): at least twice a barrier wait's pessimistic spin
+    limit plus a minute, so a kernel whose peer never arrives gives up by itself first."""
+    from .kernels.barrier import max_wait_s
+
+    return max(MEASURE_TIMEOUT_S, 2 * max_wait_s() + 60.0)
 
 
 def default_sweep(world_size: int, dtype: str = "bf16") -> list[Problem]:
@@ -220,14 +229,29 @@ class ProblemData:
 # ------------------------------------------------------------------------------------------
 
 
+class BarrierTimeout(RuntimeError):
+    """A collective kernel's barrier wait gave up on this rank: a peer never arrived."""
+
+
 class SweepEvaluator:
     """prepare: backend launcher + fresh inputs + poisoned workspace (then a device sync, so the
     tuner's agreement step also orders the poison before every peer's first write); measure:
-    one validated call, then timing in ``mode`` (no host collective: see autosymm.tuner)."""
+    one validated call, then timing in ``mode`` (no host collective: see autosymm.tuner);
+    reset (collective): re-arm the workspace's signal pads after a failed candidate.
 
-    def __init__(self, problem: Problem, mode: str, backends: dict, data: ProblemData, ctx, plan: TimingPlan):
+    A MoE output is a view into the workspace that any rank's *next* call overwrites, so it is
+    copied out and the ranks line up on the device (``Workspace.device_barrier``) before it is
+    checked: else a fast peer's first timing call could overwrite rows a slower rank is still
+    checking; that rank then rejects the candidate and never launches its timing calls, and the
+    peer's kernels wait for it (how a graph-mode tune on 2 x H200 hung). Barrier waits are
+    bounded (autosymm.kernels.barrier); one that gave up fails the candidate on this rank
+    (:class:`BarrierTimeout`): +inf on every rank, then :meth:`reset` on every rank."""
+
+    def __init__(self, problem: Problem, mode: str, backends: dict, data: ProblemData, ctx, plan: TimingPlan,
+                 control_group=None):
         self.problem, self.mode, self.backends = problem, mode, backends
         self.data, self.ctx, self.plan = data, ctx, plan
+        self.control_group = control_group
 
     def prepare(self, candidate: Candidate):
         launcher = self.backends[candidate.backend].prepare(self.problem, candidate.config, self.ctx)
@@ -242,18 +266,50 @@ class SweepEvaluator:
         return launcher
 
     def measure(self, launcher):
+        ws = self.ctx.workspace
         try:
             out = launcher(*self.data.validation_args())
+            if ws is not None:
+                if _inside(ws, out):
+                    out = out.clone()  # stream-ordered: before this rank signals the barrier below
+                ws.device_barrier()  # no peer's timing call starts before every rank's copy is done
         finally:  # nothing of this candidate may still run when the next one poisons the workspace
             if self.data.device.type == "cuda":
                 torch.cuda.synchronize(self.data.device)
+        self._check_barriers("validation")
         check_output(out, self.data.expected, self.data.mask, exact=self.data.exact)
         plan = self.plan
         if self.mode == "graph":
-            return time_graph(launcher, self.data.timing_args(), warmup=plan.warmup, repeats=plan.repeats,
-                              calls_per_graph=plan.calls_per_graph)
-        return time_eager(launcher, self.data.timing_args(), warmup=plan.warmup, repeats=plan.repeats,
-                          calls_per_sample=plan.calls_per_sample)
+            timing = time_graph(launcher, self.data.timing_args(), warmup=plan.warmup, repeats=plan.repeats,
+                                calls_per_graph=plan.calls_per_graph)
+        else:
+            timing = time_eager(launcher, self.data.timing_args(), warmup=plan.warmup, repeats=plan.repeats,
+                                calls_per_sample=plan.calls_per_sample)
+        self._check_barriers("timing")
+        return timing
+
+    def _check_barriers(self, phase: str) -> None:
+        """Raise BarrierTimeout when a barrier wait of this rank gave up (syncs the device)."""
+        ws = self.ctx.workspace
+        errors = ws.barrier_errors() if ws is not None and hasattr(ws, "barrier_errors") else 0
+        if errors:
+            raise BarrierTimeout(f"barrier timed out: a peer never arrived ({errors} wait(s) gave up on this "
+                                 f"rank during {phase}; results are garbage)")
+
+    def reset(self) -> None:
+        """Collective (every rank, in lock-step): zero the workspace's signal pads and error slots,
+        lined up on the control group (autosymm.symm.Workspace.reset_signals)."""
+        ws = self.ctx.workspace
+        if ws is not None and hasattr(ws, "reset_signals"):
+            ws.reset_signals(self.control_group)
+
+
+def _inside(ws, out: Any) -> bool:
+    """Does tensor ``out`` live in the workspace's buffer (where peers may write)?"""
+    if not isinstance(out, torch.Tensor) or getattr(ws, "buffer", None) is None:
+        return False
+    start, addr = int(ws.buffer.data_ptr()), int(out.data_ptr())
+    return out.device == ws.buffer.device and start <= addr < start + ws.buffer.numel()
 
 
 # ------------------------------------------------------------------------------------------
@@ -335,7 +391,7 @@ def control_group_for(group):
 def run_sweep(problems: Sequence[Problem], *, backends: dict, group=None, workspace=None, db=None,
               hardware: Any = None, strategy: str = "auto", trials: Optional[int] = None,
               modes: Optional[Sequence[str]] = None, progress: Optional[Callable[[SweepItem], None]] = None,
-              caps=None, control_group=None, seed: int = 0, timeout_s: float = 120.0,
+              caps=None, control_group=None, seed: int = 0, timeout_s: Optional[float] = None,
               device: Optional[torch.device | str] = None,
               plan_for: Callable[[Problem, str], TimingPlan] = timing_plan) -> list[SweepItem]:
     """Tune ``problems`` on this rank, in lock-step with the other ranks of ``group``.
@@ -348,9 +404,11 @@ def run_sweep(problems: Sequence[Problem], *, backends: dict, group=None, worksp
     a new gloo group over ``group``'s ranks, see :func:`control_group_for`). ``device``: where
     inputs live (default: the workspace's, else the group's: CPU for gloo, for tests).
     ``plan_for(problem, mode)``: the :class:`TimingPlan` (default :func:`timing_plan`).
-    A problem whose search aborts (a hung candidate) stops the sweep: nothing more is measured
-    in a process whose GPU stream may be stuck. A failed database write (rank 0) is reported in
-    the item's ``reason`` and the sweep goes on (the other ranks cannot wait for a retry).
+    ``timeout_s``: per measurement (default :func:`measure_timeout_s`). The workspace's signal
+    pads are reset (collectively) first and after every failed candidate. A problem whose
+    search aborts (a candidate still stuck after the timeout) stops the sweep: nothing more is
+    measured in a process whose GPU stream may be stuck. A failed database write (rank 0) is
+    reported in the item's ``reason`` and the sweep goes on (the other ranks cannot wait).
     """
     import torch.distributed as dist
 
@@ -367,6 +425,9 @@ def run_sweep(problems: Sequence[Problem], *, backends: dict, group=None, worksp
     caps = caps or _capabilities(workspace, world_size, fp)
     control = control_group if control_group is not None else control_group_for(group)
     ctx = RunContext(group=group, workspace=workspace)
+    timeout_s = measure_timeout_s() if timeout_s is None else timeout_s
+    if workspace is not None:  # stale counts from earlier use of the workspace must not leak in
+        workspace.reset_signals(control)
     items: list[SweepItem] = []
     for problem in problems:
         if problem.world_size != world_size:
@@ -414,7 +475,7 @@ def _tune_one(problem, mode, backends, caps, ctx, device, rank, control, fallbac
         return SweepItem(problem, mode, "failed", f"inputs could not be built on some rank ({failure or 'see others'})",
                          unsupported=why_not)
     data.build_reference()
-    evaluator = SweepEvaluator(problem, mode, backends, data, ctx, plan)
+    evaluator = SweepEvaluator(problem, mode, backends, data, ctx, plan, control_group=control)
     outcome = tune(problem, candidates, evaluator, strategy=strategy, trials=trials, seed=seed, group=control,
                    timeout_s=timeout_s, baseline_backend=fallback.get(problem.op))
     if outcome.aborted:

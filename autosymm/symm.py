@@ -9,7 +9,16 @@ peer's base address plus the same offset)::
   at creation. Slot ``[channel][program][sender]`` of rank r counts the signals rank ``sender``'s
   program ``program`` sent to rank r and that r has not consumed yet (autosymm.kernels.barrier).
   One channel per kernel family, so an all-reduce and a MoE conversion on two streams never
-  share a slot.
+  share a slot. Then ``N_SIGNAL_CHANNELS`` *error slots* (uint32, at ``ERROR_SLOTS_OFFSET``),
+  one per channel: the number of barrier waits on that channel that gave up because a peer never
+  signalled (bounded waits, autosymm.kernels.barrier). No signal ever lands there; only this
+  rank's own kernels add to them and only :meth:`Workspace.reset_signals` clears them. After a
+  timeout the pads hold stale counts: :meth:`Workspace.reset_signals` (collective) is mandatory
+  before the next collective kernel, and every result since the last clean
+  :meth:`Workspace.barrier_errors` is suspect.
+
+  Signal slot ``[channel][program][r]`` of rank r itself receives no signal (senders write their
+  own index); the MoE end barrier uses it as its arrival counter (autosymm.kernels.moe).
 * all-reduce region: the staging copy of the tensor being reduced (or, for tensors from
   :meth:`Workspace.empty`, the tensor itself: zero-copy).
 * MoE region: the dp->ep and ep->dp destination buffers (peers write into them).
@@ -35,7 +44,9 @@ ALIGN = 256  # bytes: every region and every tensor handed out starts on this bo
 SIGNAL_SLOTS_PER_RANK = MAX_PROGRAMS * MAX_WORLD_SIZE
 N_SIGNAL_CHANNELS = 4
 SIGNAL_CHANNEL = {"all_reduce": 0, "moe": 1, "moe_end": 2, "host": 3}
-SIGNAL_BYTES = N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
+#: Byte offset of the error slots (one uint32 per channel) after the signal channels.
+ERROR_SLOTS_OFFSET = N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
+SIGNAL_BYTES = ERROR_SLOTS_OFFSET + N_SIGNAL_CHANNELS * 4
 
 DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
 DEFAULT_MOE_BYTES = 256 * 1024**2
@@ -76,7 +87,9 @@ class Workspace:
     Attributes used by the backends (all on ``device``):
       ``rank``, ``world_size``;
       ``base_ptrs``: int64 tensor [world_size], each rank's buffer base address;
-      ``signal_ptrs(family)``: int64 tensor [world_size], each rank's signal channel address;
+      ``signal_ptrs(family)``: int64 tensor [world_size + 1], each rank's signal channel address,
+      then this rank's error slot of that channel (entry ``world_size``, read by the kernels'
+      bounded waits);
       ``region_ptrs(name)``: int64 tensor [world_size], each rank's region address;
       ``multicast_ptr``: multicast address of the buffer base, 0 when there is none.
     """
@@ -139,9 +152,29 @@ class Workspace:
         region = self.regions[name]
         return self._ptrs_at(region.offset + offset)
 
-    def signal_ptrs(self, family: str) -> torch.Tensor:
-        """int64 tensor [world_size]: each rank's signal channel of ``family`` (uint32 slots)."""
-        return self._ptrs_at(SIGNAL_CHANNEL[family] * SIGNAL_SLOTS_PER_RANK * 4)
+    def signal_ptrs(self, family: str, program: int = 0) -> torch.Tensor:
+        """int64 tensor [world_size + 1]: each rank's signal channel of ``family`` (uint32 slots),
+        shifted by ``program`` programs (so the kernel's program 0 is the channel's ``program``),
+        then this rank's error slot of the channel (never shifted).
+
+        ``program`` 0 is made once, at creation. A shifted table is a new tensor per call, made
+        by device ops from it (capturable, so a launcher may be prepared inside CUDA-graph
+        capture; not cached, since a tensor made inside a capture holds its values only once the
+        graph replays): keep it."""
+        key = ("signal:" + family, 0)
+        base = self._ptr_cache.get(key)
+        if base is None:
+            channel = SIGNAL_CHANNEL[family]
+            addrs = [int(b.data_ptr()) + channel * SIGNAL_SLOTS_PER_RANK * 4 for b in self.peer_buffers]
+            addrs.append(int(self.buffer.data_ptr()) + ERROR_SLOTS_OFFSET + 4 * channel)
+            base = self._ptr_cache[key] = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        if program == 0:
+            return base
+        if not 0 < program < MAX_PROGRAMS:
+            raise ValueError(f"program={program} must be in 0..{MAX_PROGRAMS - 1}")
+        shifted = base.clone()
+        shifted[:self.world_size] += program * MAX_WORLD_SIZE * 4
+        return shifted
 
     def capacity(self, name: str) -> int:
         """Bytes of region ``name``."""
@@ -205,6 +238,76 @@ class Workspace:
         if start <= addr and end <= start + region.nbytes and tensor.device == self.device:
             return addr - start
         return None
+
+    # -- barrier health (not on the hot path) --------------------------------------------
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier_error_counts(self) -> dict[str, int]:
+        """{signal channel: waits on it that gave up (a peer never signalled)} of this rank.
+        Synchronizes the device first (every kernel launched so far has finished)."""
+        self._synchronize()
+        start = ERROR_SLOTS_OFFSET
+        counts = self.buffer[start:start + 4 * N_SIGNAL_CHANNELS].view(torch.int32).tolist()
+        return {family: int(counts[channel]) for family, channel in SIGNAL_CHANNEL.items()}
+
+    def barrier_errors(self) -> int:
+        """Barrier waits of this rank's kernels that gave up since the last reset (0: healthy).
+
+        Non-zero means some collective kernel ran without its peers (a peer failed, or launched
+        fewer or different kernels): every result since the last clean check is suspect, and
+        :meth:`reset_signals` must run on every rank before the next collective kernel.
+        Synchronizes the device: call it after the fact, not on the hot path."""
+        return sum(self.barrier_error_counts().values())
+
+    def reset_signals(self, group=None) -> None:
+        """Zero this rank's signal pads and error slots; a collective over the group.
+
+        Every rank must call it together (``group``: the host group to line up on, default the
+        workspace's; a CPU gloo group keeps it off the GPU). Order: device sync (this rank's
+        kernels are done: bounded waits guarantee they end), host barrier (so no rank's kernel
+        is still running and could signal into pads after they are zeroed), zero, device sync,
+        host barrier (every rank's pads are zero before any rank signals again). Both barriers
+        are joined even when a local step fails, so no peer is left waiting; the first local
+        error is raised afterwards. On simulated workspaces (no group) it just zeroes."""
+        group = group if group is not None else self.group
+        errors: list[BaseException] = []
+
+        def local(step) -> None:
+            if errors:
+                return
+            try:
+                step()
+            except Exception as exc:  # joined barriers first, raised below
+                errors.append(exc)
+
+        local(self._synchronize)
+        self._host_barrier(group)
+        local(lambda: self.buffer[:SIGNAL_BYTES].zero_())
+        local(self._synchronize)
+        self._host_barrier(group)
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    def _host_barrier(group) -> None:
+        if group is None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=group)
+
+    def device_barrier(self) -> None:
+        """A stream-ordered barrier of the group on the device (the 'host' signal channel): work
+        queued after it on this rank's current stream starts only once every rank's stream has
+        reached it. Bounded like every autosymm barrier (see :meth:`barrier_errors`)."""
+        if self.world_size == 1:
+            return
+        from .kernels.barrier import _barrier_kernel
+
+        _barrier_kernel[(1,)](self.signal_ptrs("host"), RANK=self.rank, WORLD_SIZE=self.world_size, num_warps=1)
 
     def barrier(self) -> None:
         """Host-side barrier of the whole group (not on the hot path)."""

@@ -24,7 +24,10 @@ Rank protocol (every rank runs :func:`tune` in lock-step; all traffic is small f
    so one failing rank makes it +inf everywhere, and every rank then holds the same numbers;
 5. after a timeout, the ranks that timed out wait ``grace_s`` for the stuck measurement and every
    rank probes its device; if any rank did not recover, the search of this problem stops on
-   every rank (``TuneOutcome.aborted``) and nothing must be recorded for it;
+   every rank (``TuneOutcome.aborted``) and nothing must be recorded for it. Otherwise, when the
+   measurement failed on any rank (the MAX says so on every rank), every rank calls the
+   evaluator's optional ``reset()`` in lock-step (e.g. re-arming device signal pads a peer left
+   unbalanced) and the ranks agree by MAX that it worked, else the search stops likewise;
 6. rank 0 tells the study the score; at the end it broadcasts the winner's index.
 
 The measurement must not join host-side collectives (barriers, all_reduce on ``group``): a rank
@@ -32,7 +35,9 @@ that timed out has left it behind while its peers go on to step 4's MAX. Device 
 candidate kernel) are fine. Limit: a GPU kernel that truly hangs (a peer never arrived at its
 device barrier) poisons that process's stream; no thread can cancel it. The tuner then aborts the
 problem on every rank and records nothing for it, never a wrong row; the caller should stop
-(see :func:`autosymm.sweep.run_sweep`).
+(see :func:`autosymm.sweep.run_sweep`). autosymm's own barriers are bounded (a wait gives up and
+flags the workspace, autosymm.kernels.barrier), so with a timeout above their spin limit a
+missing peer costs one failed candidate and a ``reset()``, not the search.
 """
 
 from __future__ import annotations
@@ -147,7 +152,9 @@ class Evaluator(Protocol):
     """Runs on every rank in lock-step. ``prepare`` is local (compile, allocate, poison outputs)
     and may raise; ``measure`` validates (raising on a wrong result) and times, joining no
     host-side collective. Optional: ``release(prepared)`` frees what prepare made;
-    ``healthy(timeout_s) -> bool`` overrides the device probe after a timeout."""
+    ``healthy(timeout_s) -> bool`` overrides the device probe after a timeout; ``reset()`` runs
+    on every rank in lock-step after a measurement failed on any rank (it may join host
+    collectives on the tuner's group; raising stops the search)."""
 
     def prepare(self, candidate: Candidate) -> Any: ...
 
@@ -480,13 +487,14 @@ class _Search:
             stuck.append(thread)
         agreed = comm.max(comm.flags(status != "ok") + comm.flags(status == "timeout"))
         failed, timed_out = agreed[:comm.world_size], agreed[comm.world_size:]
-        timing, error = None, None
+        timing, error, measured = None, None, False
         if any(failed):
             error = f"prepare failed on rank(s) {_ranks(failed)}"
             if any(timed_out):
                 error = f"prepare timed out on rank(s) {_ranks(timed_out)}"
         else:
             # 4. measure under a timeout; combine by MAX
+            measured = True
             status, value, detail, thread = _call_with_timeout(self.evaluator.measure, prepared, self.timeout_s)
             local = Timing.failed()
             if status == "timeout":
@@ -523,6 +531,9 @@ class _Search:
             if any(verdict):
                 self.aborted = (f"{candidate.describe()}: {error}; rank(s) {_ranks(verdict)} did not recover "
                                 f"within {self.grace_s:g} s (a hung kernel or call): search stopped, nothing recorded")
+        # 5b. a failed measurement may leave device state unbalanced (signal pads): reset it everywhere
+        if measured and any(failed) and self.aborted is None:
+            self._reset(candidate, error)
         result = TrialResult(candidate, timing, error, detail)
         self.results[index] = result
         if self.log is not None:
@@ -531,6 +542,21 @@ class _Search:
             except Exception:
                 pass
         return result
+
+    def _reset(self, candidate: Candidate, error: Optional[str]) -> None:
+        """Every rank calls the evaluator's ``reset`` (collective), then the ranks agree it worked."""
+        reset = getattr(self.evaluator, "reset", None)
+        if reset is None:
+            return
+        problem = None
+        try:
+            reset()
+        except Exception as exc:  # reported, never raised through the search
+            problem = f"{type(exc).__name__}: {exc}"
+        verdict = self.comm.max(self.comm.flags(problem is not None))
+        if any(verdict):
+            self.aborted = (f"{candidate.describe()}: {error}; the reset after it failed on rank(s) "
+                            f"{_ranks(verdict)} ({problem or 'see those ranks'}): search stopped, nothing recorded")
 
     def _recovered(self, stuck: list[threading.Thread]) -> bool:
         import time

@@ -59,6 +59,9 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
         raise
     finally:
         if dist.is_initialized():
+            import autosymm.api
+
+            autosymm.api.reset()  # no group reference may outlive destroy_process_group
             dist.destroy_process_group()
 
 

@@ -51,6 +51,21 @@ def preset(buffers, n_programs: int, n_barriers: int, channel: str = "all_reduce
     return expected
 
 
+def tiny_poll_limit(monkeypatch, polls: int = 3) -> None:
+    """Make every barrier wait give up after ``polls`` empty polls (the interpreter reads the
+    module attribute when a kernel runs; compiled kernels would need a recompile)."""
+    import triton.language as tl
+
+    import autosymm.kernels.barrier as barrier_module
+
+    monkeypatch.setattr(barrier_module, "MAX_POLLS", tl.constexpr(polls))
+
+
+def error_counts(ws) -> dict:
+    """{channel: waits that gave up} of a simulated workspace (its error slots)."""
+    return ws.barrier_error_counts()
+
+
 def random_inputs(world_size: int, numel: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(numel, generator=gen, dtype=torch.float32).to(dtype) for _ in range(world_size)]

@@ -21,6 +21,19 @@ def _worker(rank, world_size, port, env, body, args, results):
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        _teardown(dist)
+
+
+def _teardown(dist) -> None:
+    """Drop autosymm's references to the group, leave together, then destroy the group (a
+    group destroyed under a peer's feet, or outliving its destroy, aborts at exit)."""
+    import sys
+
+    if "autosymm.api" in sys.modules:
+        sys.modules["autosymm.api"].reset()
+    try:
+        dist.barrier()
+    finally:
         dist.destroy_process_group()
 
 

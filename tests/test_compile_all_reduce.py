@@ -47,7 +47,15 @@ def _features(ptx: str) -> dict:
         "ld_reduce": re.findall(r"multimem\.ld_reduce\.relaxed\.sys\.global\.add\.([\w:.]+)", ptx),
         "multimem_st": len(re.findall(r"multimem\.st\.relaxed\.sys\.global\.v4\.f32", ptx)),
         "proxy_fences": ptx.count("fence.proxy.alias"),
+        "poll_limit": bool(re.search(rf"setp\.\w+\.[us]32\s+%p\d+, %r\d+, (?:{_max_polls()}|{_max_polls() - 1});", ptx)),
+        "error_adds": len(re.findall(r"(?:red|atom)\.global\.gpu\.relaxed\.add", ptx)),
     }
+
+
+def _max_polls() -> int:
+    from autosymm.kernels.barrier import MAX_POLLS
+
+    return int(MAX_POLLS.value)
 
 
 def _compile_cases(indices: list[int]) -> dict:
@@ -108,6 +116,8 @@ def test_compiles_for_sm90(features, case):
     n_barriers = 2  # all kernels here signal twice in the code (ZERO_COPY one-shot: once per round)
     assert got["signals"] == n_barriers * peers, "one release signal per peer per barrier"
     assert got["acquire_polls"] >= n_barriers * peers
+    # bounded waits: each wait's loop compares against MAX_POLLS and can count a give-up
+    assert got["poll_limit"] and got["error_adds"] == n_barriers * peers, got
     if kernel == "multimem":
         assert got["ld_reduce"] and set(got["ld_reduce"]) == {VEC_TYPE[dtype]}
         assert got["multimem_st"] >= 1

@@ -65,8 +65,30 @@ def _compile_all(cases) -> dict:
             "global": sorted(set(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)*", ptx))),
             "atomics": sorted(set(re.findall(r"\b(?:atom|red)\.global(?:\.[a-z0-9_]+)*", ptx))),
             "cubin_bytes": len(kernel.asm.get("cubin", b"")),
+            **_wait_facts(ptx),
         }
+    from autosymm.kernels.barrier import _barrier_kernel
+
+    kernel = triton.compile(ASTSource(_barrier_kernel, {"signal_ptrs": "*i64", "RANK": "constexpr",
+                                                        "WORLD_SIZE": "constexpr"}, dict(RANK=1, WORLD_SIZE=2)),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    out["_barrier_kernel"] = {"atomics": sorted(set(re.findall(r"\b(?:atom|red)\.global(?:\.[a-z0-9_]+)*",
+                                                               kernel.asm["ptx"]))),
+                              "cubin_bytes": len(kernel.asm.get("cubin", b"")), **_wait_facts(kernel.asm["ptx"])}
     return out
+
+
+def _wait_facts(ptx: str) -> dict:
+    """The bounded wait of autosymm.kernels.barrier: acquire polls, the poll-limit compare, the
+    relaxed add on the error slot (and its fail-fast read)."""
+    from autosymm.kernels.barrier import MAX_POLLS
+
+    limit = int(MAX_POLLS.value)
+    return {
+        "acquire_polls": len(re.findall(r"ld\.global\.sys\.acquire|atom\.global\.sys\.acquire", ptx)),
+        "poll_limit": bool(re.search(rf"setp\.\w+\.[us]32\s+%p\d+, %r\d+, (?:{limit}|{limit - 1});", ptx)),
+        "error_adds": len(re.findall(r"(?:red|atom)\.global\.gpu\.relaxed\.add", ptx)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +114,9 @@ def test_compiles_for_sm90(compiled, op, case):
         # arrival counter acq_rel.sys, peer signals release.sys (autosymm.kernels.moe docstring)
         assert "atom.global.sys.acq_rel.add.u32" in atomics, atomics
         assert {"red.global.sys.release.add.u32", "atom.global.sys.release.add.u32"} & atomics, atomics
+        # the bounded wait: acquire polls, a loop bounded by MAX_POLLS, one error-slot add per peer
+        assert facts["acquire_polls"] >= 1 and facts["poll_limit"], facts
+        assert facts["error_adds"] == world_size - 1, facts
     else:
         assert not atomics, atomics  # the end barrier is a separate kernel (or none at world size 1)
 
@@ -113,3 +138,10 @@ def test_odd_d_model_compiles_with_element_accesses(compiled, op):
 
 if __name__ == "__main__":  # the compiling subprocess of the `compiled` fixture
     print(json.dumps(_compile_all([(op, tuple(case)) for op, case in json.load(sys.stdin)])))
+
+
+def test_barrier_kernel_compiles_with_a_bounded_wait(compiled):
+    facts = compiled["_barrier_kernel"]
+    assert facts["cubin_bytes"] > 0
+    assert "red.global.sys.release.add.u32" in facts["atomics"] or "atom.global.sys.release.add.u32" in facts["atomics"]
+    assert facts["acquire_polls"] >= 1 and facts["poll_limit"] and facts["error_adds"] == 1, facts

@@ -13,7 +13,8 @@ from autosymm.backends.triton_all_reduce import segment_vecs
 from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
 from autosymm.symm import simulated_workspaces
 
-from _all_reduce_sim import assert_close_to_sum, pads, preset, random_inputs, requires_interpreter, snapshot_workspace
+from _all_reduce_sim import (assert_close_to_sum, error_counts, pads, preset, random_inputs, requires_interpreter,
+                             snapshot_workspace, tiny_poll_limit)
 
 pytestmark = requires_interpreter
 
@@ -162,3 +163,37 @@ def test_world_size_one_copies_through(kernel):
         _run_two_shot([ws], [x], 1000, 0, 256, 2, 4, zero_copy=False)
     assert torch.equal(x, values)
     assert (backing[1000:] == SENTINEL).all()
+
+
+# -- a missing peer: bounded waits --------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel, zero_copy", [("one_shot", False), ("one_shot", True), ("two_shot", False),
+                                               ("two_shot", True)])
+def test_a_missing_peer_flags_the_error_and_the_kernel_completes(monkeypatch, kernel, zero_copy):
+    """Only rank 0 runs (rank 1 never launches) and no signal is pre-set: every wait gives up
+    after the poll limit, counts itself in rank 0's error slot and the kernel returns."""
+    tiny_poll_limit(monkeypatch, 3)
+    world_size, dtype, numel, block, programs = 2, torch.float32, 1000, 256, 2
+    wss = _poisoned_workspaces(world_size)
+    ws = wss[0]
+    if zero_copy:
+        x = ws.local_view("all_reduce", (numel,), dtype, 0)
+        x.copy_(torch.ones(numel))
+    else:
+        x = torch.ones(numel, dtype=dtype)
+    if kernel == "one_shot":
+        _one_shot_all_reduce[(programs,)](x, ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"), numel, 0,
+                                          RANK=0, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
+                                          ALIGNED=True, num_warps=4)
+    else:
+        seg = segment_vecs(numel, world_size, 4)
+        _two_shot_all_reduce[(programs,)](x, ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"), numel, 0,
+                                          seg, 0, RANK=0, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
+                                          ALIGNED=True, MULTIMEM=False, PHASE=0, num_warps=4)
+    chunks_per_program = -(-numel // block) // programs
+    barriers = 1 + chunks_per_program if (kernel, zero_copy) == ("one_shot", True) else 2
+    # every barrier of every program gave up once (the first by spinning, the others fail fast)
+    assert error_counts(ws) == {"all_reduce": barriers * programs, "moe": 0, "moe_end": 0, "host": 0}
+    assert int(pads(ws.buffer).count_nonzero()) == 0, "no signal came, none was consumed"
+    assert int(pads(wss[1].buffer).sum()) > 0  # rank 0 still signalled its peer
+    assert wss[1].barrier_errors() == 0

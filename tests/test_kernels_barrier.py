@@ -1,6 +1,7 @@
 """The signal-pad barrier (autosymm.kernels.barrier) under the Triton interpreter.
 
-Ranks run one after another, so waits are satisfied by pre-set signals (tests/_all_reduce_sim).
+Ranks run one after another, so waits are satisfied by pre-set signals (tests/_all_reduce_sim);
+the bounded-wait tests leave them unset and shrink the poll limit.
 """
 
 import pytest
@@ -9,9 +10,9 @@ import triton
 import triton.language as tl
 
 from autosymm.kernels.barrier import _barrier_kernel, barrier
-from autosymm.symm import simulated_workspaces
+from autosymm.symm import SIGNAL_BYTES, simulated_workspaces
 
-from _all_reduce_sim import pads, preset, requires_interpreter, snapshot_workspace
+from _all_reduce_sim import error_counts, pads, preset, requires_interpreter, snapshot_workspace, tiny_poll_limit
 
 pytestmark = requires_interpreter
 
@@ -81,3 +82,62 @@ def test_barrier_kernel_of_the_module():
         _barrier_kernel[(1,)](ws.signal_ptrs("host"), RANK=ws.rank, WORLD_SIZE=2)
     for ws, want in zip(wss, expected):
         assert torch.equal(pads(ws.buffer, "host"), want)
+
+
+# -- bounded waits ------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_polls(monkeypatch):
+    tiny_poll_limit(monkeypatch, 3)
+
+
+def test_a_wait_with_no_signal_gives_up_and_records_one_error(tiny_polls):
+    wss = simulated_workspaces(2, all_reduce_bytes=256, moe_bytes=256)
+    _barrier_kernel[(1,)](wss[0].signal_ptrs("host"), RANK=0, WORLD_SIZE=2)  # rank 1 never runs
+    assert error_counts(wss[0]) == {"all_reduce": 0, "moe": 0, "moe_end": 0, "host": 1}
+    assert wss[0].barrier_errors() == 1
+    assert int(pads(wss[0].buffer, "host").count_nonzero()) == 0, "the empty slot is left alone (no decrement)"
+    want = torch.zeros_like(pads(wss[1].buffer, "host"))
+    want[0, 0] = 1  # the signal to the peer was still sent
+    assert torch.equal(pads(wss[1].buffer, "host"), want)
+    assert wss[1].barrier_errors() == 0
+
+
+def test_only_the_missing_peer_counts(tiny_polls):
+    world_size, n_programs = 4, 3
+    wss = simulated_workspaces(world_size, all_reduce_bytes=256, moe_bytes=256)
+    pads(wss[0].buffer)[:n_programs, 1:3] = 1  # peers 1 and 2 signalled, peer 3 never does
+    _run(wss[0], n_programs, 1)
+    assert error_counts(wss[0])["all_reduce"] == n_programs  # one wait per program gave up
+    assert int(pads(wss[0].buffer).count_nonzero()) == 0  # the signals that came were consumed
+
+
+def test_signalled_barriers_record_no_error(tiny_polls):
+    wss = simulated_workspaces(3, all_reduce_bytes=256, moe_bytes=256)
+    expected = preset([ws.buffer for ws in wss], 2, 2)
+    for ws in wss:
+        _run(ws, 2, 2)
+    for ws, want in zip(wss, expected):
+        assert torch.equal(pads(ws.buffer), want)
+        assert ws.barrier_errors() == 0
+
+
+def test_after_a_timeout_waits_fail_fast(monkeypatch):
+    import time
+
+    wss = simulated_workspaces(2, all_reduce_bytes=256, moe_bytes=256)
+    ptrs = wss[0].signal_ptrs("host")
+    tiny_poll_limit(monkeypatch, 3)
+    _barrier_kernel[(1,)](ptrs, RANK=0, WORLD_SIZE=2)
+    tiny_poll_limit(monkeypatch, 5000)  # ~2 s of interpreted polls, were they made
+    start = time.perf_counter()
+    for _ in range(3):
+        _barrier_kernel[(1,)](ptrs, RANK=0, WORLD_SIZE=2)
+    assert time.perf_counter() - start < 1.0, "a channel that timed out must not spin again"
+    assert wss[0].barrier_errors() == 4
+    # A signal that is there is still consumed (the hot path never looks at the error slot).
+    pads(wss[0].buffer, "host")[0, 1] = 1
+    _barrier_kernel[(1,)](ptrs, RANK=0, WORLD_SIZE=2)
+    assert wss[0].barrier_errors() == 4 and int(pads(wss[0].buffer, "host")[0, 1]) == 0
+    wss[0].reset_signals()
+    assert wss[0].barrier_errors() == 0 and int(wss[0].buffer[:SIGNAL_BYTES].count_nonzero()) == 0

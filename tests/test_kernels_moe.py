@@ -140,3 +140,30 @@ def test_repeated_calls_keep_pads_balanced():
         run_all_ranks("dp_to_ep", wss, MoEConfig(32, 1, 1, 2), srcs, assignment, expt_indx, gate_indx,
                       fused_barrier=fused)
         assert_bits_equal(bufs, reference_dp_to_ep(srcs, assignment, expt_indx, gate_indx, out=before))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("op", ["dp_to_ep", "ep_to_dp"])
+def test_a_missing_peer_flags_the_error_and_the_conversion_completes(monkeypatch, op, fused):
+    """Only rank 0 converts (rank 1 never launches; no signal pre-set): the end barrier's wait
+    gives up, rank 0's 'moe_end' error slot counts it once, the arrival counter is back at 0
+    and its signal reached rank 1."""
+    from _all_reduce_sim import tiny_poll_limit
+    from _moe_sim import _slots
+
+    from autosymm.backends.moe import launch
+
+    tiny_poll_limit(monkeypatch, 3)
+    world_size, k, n_tokens_local, d_model = 2, 8, 1, 64  # DeepSeek-like top-8, one token per rank
+    assignment, expt_indx, gate_indx, topk_indx, srcs = _setup(world_size, k, BF16, "uniform", n_tokens_local,
+                                                               d_model, 16, 0.0, seed=5)
+    if op == "ep_to_dp":
+        srcs = [torch.randn(world_size * n_tokens_local * k, d_model).to(BF16) for _ in range(world_size)]
+    indx = gate_indx if op == "dp_to_ep" else topk_indx
+    wss = simulated_workspaces(world_size, moe_bytes=1 << 20)
+    launch(op, wss[0], MoEConfig(32, 1, rows_per_program=2), srcs[0], assignment.expt_owner, expt_indx, indx,
+           fused_barrier=fused)
+    assert wss[0].barrier_error_counts() == {"all_reduce": 0, "moe": 0, "moe_end": 1, "host": 0}
+    assert _slots(wss[0], op).tolist() == [0] * 8  # counter reset, no signal consumed
+    assert _slots(wss[1], op).tolist() == [1] + [0] * 7  # rank 0's signal to rank 1
+    assert wss[1].barrier_errors() == 0

@@ -306,3 +306,37 @@ def test_candidates_for_skips_unsupported_and_uncapturable():
     assert sorted(eager) == ["nccl_all_to_all", "triton_moe"] and why == {"broken": "no workspace"}
     graph, why = candidates_for(problem, "graph", backends, caps)
     assert sorted(graph) == ["triton_moe"] and why["nccl_all_to_all"] == "not CUDA-graph capturable"
+
+
+class ResettingEvaluate(FakeEvaluate):
+    """FakeEvaluate with the optional ``reset`` hook: records when the tuner calls it."""
+
+    def __init__(self, bad=None, reset_error=None):
+        super().__init__(bad=bad)
+        self.resets: list[Candidate] = []  # the candidate measured last before each reset
+        self.reset_error = reset_error
+
+    def reset(self):
+        self.resets.append(self.measured[-1])
+        if self.reset_error:
+            raise RuntimeError(self.reset_error)
+
+
+def test_reset_runs_after_each_failed_measurement_only():
+    space = {"nccl": [None], "triton_one_shot": all_reduce_space("one_shot", 4096, 4, 2)[:6]}
+    cands = build_candidates(space)
+    bad = {cands[1]: "raise", cands[2]: "prepare", cands[3]: "wrong", cands[4]: "inf"}
+    ev = ResettingEvaluate(bad)
+    out = tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    # prepare failures launch nothing (no reset); every failed measurement is followed by one
+    assert ev.resets == [cands[1], cands[3], cands[4]]
+    assert out.aborted is None and out.best is not None and len(out.results) == len(cands)
+
+
+def test_a_failing_reset_stops_the_search():
+    space = {"nccl": [None], "triton_one_shot": all_reduce_space("one_shot", 4096, 4, 2)[:6]}
+    cands = build_candidates(space)
+    ev = ResettingEvaluate({cands[2]: "raise"}, reset_error="pads not writable")
+    out = tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    assert out.aborted and "reset after it failed" in out.aborted and "pads not writable" in out.aborted
+    assert out.best is None and len(out.results) == 3  # nothing measured after the failed reset

@@ -12,7 +12,14 @@ end barrier of each op guarantees that no peer writes a buffer its owner is stil
 peer passes ep->dp's barrier only once this rank's ep->dp kernel ran, i.e. after this rank's
 expert kernels finished reading the dp->ep buffer (and symmetrically). Calling one op twice
 in a row while still reading the first result needs a copy or a host barrier in between.
-Each op uses its own signal slot, so the two may even run on different streams.
+Each op uses its own signal slot, so the two may even run on different streams. (The tuner
+copies a validation result out and runs ``Workspace.device_barrier`` before its timing calls
+for exactly this reason: a peer's next call overwrites the rows this rank is checking.)
+
+Failures are reported after the fact, never on the hot path: the end barrier's waits are bounded
+(autosymm.kernels.barrier), so a peer that never launches its kernel makes this rank's kernel
+finish with garbage instead of hanging the GPU, and ``Workspace.barrier_errors()`` (non-zero)
+says so; ``Workspace.reset_signals()`` on every rank then re-arms the pads.
 
 ``nccl_all_to_all`` is what a user would write without autosymm: split sizes computed locally
 from the global expt_indx, rows gathered, ``dist.all_to_all_single``, rows scattered into the
@@ -27,7 +34,7 @@ from typing import Optional
 import torch
 
 from ..configs import MAX_WORLD_SIZE, MoEConfig, moe_space
-from ..kernels.barrier import SLOTS_PER_PROGRAM, _barrier_kernel
+from ..kernels.barrier import _barrier_kernel
 from ..kernels.moe import _convert_dp_to_ep, _convert_ep_to_dp
 from ..moe import ExptAssignment
 from ..problem import DTYPES, MOE_OPS, Problem, next_pow2
@@ -132,8 +139,9 @@ def launch(op: str, ws, config: MoEConfig, src: torch.Tensor, expt_owner: torch.
 
 
 def _signal_ptrs(ws, op: str) -> torch.Tensor:
-    """int64 [world_size]: each rank's slot SIGNAL_SLOT[op] of the 'moe_end' channel."""
-    return ws.signal_ptrs("moe_end") + SIGNAL_SLOT[op] * int(SLOTS_PER_PROGRAM.value) * 4
+    """int64 [world_size + 1]: each rank's program SIGNAL_SLOT[op] of the 'moe_end' channel, then
+    this rank's error slot of that channel (autosymm.symm.Workspace.signal_ptrs)."""
+    return ws.signal_ptrs("moe_end", SIGNAL_SLOT[op])
 
 
 def _shape_reason(problem: Problem) -> Optional[str]:

@@ -7,6 +7,12 @@ there (zero-copy); any other tensor is staged by the kernel's fused copy-in at t
 region (``Workspace.empty`` allocates from the bottom), so live zero-copy tensors are not
 overwritten unless the region is nearly full. Zero-copy must be symmetric: every rank passes a
 tensor at the same offset, as the SPMD use of ``Workspace.empty`` guarantees.
+
+Failures are reported after the fact, never on the hot path: the kernels' barrier waits are
+bounded (autosymm.kernels.barrier), so a peer that never launches its kernel (it raised, or runs
+another decision) makes this rank's kernel finish with a garbage sum instead of hanging the GPU.
+``Workspace.barrier_errors()`` (it synchronizes the device) is then non-zero, and every rank must
+call ``Workspace.reset_signals()`` before the next collective kernel.
 """
 
 from __future__ import annotations

@@ -16,13 +16,60 @@ program ``program`` of rank ``sender`` sent it and that it has not consumed. A b
 Every barrier consumes exactly what it was sent, so the pads are back to zero after each
 kernel: the same launch replays under a CUDA graph with no host reset. All ranks must launch the
 same grid (the tuner and the dispatcher guarantee it: a decision is the same on every rank).
+
+Bounded waits. A wait gives up after :data:`MAX_POLLS` polls of its slot that found no signal
+(a peer that never arrives: it failed before launching, launched fewer collective kernels, or
+runs a different grid). It then adds one to this rank's *error slot* of the channel (its address
+is entry ``WORLD_SIZE`` of ``signal_ptrs``; autosymm.symm lays the slots out) instead of
+consuming a signal, and the kernel runs to completion, so a missing peer never hangs the GPU.
+A wait that finds the error slot already non-zero when it would have to spin gives up at once
+(fail fast: after the first timeout a whole graph of barriers finishes in one spin limit, not
+one per wait). The hot path is unchanged: a wait whose signal is already there costs what it
+did, and each poll of a spinning wait adds one counter compare.
+
+Memory ordering after a timeout: a wait that gave up performed no acquire, so nothing a peer
+wrote is guaranteed visible; data read from peers (or written by them into this rank) after it
+is garbage, and a late peer may still write into this rank's buffers and signal it later. The
+pads then hold stale counts (an unconsumed late signal lets a later barrier pass with no real
+synchronisation). The host must treat every call since the last clean check as failed
+(``Workspace.barrier_errors() > 0``) and call ``Workspace.reset_signals()`` on every rank before
+the next collective kernel.
 """
+
+import os
 
 import triton
 import triton.language as tl
 
 #: Slots per program in a signal channel (autosymm.configs.MAX_WORLD_SIZE).
 SLOTS_PER_PROGRAM: tl.constexpr = tl.constexpr(8)
+
+
+def _max_polls_from_env() -> int:
+    value = os.environ.get("AUTOSYMM_BARRIER_MAX_POLLS", "")
+    if not value:
+        return 1 << 24
+    polls = int(value, 0)
+    if not 1 <= polls < 1 << 31:
+        raise ValueError(f"AUTOSYMM_BARRIER_MAX_POLLS={value!r} must be in 1..2**31-1")
+    return polls
+
+
+#: Polls of an empty slot before a wait gives up (read when kernels are compiled; override with
+#: AUTOSYMM_BARRIER_MAX_POLLS before importing autosymm). One poll is a CTA barrier plus an
+#: ``ld.acquire.sys`` of a local L2-resident word and a shared-memory broadcast: about
+#: 0.3-1 us on an H100/H200, so 2**24 polls give up after roughly 5-17 s. That is far above any
+#: healthy skew between ranks (a peer compiling its kernel, a GC pause: seconds at most) and far
+#: below the tuner's measurement timeout (autosymm.sweep), so a spinning kernel ends by itself.
+#: Tests under the interpreter patch this module attribute to a handful of polls.
+MAX_POLLS: tl.constexpr = tl.constexpr(_max_polls_from_env())
+#: A pessimistic cost of one poll (us), for host-side timeouts that must outlast a spinning wait.
+POLL_US_MAX = 2.0
+
+
+def max_wait_s() -> float:
+    """Pessimistic seconds one wait may spin before it gives up (MAX_POLLS * POLL_US_MAX)."""
+    return int(getattr(MAX_POLLS, "value", MAX_POLLS)) * POLL_US_MAX * 1e-6
 
 
 @triton.jit
@@ -36,15 +83,25 @@ def signal_peers(signal_ptrs, program, RANK: tl.constexpr, WORLD_SIZE: tl.conste
 
 @triton.jit
 def wait_peers(signal_ptrs, program, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """Consume one signal from every peer's program ``program`` (acquire, system scope)."""
+    """Consume one signal from every peer's program ``program`` (acquire, system scope), or give
+    up after MAX_POLLS empty polls and count the failure in this rank's error slot (see above)."""
     pad = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD_SIZE):
         if peer != RANK:
             slot = pad + program * SLOTS_PER_PROGRAM + peer
             pending = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
-            while pending == 0:
-                pending = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
-            tl.atomic_add(slot, -1, sem="relaxed", scope="sys")
+            if pending == 0:  # slow path only: the signal is not there yet
+                errors = tl.load(signal_ptrs + WORLD_SIZE).to(tl.pointer_type(tl.int32))
+                # A channel that already timed out is stale until the host resets it: fail fast.
+                failed = tl.atomic_add(errors, 0, sem="relaxed", scope="gpu")
+                polls = tl.where(failed == 0, 0, MAX_POLLS)
+                while (pending == 0) & (polls < MAX_POLLS):
+                    pending = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
+                    polls += 1
+                if pending == 0:  # gave up: no acquire happened, leave the slot alone
+                    tl.atomic_add(errors, 1, sem="relaxed", scope="gpu")
+            if pending != 0:
+                tl.atomic_add(slot, -1, sem="relaxed", scope="sys")
 
 
 @triton.jit

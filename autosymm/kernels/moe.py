@@ -40,7 +40,12 @@ every other program's stores happen-before its own later operations. It resets t
 program slot on every peer (release.sys signals are cumulative: they publish every program's
 stores; acquire.sys waits). Programs other than the last never wait, so the barrier needs no
 co-residency. The counter is this rank's slot ``[0][RANK]`` of the channel ``signal_ptrs``
-points at: signals only ever land in slots ``[program][sender != RANK]``, so it is free.
+points at: signals only ever land in slots ``[program][sender != RANK]``, so it is free. It is
+zero whenever no conversion of this op runs: the last program resets it before it signals,
+also when its wait then times out (bounded waits, autosymm.kernels.barrier). Checked on the
+sm_90 PTX: every scalar atomic of the end barrier (arrival, reset, signal, poll, consume) is
+issued by thread 0 of the program only (``@p atom``/``red`` with ``p = tid.x == 0``) and the
+arrival count reaches the other threads through shared memory between two ``bar.sync``.
 """
 
 import triton
