@@ -120,7 +120,7 @@ def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
             out = pristine.clone()
             launch(out)
             error = _relative_error(out, reference)
-            ok = error < 2e-2
+            ok = _agree(error < 2e-2, group, device)
             for mode in options.modes:
                 if impl == "autosymm":
                     backend = autosymm.explain(out, group=group, mode=mode).backend
@@ -129,6 +129,14 @@ def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
                                      "" if ok else f"wrong result (rel. error {error:.3g})"))
         del inputs, reference
     return rows
+
+
+def _agree(ok: bool, group, device) -> bool:
+    """True on every rank iff ``ok`` on every rank: measuring starts with a host barrier, so all
+    ranks must make the same choice (or the ones that measure wait forever)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -179,7 +187,7 @@ def _moe_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
                 expected = nccl(*args).clone()
                 for impl, fn in (("autosymm", auto), ("nccl_all_to_all", nccl)):
                     got = fn(*args)
-                    ok = _moe_equal(got, expected, op, expt_indx, assignment, rank, shape)
+                    ok = _agree(_moe_equal(got, expected, op, expt_indx, assignment, rank, shape), group, device)
                     for mode in options.modes:
                         if impl == "nccl_all_to_all" and mode == "graph":
                             rows.append(BenchRow(op, label, nbytes, mode, impl, None, note="not capturable"))

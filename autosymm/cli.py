@@ -108,6 +108,12 @@ def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
+    import os
+
+    from .kernels.barrier import TUNING_MAX_POLLS
+
+    # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
+    os.environ.setdefault("AUTOSYMM_BARRIER_MAX_POLLS", str(TUNING_MAX_POLLS))
     from .db import user_db_path
     from .jobs import TuneOptions, tune_job
     from .workers import run_workers

@@ -62,7 +62,13 @@ def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[list[
     from .sweep import control_group_for, run_sweep
     from .symm import get_workspace
 
+    from .kernels import barrier
+
     group = dist.group.WORLD
+    if rank == 0 and int(barrier.MAX_POLLS.value) > barrier.TUNING_MAX_POLLS:
+        print(f"autosymm tune: barrier waits give up after {int(barrier.MAX_POLLS.value)} polls; set "
+              f"AUTOSYMM_BARRIER_MAX_POLLS={barrier.TUNING_MAX_POLLS} before starting the workers (torchrun) "
+              "so a failed candidate costs seconds")
     problems = problems_for(options, world_size)
     for p in problems:
         if p.dtype not in DTYPES:

@@ -45,22 +45,31 @@ import triton.language as tl
 SLOTS_PER_PROGRAM: tl.constexpr = tl.constexpr(8)
 
 
+#: Default poll limit at run time: 2**30 polls, minutes of spinning (NCCL's watchdog waits
+#: 10 minutes by default), so a slow peer (a checkpoint, a recompile) never turns a call into
+#: garbage; only a peer that is gone does, and then barrier_errors() says so.
+RUNTIME_MAX_POLLS = 1 << 30
+#: The tuner's limit (`autosymm tune` sets AUTOSYMM_BARRIER_MAX_POLLS to it for its workers):
+#: about 5-17 s, so a candidate whose peer failed ends by itself and is scored as failed.
+TUNING_MAX_POLLS = 1 << 24
+
+
 def _max_polls_from_env() -> int:
     value = os.environ.get("AUTOSYMM_BARRIER_MAX_POLLS", "")
     if not value:
-        return 1 << 24
+        return RUNTIME_MAX_POLLS
     polls = int(value, 0)
     if not 1 <= polls < 1 << 31:
         raise ValueError(f"AUTOSYMM_BARRIER_MAX_POLLS={value!r} must be in 1..2**31-1")
     return polls
 
 
-#: Polls of an empty slot before a wait gives up (read when kernels are compiled; override with
-#: AUTOSYMM_BARRIER_MAX_POLLS before importing autosymm). One poll is a CTA barrier plus an
-#: ``ld.acquire.sys`` of a local L2-resident word and a shared-memory broadcast: about
-#: 0.3-1 us on an H100/H200, so 2**24 polls give up after roughly 5-17 s. That is far above any
-#: healthy skew between ranks (a peer compiling its kernel, a GC pause: seconds at most) and far
-#: below the tuner's measurement timeout (autosymm.sweep), so a spinning kernel ends by itself.
+#: Polls of an empty slot before a wait gives up (read when kernels are compiled; set
+#: AUTOSYMM_BARRIER_MAX_POLLS before importing autosymm to change it). One poll is a CTA barrier
+#: plus an ``ld.acquire.sys`` of a local L2-resident word and a shared-memory broadcast: about
+#: 0.3-1 us on an H100/H200 (an estimate, not yet measured), so the run-time default gives up
+#: after roughly 5-18 minutes and the tuner's after roughly 5-17 s, far below the tuner's
+#: measurement timeout (autosymm.sweep), so a spinning kernel ends by itself there.
 #: Tests under the interpreter patch this module attribute to a handful of polls.
 MAX_POLLS: tl.constexpr = tl.constexpr(_max_polls_from_env())
 #: A pessimistic cost of one poll (us), for host-side timeouts that must outlast a spinning wait.
