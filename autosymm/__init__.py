@@ -10,7 +10,18 @@ See README.md for tuning (`autosymm tune`) and the shipped databases.
 
 __version__ = "0.1.0"
 
-from .api import all_reduce, convert_dp_to_ep, convert_ep_to_dp, empty, explain, init, reset, stats  # noqa: E402
+from .api import (  # noqa: E402
+    all_reduce,
+    barrier_errors,
+    convert_dp_to_ep,
+    convert_ep_to_dp,
+    empty,
+    explain,
+    init,
+    reset,
+    reset_barriers,
+    stats,
+)
 from .dispatch import Decision  # noqa: E402
 from .moe import (  # noqa: E402
     ExptAssignment,
@@ -22,7 +33,7 @@ from .moe import (  # noqa: E402
 from .problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 
 __all__ = [
-    "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEShape", "Problem", "__version__", "all_reduce",
+    "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEShape", "Problem", "__version__", "all_reduce", "barrier_errors",
     "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
-    "make_expt_dict_random", "make_expt_dict_uniform", "reset", "route", "stats",
+    "make_expt_dict_random", "make_expt_dict_uniform", "reset", "reset_barriers", "route", "stats",
 ]

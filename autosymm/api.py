@@ -274,6 +274,21 @@ def empty(shape, dtype: torch.dtype = torch.bfloat16, group=None) -> torch.Tenso
     return state.workspace.empty(tuple(shape), dtype)
 
 
+def barrier_errors(group=None) -> int:
+    """Barrier waits on this rank that gave up (a peer never arrived) since the last
+    ``reset_barriers``; 0 when healthy. Non-zero: results since the last clean check are garbage.
+    Synchronizes the device: call it after the fact, not per call."""
+    workspace = _state(group).workspace
+    return workspace.barrier_errors() if workspace is not None else 0
+
+
+def reset_barriers(group=None) -> None:
+    """Re-arm the signal pads after barrier errors (collective: every rank of ``group`` calls it)."""
+    workspace = _state(group).workspace
+    if workspace is not None:
+        workspace.reset_signals()
+
+
 def reset() -> None:
     """Forget every group's state and prepared calls (tests; after destroy_process_group)."""
     _STATES.clear()
