@@ -86,7 +86,6 @@ def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
     import autosymm
 
     from .backends import RunContext, get_backend
-    from .backends.base import Capabilities
     from .problem import DTYPES
 
     rows = []

@@ -72,7 +72,7 @@ def run(ctx: click.Context) -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
         ctx.invoke(tune)
         return
-    from .db import TuningDB, shipped_db_paths
+    from .db import shipped_db_paths
 
     console = _console()
     console.print("No CUDA GPU here: showing the dispatch plan of the shipped tuning databases.")

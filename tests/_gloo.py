@@ -55,3 +55,34 @@ def run_gloo(body, world_size: int, *args, env: dict | None = None) -> dict:
         out[rank] = value
     assert len(out) == world_size
     return out
+
+
+def run_with_deadline(target, world_size: int, deadline_s: float = 90.0) -> dict:
+    """Start ``target(rank, world_size, port, queue)`` in ``world_size`` processes and collect the
+    ``(rank, report, error)`` each puts on the queue; a rank silent past ``deadline_s`` seconds
+    fails the test as a deadlock (the protocol tests assert that nothing hangs)."""
+    import queue as queue_module
+    import time
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world_size, port, out), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    reports, end = {}, time.monotonic() + deadline_s
+    try:
+        while len(reports) < world_size:
+            try:
+                rank, report, error = out.get(timeout=max(0.1, end - time.monotonic()))
+            except queue_module.Empty:
+                pytest.fail(f"deadlock: only ranks {sorted(reports)} reported within {deadline_s} s")
+            if error:
+                pytest.fail(f"rank {rank} failed:\n{error}")
+            reports[rank] = report
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return reports

@@ -5,14 +5,11 @@ rank, and the signal pads are reset on every rank, in lock-step, before the sear
 from __future__ import annotations
 
 import os
-import queue
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from autosymm.backends import RunContext
 from autosymm.configs import all_reduce_space
@@ -21,7 +18,8 @@ from autosymm.problem import Problem
 from autosymm.sweep import BarrierTimeout, SweepEvaluator, TimingPlan, measure_timeout_s
 from autosymm.symm import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, Workspace
 
-from test_tuner_ranks import GlooAllReduce, _free_port
+from _gloo import run_with_deadline
+from test_tuner_ranks import GlooAllReduce
 
 PLAN = TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1, calls_per_graph=2)
 
@@ -194,28 +192,7 @@ def _sweep_worker(rank, world_size, port, out):
 
 
 def test_a_barrier_timeout_on_one_rank_fails_the_candidate_everywhere_and_the_sweep_goes_on():
-    world_size, deadline_s = 2, 90.0
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_sweep_worker, args=(r, world_size, port, out), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    reports, end = {}, time.monotonic() + deadline_s
-    try:
-        while len(reports) < world_size:
-            try:
-                rank, report, error = out.get(timeout=max(0.1, end - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"deadlock: only ranks {sorted(reports)} reported within {deadline_s} s")
-            if error:
-                pytest.fail(f"rank {rank} failed:\n{error}")
-            reports[rank] = report
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    reports = run_with_deadline(_sweep_worker, 2, deadline_s=90.0)
     r0, r1 = reports[0], reports[1]
     assert r0["results"] == r1["results"], "every rank holds the same outcome"
     results = {name: (score, error) for name, score, error in r0["results"]}

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import math
 import os
-import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
 
 import pytest
-import torch.multiprocessing as mp
+
+from _gloo import run_with_deadline
 
 from autosymm.configs import all_reduce_space, config_to_json
 from autosymm.problem import Problem
@@ -237,36 +236,8 @@ def _worker(rank, world_size, port, out):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world_size: int, deadline_s: float = 90.0):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, out), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    reports, end = {}, time.monotonic() + deadline_s
-    try:
-        while len(reports) < world_size:
-            try:
-                rank, report, error = out.get(timeout=max(0.1, end - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"deadlock: only ranks {sorted(reports)} reported within {deadline_s} s")
-            if error:
-                pytest.fail(f"rank {rank} failed:\n{error}")
-            reports[rank] = report
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return reports
+    return run_with_deadline(_worker, world_size, deadline_s)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
