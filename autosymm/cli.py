@@ -347,9 +347,11 @@ def _shapes_in(sources, hardware, world_size, op) -> list[MoEShape]:
 
 
 def _short_config_obj(config) -> str:
+    from .configs import config_fields
+
     if config is None:
         return "-"
-    return " ".join(f"{k}={v}" for k, v in vars(config).items() if k != "algorithm")
+    return " ".join(f"{k}={v}" for k, v in config_fields(config).items() if k != "algorithm")
 
 
 # --------------------------------------------------------------------------------------- info

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 WARP_SIZE = 32
@@ -20,6 +20,9 @@ MAX_PROGRAMS = 256
 MAX_WORLD_SIZE = 8
 
 ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "multimem")
+#: Largest all-reduce (bytes) the double-buffered one-shot stages in a half of its own region
+#: (autosymm.symm.DOUBLE_BUFFER_HALF_BYTES); the search space offers ``double_buffer`` up to it.
+DOUBLE_BUFFER_MAX_BYTES = 1 << 20
 
 
 def _is_pow2(value: int) -> bool:
@@ -31,6 +34,19 @@ def _check_num_warps(num_warps: int) -> None:
         raise ValueError(f"num_warps={num_warps} must be a power of two in 1..32")
 
 
+def config_fields(config) -> dict[str, Any]:
+    """The fields that describe ``config``, in order: fields added after configs were first
+    stored (metadata ``json_omit_default``) only when they differ from their default, so
+    descriptions and JSON of older configs read as before."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.metadata.get("json_omit_default") and value == f.default:
+            continue
+        out[f.name] = value
+    return out
+
+
 @dataclass(frozen=True)
 class AllReduceConfig:
     """One launch of a Triton all-reduce kernel.
@@ -39,12 +55,17 @@ class AllReduceConfig:
     (a power of two; each of its ``num_warps * 32`` threads owns ``block_size / threads``
     consecutive elements, 16 bytes or more when the vector loads are to be 128-bit).
     ``num_blocks`` programs stride over the data, so any element count is served.
+    ``double_buffer`` (one-shot only): a staged (non-zero-copy) input alternates between two
+    staging halves and the kernel has no end barrier (autosymm.kernels.all_reduce); a tensor too
+    large for a half, or a zero-copy one, takes the single-buffer path. Absent from the JSON when
+    False, so rows written before the field existed read back, and serialise, unchanged.
     """
 
     algorithm: str
     block_size: int
     num_blocks: int
     num_warps: int
+    double_buffer: bool = field(default=False, metadata={"json_omit_default": True})
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALL_REDUCE_ALGORITHMS:
@@ -59,6 +80,12 @@ class AllReduceConfig:
             )
         if not 1 <= self.num_blocks <= MAX_PROGRAMS:
             raise ValueError(f"num_blocks={self.num_blocks} must be in 1..{MAX_PROGRAMS}")
+        if not isinstance(self.double_buffer, bool):
+            raise ValueError(f"double_buffer={self.double_buffer!r} must be a bool")
+        if self.double_buffer and self.algorithm != "one_shot":
+            # two-shot/multimem have no end barrier to remove: their second barrier waits for the
+            # peers' pushes into our stage (data, not a guard against overwriting it).
+            raise ValueError(f"double_buffer=True is only for algorithm='one_shot', not {self.algorithm!r}")
 
     @property
     def threads(self) -> int:
@@ -104,7 +131,8 @@ def config_to_json(config: AnyConfig | None) -> str:
     """Serialise a config (or None, for backends without one) as JSON with its type name."""
     if config is None:
         return "{}"
-    return json.dumps({"type": type(config).__name__, **dataclasses.asdict(config)}, sort_keys=True)
+    # fields added later are omitted at their default: older rows' JSON is unchanged
+    return json.dumps({"type": type(config).__name__, **config_fields(config)}, sort_keys=True)
 
 
 def config_from_json(text: str | None) -> AnyConfig | None:
@@ -144,6 +172,13 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
     Redundant points are dropped: more programs than there are BLOCK-wide chunks to do, and
     BLOCK widths far beyond the data (they only mask). Two-shot and multimem split the data in
     ``world_size`` segments, so their chunk count is per segment. Never empty.
+
+    One-shot of at most :data:`DOUBLE_BUFFER_MAX_BYTES` also gets every config again with
+    ``double_buffer=True`` (appended, so the first configs stay the single-buffer ones): there
+    the call is latency-bound and its end barrier (a system-scope round trip over NVLink, about
+    1-1.5 us of 5-6 us at 4-64 KiB on H200) is worth removing; beyond it the copy and the reads
+    dominate, a half of the double-buffer region would not hold the tensor, and the space stays
+    as it was (it is largest there: most grids are useful).
     """
     per_program = -(-numel // world_size) if algorithm in ("two_shot", "multimem") else numel
     space: list[AllReduceConfig] = []
@@ -162,6 +197,8 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
                 continue
             for num_blocks in _useful_counts(ALL_REDUCE_NUM_BLOCKS, chunks):
                 space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))
+    if algorithm == "one_shot" and numel * elem_bytes <= DOUBLE_BUFFER_MAX_BYTES:
+        space += [dataclasses.replace(config, double_buffer=True) for config in space]
     return space
 
 
@@ -200,6 +237,6 @@ def iter_space_fields(space: list[AnyConfig]) -> Iterator[tuple[str, list[Any]]]
     """(field, sorted distinct values) of a space: the axes an Optuna study suggests over."""
     if not space:
         return
-    for field in dataclasses.fields(space[0]):
-        values = sorted({getattr(c, field.name) for c in space}, key=lambda v: (str(type(v)), v))
-        yield field.name, values
+    for axis in dataclasses.fields(space[0]):
+        values = sorted({getattr(c, axis.name) for c in space}, key=lambda v: (str(type(v)), v))
+        yield axis.name, values

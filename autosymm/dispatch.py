@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .backends import FALLBACK, Capabilities, get_backend
-from .configs import AnyConfig, MoEConfig, config_from_json
+from .configs import AnyConfig, MoEConfig, config_fields, config_from_json
 from .problem import MOE_OPS, Problem
 
 #: Config used for the MoE conversion when no database row exists.
@@ -51,7 +51,7 @@ class Decision:
     def describe(self) -> str:
         text = f"{self.backend}"
         if self.config is not None:
-            fields = ", ".join(f"{k}={v}" for k, v in vars(self.config).items())
+            fields = ", ".join(f"{k}={v}" for k, v in config_fields(self.config).items())
             text += f" [{fields}]"
         if self.expected_us is not None:
             text += f", expected {self.expected_us:.2f} us"

@@ -3,7 +3,7 @@
 Layout of every rank's buffer (offsets identical on all ranks, so a peer's region is the
 peer's base address plus the same offset)::
 
-    [ signal pads | all-reduce region | MoE region ]
+    [ signal pads | all-reduce region | MoE region | all-reduce double buffer ]
 
 * signal pads: ``N_SIGNAL_CHANNELS`` channels of ``SIGNAL_SLOTS_PER_RANK`` uint32 slots, zeroed
   at creation. Slot ``[channel][program][sender]`` of rank r counts the signals rank ``sender``'s
@@ -18,10 +18,26 @@ peer's base address plus the same offset)::
   :meth:`Workspace.barrier_errors` is suspect.
 
   Signal slot ``[channel][program][r]`` of rank r itself receives no signal (senders write their
-  own index); the MoE end barrier uses it as its arrival counter (autosymm.kernels.moe).
+  own index), so these *self slots* hold per-rank words that only r's own kernels touch:
+
+  - channel 'moe_end', ``[SIGNAL_SLOT[op]][r]``: the MoE fused end barrier's arrival counter
+    (autosymm.kernels.moe);
+  - channel 'all_reduce', ``[ALL_REDUCE_ARRIVAL_SLOT][r]``: the double-buffered one-shot's
+    arrival counter (0 whenever no such kernel runs: the last program resets it);
+  - channel 'all_reduce', ``[ALL_REDUCE_EPOCH_SLOT][r]``: the double-buffer *epoch*, the number
+    of double-buffered calls since the last reset; its parity picks the staging half
+    (autosymm.kernels.all_reduce). It is NOT zero between calls, and it must be equal on every
+    rank (every rank runs the same calls); :meth:`Workspace.reset_signals` zeroes it with the
+    rest of the pads on every rank together.
 * all-reduce region: the staging copy of the tensor being reduced (or, for tensors from
   :meth:`Workspace.empty`, the tensor itself: zero-copy).
 * MoE region: the dp->ep and ep->dp destination buffers (peers write into them).
+* all-reduce double buffer (``DOUBLE_BUFFER_REGION``, 2 halves of ``double_buffer_bytes`` each,
+  absent when that is 0): the staging halves of the double-buffered one-shot. A region of its
+  own, at fixed offsets, because a half may still be read by a peer after this rank's kernel has
+  returned (until the next double-buffered call's start barrier): nothing else may write there,
+  neither the single-buffer stage, nor :meth:`Workspace.empty`'s tensors, nor the tuner's
+  poisoning of the other regions, and the halves must not move with the tensor's size.
 
 Multicast is never created here: ``multicast_ptr`` is what torch's handle reports (0 when the
 driver, the group or ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` says no), and multimem kernels run only
@@ -38,7 +54,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .configs import MAX_PROGRAMS, MAX_WORLD_SIZE
+from .configs import DOUBLE_BUFFER_MAX_BYTES, MAX_PROGRAMS, MAX_WORLD_SIZE
 
 ALIGN = 256  # bytes: every region and every tensor handed out starts on this boundary
 SIGNAL_SLOTS_PER_RANK = MAX_PROGRAMS * MAX_WORLD_SIZE
@@ -47,6 +63,15 @@ SIGNAL_CHANNEL = {"all_reduce": 0, "moe": 1, "moe_end": 2, "host": 3}
 #: Byte offset of the error slots (one uint32 per channel) after the signal channels.
 ERROR_SLOTS_OFFSET = N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
 SIGNAL_BYTES = ERROR_SLOTS_OFFSET + N_SIGNAL_CHANNELS * 4
+#: Self slots of the 'all_reduce' channel (program rows of this rank's own column, which no
+#: signal ever reaches): the double-buffered one-shot's arrival counter and epoch.
+#: autosymm.kernels.all_reduce hard-codes the same rows (kernels import no host code).
+ALL_REDUCE_ARRIVAL_SLOT = 0
+ALL_REDUCE_EPOCH_SLOT = 1
+
+#: The double-buffered one-shot's staging region and the default size of each of its halves.
+DOUBLE_BUFFER_REGION = "all_reduce_double_buffer"
+DOUBLE_BUFFER_HALF_BYTES = DOUBLE_BUFFER_MAX_BYTES
 
 DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
 DEFAULT_MOE_BYTES = 256 * 1024**2
@@ -91,7 +116,8 @@ class Workspace:
       then this rank's error slot of that channel (entry ``world_size``, read by the kernels'
       bounded waits);
       ``region_ptrs(name)``: int64 tensor [world_size], each rank's region address;
-      ``multicast_ptr``: multicast address of the buffer base, 0 when there is none.
+      ``multicast_ptr``: multicast address of the buffer base, 0 when there is none;
+      ``double_buffer_half_bytes``: bytes of each half of the all-reduce double buffer (0: none).
     """
 
     def __init__(
@@ -105,6 +131,7 @@ class Workspace:
         multicast_ptr: int = 0,
         all_reduce_bytes: int,
         moe_bytes: int,
+        double_buffer_bytes: int = 0,
         group=None,
         handle=None,
     ) -> None:
@@ -125,6 +152,9 @@ class Workspace:
         moe_offset = self.regions["all_reduce"].offset + self.regions["all_reduce"].nbytes
         self.regions["moe"] = Region(moe_offset, _align(moe_bytes))
         need = moe_offset + self.regions["moe"].nbytes
+        if double_buffer_bytes > 0:  # appended: the other regions keep their offsets
+            self.regions[DOUBLE_BUFFER_REGION] = Region(need, 2 * _align(double_buffer_bytes))
+            need += self.regions[DOUBLE_BUFFER_REGION].nbytes
         if local_buffer.numel() < need:
             raise ValueError(f"workspace buffer has {local_buffer.numel()} bytes, layout needs {need}")
         self._ptr_cache: dict[tuple[str, int], torch.Tensor] = {}
@@ -179,6 +209,20 @@ class Workspace:
     def capacity(self, name: str) -> int:
         """Bytes of region ``name``."""
         return self.regions[name].nbytes
+
+    @property
+    def double_buffer_half_bytes(self) -> int:
+        """Bytes of each half of the double-buffer region (0: there is none)."""
+        region = self.regions.get(DOUBLE_BUFFER_REGION)
+        return region.nbytes // 2 if region is not None else 0
+
+    def double_buffer_epoch(self) -> int:
+        """This rank's double-buffer epoch (double-buffered one-shot calls since the last reset).
+        Synchronizes the device first; for tests and diagnostics, not the hot path."""
+        self._synchronize()
+        word = (SIGNAL_CHANNEL["all_reduce"] * SIGNAL_SLOTS_PER_RANK + ALL_REDUCE_EPOCH_SLOT * MAX_WORLD_SIZE
+                + self.rank)
+        return int(self.buffer[:SIGNAL_BYTES].view(torch.int32)[word])
 
     @property
     def has_multicast(self) -> bool:
@@ -338,6 +382,8 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
 
     Every rank of ``group`` must make the first call together. Later calls return the cached
     workspace; asking for more bytes than it has raises (workspaces never silently grow).
+    Besides the requested regions it holds the all-reduce double buffer (2 x
+    :data:`DOUBLE_BUFFER_HALF_BYTES`, not counted in AUTOSYMM_WORKSPACE_BYTES).
     """
     import torch.distributed as dist
 
@@ -362,13 +408,14 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
         return ws
 
 
-def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: int) -> Workspace:
+def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: int,
+                double_buffer_bytes: int = DOUBLE_BUFFER_HALF_BYTES) -> Workspace:
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
     if device.type != "cuda":
         raise ValueError(f"symmetric memory needs a CUDA device, got {device}")
-    total = _align(SIGNAL_BYTES) + _align(all_reduce_bytes) + _align(moe_bytes)
+    total = _total_bytes(all_reduce_bytes, moe_bytes, double_buffer_bytes)
     buffer = symm_mem.empty((total,), dtype=torch.uint8, device=device)
     buffer[:SIGNAL_BYTES].zero_()  # signal pads start at zero: no signal pending
     torch.cuda.synchronize(device)
@@ -389,21 +436,27 @@ def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: i
         multicast = 0
     ws = Workspace(rank=rank, world_size=world_size, device=device, local_buffer=buffer, peer_buffers=peers,
                    multicast_ptr=multicast, all_reduce_bytes=all_reduce_bytes, moe_bytes=moe_bytes,
-                   group=group, handle=handle)
+                   double_buffer_bytes=double_buffer_bytes, group=group, handle=handle)
     dist.barrier(group=group)  # every rank's signal pads are zero before anyone signals
     return ws
 
 
 def simulated_workspaces(world_size: int, *, all_reduce_bytes: int = 1 << 20, moe_bytes: int = 1 << 20,
-                         device: str = "cpu") -> list[Workspace]:
+                         double_buffer_bytes: int = DOUBLE_BUFFER_HALF_BYTES, device: str = "cpu") -> list[Workspace]:
     """``world_size`` workspaces over plain tensors of one process: ranks simulated for tests.
 
     Under TRITON_INTERPRET=1 the kernels read and write the peers' buffers exactly as on GPUs.
     """
-    total = _align(SIGNAL_BYTES) + _align(all_reduce_bytes) + _align(moe_bytes)
+    total = _total_bytes(all_reduce_bytes, moe_bytes, double_buffer_bytes)
     buffers = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(world_size)]
     return [
         Workspace(rank=r, world_size=world_size, device=torch.device(device), local_buffer=buffers[r],
-                  peer_buffers=buffers, all_reduce_bytes=all_reduce_bytes, moe_bytes=moe_bytes)
+                  peer_buffers=buffers, all_reduce_bytes=all_reduce_bytes, moe_bytes=moe_bytes,
+                  double_buffer_bytes=double_buffer_bytes)
         for r in range(world_size)
     ]
+
+
+def _total_bytes(all_reduce_bytes: int, moe_bytes: int, double_buffer_bytes: int) -> int:
+    """Bytes of a workspace buffer with these regions (see the module docstring's layout)."""
+    return _align(SIGNAL_BYTES) + _align(all_reduce_bytes) + _align(moe_bytes) + 2 * _align(double_buffer_bytes)

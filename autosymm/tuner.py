@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from .configs import AnyConfig, config_to_json, iter_space_fields
+from .configs import AnyConfig, config_fields, config_to_json, iter_space_fields
 from .problem import Problem
 from .timing import Timing, comm_device, group_size
 
@@ -72,7 +72,7 @@ class Candidate:
     def describe(self) -> str:
         if self.config is None:
             return self.backend
-        fields = ",".join(f"{k}={v}" for k, v in vars(self.config).items())
+        fields = ",".join(f"{k}={v}" for k, v in config_fields(self.config).items())
         return f"{self.backend}[{fields}]"
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from autosymm.configs import MAX_PROGRAMS, MAX_WORLD_SIZE
-from autosymm.symm import SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK, Workspace
+from autosymm.symm import (ALL_REDUCE_ARRIVAL_SLOT, ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, SIGNAL_CHANNEL,
+                           SIGNAL_SLOTS_PER_RANK, Workspace)
 
 requires_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -49,6 +50,30 @@ def preset(buffers, n_programs: int, n_barriers: int, channel: str = "all_reduce
         if not all_peers:
             expected[-1] = view.clone()
     return expected
+
+
+def epoch(ws) -> int:
+    """Rank ``ws.rank``'s double-buffer epoch (its self slot of the 'all_reduce' channel)."""
+    return int(pads(ws.buffer)[ALL_REDUCE_EPOCH_SLOT, ws.rank])
+
+
+def arrivals(ws) -> int:
+    """Rank ``ws.rank``'s double-buffer arrival counter (0 whenever no kernel runs)."""
+    return int(pads(ws.buffer)[ALL_REDUCE_ARRIVAL_SLOT, ws.rank])
+
+
+def half_view(ws, parity: int, numel: int, dtype: torch.dtype, rank=None) -> torch.Tensor:
+    """The first ``numel`` elements of half ``parity`` of a rank's double-buffer region (where
+    the double-buffered one-shot stages), of ``ws``'s own rank unless ``rank`` is given."""
+    return ws.peer_view(ws.rank if rank is None else rank, DOUBLE_BUFFER_REGION, (numel,), dtype,
+                        parity * ws.double_buffer_half_bytes)
+
+
+def half_bytes(ws, parity: int) -> torch.Tensor:
+    """The raw bytes of half ``parity`` of ``ws``'s double-buffer region."""
+    region = ws.regions[DOUBLE_BUFFER_REGION]
+    start = region.offset + parity * ws.double_buffer_half_bytes
+    return ws.buffer[start:start + ws.double_buffer_half_bytes]
 
 
 def tiny_poll_limit(monkeypatch, polls: int = 3) -> None:
@@ -91,4 +116,5 @@ def snapshot_workspace(workspaces, rank: int) -> Workspace:
     ws = workspaces[rank]
     peers = [ws.buffer if p == rank else workspaces[p].buffer.clone() for p in range(ws.world_size)]
     return Workspace(rank=rank, world_size=ws.world_size, device=ws.device, local_buffer=ws.buffer,
-                     peer_buffers=peers, all_reduce_bytes=ws.capacity("all_reduce"), moe_bytes=ws.capacity("moe"))
+                     peer_buffers=peers, all_reduce_bytes=ws.capacity("all_reduce"), moe_bytes=ws.capacity("moe"),
+                     double_buffer_bytes=ws.double_buffer_half_bytes)

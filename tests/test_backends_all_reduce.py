@@ -17,9 +17,10 @@ from autosymm.backends.triton_all_reduce import (segment_vecs, stage_offset, tri
                                                  triton_two_shot)
 from autosymm.configs import AllReduceConfig, all_reduce_space
 from autosymm.problem import MoEShape, Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, simulated_workspaces
 
-from _all_reduce_sim import assert_close_to_sum, pads, preset, random_inputs, requires_interpreter, snapshot_workspace
+from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, half_view, pads, preset, random_inputs,
+                             requires_interpreter, snapshot_workspace)
 
 CAPS = Capabilities(world_size=4, all_reduce_bytes=1 << 20, has_multicast=True, intra_node=True,
                     torch_symm_ops=True, compute_capability=(9, 0))
@@ -356,7 +357,7 @@ def test_bound_launches_pass_int_addresses(backend, monkeypatch):
     assert slow[3:] == direct[3:]
     offset = stage_offset(wss[0].capacity("all_reduce"), 2002)
     if backend is triton_one_shot:
-        assert direct[3:] == (1001, offset)
+        assert direct[3:] == (1001, offset, 0)  # no double buffering: the half size is 0 (ignored)
     else:
         assert direct[3:] == (1001, offset, segment_vecs(1001, 4, 2), 0)
 
@@ -366,3 +367,116 @@ def test_staging_never_overwrites_empty_tensors():
     wss[0].empty((20000,), torch.bfloat16)  # 40000 bytes from the bottom
     with pytest.raises(BackendError, match="overwrite the 40192 bytes handed out by autosymm.empty"):
         launcher(torch.zeros(16000, dtype=torch.bfloat16))  # 32000 bytes staged from the top: they would meet
+
+
+# --------------------------------------------------------------------------------------------
+# Double buffering: which kernel a call takes, and calls end to end
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Launches recorded instead of run: (constexprs, args) per call."""
+    import autosymm.backends.triton_all_reduce as tar
+
+    calls = []
+
+    class FakeLean:
+        def __init__(self, fn, grid, constexprs, **options):
+            self.constexprs, self.direct = constexprs, None
+
+        def __call__(self, *args):
+            calls.append((self.constexprs, args))
+
+    monkeypatch.setattr(tar, "LeanLauncher", FakeLean)
+    return calls
+
+
+def _double_launcher(world_size=2, half=4096, region=1 << 16, rank=0):
+    wss = simulated_workspaces(world_size, all_reduce_bytes=region, moe_bytes=256, double_buffer_bytes=half)
+    cfg = AllReduceConfig("one_shot", 256, 2, 4, double_buffer=True)
+    return wss, triton_one_shot.prepare(_problem(4096, "bf16", world_size), cfg, RunContext(workspace=wss[rank]))
+
+
+def test_double_buffer_takes_the_halves_up_to_their_size(recorded_launches):
+    wss, launcher = _double_launcher(half=4096)
+    ws = wss[0]
+    double_offset = ws.regions[DOUBLE_BUFFER_REGION].offset - ws.regions["all_reduce"].offset
+    launcher(torch.zeros(2048, dtype=torch.bfloat16))  # 4096 bytes: fits a half
+    launcher(torch.zeros(2049, dtype=torch.bfloat16))  # one element more: single buffer, end barrier
+    ws.empty((64,), torch.bfloat16)
+    launcher(ws.empty((100,), torch.bfloat16))  # zero-copy: in place, as without double buffering
+    (fits, args_fits), (big, args_big), (zc, args_zc) = recorded_launches
+    assert fits["DOUBLE_BUFFER"] and not fits["ZERO_COPY"]
+    assert args_fits[3:] == (2048, double_offset, 4096)
+    assert not big["DOUBLE_BUFFER"] and not big["ZERO_COPY"]
+    assert args_big[3:] == (2049, stage_offset(ws.capacity("all_reduce"), 4098), 4096)
+    assert not zc["DOUBLE_BUFFER"] and zc["ZERO_COPY"] and args_zc[3:] == (100, 256, 4096)
+
+
+def test_double_buffer_fallback_keeps_every_size_that_worked(recorded_launches):
+    """The size limits are the single-buffer ones: a tensor too large for a half (or a workspace
+    without the double-buffer region) is served by the single-buffer kernel, and the guard
+    against empty()'s tensors only applies to that path's stage."""
+    wss, launcher = _double_launcher(half=4096, region=1 << 16)
+    launcher(torch.zeros(32768, dtype=torch.bfloat16))  # the whole all-reduce region
+    assert not recorded_launches[-1][0]["DOUBLE_BUFFER"]
+    with pytest.raises(BackendError, match="at most 65536 fit"):
+        launcher(torch.zeros(32769, dtype=torch.bfloat16))
+    wss[0].empty((30000,), torch.bfloat16)  # 60000 bytes handed out from the bottom of the region
+    launcher(torch.zeros(2048, dtype=torch.bfloat16))  # double-buffered: not in the all-reduce region
+    assert recorded_launches[-1][0]["DOUBLE_BUFFER"]
+    with pytest.raises(BackendError, match="overwrite the 60160 bytes"):
+        launcher(torch.zeros(4000, dtype=torch.bfloat16))  # single buffer: would reach empty()'s tensors
+    (ws,) = simulated_workspaces(1, all_reduce_bytes=4096, moe_bytes=256, double_buffer_bytes=0)
+    assert ws.double_buffer_half_bytes == 0 and DOUBLE_BUFFER_REGION not in ws.regions
+    no_region = SimpleNamespace(**{k: getattr(wss[0], k) for k in (
+        "device", "rank", "capacity", "buffer", "regions", "region_ptrs", "signal_ptrs", "multicast_ptr",
+        "empty_bytes")}, world_size=2, double_buffer_half_bytes=0)
+    launcher = triton_one_shot.prepare(_problem(4096, "bf16", 2), AllReduceConfig("one_shot", 256, 2, 4, True),
+                                       RunContext(workspace=no_region))
+    launcher(torch.zeros(16, dtype=torch.bfloat16))
+    assert not recorded_launches[-1][0]["DOUBLE_BUFFER"]
+
+
+def test_a_tensor_inside_the_double_buffer_is_refused(recorded_launches):
+    wss, launcher = _double_launcher(half=4096)
+    x = wss[0].local_view(DOUBLE_BUFFER_REGION, (100,), torch.bfloat16, 4096)
+    with pytest.raises(BackendError, match="lies in the all-reduce double buffer"):
+        launcher(x)
+    assert not recorded_launches
+
+
+@requires_interpreter
+def test_double_buffer_launchers_alternate_halves_across_configs():
+    """Back-to-back calls through launchers of different double-buffered configs (grids) and a
+    single-buffer fallback in between: the sums are right, each double-buffered call stages in
+    the half its epoch picks, the epoch counts only those calls."""
+    world_size, dtype = 3, torch.float16
+    wss = simulated_workspaces(world_size, all_reduce_bytes=1 << 15, moe_bytes=256, double_buffer_bytes=4096)
+    problem = _problem(4096, "fp16", world_size)
+    configs = [AllReduceConfig("one_shot", 256, 3, 4, True), AllReduceConfig("one_shot", 512, 1, 4, True)]
+    launchers = {c: [triton_one_shot.prepare(problem, c, RunContext(workspace=ws)) for ws in wss] for c in configs}
+    # (config, numel, double-buffered?): 2049 fp16 elements do not fit a 4096-byte half
+    calls = [(configs[0], 1000, True), (configs[1], 2049, False), (configs[1], 2048, True), (configs[0], 7, True)]
+    n_double = 0
+    for k, (config, numel, double) in enumerate(calls):
+        inputs = random_inputs(world_size, numel, dtype, seed=k)
+        parity = n_double % 2
+        for ws, values in zip(wss, inputs):  # ranks run in turn: pre-stage where each will stage
+            if double:
+                half_view(ws, parity, numel, dtype).copy_(values)
+            else:
+                offset = stage_offset(ws.capacity("all_reduce"), numel * 2)
+                ws.local_view("all_reduce", (numel,), dtype, offset).copy_(values)
+        expected = preset([ws.buffer for ws in wss], config.num_blocks, 1 if double else 2)
+        xs = [v.clone() for v in inputs]
+        for launcher, x in zip(launchers[config], xs):
+            assert launcher(x) is x
+        n_double += double
+        for x, ws, want in zip(xs, wss, expected):
+            assert_close_to_sum(x, inputs, dtype)
+            assert epoch(ws) == ws.double_buffer_epoch() == n_double and arrivals(ws) == 0
+            want[ALL_REDUCE_EPOCH_SLOT, ws.rank] = n_double
+            assert torch.equal(pads(ws.buffer), want)
+    wss[0].reset_signals()
+    assert epoch(wss[0]) == 0, "reset_signals zeroes the epoch with the pads"

@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# (kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned)
+# (kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned[, double_buffer])
 CASES = [
     ("one_shot", "bf16", 2, 1024, 4, False, True, True),
     ("one_shot", "fp16", 4, 4096, 8, False, True, True),
@@ -32,7 +32,18 @@ CASES = [
     ("multimem", "bf16", 8, 4096, 8, False, True, True),
     ("multimem", "fp16", 4, 2048, 4, False, True, True),
     ("multimem", "fp32", 2, 16384, 32, True, True, True),
+    # double-buffered one-shot: twins of CASES[0], [2] and [5] with DOUBLE_BUFFER=True
+    ("one_shot", "bf16", 2, 1024, 4, False, True, True, True),
+    ("one_shot", "fp32", 8, 16384, 32, False, True, True, True),
+    ("one_shot", "bf16", 4, 8192, 16, False, True, False, True),
 ]
+DOUBLE_TWINS = {12: 0, 13: 2, 14: 5}  # double-buffered case -> its single-buffer twin
+
+
+def _case(i):
+    """CASES[i] with the double_buffer flag filled in."""
+    case = CASES[i]
+    return case if len(case) == 9 else (*case, False)
 
 VEC_TYPE = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "v4.f32"}
 
@@ -49,6 +60,8 @@ def _features(ptx: str) -> dict:
         "proxy_fences": ptx.count("fence.proxy.alias"),
         "poll_limit": bool(re.search(rf"setp\.\w+\.[us]32\s+%p\d+, %r\d+, (?:{_max_polls()}|{_max_polls() - 1});", ptx)),
         "error_adds": len(re.findall(r"(?:red|atom)\.global\.gpu\.relaxed\.add", ptx)),
+        "arrivals": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+        "counter_resets": len(re.findall(r"atom\.global\.gpu\.relaxed\.exch", ptx)),
     }
 
 
@@ -68,13 +81,16 @@ def _compile_cases(indices: list[int]) -> dict:
 
     out = {}
     for i in indices:
-        kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned = CASES[i]
+        kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned, double_buffer = _case(i)
         signature = {"x_ptr": f"*{dtype}", "region_ptrs": "*i64", "signal_ptrs": "*i64", "numel": "i32",
                      "stage_offset": "i64"}
         constexprs = dict(RANK=world_size - 1, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
                           ALIGNED=aligned)
         fn = _one_shot_all_reduce
-        if kernel != "one_shot":
+        if kernel == "one_shot":
+            signature.update(half_bytes="i64")
+            constexprs.update(DOUBLE_BUFFER=double_buffer)
+        else:
             fn = _two_shot_all_reduce
             signature.update(seg_vecs="i32", mc_base="i64")
             constexprs.update(MULTIMEM=kernel == "multimem", PHASE=0)
@@ -108,16 +124,20 @@ def features():
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c[:5])) + ("-zc" if c[5] else "")
-                                                         for c in CASES])
+                                                         + ("-db" if _case(i)[8] else "") for i, c in enumerate(CASES)])
 def test_compiles_for_sm90(features, case):
-    kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned = CASES[case]
+    kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned, double_buffer = _case(case)
     got = features[case]
     peers = world_size - 1
-    n_barriers = 2  # all kernels here signal twice in the code (ZERO_COPY one-shot: once per round)
+    # all kernels here signal twice in the code (ZERO_COPY one-shot: once per round), except the
+    # double-buffered one-shot: its start barrier only
+    n_barriers = 1 if double_buffer else 2
     assert got["signals"] == n_barriers * peers, "one release signal per peer per barrier"
     assert got["acquire_polls"] >= n_barriers * peers
     # bounded waits: each wait's loop compares against MAX_POLLS and can count a give-up
     assert got["poll_limit"] and got["error_adds"] == n_barriers * peers, got
+    # the double buffer's end: one gpu-scope acq_rel arrival, one counter reset; nothing else has them
+    assert (got["arrivals"], got["counter_resets"]) == ((1, 1) if double_buffer else (0, 0)), got
     if kernel == "multimem":
         assert got["ld_reduce"] and set(got["ld_reduce"]) == {VEC_TYPE[dtype]}
         assert got["multimem_st"] >= 1
@@ -131,3 +151,16 @@ def test_compiles_for_sm90(features, case):
         assert got["peer_v4_loads"] == 0, "an unaligned stage must not be read with 128-bit loads"
     if x_aligned and not (kernel == "multimem" and zero_copy):  # that one only stores via multimem
         assert got["v4_stores"] >= 1
+
+
+@pytest.mark.parametrize("double, single", sorted(DOUBLE_TWINS.items()))
+def test_double_buffer_drops_one_cross_gpu_wait(features, double, single):
+    """The double-buffered kernel is its single-buffer twin minus the end barrier: one release
+    signal, one bounded wait (its acquire polls and its give-up add) fewer per peer."""
+    peers = CASES[single][2] - 1
+    with_db, without = features[double], features[single]
+    assert without["signals"] - with_db["signals"] == peers
+    assert without["error_adds"] - with_db["error_adds"] == peers
+    assert without["acquire_polls"] - with_db["acquire_polls"] == 2 * peers  # first poll + the spin loop's
+    for key in ("peer_v4_loads", "v4_stores", "peer_scalar_loads"):
+        assert with_db[key] == without[key], key  # the data path is unchanged

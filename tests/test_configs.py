@@ -1,10 +1,15 @@
+import dataclasses
+import json
+
 import pytest
 
 from autosymm.configs import (
     ALL_REDUCE_ALGORITHMS,
+    DOUBLE_BUFFER_MAX_BYTES,
     AllReduceConfig,
     MoEConfig,
     all_reduce_space,
+    config_fields,
     config_from_json,
     config_to_json,
     iter_space_fields,
@@ -19,6 +24,9 @@ from autosymm.configs import (
     (dict(algorithm="one_shot", block_size=1024, num_blocks=0, num_warps=4), "num_blocks=0"),
     (dict(algorithm="one_shot", block_size=1024, num_blocks=257, num_warps=4), "num_blocks=257"),
     (dict(algorithm="one_shot", block_size=1024, num_blocks=1, num_warps=3), "num_warps=3"),
+    (dict(algorithm="two_shot", block_size=1024, num_blocks=1, num_warps=4, double_buffer=True), "only for"),
+    (dict(algorithm="multimem", block_size=1024, num_blocks=1, num_warps=4, double_buffer=True), "only for"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=1, num_warps=4, double_buffer=1), "must be a bool"),
 ])
 def test_all_reduce_config_rejects_illegal(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -45,6 +53,23 @@ def test_config_json_round_trip_and_unknown_keys():
         config_from_json('{"type": "Pickle", "x": 1}')
 
 
+def test_double_buffer_json_is_backward_compatible():
+    # a row written before the field existed (the shipped DB's format) loads as double_buffer=False
+    old = '{"algorithm": "one_shot", "block_size": 4096, "num_blocks": 1, "num_warps": 8, "type": "AllReduceConfig"}'
+    config = config_from_json(old)
+    assert config == AllReduceConfig("one_shot", 4096, 1, 8) and config.double_buffer is False
+    assert config_to_json(config) == old, "a config without double buffering serialises as before"
+    on = AllReduceConfig("one_shot", 4096, 1, 8, double_buffer=True)
+    assert json.loads(config_to_json(on))["double_buffer"] is True
+    assert config_from_json(config_to_json(on)) == on
+    assert hash(on) != hash(config) and on != config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        on.double_buffer = False
+    # descriptions (dispatch, tuner, cli) read as before unless it is on
+    assert "double_buffer" not in config_fields(config) and config_fields(on)["double_buffer"] is True
+    assert dataclasses.replace(on, double_buffer=False) == config and dataclasses.asdict(config)["double_buffer"] is False
+
+
 @pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
 @pytest.mark.parametrize("numel", [1, 2048, 8191, 1 << 20, 1 << 27])
 def test_all_reduce_space_valid_and_not_redundant(algorithm, numel):
@@ -54,8 +79,8 @@ def test_all_reduce_space_valid_and_not_redundant(algorithm, numel):
     by_shape: dict = {}
     for config in space:
         assert config.algorithm == algorithm
-        by_shape.setdefault((config.block_size, config.num_warps), []).append(config.num_blocks)
-    for (block_size, _), counts in by_shape.items():
+        by_shape.setdefault((config.block_size, config.num_warps, config.double_buffer), []).append(config.num_blocks)
+    for (block_size, _, _), counts in by_shape.items():
         chunks = -(-per_program // block_size)
         # at most one count covers all chunks: more programs would only idle
         assert sum(c >= chunks for c in counts) <= 1, (block_size, counts)
@@ -69,6 +94,21 @@ def test_all_reduce_space_grows_with_size():
     assert max(c.num_blocks for c in large) == 132
 
 
+@pytest.mark.parametrize("world_size, elem_bytes", [(2, 2), (8, 4)])
+def test_double_buffer_only_for_small_one_shot(world_size, elem_bytes):
+    for algorithm in ALL_REDUCE_ALGORITHMS:
+        for nbytes in (4096, 65536, DOUBLE_BUFFER_MAX_BYTES, 2 * DOUBLE_BUFFER_MAX_BYTES):
+            space = all_reduce_space(algorithm, nbytes // elem_bytes, world_size, elem_bytes)
+            on = [c for c in space if c.double_buffer]
+            off = [c for c in space if not c.double_buffer]
+            if algorithm == "one_shot" and nbytes <= DOUBLE_BUFFER_MAX_BYTES:
+                # every single-buffer config once more with double buffering, appended (space[0] unchanged)
+                assert on == [dataclasses.replace(c, double_buffer=True) for c in off]
+                assert space == off + on
+            else:
+                assert not on
+
+
 def test_moe_space():
     space = moe_space(d_model=7168, n_rows=4096)
     assert space and len(space) == len(set(space))
@@ -80,6 +120,7 @@ def test_moe_space():
 
 def test_iter_space_fields():
     fields = dict(iter_space_fields(all_reduce_space("two_shot", 1 << 20, 2, 2)))
-    assert set(fields) == {"algorithm", "block_size", "num_blocks", "num_warps"}
-    assert fields["algorithm"] == ["two_shot"]
+    assert set(fields) == {"algorithm", "block_size", "num_blocks", "num_warps", "double_buffer"}
+    assert fields["algorithm"] == ["two_shot"] and fields["double_buffer"] == [False]
     assert fields["num_warps"] == sorted(fields["num_warps"])
+    assert dict(iter_space_fields(all_reduce_space("one_shot", 8192, 2, 2)))["double_buffer"] == [False, True]

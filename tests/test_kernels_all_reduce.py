@@ -11,14 +11,15 @@ import torch
 
 from autosymm.backends.triton_all_reduce import segment_vecs
 from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
-from autosymm.symm import simulated_workspaces
+from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, simulated_workspaces
 
-from _all_reduce_sim import (assert_close_to_sum, error_counts, pads, preset, random_inputs, requires_interpreter,
-                             snapshot_workspace, tiny_poll_limit)
+from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, error_counts, half_bytes, half_view, pads, preset,
+                             random_inputs, requires_interpreter, snapshot_workspace, tiny_poll_limit)
 
 pytestmark = requires_interpreter
 
 REGION_BYTES = 1 << 16
+HALF_BYTES = 1 << 15  # each half of the double-buffer region
 SENTINEL = 12345.0
 
 # (world_size, dtype, numel, block, programs, warps): every world size meets every dtype, every
@@ -37,10 +38,11 @@ CASES = [
 
 
 def _poisoned_workspaces(world_size):
-    wss = simulated_workspaces(world_size, all_reduce_bytes=REGION_BYTES, moe_bytes=256)
+    wss = simulated_workspaces(world_size, all_reduce_bytes=REGION_BYTES, moe_bytes=256, double_buffer_bytes=HALF_BYTES)
     for ws in wss:
-        region = ws.regions["all_reduce"]
-        ws.buffer[region.offset:region.offset + region.nbytes] = 0xFF  # NaN in every float dtype
+        for name in ("all_reduce", DOUBLE_BUFFER_REGION):
+            region = ws.regions[name]
+            ws.buffer[region.offset:region.offset + region.nbytes] = 0xFF  # NaN in every float dtype
     return wss
 
 
@@ -58,11 +60,19 @@ def _check(results, inputs, dtype):
         assert torch.equal(result, results[0]), "ranks must get bit-identical sums"
 
 
-def _run_one_shot(wss, xs, numel, offset, block, programs, warps, zero_copy):
+def _double_offset(ws):
+    """Offset of the double-buffer region from the all-reduce region (what the launcher passes)."""
+    return ws.regions[DOUBLE_BUFFER_REGION].offset - ws.regions["all_reduce"].offset
+
+
+def _run_one_shot(wss, xs, numel, offset, block, programs, warps, zero_copy, double_buffer=False):
     for rank, ws in enumerate(wss):
+        if double_buffer:
+            offset = _double_offset(ws)
         _one_shot_all_reduce[(programs,)](xs[rank], ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"),
-                                          numel, offset, RANK=rank, WORLD_SIZE=len(wss), BLOCK=block,
-                                          ZERO_COPY=zero_copy, ALIGNED=offset % 16 == 0, num_warps=warps)
+                                          numel, offset, ws.double_buffer_half_bytes, RANK=rank, WORLD_SIZE=len(wss),
+                                          BLOCK=block, ZERO_COPY=zero_copy, ALIGNED=offset % 16 == 0,
+                                          DOUBLE_BUFFER=double_buffer, num_warps=warps)
 
 
 @pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps", CASES)
@@ -110,6 +120,74 @@ def test_one_shot_zero_copy(world_size, dtype, numel, block, programs, warps, al
         assert int(pads(ws.buffer).count_nonzero()) == 0, "every pre-set signal consumed exactly once"
 
 
+# -- double-buffered one-shot: consecutive calls alternate halves, no end barrier ------------------
+
+# (numel, block, programs, warps) of consecutive calls: the grid and the size change every call.
+DOUBLE_CALLS = [(1000, 256, 3, 4), (4099, 1024, 1, 8), (7, 128, 2, 4), (3001, 256, 5, 2)]
+
+
+def _double_buffered_calls(world_size, dtype, calls, seed=0):
+    """Run ``calls`` in turn on simulated ranks; check every call (see the test's docstring)."""
+    wss = _poisoned_workspaces(world_size)
+    for k, (numel, block, programs, warps) in enumerate(calls):
+        parity = k % 2
+        inputs = random_inputs(world_size, numel, dtype, seed=seed + k)
+        for ws in wss:  # both halves poisoned: a read of the wrong half, or of an unstaged element, is NaN
+            ws.buffer[ws.regions[DOUBLE_BUFFER_REGION].offset:][:2 * HALF_BYTES] = 0xFF
+        # Ranks run in turn: rank r reads the half of peers that have not run yet, so pre-stage
+        # theirs (their copy-in writes the same values again); rank 0's half must be its own copy-in.
+        for ws, values in zip(wss[1:], inputs[1:]):
+            half_view(ws, parity, numel, dtype).copy_(values)
+        expected_pads = preset([ws.buffer for ws in wss], programs, 1)  # one barrier per program
+        xs, backings = zip(*(_x_in_sentinel(v) for v in inputs))
+        _run_one_shot(wss, xs, numel, None, block, programs, warps, zero_copy=False, double_buffer=True)
+        _check(xs, inputs, dtype)
+        for ws, values, backing, want in zip(wss, inputs, backings, expected_pads):
+            assert (backing[numel:] == SENTINEL).all(), "wrote past the end of x"
+            assert epoch(ws) == k + 1, "the epoch advances by exactly one per call, whatever the grid"
+            assert arrivals(ws) == 0, "the last program resets the arrival counter"
+            want[ALL_REDUCE_EPOCH_SLOT, ws.rank] = k + 1
+            assert torch.equal(pads(ws.buffer), want), "one barrier's signals, each consumed once"
+            assert torch.equal(half_view(ws, parity, numel, dtype), values), f"call {k} stages in half {parity}"
+            tail = half_bytes(ws, parity)[numel * values.element_size():]
+            assert (tail == 0xFF).all(), "wrote past the end of the stage"
+            assert (half_bytes(ws, 1 - parity) == 0xFF).all(), "the other half is left alone"
+        assert error_counts(wss[0])["all_reduce"] == 0
+    return wss
+
+
+@pytest.mark.parametrize("world_size, dtype", [(2, torch.bfloat16), (3, torch.float32), (4, torch.float16)])
+def test_one_shot_double_buffer_alternates_halves(world_size, dtype):
+    """Two, three, four consecutive calls with different grids and sizes: call k stages in half
+    k % 2 (the other half stays poisoned, so reading it would give NaN), the sums are right,
+    the epoch counts the calls, the arrival counter is back to 0 and the pads are balanced."""
+    import autosymm.kernels.all_reduce as kernels
+    from autosymm.symm import ALL_REDUCE_ARRIVAL_SLOT
+
+    assert (kernels._ARRIVAL_SLOT.value, kernels._EPOCH_SLOT.value) == (ALL_REDUCE_ARRIVAL_SLOT, ALL_REDUCE_EPOCH_SLOT)
+    calls = DOUBLE_CALLS[:world_size]  # 2 ranks: two calls, 3 ranks: three, 4 ranks: four
+    _double_buffered_calls(world_size, dtype, calls, seed=world_size)
+
+
+def test_one_shot_double_buffer_after_single_buffer_calls():
+    """Single-buffer calls (staged or zero-copy) in between do not move the epoch, and do not
+    touch the double-buffer halves."""
+    world_size, dtype, numel, block, programs, warps = 2, torch.float32, 1000, 256, 2, 4
+    wss = _double_buffered_calls(world_size, dtype, DOUBLE_CALLS[:1])
+    inputs = random_inputs(world_size, numel, dtype, seed=99)
+    offset = 768
+    for ws, values in zip(wss, inputs):
+        ws.local_view("all_reduce", (numel,), dtype, offset).copy_(values)
+    halves = [ws.buffer[ws.regions[DOUBLE_BUFFER_REGION].offset:].clone() for ws in wss]
+    expected_pads = preset([ws.buffer for ws in wss], programs, 2)
+    xs = [v.clone() for v in inputs]
+    _run_one_shot(wss, xs, numel, offset, block, programs, warps, zero_copy=False)
+    _check(xs, inputs, dtype)
+    for ws, want, before in zip(wss, expected_pads, halves):
+        assert epoch(ws) == 1 and torch.equal(pads(ws.buffer), want)
+        assert torch.equal(ws.buffer[ws.regions[DOUBLE_BUFFER_REGION].offset:], before)
+
+
 def _run_two_shot(wss, xs, numel, offset, block, programs, warps, zero_copy):
     world_size = len(wss)
     seg = segment_vecs(numel, world_size, xs[0].element_size())
@@ -152,13 +230,14 @@ def test_two_shot_zero_copy_in_place(world_size, dtype, numel, block, programs, 
         assert torch.equal(pads(ws.buffer), want)
 
 
-@pytest.mark.parametrize("kernel", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("kernel", ["one_shot", "one_shot_double_buffer", "two_shot"])
 def test_world_size_one_copies_through(kernel):
     (ws,) = _poisoned_workspaces(1)
     values = random_inputs(1, 1000, torch.bfloat16)[0]
     x, backing = _x_in_sentinel(values)
-    if kernel == "one_shot":
-        _run_one_shot([ws], [x], 1000, 0, 256, 2, 4, zero_copy=False)
+    if kernel.startswith("one_shot"):
+        _run_one_shot([ws], [x], 1000, 0, 256, 2, 4, zero_copy=False, double_buffer=kernel != "one_shot")
+        assert epoch(ws) == (kernel != "one_shot") and arrivals(ws) == 0
     else:
         _run_two_shot([ws], [x], 1000, 0, 256, 2, 4, zero_copy=False)
     assert torch.equal(x, values)
@@ -167,8 +246,8 @@ def test_world_size_one_copies_through(kernel):
 
 # -- a missing peer: bounded waits --------------------------------------------------------------
 
-@pytest.mark.parametrize("kernel, zero_copy", [("one_shot", False), ("one_shot", True), ("two_shot", False),
-                                               ("two_shot", True)])
+@pytest.mark.parametrize("kernel, zero_copy", [("one_shot", False), ("one_shot", True), ("one_shot_double_buffer", False),
+                                               ("two_shot", False), ("two_shot", True)])
 def test_a_missing_peer_flags_the_error_and_the_kernel_completes(monkeypatch, kernel, zero_copy):
     """Only rank 0 runs (rank 1 never launches) and no signal is pre-set: every wait gives up
     after the poll limit, counts itself in rank 0's error slot and the kernel returns."""
@@ -181,19 +260,25 @@ def test_a_missing_peer_flags_the_error_and_the_kernel_completes(monkeypatch, ke
         x.copy_(torch.ones(numel))
     else:
         x = torch.ones(numel, dtype=dtype)
-    if kernel == "one_shot":
-        _one_shot_all_reduce[(programs,)](x, ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"), numel, 0,
-                                          RANK=0, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
-                                          ALIGNED=True, num_warps=4)
+    if kernel.startswith("one_shot"):
+        double = kernel == "one_shot_double_buffer"
+        offset = _double_offset(ws) if double else 0
+        _one_shot_all_reduce[(programs,)](x, ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"), numel,
+                                          offset, ws.double_buffer_half_bytes, RANK=0, WORLD_SIZE=world_size,
+                                          BLOCK=block, ZERO_COPY=zero_copy, ALIGNED=True, DOUBLE_BUFFER=double,
+                                          num_warps=4)
     else:
         seg = segment_vecs(numel, world_size, 4)
         _two_shot_all_reduce[(programs,)](x, ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"), numel, 0,
                                           seg, 0, RANK=0, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
                                           ALIGNED=True, MULTIMEM=False, PHASE=0, num_warps=4)
     chunks_per_program = -(-numel // block) // programs
-    barriers = 1 + chunks_per_program if (kernel, zero_copy) == ("one_shot", True) else 2
+    barriers = {("one_shot", True): 1 + chunks_per_program, ("one_shot_double_buffer", False): 1}.get((kernel, zero_copy), 2)
     # every barrier of every program gave up once (the first by spinning, the others fail fast)
     assert error_counts(ws) == {"all_reduce": barriers * programs, "moe": 0, "moe_end": 0, "host": 0}
+    if kernel == "one_shot_double_buffer":  # the kernel still ran to its end: the epoch moved on
+        assert epoch(ws) == 1 and arrivals(ws) == 0
+        pads(ws.buffer)[ALL_REDUCE_EPOCH_SLOT, 0] = 0
     assert int(pads(ws.buffer).count_nonzero()) == 0, "no signal came, none was consumed"
     assert int(pads(wss[1].buffer).sum()) > 0  # rank 0 still signalled its peer
     assert wss[1].barrier_errors() == 0

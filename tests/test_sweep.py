@@ -17,6 +17,7 @@ from autosymm.kernels.barrier import max_wait_s
 from autosymm.problem import Problem
 from autosymm.sweep import BarrierTimeout, SweepEvaluator, TimingPlan, measure_timeout_s
 from autosymm.symm import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, Workspace
+from autosymm.tuner import Candidate
 
 from _gloo import run_with_deadline
 from test_tuner_ranks import GlooAllReduce
@@ -182,7 +183,7 @@ def _sweep_worker(rank, world_size, port, out):
             "status": item.status, "winner": item.summary()["backend"] if item.summary() else None,
             "results": [(r.candidate.describe(), r.score, r.error) for r in item.outcome.results],
             "details": [r.detail for r in item.outcome.results if r.detail],
-            "bad": f"triton_one_shot[{','.join(f'{k}={v}' for k, v in vars(space[1]).items())}]",
+            "bad": Candidate("triton_one_shot", space[1]).describe(),
             "resets": ws.resets, "device_barriers": ws.device_barriers, "errors_left": ws.barrier_errors(),
         }, None))
     except BaseException:

@@ -8,6 +8,15 @@ region (``Workspace.empty`` allocates from the bottom), so live zero-copy tensor
 overwritten unless the region is nearly full. Zero-copy must be symmetric: every rank passes a
 tensor at the same offset, as the SPMD use of ``Workspace.empty`` guarantees.
 
+Double buffering (``AllReduceConfig.double_buffer``, one-shot): a staged tensor that fits one
+half of the workspace's double-buffer region (``Workspace.double_buffer_half_bytes``, a region
+of its own, see autosymm.symm) is staged at the bottom of half ``epoch & 1`` by a kernel without
+an end barrier (autosymm.kernels.all_reduce). A larger tensor, a zero-copy one, or a workspace
+without that region takes the single-buffer kernel (with its end barrier) exactly as a config
+without double buffering does, so the size limits are those of the single-buffer path. All
+calls of one workspace must be stream-ordered (one stream, or streams joined by events), as the
+signal-pad barriers already require.
+
 Failures are reported after the fact, never on the hot path: the kernels' barrier waits are
 bounded (autosymm.kernels.barrier), so a peer that never launches its kernel (it raised, or runs
 another decision) makes this rank's kernel finish with a garbage sum instead of hanging the GPU.
@@ -24,6 +33,7 @@ import torch
 from ..configs import AllReduceConfig, all_reduce_space
 from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
 from ..problem import DTYPES, Problem
+from ..symm import DOUBLE_BUFFER_REGION
 from .base import BackendError, Capabilities, RunContext
 from .launch import LeanLauncher
 
@@ -59,14 +69,23 @@ class _AllReduceLauncher:
         self.region_end = self.region_start + self.capacity
         self.region_ptrs = workspace.region_ptrs(CHANNEL)
         self.signal_ptrs = workspace.signal_ptrs(CHANNEL)
+        # Double buffer: halves at this offset from the region base (same buffer, same offsets on
+        # every rank) and half_bytes apart; only one-shot configs that ask for it use them.
+        self.half_bytes = workspace.double_buffer_half_bytes if config.double_buffer else 0
+        self.double_offset = 0
+        if self.half_bytes:
+            self.double_offset = workspace.regions[DOUBLE_BUFFER_REGION].offset - workspace.regions[CHANNEL].offset
+            self.double_start = self.region_start + self.double_offset
+            self.double_end = self.double_start + 2 * self.half_bytes
         self.mc_base = 0
         if algorithm == "multimem":
             self.mc_base = workspace.multicast_ptr + workspace.regions[CHANNEL].offset
         self.config = config
         self._one_shot = algorithm == "one_shot"
         self._seg_div = self.world_size * (16 // self.elem_bytes)  # elements per 16 bytes of every rank
-        self._variants: dict[tuple[bool, bool, bool, int], LeanLauncher] = {}
-        self._direct: dict[tuple[bool, bool, bool, int], Callable[..., None]] = {}
+        # key: (zero_copy, aligned, x_aligned, phase, double_buffer)
+        self._variants: dict[tuple[bool, bool, bool, int, bool], LeanLauncher] = {}
+        self._direct: dict[tuple[bool, bool, bool, int, bool], Callable[..., None]] = {}
         self._region_addr = int(self.region_ptrs.data_ptr())  # the workspace keeps these tensors alive
         self._signal_addr = int(self.signal_ptrs.data_ptr())
 
@@ -86,20 +105,27 @@ class _AllReduceLauncher:
         addr = x.data_ptr()
         x_aligned = addr % 16 == 0
         if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
-            key = (True, x_aligned, x_aligned, phase)
+            key = (True, x_aligned, x_aligned, phase, False)
             offset = addr - self.region_start
         else:
             if addr < self.region_end and addr + nbytes > self.region_start:
                 raise BackendError(f"tensor {tuple(x.shape)} straddles the edge of the all-reduce region: "
                                    "it can be neither reduced in place nor staged")
-            key = (False, True, x_aligned, phase)
-            offset = self.capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
-            if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
-                raise BackendError(
-                    f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out by "
-                    f"autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
+            if nbytes <= self.half_bytes:  # double-buffered: staged at the bottom of half epoch & 1
+                if addr < self.double_end and addr + nbytes > self.double_start:
+                    raise BackendError(f"tensor {tuple(x.shape)} lies in the all-reduce double buffer, where "
+                                       "it would be staged onto itself")
+                key = (False, True, x_aligned, phase, True)
+                offset = self.double_offset
+            else:
+                key = (False, True, x_aligned, phase, False)
+                offset = self.capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+                if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
+                    raise BackendError(
+                        f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
+                        f"by autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
         if self._one_shot:
-            sizes = (numel, offset)
+            sizes = (numel, offset, self.half_bytes)
         else:  # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
             sizes = (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
         direct = self._direct.get(key)
@@ -115,7 +141,7 @@ class _AllReduceLauncher:
     run = __call__
 
     # -- cold path --------------------------------------------------------------------------
-    def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int) -> LeanLauncher:
+    def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int, double: bool) -> LeanLauncher:
         """The launcher of one kernel specialisation (triton also specialises on x's alignment)."""
         if self.algorithm == "multimem" and not aligned:
             raise BackendError("triton_multimem needs a 16-byte aligned tensor; this zero-copy tensor "
@@ -126,12 +152,13 @@ class _AllReduceLauncher:
             if phase:
                 raise ValueError("one-shot has no phases")
             kernel = _one_shot_all_reduce
+            constexprs.update(DOUBLE_BUFFER=double)
         else:
             kernel = _two_shot_all_reduce
             constexprs.update(MULTIMEM=self.algorithm == "multimem", PHASE=phase)
         launcher = LeanLauncher(kernel, (self.config.num_blocks,), constexprs, num_warps=self.config.num_warps,
                                 num_stages=1)
-        self._variants[(zero_copy, aligned, x_aligned, phase)] = launcher
+        self._variants[(zero_copy, aligned, x_aligned, phase, double)] = launcher
         return launcher
 
     def _bad_input(self, x: torch.Tensor) -> BackendError:

@@ -13,7 +13,9 @@ read or written by the same program index that produced it, so the per-program s
 barriers of autosymm.kernels.barrier order every cross-rank access. After a kernel returns on a
 rank, every program of it has passed a barrier that each peer's same program entered after its
 last access to this rank's stage; hence the next kernel (whatever its grid or BLOCK) may
-overwrite the stage without an extra barrier.
+overwrite the stage without an extra barrier. The double-buffered one-shot is the exception: it
+returns while peers may still read its stage, which is why it alternates between two halves of
+a region nothing else writes (see ``_one_shot_all_reduce``).
 
 Vector width: full chunks are loaded and stored without masks, so with a 16-byte aligned stage
 (``ALIGNED``) and ``x`` the accesses are 128-bit; only the last (partial) chunk is masked.
@@ -25,6 +27,8 @@ Kernels (launch parameters come from autosymm.configs.AllReduceConfig):
   NVLink from each of the W-1 peers, plus N read + N written locally for the copy-in.
   ZERO_COPY holds each chunk's sum in registers until a barrier says every peer has read that
   chunk of every x, then stores it: 1 + (chunks per program) barriers, no copy-in.
+  DOUBLE_BUFFER (staged inputs only): the stage alternates between two halves and the end
+  barrier becomes a local arrival count: 1 barrier (see the kernel's docstring for why).
 * ``_two_shot_all_reduce``: copy-in, barrier, rank r reduces segment r (a W-th of the data,
   16-byte aligned) from all stages and pushes the sum into segment r of every peer's stage and
   its own x, barrier, copy the other segments from the stage into x. 2 barriers. Per rank:
@@ -38,7 +42,7 @@ Kernels (launch parameters come from autosymm.configs.AllReduceConfig):
 import triton
 import triton.language as tl
 
-from .barrier import barrier
+from .barrier import SLOTS_PER_PROGRAM, barrier
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,10 +150,16 @@ def _proxy_fence(token):
 # One-shot
 # --------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["numel", "stage_offset"])
+#: Self slots (rows of this rank's own column of the 'all_reduce' signal channel, which no signal
+#: reaches) of the double-buffered one-shot: autosymm.symm.ALL_REDUCE_ARRIVAL_SLOT / _EPOCH_SLOT.
+_ARRIVAL_SLOT: tl.constexpr = tl.constexpr(0)
+_EPOCH_SLOT: tl.constexpr = tl.constexpr(1)
+
+
+@triton.jit(do_not_specialize=["numel", "stage_offset", "half_bytes"])
 def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage_offset: tl.int64,
-                         RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                         ZERO_COPY: tl.constexpr, ALIGNED: tl.constexpr):
+                         half_bytes: tl.int64, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                         ZERO_COPY: tl.constexpr, ALIGNED: tl.constexpr, DOUBLE_BUFFER: tl.constexpr):
     """x = sum over ranks of x; every rank reads every peer's stage (see the module docstring).
 
     ZERO_COPY invariant: a peer reads chunk c of our ``x`` before it signals the barrier that
@@ -157,13 +167,54 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
     reads a sum where it expects an input. Chunks of later rounds are untouched until their own
     barrier. Without ZERO_COPY the sums go to ``x`` (not the stage) and the end barrier keeps
     the stage alive until every peer has read it.
+
+    DOUBLE_BUFFER (not with ZERO_COPY; ``half_bytes`` is then the distance between the two
+    halves, else ignored): the stage is ``stage_offset + (epoch & 1) * half_bytes``, where the
+    *epoch* is this rank's self slot ``[_EPOCH_SLOT][RANK]`` of the channel: the number of
+    double-buffered calls since the pads were last reset, equal on every rank (every rank runs
+    the same calls, and Workspace.reset_signals zeroes it on all ranks together), so all ranks
+    use the same half and ``_sum_stages`` reads the peers' copy of the call. Every program reads
+    the epoch first; when done, it counts its arrival (``atom.add.acq_rel.gpu`` on self slot
+    ``[_ARRIVAL_SLOT][RANK]``, after a CTA barrier); the program that sees ``num_programs - 1``
+    earlier arrivals is the last, resets the counter to 0 and stores epoch + 1. Each program's
+    epoch load precedes its release arrival, which the last program's acquire synchronizes with,
+    so no program of this call reads the new epoch; the next call (stream order) reads it. The
+    grid plays no part: any grid advances the epoch by exactly one, and the counter is 0 again
+    after every call, so CUDA-graph replay needs no host reset.
+
+    Why no end barrier is needed. Rank r overwrites half h of its stage in call m (copy-in,
+    before its start barrier) and peer q read r's half h last in the double-buffered call k < m
+    of the same parity. Between them lies a double-buffered call j, k < j < m, of the other
+    parity (the epoch moves by exactly one per double-buffered call; a reset_signals in between
+    is a full device sync of every rank). r's call j kernel completed before call m began
+    (stream order), so r's program 0 consumed, in call j's start barrier, a signal in slot
+    ``[0][q]``. Every rank launches the same sequence of kernels on this channel, so r consumed
+    exactly as many signals from that slot before call j as q sent before its call j; the one r
+    consumed in call j was therefore sent by q's call j (or later), which had thus started, so
+    q's call k had completed (stream order) with all its loads of r's half h. The release.sys
+    signal of q's call j is cumulative over them and r's acquire.sys took it: q's reads of call
+    k happen before r's writes of call m. Only program 0 (which every grid has, and which waits
+    on every peer) is used: no assumption on the grids of calls k, j, m. Kernels that stage
+    elsewhere (single-buffer one-shot, two-shot: the all-reduce region) never touch the halves,
+    which is why they sit in a region of their own (autosymm.symm) at offsets independent of the
+    tensor size. Data read from peers, the sums, only go to the local ``x``.
+
+    A timed-out start barrier breaks the argument (as it breaks every result: the host must
+    reset the pads, epoch included, on every rank); the epoch still advances by one, so the
+    ranks that ran the call stay in step.
     """
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    tl.static_assert(not (DOUBLE_BUFFER and ZERO_COPY), "a zero-copy input is not staged: no double buffer")
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_chunks = tl.cdiv(numel, BLOCK)
     n_full = numel // BLOCK
     lane = tl.arange(0, BLOCK)
+    if DOUBLE_BUFFER:
+        own_pad = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32))
+        epoch_slot = own_pad + _EPOCH_SLOT * SLOTS_PER_PROGRAM + RANK
+        epoch = tl.load(epoch_slot)
+        stage_offset += (epoch & 1).to(tl.int64) * half_bytes
     if not ZERO_COPY:
         stage = _stage_ptr(region_ptrs, RANK, stage_offset, ALIGNED, ELEM)
         for chunk in range(pid, n_chunks, n_programs):
@@ -186,7 +237,15 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
             tl.store(x_ptr + offs, acc.to(ELEM))
         else:
             tl.store(x_ptr + offs, acc.to(ELEM), mask=offs < numel)
-    if not ZERO_COPY:
+    if DOUBLE_BUFFER:
+        # No end barrier (see above): count this program's arrival; the last one advances the epoch.
+        tl.debug_barrier()  # every thread of this program is past its epoch load
+        arrival_slot = own_pad + _ARRIVAL_SLOT * SLOTS_PER_PROGRAM + RANK
+        arrived = tl.atomic_add(arrival_slot, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_programs - 1:
+            tl.atomic_xchg(arrival_slot, 0, sem="relaxed", scope="gpu")
+            tl.store(epoch_slot, epoch + 1)
+    elif not ZERO_COPY:
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads our stage
 
 
