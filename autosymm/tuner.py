@@ -512,8 +512,11 @@ class _Search:
             median, p10, p90, samples = combined[:4]
             failed = combined[4:4 + comm.world_size]
             timed_out = combined[4 + comm.world_size:]
+            raised = [f and not t for f, t in zip(failed, timed_out)]
             if any(timed_out):
                 error = f"measure timed out after {self.timeout_s:g} s on rank(s) {_ranks(timed_out)}"
+                if any(raised):  # often the cause: a rank that failed early left the others waiting
+                    error += f"; failed on rank(s) {_ranks(raised)}"
             elif any(failed):
                 error = f"measure failed on rank(s) {_ranks(failed)}"
             else:
