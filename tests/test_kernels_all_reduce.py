@@ -75,6 +75,15 @@ def _run_one_shot(wss, xs, numel, offset, block, programs, warps, zero_copy, dou
                                           DOUBLE_BUFFER=double_buffer, num_warps=warps)
 
 
+def _check_staged_bounds(wss, xs, backings, expected_pads, numel, offset):
+    """Nothing written past x or past its stage in the region, and the signal pads as expected."""
+    for ws, backing, want in zip(wss, backings, expected_pads):
+        assert (backing[numel:] == SENTINEL).all(), "wrote past the end of x"
+        assert torch.equal(pads(ws.buffer), want)
+        stage_end = ws.regions["all_reduce"].offset + offset + numel * xs[0].element_size()
+        assert (ws.buffer[stage_end:stage_end + 64] == 0xFF).all(), "wrote past the end of the stage"
+
+
 @pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps", CASES)
 def test_one_shot(world_size, dtype, numel, block, programs, warps):
     wss = _poisoned_workspaces(world_size)
@@ -88,11 +97,7 @@ def test_one_shot(world_size, dtype, numel, block, programs, warps):
     xs, backings = zip(*(_x_in_sentinel(v) for v in inputs))
     _run_one_shot(wss, xs, numel, offset, block, programs, warps, zero_copy=False)
     _check(xs, inputs, dtype)
-    for ws, backing, want in zip(wss, backings, expected_pads):
-        assert (backing[numel:] == SENTINEL).all(), "wrote past the end of x"
-        assert torch.equal(pads(ws.buffer), want)
-        stage_end = ws.regions["all_reduce"].offset + offset + numel * xs[0].element_size()
-        assert (ws.buffer[stage_end:stage_end + 64] == 0xFF).all(), "wrote past the end of the stage"
+    _check_staged_bounds(wss, xs, backings, expected_pads, numel, offset)
 
 
 @pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps, aligned",
@@ -208,11 +213,7 @@ def test_two_shot(world_size, dtype, numel, block, programs, warps):
     offset = 1024
     _run_two_shot(wss, xs, numel, offset, block, programs, warps, zero_copy=False)
     _check(xs, inputs, dtype)
-    for ws, backing, want in zip(wss, backings, expected_pads):
-        assert (backing[numel:] == SENTINEL).all(), "wrote past the end of x"
-        assert torch.equal(pads(ws.buffer), want)
-        stage_end = ws.regions["all_reduce"].offset + offset + numel * xs[0].element_size()
-        assert (ws.buffer[stage_end:stage_end + 64] == 0xFF).all(), "wrote past the end of the stage"
+    _check_staged_bounds(wss, xs, backings, expected_pads, numel, offset)
 
 
 @pytest.mark.parametrize("world_size, dtype, numel, block, programs, warps", [CASES[1], CASES[3], CASES[6]])
