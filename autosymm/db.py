@@ -42,196 +42,38 @@ database raises :class:`CorruptDatabaseError`. Writers take ``BEGIN IMMEDIATE`` 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
-import math
-import operator
 import os
 import re
 import sqlite3
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import sqlite_utils
 
-from .configs import AnyConfig, config_from_json, config_to_json
-
-SCHEMA_VERSION = 1
-BUSY_TIMEOUT_S = 30.0
-KEY_COLUMNS = ("hardware", "world_size", "op", "dtype", "bucket", "shape", "mode")
-PK_COLUMNS = KEY_COLUMNS + ("backend",)
-FILTER_COLUMNS = PK_COLUMNS + ("gpu",)
-_VERSION_COLUMNS = ("autosymm_version", "torch_version", "triton_version", "cuda_version", "driver_version")
-
-_RESULTS_DDL = """CREATE TABLE IF NOT EXISTS results (
-  hardware TEXT NOT NULL, gpu TEXT NOT NULL DEFAULT '', world_size INTEGER NOT NULL,
-  op TEXT NOT NULL, dtype TEXT NOT NULL, bucket INTEGER NOT NULL, shape TEXT NOT NULL DEFAULT '',
-  mode TEXT NOT NULL, backend TEXT NOT NULL, config TEXT NOT NULL DEFAULT '{}',
-  median_us REAL NOT NULL, p10_us REAL, p90_us REAL, nccl_us REAL, speedup REAL, trials INTEGER,
-  autosymm_version TEXT, torch_version TEXT, triton_version TEXT, cuda_version TEXT,
-  driver_version TEXT, created TEXT NOT NULL,
-  PRIMARY KEY (hardware, world_size, op, dtype, bucket, shape, mode, backend))"""
-_META_DDL = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)"
-_WINNERS_DDL = f"""CREATE VIEW IF NOT EXISTS winners AS SELECT * FROM (
-  SELECT results.*, ROW_NUMBER() OVER (PARTITION BY {', '.join(KEY_COLUMNS)}
-                                       ORDER BY median_us, backend) AS place
-  FROM results) WHERE place = 1"""
-_ORDER = "hardware, world_size, op, dtype, shape, mode, bucket, median_us, backend"
-#: Columns a version-0 database (pre-release: no meta table) must have to be recognised.
-_V0_COLUMNS = frozenset(PK_COLUMNS + ("config", "median_us", "created"))
-
-
-class TuningDBError(ValueError):
-    """A tuning database cannot be used as asked (the message names the file)."""
-
-
-class DatabaseVersionError(TuningDBError):
-    """The database was written by a newer autosymm (a schema this version cannot read)."""
-
-
-class CorruptDatabaseError(TuningDBError):
-    """The file is not SQLite, not an autosymm tuning database, or holds unreadable rows."""
-
-
-class ReadOnlyDatabaseError(TuningDBError):
-    """A write to a database opened with ``readonly=True``."""
-
-
-class Key(NamedTuple):
-    """What a lookup is keyed on: ``best(*key)``, ``ranked(*key)``."""
-
-    hardware: str
-    world_size: int
-    op: str
-    dtype: str
-    bucket: int
-    shape: str = ""
-    mode: str = "eager"
-
-    @classmethod
-    def for_problem(cls, hardware: str, problem: Any, mode: str = "eager") -> "Key":
-        """The key of an autosymm.problem.Problem on ``hardware`` in ``mode``."""
-        return cls(hardware, problem.world_size, problem.op, problem.dtype, problem.bucket,
-                   problem.shape_key, mode)
-
-
-def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _opt(convert: Callable[[Any], Any], value: Any) -> Any:
-    return None if value is None else convert(value)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Row:
-    """One measured (key, backend): its best config and times in microseconds, with provenance.
-
-    ``config`` is the JSON text of the launch config; a config object (or None) given instead
-    is serialised. ``speedup`` defaults to ``nccl_us / median_us`` when NCCL was measured.
-    """
-
-    hardware: str
-    world_size: int
-    op: str
-    dtype: str
-    bucket: int
-    backend: str
-    median_us: float
-    shape: str = ""
-    mode: str = "eager"
-    gpu: str = ""
-    config: Union[str, AnyConfig, None] = "{}"
-    p10_us: Optional[float] = None
-    p90_us: Optional[float] = None
-    nccl_us: Optional[float] = None
-    speedup: Optional[float] = None
-    trials: Optional[int] = None
-    autosymm_version: Optional[str] = None
-    torch_version: Optional[str] = None
-    triton_version: Optional[str] = None
-    cuda_version: Optional[str] = None
-    driver_version: Optional[str] = None
-    created: str = field(default_factory=_utc_now)
-
-    def __post_init__(self) -> None:
-        def put(name: str, value: Any) -> None:  # the dataclass is frozen
-            object.__setattr__(self, name, value)
-
-        for name in ("hardware", "op", "dtype", "mode", "backend", "created", "shape", "gpu"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not (value or name in ("shape", "gpu")):
-                raise ValueError(f"Row.{name}={value!r} must be a string (non-empty but for shape, gpu)")
-        for name in ("world_size", "bucket"):  # operator.index: ints (numpy's too), never floats
-            put(name, operator.index(getattr(self, name)))
-            if getattr(self, name) < 1:
-                raise ValueError(f"Row.{name}={getattr(self, name)} must be >= 1")
-        put("trials", _opt(operator.index, self.trials))
-        put("median_us", float(self.median_us))
-        if not (math.isfinite(self.median_us) and self.median_us > 0):
-            raise ValueError(f"Row.median_us={self.median_us!r} must be a finite time > 0 (microseconds)")
-        for name in ("p10_us", "p90_us", "nccl_us", "speedup"):
-            put(name, _opt(float, getattr(self, name)))
-        if self.speedup is None and self.nccl_us is not None:
-            put("speedup", self.nccl_us / self.median_us)
-        for name in _VERSION_COLUMNS:
-            put(name, _opt(str, getattr(self, name)))
-        if not isinstance(self.config, str):
-            put("config", config_to_json(self.config))
-        try:
-            is_object = isinstance(json.loads(self.config), dict)
-        except ValueError:
-            is_object = False
-        if not is_object:
-            raise ValueError(f"Row.config={self.config!r} is not a JSON object")
-
-    @property
-    def key(self) -> Key:
-        return Key(*(getattr(self, c) for c in KEY_COLUMNS))
-
-    @property
-    def pk(self) -> tuple:
-        """The primary key: ``key`` plus ``backend``."""
-        return tuple(getattr(self, c) for c in PK_COLUMNS)
-
-    @property
-    def config_obj(self) -> Optional[AnyConfig]:
-        """The config as an AllReduceConfig / MoEConfig (None for config-less backends)."""
-        return config_from_json(self.config)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Row":
-        """A Row from a mapping; keys that are not fields (extra columns) are ignored."""
-        return cls(**{k: v for k, v in data.items() if k in _FIELDS and v is not None})
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(Row))
-_UPSERT_SQL = (
-    f"INSERT INTO results ({', '.join(_FIELDS)}) VALUES ({', '.join(':' + f for f in _FIELDS)}) "
-    f"ON CONFLICT ({', '.join(PK_COLUMNS)}) DO UPDATE SET "
-    + ", ".join(f"{f} = excluded.{f}" for f in _FIELDS if f not in PK_COLUMNS)
+from .db_schema import (  # the schema's public names are re-exported (__all__)
+    BUSY_TIMEOUT_S,
+    FILTER_COLUMNS,
+    KEY_COLUMNS,
+    MIGRATIONS,
+    PK_COLUMNS,
+    SCHEMA_VERSION,
+    CorruptDatabaseError,
+    DatabaseVersionError,
+    Key,
+    ReadOnlyDatabaseError,
+    Row,
+    TuningDBError,
+    ROW_FIELDS,
+    META_DDL,
+    ROW_ORDER,
+    RESULTS_DDL,
+    UPSERT_SQL,
+    V0_COLUMNS,
+    WINNERS_DDL,
 )
 
-
-def _migrate_0_to_1(db: sqlite_utils.Database) -> None:
-    """Version 0 (pre-release) had no meta table, no winners view, no p10_us/p90_us/trials."""
-    have = {r[1] for r in db.execute("PRAGMA table_info(results)").fetchall()}
-    for column, sql_type in (("p10_us", "REAL"), ("p90_us", "REAL"), ("trials", "INTEGER")):
-        if column not in have:
-            db.execute(f"ALTER TABLE results ADD COLUMN {column} {sql_type}")
-    db.execute(_META_DDL)
-    db.execute(_WINNERS_DDL)
-
-
-#: MIGRATIONS[n] turns a version-n database into version n + 1 (inside one transaction).
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_0_to_1]
-assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
 class TuningDB:
@@ -309,7 +151,7 @@ class TuningDB:
                     raise CorruptDatabaseError(f"{self._where}: meta has no valid schema_version ({found!r})") from None
             if not tables:
                 return None
-            if "results" in tables and _V0_COLUMNS <= self._columns():
+            if "results" in tables and V0_COLUMNS <= self._columns():
                 return 0
         except sqlite3.OperationalError:  # locked, cannot open: not a statement about the file
             raise
@@ -342,13 +184,13 @@ class TuningDB:
             with self._transaction():  # re-read under the write lock: another process may be first
                 version = self._readable_version()
                 if version is None:
-                    for ddl in (_RESULTS_DDL, _META_DDL, _WINNERS_DDL):
+                    for ddl in (RESULTS_DDL, META_DDL, WINNERS_DDL):
                         self.db.execute(ddl)
                     version = SCHEMA_VERSION
                 for step in range(version, SCHEMA_VERSION):
                     MIGRATIONS[step](self.db)
                 self._put_meta("schema_version", str(SCHEMA_VERSION))
-        missing = set(_FIELDS) - self._columns()
+        missing = set(ROW_FIELDS) - self._columns()
         if missing:
             raise CorruptDatabaseError(f"{self._where}: table results lacks columns {sorted(missing)}")
 
@@ -412,7 +254,7 @@ class TuningDB:
         for row in rows:
             row.config_obj  # a config this autosymm cannot read back never enters the DB
         with self._transaction():
-            self.db.conn.executemany(_UPSERT_SQL, [row.to_dict() for row in rows])
+            self.db.conn.executemany(UPSERT_SQL, [row.to_dict() for row in rows])
         return len(rows)
 
     def merge_from(self, other: Union["TuningDB", str, os.PathLike]) -> tuple[int, int, int]:
@@ -435,7 +277,7 @@ class TuningDB:
                 if found is not None and found[0] <= row.median_us:
                     kept += 1
                     continue
-                self.db.conn.execute(_UPSERT_SQL, row.to_dict())
+                self.db.conn.execute(UPSERT_SQL, row.to_dict())
                 inserted, replaced = (inserted + 1, replaced) if found is None else (inserted, replaced + 1)
         return inserted, replaced, kept
 
@@ -457,7 +299,7 @@ class TuningDB:
         tmp.unlink(missing_ok=True)
         try:
             with TuningDB(tmp) as out, out._transaction():
-                out.db.conn.executemany(_UPSERT_SQL, [row.to_dict() for row in rows])
+                out.db.conn.executemany(UPSERT_SQL, [row.to_dict() for row in rows])
                 for key, value in notes.items():
                     out._put_meta(key, value)
             os.replace(tmp, path)
@@ -500,12 +342,12 @@ class TuningDB:
         Filter columns: the key columns, ``backend`` and ``gpu``; another name is a ValueError.
         """
         where, params = self._filter(filters)
-        return self._read(f"SELECT * FROM results WHERE {where} ORDER BY {_ORDER}", params)
+        return self._read(f"SELECT * FROM results WHERE {where} ORDER BY {ROW_ORDER}", params)
 
     def winners(self, **filters: Any) -> list[Row]:
         """The fastest row of each key (the ``winners`` view), filtered like :meth:`rows`."""
         where, params = self._filter(filters)
-        return self._read(f"SELECT * FROM winners WHERE {where} ORDER BY {_ORDER}", params)
+        return self._read(f"SELECT * FROM winners WHERE {where} ORDER BY {ROW_ORDER}", params)
 
     def ranked(self, hardware: str, world_size: int, op: str, dtype: str, bucket: int, shape: str = "",
                mode: str = "eager", exclude_backends: Iterable[str] = ()) -> list[Row]:
@@ -582,3 +424,10 @@ def shipped_db_for(slug: str) -> Optional[Path]:
     folder = shipped_db_dir()
     path = folder / f"{slug}.sqlite" if folder is not None else None
     return path if path is not None and path.is_file() else None
+
+
+__all__ = [
+    "BUSY_TIMEOUT_S", "FILTER_COLUMNS", "KEY_COLUMNS", "MIGRATIONS", "PK_COLUMNS", "SCHEMA_VERSION",
+    "CorruptDatabaseError", "DatabaseVersionError", "Key", "ReadOnlyDatabaseError", "Row", "TuningDB",
+    "TuningDBError", "shipped_db_dir", "shipped_db_for", "shipped_db_paths", "user_db_path",
+]

@@ -222,7 +222,7 @@ def test_values_are_data_not_sql(db):
 
 
 def test_schema_is_documented():
-    for column in dbmod._FIELDS + ("meta", "winners", "schema_version"):
+    for column in dbmod.ROW_FIELDS + ("meta", "winners", "schema_version"):
         assert column in dbmod.__doc__, column
 
 
