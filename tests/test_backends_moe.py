@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
-import traceback
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from autosymm.moe import (make_expt_assignment, make_expt_dict_random, random_ex
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 from autosymm.symm import ALIGN, simulated_workspaces  # noqa: E402
 
+from _gloo import run_gloo  # noqa: E402
 from _moe_sim import check_and_clear, presatisfy  # noqa: E402
 
 CAPS = Capabilities(world_size=8, moe_bytes=256 << 20)
@@ -128,56 +127,38 @@ def test_triton_moe_launchers_round_trip(world_size, k, dtype, config):
 NCCL_CASES = [(6, torch.bfloat16, 0.1, 5), (2, torch.float32, 0.0, 4), (8, torch.float16, 0.2, 1)]
 
 
-def _gloo_worker(rank, world_size, port, errors):
+def _nccl_all_to_all_body(rank, world_size):
     import torch.distributed as dist
 
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        ctx = RunContext(group=dist.group.WORLD)
-        for k, dtype, drop, n_tokens_local in NCCL_CASES:
-            d_model, n_experts = 24, 9
-            dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
-            assignment = make_expt_assignment(world_size, n_experts,
-                                              make_expt_dict_random(world_size, n_experts, seed=k))
-            expt_indx = random_expt_indx(world_size * n_tokens_local, n_experts, k, seed=k, drop_fraction=drop)
-            gate, topk = route(expt_indx)
-            gen = torch.Generator().manual_seed(100 + k)
-            srcs = [torch.randn(n_tokens_local, d_model, generator=gen).to(dtype) for _ in range(world_size)]
-            shape = MoEShape(d_model, n_experts, k)
-            to_ep = NCCL_ALL_TO_ALL.prepare(Problem.moe("dp_to_ep", shape, n_tokens_local, dtype_name, world_size),
-                                            None, ctx)
-            to_dp = NCCL_ALL_TO_ALL.prepare(Problem.moe("ep_to_dp", shape, n_tokens_local, dtype_name, world_size),
-                                            None, ctx)
-            ep = to_ep(srcs[rank], assignment, expt_indx, gate)
-            mask = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)[rank]
-            want = reference_dp_to_ep(srcs, assignment, expt_indx, gate)[rank]
-            assert torch.equal(ep[mask], want[mask]), f"dp->ep k={k}"
-            # ep->dp from fully random expert-sorted rows: only this rank's experts' rows travel.
-            ep_srcs = [torch.randn(ep.shape, generator=gen).to(dtype) for _ in range(world_size)]
-            dp = to_dp(ep_srcs[rank], assignment, expt_indx, topk)
-            mask = rows_written("ep_to_dp", assignment, expt_indx, topk, world_size)[rank]
-            want = reference_ep_to_dp(ep_srcs, assignment, expt_indx, topk)[rank]
-            assert torch.equal(dp[mask], want[mask]), f"ep->dp k={k}"
-            # round trip
-            dp = to_dp(ep.clone(), assignment, expt_indx, topk)
-            assert torch.equal(dp[mask], srcs[rank].repeat_interleave(k, 0)[mask]), f"round trip k={k}"
-        dist.destroy_process_group()
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
+    ctx = RunContext(group=dist.group.WORLD)
+    for k, dtype, drop, n_tokens_local in NCCL_CASES:
+        d_model, n_experts = 24, 9
+        dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+        assignment = make_expt_assignment(world_size, n_experts,
+                                          make_expt_dict_random(world_size, n_experts, seed=k))
+        expt_indx = random_expt_indx(world_size * n_tokens_local, n_experts, k, seed=k, drop_fraction=drop)
+        gate, topk = route(expt_indx)
+        gen = torch.Generator().manual_seed(100 + k)
+        srcs = [torch.randn(n_tokens_local, d_model, generator=gen).to(dtype) for _ in range(world_size)]
+        shape = MoEShape(d_model, n_experts, k)
+        to_ep = NCCL_ALL_TO_ALL.prepare(Problem.moe("dp_to_ep", shape, n_tokens_local, dtype_name, world_size),
+                                        None, ctx)
+        to_dp = NCCL_ALL_TO_ALL.prepare(Problem.moe("ep_to_dp", shape, n_tokens_local, dtype_name, world_size),
+                                        None, ctx)
+        ep = to_ep(srcs[rank], assignment, expt_indx, gate)
+        mask = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)[rank]
+        want = reference_dp_to_ep(srcs, assignment, expt_indx, gate)[rank]
+        assert torch.equal(ep[mask], want[mask]), f"dp->ep k={k}"
+        # ep->dp from fully random expert-sorted rows: only this rank's experts' rows travel.
+        ep_srcs = [torch.randn(ep.shape, generator=gen).to(dtype) for _ in range(world_size)]
+        dp = to_dp(ep_srcs[rank], assignment, expt_indx, topk)
+        mask = rows_written("ep_to_dp", assignment, expt_indx, topk, world_size)[rank]
+        want = reference_ep_to_dp(ep_srcs, assignment, expt_indx, topk)[rank]
+        assert torch.equal(dp[mask], want[mask]), f"ep->dp k={k}"
+        # round trip
+        dp = to_dp(ep.clone(), assignment, expt_indx, topk)
+        assert torch.equal(dp[mask], srcs[rank].repeat_interleave(k, 0)[mask]), f"round trip k={k}"
 
 
 def test_nccl_all_to_all_over_gloo_matches_the_reference():
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_gloo_worker, args=(2, port, errors), nprocs=2, join=True, start_method="spawn")
-    finally:
-        if not errors.empty():
-            rank, tb = errors.get()
-            pytest.fail(f"rank {rank} failed:\n{tb}")
+    run_gloo(_nccl_all_to_all_body, 2)

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
-import traceback
-from datetime import timedelta
 
 import pytest
-import torch.multiprocessing as mp
+from _gloo import run_gloo
 
 from autosymm.timing import (HostClock, Timing, comm_device, max_over_ranks, percentile, time_eager, time_graph)
 
@@ -102,36 +98,21 @@ def test_host_clock_and_no_group():
     assert max_over_ranks(timing) is timing  # no process group: unchanged
 
 
-def _gloo_worker(rank, world_size, port, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _max_over_ranks_body(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        assert comm_device(None) == torch.device("cpu")
-        mine = Timing(10.0 + rank, 20.0 - rank, 30.0 + 2 * rank, 5 + rank)
-        combined = max_over_ranks(mine)
-        assert combined == Timing(10.0 + world_size - 1, 20.0, 30.0 + 2 * (world_size - 1), 5 + world_size - 1)
-        failed = max_over_ranks(Timing(math.nan, 1.0, 1.0, 3) if rank == 1 else mine)
-        assert math.isinf(failed.median_us) and not failed.ok
-        clock = FakeClock()
-        op = FakeOp(clock, [1.0 + rank])
-        timing = max_over_ranks(time_eager(op, [("x",)], warmup=1, repeats=3, group=dist.group.WORLD, clock=clock))
-        assert timing.median_us == float(world_size)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    assert comm_device(None) == torch.device("cpu")
+    mine = Timing(10.0 + rank, 20.0 - rank, 30.0 + 2 * rank, 5 + rank)
+    combined = max_over_ranks(mine)
+    assert combined == Timing(10.0 + world_size - 1, 20.0, 30.0 + 2 * (world_size - 1), 5 + world_size - 1)
+    failed = max_over_ranks(Timing(math.nan, 1.0, 1.0, 3) if rank == 1 else mine)
+    assert math.isinf(failed.median_us) and not failed.ok
+    clock = FakeClock()
+    op = FakeOp(clock, [1.0 + rank])
+    timing = max_over_ranks(time_eager(op, [("x",)], warmup=1, repeats=3, group=dist.group.WORLD, clock=clock))
+    assert timing.median_us == float(world_size)
 
 
 def test_max_over_ranks_with_gloo():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    mp.start_processes(_gloo_worker, args=(2, port, errors), nprocs=2, join=True, start_method="spawn")
-    if not errors.empty():
-        rank, tb = errors.get()
-        pytest.fail(f"rank {rank} failed:\n{tb}")
+    run_gloo(_max_over_ranks_body, 2)
