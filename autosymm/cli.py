@@ -102,7 +102,10 @@ def run(ctx: click.Context) -> None:
 @click.option("--trials", type=int, default=None, help="Optuna trials per problem and backend (default: 30% of the space)")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")
 @click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
-def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_path, json_summary) -> None:
+@click.option("--backends", "backend_list", default=None,
+              help="only these backends, comma-separated (default: every registered one; NCCL is always timed)")
+def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_path, json_summary,
+         backend_list) -> None:
     """Tune every applicable backend on the local GPUs and record the winners."""
     import torch
 
@@ -123,6 +126,7 @@ def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_
         sizes=parse_size_range(sizes), dtypes=[d.strip() for d in dtypes.split(",")],
         modes=[m.strip() for m in modes.split(",")], shapes=_parse_shapes(shapes), tokens=_parse_tokens(tokens),
         strategy=strategy, trials=trials, db_path=str(db_path or user_db_path()),
+        backends=_parse_backends(backend_list),
     )
     for mode in options.modes:
         if mode not in MODES:
@@ -131,6 +135,21 @@ def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_
     _print_summary(summary or [])
     if json_summary:
         Path(json_summary).write_text(json.dumps(summary, indent=1))
+
+
+def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
+    """Backend names of --backends (None: all); unknown names are a usage error naming the known."""
+    if not text:
+        return None
+    from .backends import FALLBACK, backend_names
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in backend_names()]
+    if unknown:
+        raise click.BadParameter(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(backend_names())}",
+                                 param_hint="--backends")
+    # the fallbacks are the baselines every row's speedup is measured against
+    return names + [n for n in dict.fromkeys(FALLBACK.values()) if n not in names]
 
 
 def _print_summary(rows: list[dict]) -> None:

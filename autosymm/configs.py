@@ -19,10 +19,17 @@ MAX_PROGRAMS = 256
 #: Largest supported world size of a symmetric-memory group (one NVLink node).
 MAX_WORLD_SIZE = 8
 
-ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "multimem")
-#: Largest all-reduce (bytes) the double-buffered one-shot stages in a half of its own region
-#: (autosymm.symm.DOUBLE_BUFFER_HALF_BYTES); the search space offers ``double_buffer`` up to it.
-DOUBLE_BUFFER_MAX_BYTES = 1 << 20
+ALL_REDUCE_ALGORITHMS = ("one_shot", "one_shot_push", "two_shot", "multimem")
+#: Bytes of each half of the double-buffer region (autosymm.symm.DOUBLE_BUFFER_HALF_BYTES): the
+#: search space offers ``double_buffer`` where a call's stage fits in it (one-shot: the tensor;
+#: push one-shot: one slot per peer), and the pull one-shot only up to
+#: :data:`PULL_DOUBLE_BUFFER_MAX_BYTES`.
+DOUBLE_BUFFER_MAX_BYTES = 4 << 20
+#: Largest all-reduce (bytes) for which the pull one-shot's space offers ``double_buffer``: beyond
+#: it a call reads megabytes over NVLink and the end barrier (about a microsecond) is noise.
+PULL_DOUBLE_BUFFER_MAX_BYTES = 1 << 20
+#: Algorithms whose configs may set ``double_buffer``.
+DOUBLE_BUFFER_ALGORITHMS = ("one_shot", "one_shot_push")
 
 
 def _is_pow2(value: int) -> bool:
@@ -82,10 +89,11 @@ class AllReduceConfig:
             raise ValueError(f"num_blocks={self.num_blocks} must be in 1..{MAX_PROGRAMS}")
         if not isinstance(self.double_buffer, bool):
             raise ValueError(f"double_buffer={self.double_buffer!r} must be a bool")
-        if self.double_buffer and self.algorithm != "one_shot":
+        if self.double_buffer and self.algorithm not in DOUBLE_BUFFER_ALGORITHMS:
             # two-shot/multimem have no end barrier to remove: their second barrier waits for the
             # peers' pushes into our stage (data, not a guard against overwriting it).
-            raise ValueError(f"double_buffer=True is only for algorithm='one_shot', not {self.algorithm!r}")
+            raise ValueError(f"double_buffer=True is only for algorithm in {DOUBLE_BUFFER_ALGORITHMS}, "
+                             f"not {self.algorithm!r}")
 
     @property
     def threads(self) -> int:
@@ -173,7 +181,8 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
     BLOCK widths far beyond the data (they only mask). Two-shot and multimem split the data in
     ``world_size`` segments, so their chunk count is per segment. Never empty.
 
-    One-shot of at most :data:`DOUBLE_BUFFER_MAX_BYTES` also gets every config again with
+    One-shot of at most :data:`PULL_DOUBLE_BUFFER_MAX_BYTES`, and push one-shot whose slots fit
+    a :data:`DOUBLE_BUFFER_MAX_BYTES` half, also get every config again with
     ``double_buffer=True`` (appended, so the first configs stay the single-buffer ones): there
     the call is latency-bound and its end barrier (a system-scope round trip over NVLink, about
     1-1.5 us of 5-6 us at 4-64 KiB on H200) is worth removing; beyond it the copy and the reads
@@ -197,7 +206,10 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
                 continue
             for num_blocks in _useful_counts(ALL_REDUCE_NUM_BLOCKS, chunks):
                 space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))
-    if algorithm == "one_shot" and numel * elem_bytes <= DOUBLE_BUFFER_MAX_BYTES:
+    nbytes = numel * elem_bytes
+    push_stage = (world_size - 1) * (-(-nbytes // 256) * 256)  # one 256-byte aligned slot per peer
+    if (algorithm == "one_shot" and nbytes <= PULL_DOUBLE_BUFFER_MAX_BYTES) or \
+            (algorithm == "one_shot_push" and push_stage <= DOUBLE_BUFFER_MAX_BYTES):
         space += [dataclasses.replace(config, double_buffer=True) for config in space]
     return space
 

@@ -23,6 +23,7 @@ class TuneOptions:
     trials: Optional[int] = None
     db_path: str = ""
     seed: int = 0
+    backends: Optional[list[str]] = None  # None: every registered backend
     extra: dict = field(default_factory=dict)
 
 
@@ -39,10 +40,13 @@ def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
     """(all-reduce, MoE) region bytes the sweep needs (at least the defaults)."""
+    from .backends.triton_all_reduce import stage_bytes
     from .symm import default_region_bytes
 
     ar_default, moe_default = default_region_bytes()
-    ar = max([p.nbytes for p in problems if p.op == "all_reduce"] + [ar_default])
+    # the largest stage any all-reduce backend needs: the push one-shot's slot per peer
+    ar = max([stage_bytes("one_shot_push", p.nbytes, p.world_size) for p in problems if p.op == "all_reduce"]
+             + [ar_default])
     moe = moe_default
     for p in problems:
         if p.op in MOE_OPS:
@@ -79,7 +83,7 @@ def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[list[
     control = control_group_for(group)
     db = TuningDB(options.db_path) if rank == 0 else None
     backends = {}
-    for name in backend_names():
+    for name in options.backends or backend_names():
         try:
             backends[name] = get_backend(name)
         except ImportError as exc:  # e.g. torch without symmetric memory: the others still tune
@@ -117,9 +121,15 @@ def _progress(rank: int, problems: list[Problem], options: TuneOptions):
     task = bar.add_task("tuning", total=total)
     bar.start()
 
+    started = time.time()
+    log_lines = not bar.console.is_terminal  # a log file gets one line per item instead of redraws
+
     def advance(item) -> None:
         summary = item.summary()
         text = f"{item.problem.describe()} [{item.mode}] -> {summary['backend'] if summary else item.status}"
         bar.update(task, advance=1, description=text[:90])
+        if log_lines:
+            us = f" {summary['us']:.2f} us" if summary else ""
+            print(f"[{time.time() - started:7.1f} s] {text}{us}", flush=True)
 
     return advance, bar.stop

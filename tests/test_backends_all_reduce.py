@@ -14,7 +14,7 @@ from autosymm.backends.launch import LeanLauncher
 from autosymm.backends.nccl import nccl
 from autosymm.backends.torch_symm import _TorchLauncher, torch_one_shot, torch_two_shot
 from autosymm.backends.triton_all_reduce import (segment_vecs, stage_offset, triton_multimem, triton_one_shot,
-                                                 triton_two_shot)
+                                                 triton_one_shot_push, triton_two_shot)
 from autosymm.configs import AllReduceConfig, all_reduce_space
 from autosymm.problem import MoEShape, Problem
 from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, simulated_workspaces
@@ -24,7 +24,7 @@ from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, half_view, pa
 
 CAPS = Capabilities(world_size=4, all_reduce_bytes=1 << 20, has_multicast=True, intra_node=True,
                     torch_symm_ops=True, compute_capability=(9, 0))
-TRITON = (triton_one_shot, triton_two_shot, triton_multimem)
+TRITON = (triton_one_shot, triton_one_shot_push, triton_two_shot, triton_multimem)
 ALL = TRITON + (torch_one_shot, torch_two_shot, nccl)
 
 
@@ -41,6 +41,8 @@ def _problem(nbytes=16384, dtype="bf16", world_size=4):
     (triton_two_shot, _problem(dtype="fp16"), CAPS, None),
     (triton_multimem, _problem(dtype="fp32"), CAPS, None),
     (triton_one_shot, _problem(nbytes=(1 << 20) + 2), CAPS, "exceed"),
+    (triton_one_shot_push, _problem(nbytes=1365 * 256), CAPS, None),  # 3 slots fit the 1 MiB region
+    (triton_one_shot_push, _problem(nbytes=1366 * 256), CAPS, "1049088-byte stage exceeds"),
     (triton_two_shot, _problem(), Capabilities(world_size=4), "no symmetric workspace"),
     (triton_one_shot, _problem(), Capabilities(world_size=4, all_reduce_bytes=1 << 20, intra_node=False), "nodes"),
     (triton_multimem, _problem(), Capabilities(world_size=4, all_reduce_bytes=1 << 20, compute_capability=(9, 0)),
@@ -67,8 +69,8 @@ def test_unsupported_reason(backend, problem, caps, reason):
 
 
 def test_names_and_ops():
-    assert [b.name for b in ALL] == ["triton_one_shot", "triton_two_shot", "triton_multimem", "torch_one_shot",
-                                     "torch_two_shot", "nccl"]
+    assert [b.name for b in ALL] == ["triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_multimem",
+                                     "torch_one_shot", "torch_two_shot", "nccl"]
     assert all(b.ops == ("all_reduce",) for b in ALL)
 
 

@@ -36,8 +36,14 @@ CASES = [
     ("one_shot", "bf16", 2, 1024, 4, False, True, True, True),
     ("one_shot", "fp32", 8, 16384, 32, False, True, True, True),
     ("one_shot", "bf16", 4, 8192, 16, False, True, False, True),
+    # push one-shot (no zero-copy variant: x is only read locally), single and double buffered
+    ("one_shot_push", "bf16", 2, 4096, 8, False, True, True),
+    ("one_shot_push", "fp16", 4, 1024, 4, False, True, False),
+    ("one_shot_push", "fp32", 8, 16384, 32, False, True, True),
+    ("one_shot_push", "bf16", 2, 4096, 8, False, True, True, True),
+    ("one_shot_push", "fp32", 8, 16384, 32, False, True, True, True),
 ]
-DOUBLE_TWINS = {12: 0, 13: 2, 14: 5}  # double-buffered case -> its single-buffer twin
+DOUBLE_TWINS = {12: 0, 13: 2, 14: 5, 18: 15, 19: 17}  # double-buffered case -> its single-buffer twin
 
 
 def _case(i):
@@ -77,7 +83,7 @@ def _compile_cases(indices: list[int]) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+    from autosymm.kernels.all_reduce import _one_shot_all_reduce, _push_one_shot_all_reduce, _two_shot_all_reduce
 
     out = {}
     for i in indices:
@@ -89,6 +95,11 @@ def _compile_cases(indices: list[int]) -> dict:
         fn = _one_shot_all_reduce
         if kernel == "one_shot":
             signature.update(half_bytes="i64")
+            constexprs.update(DOUBLE_BUFFER=double_buffer)
+        elif kernel == "one_shot_push":
+            fn = _push_one_shot_all_reduce
+            signature.update(slot_bytes="i64", half_bytes="i64")
+            del constexprs["ZERO_COPY"]
             constexprs.update(DOUBLE_BUFFER=double_buffer)
         else:
             fn = _two_shot_all_reduce
@@ -130,12 +141,14 @@ def test_compiles_for_sm90(features, case):
     got = features[case]
     peers = world_size - 1
     # all kernels here signal twice in the code (ZERO_COPY one-shot: once per round), except the
-    # double-buffered one-shot: its start barrier only
+    # double-buffered ones: no end barrier. The push one-shot waits in two places (in its
+    # pipelined loop and after it) for its one per-chunk signal.
     n_barriers = 1 if double_buffer else 2
+    n_waits = n_barriers + (kernel == "one_shot_push")
     assert got["signals"] == n_barriers * peers, "one release signal per peer per barrier"
-    assert got["acquire_polls"] >= n_barriers * peers
+    assert got["acquire_polls"] >= n_waits * peers
     # bounded waits: each wait's loop compares against MAX_POLLS and can count a give-up
-    assert got["poll_limit"] and got["error_adds"] == n_barriers * peers, got
+    assert got["poll_limit"] and got["error_adds"] == n_waits * peers, got
     # the double buffer's end: one gpu-scope acq_rel arrival, one counter reset; nothing else has them
     assert (got["arrivals"], got["counter_resets"]) == ((1, 1) if double_buffer else (0, 0)), got
     if kernel == "multimem":
@@ -151,13 +164,15 @@ def test_compiles_for_sm90(features, case):
         assert got["peer_v4_loads"] == 0, "an unaligned stage must not be read with 128-bit loads"
     if x_aligned and not (kernel == "multimem" and zero_copy):  # that one only stores via multimem
         assert got["v4_stores"] >= 1
+    if kernel == "one_shot_push" and x_aligned:
+        assert got["v4_stores"] >= peers + 1, "128-bit pushes into every peer's slot, and the sum's store"
 
 
 @pytest.mark.parametrize("double, single", sorted(DOUBLE_TWINS.items()))
 def test_double_buffer_drops_one_cross_gpu_wait(features, double, single):
     """The double-buffered kernel is its single-buffer twin minus the end barrier: one release
     signal, one bounded wait (its acquire polls and its give-up add) fewer per peer."""
-    peers = CASES[single][2] - 1
+    peers = _case(single)[2] - 1
     with_db, without = features[double], features[single]
     assert without["signals"] - with_db["signals"] == peers
     assert without["error_adds"] - with_db["error_adds"] == peers

@@ -6,6 +6,7 @@ import pytest
 from autosymm.configs import (
     ALL_REDUCE_ALGORITHMS,
     DOUBLE_BUFFER_MAX_BYTES,
+    PULL_DOUBLE_BUFFER_MAX_BYTES,
     AllReduceConfig,
     MoEConfig,
     all_reduce_space,
@@ -75,7 +76,7 @@ def test_double_buffer_json_is_backward_compatible():
 def test_all_reduce_space_valid_and_not_redundant(algorithm, numel):
     space = all_reduce_space(algorithm, numel, world_size=4, elem_bytes=2)
     assert space and len(space) == len(set(space))
-    per_program = -(-numel // 4) if algorithm != "one_shot" else numel
+    per_program = -(-numel // 4) if algorithm in ("two_shot", "multimem") else numel
     by_shape: dict = {}
     for config in space:
         assert config.algorithm == algorithm
@@ -97,11 +98,14 @@ def test_all_reduce_space_grows_with_size():
 @pytest.mark.parametrize("world_size, elem_bytes", [(2, 2), (8, 4)])
 def test_double_buffer_only_for_small_one_shot(world_size, elem_bytes):
     for algorithm in ALL_REDUCE_ALGORITHMS:
-        for nbytes in (4096, 65536, DOUBLE_BUFFER_MAX_BYTES, 2 * DOUBLE_BUFFER_MAX_BYTES):
+        for nbytes in (4096, 65536, PULL_DOUBLE_BUFFER_MAX_BYTES, 2 * PULL_DOUBLE_BUFFER_MAX_BYTES,
+                       DOUBLE_BUFFER_MAX_BYTES, 2 * DOUBLE_BUFFER_MAX_BYTES):
             space = all_reduce_space(algorithm, nbytes // elem_bytes, world_size, elem_bytes)
             on = [c for c in space if c.double_buffer]
             off = [c for c in space if not c.double_buffer]
-            if algorithm == "one_shot" and nbytes <= DOUBLE_BUFFER_MAX_BYTES:
+            offered = {"one_shot": nbytes <= PULL_DOUBLE_BUFFER_MAX_BYTES,  # the pull one-shot: latency-bound sizes
+                       "one_shot_push": (world_size - 1) * nbytes <= DOUBLE_BUFFER_MAX_BYTES}  # its slots fit a half
+            if offered.get(algorithm, False):
                 # every single-buffer config once more with double buffering, appended (space[0] unchanged)
                 assert on == [dataclasses.replace(c, double_buffer=True) for c in off]
                 assert space == off + on

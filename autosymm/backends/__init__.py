@@ -17,6 +17,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "torch_one_shot": ("autosymm.backends.torch_symm", "torch_one_shot"),
     "torch_two_shot": ("autosymm.backends.torch_symm", "torch_two_shot"),
     "triton_one_shot": ("autosymm.backends.triton_all_reduce", "triton_one_shot"),
+    "triton_one_shot_push": ("autosymm.backends.triton_all_reduce", "triton_one_shot_push"),
     "triton_two_shot": ("autosymm.backends.triton_all_reduce", "triton_two_shot"),
     "triton_multimem": ("autosymm.backends.triton_all_reduce", "triton_multimem"),
     "triton_moe": ("autosymm.backends.moe", "TRITON_MOE"),

@@ -1,5 +1,6 @@
-"""Backends ``triton_one_shot``, ``triton_two_shot`` and ``triton_multimem``: the Triton
-all-reduce kernels of autosymm.kernels.all_reduce over the symmetric workspace.
+"""Backends ``triton_one_shot``, ``triton_one_shot_push``, ``triton_two_shot`` and
+``triton_multimem``: the Triton all-reduce kernels of autosymm.kernels.all_reduce over the
+symmetric workspace.
 
 A launcher works on any contiguous tensor of the prepared dtype that fits the workspace's
 all-reduce region. A tensor from ``Workspace.empty`` (inside the region) is reduced in place
@@ -17,6 +18,11 @@ without double buffering does, so the size limits are those of the single-buffer
 calls of one workspace must be stream-ordered (one stream, or streams joined by events), as the
 signal-pad barriers already require.
 
+Push one-shot (``triton_one_shot_push``): peers write into this rank's stage and ``x`` is only
+read locally, so any tensor is served without a copy-in; the stage takes ``world_size - 1``
+slots of the tensor's size (rounded up to 256 bytes): in a double-buffer half when they fit and
+the config asks for it, else at the top of the all-reduce region.
+
 Failures are reported after the fact, never on the hot path: the kernels' barrier waits are
 bounded (autosymm.kernels.barrier), so a peer that never launches its kernel (it raised, or runs
 another decision) makes this rank's kernel finish with a garbage sum instead of hanging the GPU.
@@ -31,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from ..configs import AllReduceConfig, all_reduce_space
-from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+from ..kernels.all_reduce import _one_shot_all_reduce, _push_one_shot_all_reduce, _two_shot_all_reduce
 from ..problem import DTYPES, Problem
 from ..symm import DOUBLE_BUFFER_REGION
 from .base import BackendError, Capabilities, RunContext
@@ -45,6 +51,19 @@ MAX_NUMEL = 2**31 - 1  # kernels index with int32
 def stage_offset(capacity: int, nbytes: int) -> int:
     """Byte offset in the all-reduce region where a non-zero-copy tensor of ``nbytes`` is staged."""
     return capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+
+
+def push_slot_bytes(nbytes: int) -> int:
+    """Bytes of one sender's slot in a push one-shot stage: ``nbytes`` rounded up to STAGE_ALIGN."""
+    return (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+
+
+def stage_bytes(algorithm: str, nbytes: int, world_size: int) -> int:
+    """Bytes of the all-reduce region one rank's stage takes for a tensor of ``nbytes``: the
+    tensor itself, or (push one-shot) one slot per peer."""
+    if algorithm == "one_shot_push":
+        return (world_size - 1) * push_slot_bytes(nbytes)
+    return nbytes
 
 
 def segment_vecs(numel: int, world_size: int, elem_bytes: int) -> int:
@@ -64,7 +83,11 @@ class _AllReduceLauncher:
         self.world_size = workspace.world_size
         self.rank = workspace.rank
         self.capacity = workspace.capacity(CHANNEL)
-        self.max_bytes = min(self.capacity, MAX_NUMEL * self.elem_bytes)
+        self._push = algorithm == "one_shot_push"
+        # push: one slot of the rounded-up tensor per peer must fit the region
+        stage_limit = self.capacity // max(1, self.world_size - 1) // STAGE_ALIGN * STAGE_ALIGN if self._push \
+            else self.capacity
+        self.max_bytes = min(stage_limit, MAX_NUMEL * self.elem_bytes)
         self.region_start = int(workspace.buffer.data_ptr()) + workspace.regions[CHANNEL].offset
         self.region_end = self.region_start + self.capacity
         self.region_ptrs = workspace.region_ptrs(CHANNEL)
@@ -104,6 +127,8 @@ class _AllReduceLauncher:
             return x  # the sum over one rank is x itself
         addr = x.data_ptr()
         x_aligned = addr % 16 == 0
+        if self._push:
+            return self._call_push(x, addr, numel, nbytes, x_aligned)
         if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
             key = (True, x_aligned, x_aligned, phase, False)
             offset = addr - self.region_start
@@ -128,6 +153,33 @@ class _AllReduceLauncher:
             sizes = (numel, offset, self.half_bytes)
         else:  # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
             sizes = (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
+        return self._launch(key, x, addr, sizes)
+
+    run = __call__
+
+    def _call_push(self, x: torch.Tensor, addr: int, numel: int, nbytes: int, x_aligned: bool) -> torch.Tensor:
+        """Push one-shot: x is read only locally, so any tensor (in the region or not) is served
+        without a copy; the stage is WORLD_SIZE - 1 slots in a double-buffer half when they fit,
+        else at the top of the all-reduce region, clear of x and of autosymm.empty's tensors."""
+        slot_bytes = (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN  # push_slot_bytes(nbytes)
+        need = (self.world_size - 1) * slot_bytes
+        if need <= self.half_bytes:
+            offset, double = self.double_offset, True
+            stage_start, stage_end = self.double_start, self.double_end
+        else:
+            offset, double = self.capacity - need, False
+            stage_start, stage_end = self.region_start + offset, self.region_end
+            if offset < self.workspace.empty_bytes:
+                raise BackendError(
+                    f"a push stage of {need} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
+                    f"by autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
+        if addr < stage_end and addr + nbytes > stage_start:
+            raise BackendError(f"tensor {tuple(x.shape)} overlaps the push stage of the all-reduce region, "
+                               "where peers write their copies")
+        return self._launch((False, True, x_aligned, 0, double), x, addr, (numel, offset, slot_bytes, self.half_bytes))
+
+    def _launch(self, key: tuple, x: torch.Tensor, addr: int, sizes: tuple) -> torch.Tensor:
+        """Launch the kernel variant ``key`` on ``x`` with the integer arguments ``sizes``."""
         direct = self._direct.get(key)
         if direct is not None:  # bound: int addresses, no per-pointer driver query
             direct(addr, self._region_addr, self._signal_addr, *sizes)
@@ -137,8 +189,6 @@ class _AllReduceLauncher:
         if launch.direct is not None:
             self._direct[key] = launch.direct
         return x
-
-    run = __call__
 
     # -- cold path --------------------------------------------------------------------------
     def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int, double: bool) -> LeanLauncher:
@@ -152,6 +202,12 @@ class _AllReduceLauncher:
             if phase:
                 raise ValueError("one-shot has no phases")
             kernel = _one_shot_all_reduce
+            constexprs.update(DOUBLE_BUFFER=double)
+        elif self._push:
+            if phase:
+                raise ValueError("push one-shot has no phases")
+            kernel = _push_one_shot_all_reduce
+            del constexprs["ZERO_COPY"]
             constexprs.update(DOUBLE_BUFFER=double)
         else:
             kernel = _two_shot_all_reduce
@@ -173,7 +229,7 @@ class _AllReduceLauncher:
 
 
 class TritonAllReduce:
-    """One Triton all-reduce algorithm ('one_shot', 'two_shot' or 'multimem') as a Backend."""
+    """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
 
     ops = ("all_reduce",)
 
@@ -190,8 +246,9 @@ class TritonAllReduce:
             return "group spans nodes"
         if caps.all_reduce_bytes <= 0:
             return "no symmetric workspace"
-        if problem.nbytes > caps.all_reduce_bytes:
-            return f"{problem.nbytes} bytes exceed the {caps.all_reduce_bytes}-byte all-reduce region"
+        need = stage_bytes(self.algorithm, problem.nbytes, problem.world_size)
+        if need > caps.all_reduce_bytes:
+            return f"a {need}-byte stage exceeds the {caps.all_reduce_bytes}-byte all-reduce region"
         if problem.numel > MAX_NUMEL:
             return f"{problem.numel} elements exceed int32 indexing"
         if self.algorithm == "multimem":
@@ -219,6 +276,7 @@ class TritonAllReduce:
 
 
 triton_one_shot = TritonAllReduce("one_shot")
+triton_one_shot_push = TritonAllReduce("one_shot_push")
 triton_two_shot = TritonAllReduce("two_shot")
 triton_multimem = TritonAllReduce("multimem")
-BACKENDS = (triton_one_shot, triton_two_shot, triton_multimem)
+BACKENDS = (triton_one_shot, triton_one_shot_push, triton_two_shot, triton_multimem)
