@@ -233,6 +233,12 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
     return result if rank == 0 else None
 
 
+def moe_link_gbps(nbytes: int, us: float, world_size: int) -> float:
+    """GB/s over NVLink of a MoE conversion moving ``nbytes`` of rows per rank in ``us``: with
+    uniformly spread experts a fraction (W-1)/W of the rows goes to peers, the rest stays local."""
+    return nbytes * (world_size - 1) / world_size / us / 1e3
+
+
 def print_bench(result: BenchResult, console) -> None:
     from rich.table import Table
 
@@ -244,15 +250,22 @@ def print_bench(result: BenchResult, console) -> None:
             continue
         impls = list(dict.fromkeys(r.impl for r in rows))
         table = Table(title=f"{op}: median us (MAX over ranks)")
-        for column in ["size" if op == "all_reduce" else "shape/tokens", "mode", *impls, "chosen", "autosymm/best other"]:
+        moe = op != "all_reduce"
+        link = ["link GB/s", "% peer write"] if moe else []
+        for column in ["shape/tokens" if moe else "size", "mode", *impls, "chosen", "autosymm/best other", *link]:
             table.add_column(column)
         for label, mode in dict.fromkeys((r.label, r.mode) for r in rows):
             cells = {r.impl: r for r in rows if r.label == label and r.mode == mode}
             others = [c.us for i, c in cells.items() if i != "autosymm" and c.us]
             auto = cells.get("autosymm")
-            ratio = f"{auto.us / min(others):.2f}" if auto and auto.us and others else "-"
+            ratio = f"{auto.us / min(others):.3f}" if auto and auto.us and others else "-"
+            extra = []
+            if moe:
+                gbps = moe_link_gbps(auto.nbytes, auto.us, result.world_size) if auto and auto.us else None
+                extra = [f"{gbps:.1f}" if gbps else "-",
+                         f"{gbps / result.peer_write_gbps:.0%}" if gbps and result.peer_write_gbps else "-"]
             table.add_row(label, mode, *[f"{cells[i].us:.2f}" if i in cells and cells[i].us else "-" for i in impls],
-                          auto.backend if auto else "-", ratio)
+                          auto.backend if auto else "-", ratio, *extra)
         console.print(table)
 
 

@@ -16,7 +16,7 @@ from . import __version__
 from .problem import MODEL_SHAPES, MODES, MoEShape, Problem, format_bytes, parse_bytes, parse_size_range
 
 DEFAULT_SIZES = "4KiB:256MiB"
-DEFAULT_TOKENS = "1:8192"
+DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,8192"  # autosymm.sweep.MOE_TOKENS
 
 
 def _console():
@@ -97,7 +97,7 @@ def run(ctx: click.Context) -> None:
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--modes", default="eager,graph", show_default=True)
 @click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True, help="MoE shapes: model names or d{D}_e{E}_k{K}")
-@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="MoE tokens per rank: low:high (powers of two) or a list")
+@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="MoE tokens per rank: a list, or low:high (every power of two)")
 @click.option("--strategy", type=click.Choice(["auto", "grid", "optuna"]), default="auto", show_default=True)
 @click.option("--trials", type=int, default=None, help="Optuna trials per problem and backend (default: 30% of the space)")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")

@@ -20,6 +20,7 @@ capturable (its split sizes go through the host), so graph-mode MoE rows carry n
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -32,7 +33,10 @@ from .timing import comm_device, time_eager, time_graph
 from .tuner import Candidate, TuneOutcome, tune
 
 ALL_REDUCE_SIZES = [1 << p for p in range(12, 29)]  # 4 KiB .. 256 MiB
-MOE_TOKENS = [1 << p for p in range(0, 14)]  # 1 .. 8192 tokens per rank
+#: MoE tokens per rank of the default sweep: powers of four from 1 to 4096, and 8192. The
+#: dispatcher serves a count in between from the next larger tuned one (its bucket), so the
+#: range 1..8192 is covered with 8 points instead of 14 (a sweep of minutes, not tens).
+MOE_TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
 GRAPH_TOKENS_MAX = 256
 _SEED = 1234
 MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
@@ -48,7 +52,7 @@ def measure_timeout_s() -> float:
 
 def default_sweep(world_size: int, dtype: str = "bf16") -> list[Problem]:
     """All-reduce of 4 KiB..256 MiB (powers of two), then dp->ep and ep->dp of every
-    problem.MODEL_SHAPES shape at 1, 2, 4, ..., 8192 tokens per rank."""
+    problem.MODEL_SHAPES shape at :data:`MOE_TOKENS` tokens per rank."""
     problems = [Problem.all_reduce(n, dtype, world_size) for n in ALL_REDUCE_SIZES]
     for shape in MODEL_SHAPES.values():
         for op in MOE_OPS:
@@ -344,6 +348,55 @@ class SweepItem:
                 "bucket": p.bucket, "dtype": p.dtype}
 
 
+def compile_threads() -> int:
+    """Threads that compile a problem's kernels: AUTOSYMM_COMPILE_THREADS, else this process's
+    share of the CPUs (every local rank compiles its own kernels), at most 16."""
+    value = os.environ.get("AUTOSYMM_COMPILE_THREADS", "")
+    if value:
+        return max(1, int(value))
+    ranks = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+    return max(1, min(16, (os.cpu_count() or 1) // ranks))
+
+
+def precompile(problem: Problem, candidates: dict[str, list], backends: dict, ctx, args: tuple,
+               device: torch.device) -> int:
+    """Compile every kernel the candidates of backends with ``compiles_kernels`` would launch for
+    ``args``, in :func:`compile_threads` threads; returns how many launchers ran. Local only (no
+    launch, no collective: autosymm.backends.launch.compile_only). A failure is left for the
+    candidate's own prepare/measure to report. Without it, the first candidates of each problem
+    compile one by one (about 0.3-1 s per kernel variant)."""
+    from .backends.launch import compile_only, interpreter_active
+
+    if interpreter_active():
+        return 0
+    jobs = [(name, config) for name, configs in candidates.items()
+            if getattr(backends[name], "compiles_kernels", False) for config in configs]
+    if not jobs:
+        return 0
+
+    def build(job) -> bool:
+        name, config = job
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # triton compiles for (and caches under) the current device
+        try:
+            launcher = backends[name].prepare(problem, config, ctx)
+            with compile_only():
+                launcher(*args)
+            return True
+        except Exception:  # reported by the candidate's own prepare/measure
+            return False
+
+    # Each backend's first launcher alone: triton creates a kernel's per-device cache on first
+    # use, and two threads creating it at once would lose one's compiled kernels.
+    firsts = {name: i for i, (name, _) in reversed(list(enumerate(jobs)))}
+    built = sum(build(jobs[i]) for i in sorted(firsts.values()))
+    rest = [job for i, job in enumerate(jobs) if i not in firsts.values()]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=compile_threads()) as pool:
+        return built + sum(pool.map(build, rest))
+
+
 def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[dict[str, list], dict[str, str]]:
     """({backend: configs} of the backends serving ``problem`` in ``mode``, {backend: why not})."""
     out: dict[str, list] = {}
@@ -475,6 +528,7 @@ def _tune_one(problem, mode, backends, caps, ctx, device, rank, control, fallbac
         return SweepItem(problem, mode, "failed", f"inputs could not be built on some rank ({failure or 'see others'})",
                          unsupported=why_not)
     data.build_reference()
+    precompile(problem, candidates, backends, ctx, data.validation_args(), device)
     evaluator = SweepEvaluator(problem, mode, backends, data, ctx, plan, control_group=control)
     outcome = tune(problem, candidates, evaluator, strategy=strategy, trials=trials, seed=seed, group=control,
                    timeout_s=timeout_s, baseline_backend=fallback.get(problem.op))

@@ -58,7 +58,11 @@ from .timing import Timing, comm_device, group_size
 STRATEGIES = ("auto", "grid", "optuna")
 GRID_THRESHOLD = 48  # 'auto' searches spaces of at most this many configs exhaustively
 TRIAL_FRACTION = 0.3  # default optuna budget: this share of the space ...
-MIN_TRIALS = 16  # ... but at least this many trials (and at most the whole space)
+MIN_TRIALS = 16  # ... but at least this many trials (and at most the whole space) ...
+#: ... and at most this many: on 2x H200 one candidate costs 5-250 ms (compile, validation,
+#: graph capture, timing; more for larger problems), and 30 % of the largest all-reduce spaces
+#: (100+ trials per backend) made the default sweep take over 5 minutes.
+MAX_DEFAULT_TRIALS = 24
 _PENALTY = 1e30  # what the study is told for a failed candidate (TPE only ranks the values)
 
 
@@ -211,8 +215,10 @@ def build_candidates(candidates_by_backend: dict[str, Sequence[Optional[AnyConfi
 
 
 def default_trials(space_size: int) -> int:
-    """Default optuna budget: TRIAL_FRACTION of the space, at least MIN_TRIALS, at most all."""
-    return min(space_size, max(MIN_TRIALS, math.ceil(TRIAL_FRACTION * space_size)))
+    """Default optuna budget: TRIAL_FRACTION of the space, clamped to MIN_TRIALS..MAX_DEFAULT_TRIALS,
+    at most the whole space."""
+    share = math.ceil(TRIAL_FRACTION * space_size)
+    return min(space_size, max(MIN_TRIALS, min(MAX_DEFAULT_TRIALS, share)))
 
 
 def resolve_strategy(strategy: str, space_size: int, grid_threshold: int = GRID_THRESHOLD) -> str:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device session on a GPU node: GPU tests, the default tune, the benchmark. Logs and
-# results go to $OUT (default ./out). Steps: tests | tune | bench (default: all three).
-#   scripts/gpu_session.sh [tests] [tune] [bench]
+# One device session on a GPU node: GPU tests, the default tune, the benchmark, Optuna against
+# the exhaustive grid. Logs and results go to $OUT (default ./out).
+# Steps: tests | tune | bench | optuna (default: tests tune bench).
+#   scripts/gpu_session.sh [tests] [tune] [bench] [optuna]
 # Wheels for packages the node lacks (optuna, sqlite-utils) are taken from ./.whl if present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,5 +26,6 @@ for step in $steps; do
            echo "tune wall time: $(( $(date +%s) - start )) s" | tee -a "$OUT/tune.txt" ;;
     bench) export AUTOSYMM_DB="${AUTOSYMM_DB:-$OUT/tuned.sqlite}"
            python3 -m autosymm bench --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
+    optuna) python3 scripts/optuna_vs_grid.py ${OPTUNA_ARGS:-} 2>&1 | tee "$OUT/optuna_vs_grid.txt" ;;
   esac
 done

@@ -1,8 +1,10 @@
 """How close does Optuna (seeded TPE) get to the exhaustive grid's best, with what share of trials?
 
 Runs on all local GPUs (one process each, like `autosymm tune`), dry-run (no database written):
-for each problem, the whole grid of every Triton backend, then Optuna with a 30 % budget, and
-prints best(optuna) / best(grid) per (problem, backend, mode).
+for each problem, the whole grid of every Triton backend, then Optuna with the budget
+`autosymm tune` uses by default (autosymm.tuner.default_trials: 30 % of the space, clamped to
+16..24 trials) or ``--budget`` (a share of the space), and prints best(optuna) / best(grid) per
+(problem, backend, mode) with the share of the space Optuna tried.
 
     PYTHONPATH=$PWD python3 scripts/optuna_vs_grid.py [--budget 0.3] [--sizes 64KiB,1MiB,16MiB]
 """
@@ -32,7 +34,9 @@ def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens
     workspace = get_workspace(group, torch.device("cuda", torch.cuda.current_device()),
                               all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
     control = control_group_for(group)
-    names = ["triton_one_shot", "triton_two_shot", "triton_moe"]
+    from autosymm.tuner import default_trials
+
+    names = ["triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_moe"]
     backends = {n: get_backend(n) for n in names}
     report = []
     for problem in problems:
@@ -41,7 +45,7 @@ def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens
                              hardware=fingerprint(), strategy="grid", modes=[mode], control_group=control)[0]
             for name, best_grid in (grid.outcome.best_by_backend() if grid.outcome else {}).items():
                 space = len(backends[name].search_space(problem))
-                trials = max(1, math.floor(budget * space))
+                trials = default_trials(space) if budget is None else max(1, math.floor(budget * space))
                 tuned = run_sweep([problem], backends={name: backends[name]}, group=group, workspace=workspace,
                                   db=None, hardware=fingerprint(), strategy="optuna", trials=trials, modes=[mode],
                                   control_group=control)[0]
@@ -56,16 +60,19 @@ def main() -> None:
     from autosymm.workers import run_workers
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--budget", type=float, default=0.3, help="Optuna trials as a share of the grid")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="Optuna trials as a share of the grid (default: autosymm tune's default budget)")
     parser.add_argument("--sizes", default="64KiB,1MiB,16MiB")
     parser.add_argument("--moe-tokens", default="1024")
     parser.add_argument("--nproc", type=int, default=None)
     args = parser.parse_args()
     tokens = [int(t) for t in args.moe_tokens.split(",") if t]
     report = run_workers(_job, args.nproc, parse_size_range(args.sizes), args.budget, tokens)
-    print(f"{'problem':44s} {'mode':6s} {'backend':16s} {'grid':>5s} {'TPE':>4s} {'grid us':>9s} {'TPE us':>9s} {'TPE/grid':>8s}")
+    print(f"{'problem':44s} {'mode':6s} {'backend':20s} {'grid':>5s} {'TPE':>4s} {'share':>6s} {'grid us':>9s} "
+          f"{'TPE us':>9s} {'TPE/grid':>8s}")
     for desc, mode, name, space, trials, grid_us, tpe_us in report:
-        print(f"{desc:44s} {mode:6s} {name:16s} {space:5d} {trials:4d} {grid_us:9.2f} {tpe_us:9.2f} {tpe_us / grid_us:8.3f}")
+        print(f"{desc:44s} {mode:6s} {name:20s} {space:5d} {trials:4d} {trials / space:6.1%} {grid_us:9.2f} "
+              f"{tpe_us:9.2f} {tpe_us / grid_us:8.3f}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def test_table_and_csv(result, tmp_path):
     print_bench(result, console)
     text = console.export_text()
     assert "all_reduce: median us" in text and "4KiB" in text and "autosymm/best other" in text
+    assert "dp_to_ep: median us" in text and "link GB/s" in text and "% peer write" in text
     path = tmp_path / "bench.csv"
     write_bench_csv(result, str(path))
     lines = path.read_text().splitlines()
@@ -59,3 +60,10 @@ def test_plot(result, tmp_path):
     path = tmp_path / "bench.png"
     plot_bench(result, str(path))
     assert path.stat().st_size > 10_000
+
+
+def test_moe_link_bandwidth_counts_only_the_rows_that_leave_the_rank():
+    from autosymm.bench import moe_link_gbps
+
+    assert moe_link_gbps(2_000_000, 10.0, 2) == 100.0  # half of 2 MB in 10 us
+    assert moe_link_gbps(4_000_000, 10.0, 4) == 300.0  # three quarters of 4 MB

@@ -180,7 +180,8 @@ def test_auto_strategy_and_default_budget():
     assert resolve_strategy("auto", 10) == "grid" and resolve_strategy("auto", 500) == "optuna"
     with pytest.raises(ValueError, match="strategy"):
         resolve_strategy("bayes", 10)
-    assert default_trials(10) == 10 and default_trials(40) == 16 and default_trials(300) == 90
+    assert default_trials(10) == 10 and default_trials(40) == 16 and default_trials(70) == 21
+    assert default_trials(300) == 24  # capped: MAX_DEFAULT_TRIALS
     moe = moe_space(7168, 4096)  # 126 configs: over the grid threshold
     ev = FakeEvaluate(times=lambda c: 1.0 if c.config is None else float(c.config.block_n) / c.config.num_warps)
     shape = MoEShape(7168, 256, 8)
@@ -225,7 +226,7 @@ import torch  # noqa: E402
 
 from autosymm import moe as moe_ref  # noqa: E402
 from autosymm.backends import Capabilities  # noqa: E402
-from autosymm.sweep import (candidates_for, check_output, default_modes, default_sweep,  # noqa: E402
+from autosymm.sweep import (MOE_TOKENS, candidates_for, check_output, default_modes, default_sweep,  # noqa: E402
                             moe_reference_for_rank, timing_plan)
 
 
@@ -270,11 +271,14 @@ def test_default_sweep_and_modes():
     ar = [p for p in problems if p.op == "all_reduce"]
     assert [p.nbytes for p in ar] == [4096 << i for i in range(17)] and ar[-1].nbytes == 256 << 20
     moe = [p for p in problems if p.op != "all_reduce"]
-    assert len(moe) == 4 * 2 * 14 and {p.n_tokens_local for p in moe} == {1 << i for i in range(14)}
+    assert len(moe) == 4 * 2 * 8 and {p.n_tokens_local for p in moe} == {1, 4, 16, 64, 256, 1024, 4096, 8192}
+    from autosymm.cli import DEFAULT_TOKENS, _parse_tokens
+
+    assert _parse_tokens(DEFAULT_TOKENS) == MOE_TOKENS, "`autosymm tune`'s default is the default sweep's"
     assert all(p.world_size == 8 and p.dtype == "bf16" for p in problems)
     assert default_modes(ar[0]) == ("eager", "graph") == default_modes(ar[-1])
     small = next(p for p in moe if p.n_tokens_local == 256)
-    large = next(p for p in moe if p.n_tokens_local == 512)
+    large = next(p for p in moe if p.n_tokens_local == 1024)
     assert default_modes(small) == ("eager", "graph") and default_modes(large) == ("eager",)
     tiny, huge = timing_plan(ar[0], "eager"), timing_plan(ar[-1], "eager")
     assert tiny.calls_per_sample > 1 and huge.calls_per_sample == 1 and huge.n_inputs == 2 and tiny.n_inputs == 8

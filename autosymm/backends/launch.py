@@ -26,7 +26,25 @@ keeps the normal path; nothing here raises for it.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Sequence
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+_MODE = threading.local()
+
+
+@contextmanager
+def compile_only() -> Iterator[None]:
+    """In this thread, LeanLaunchers compile (``JITFunction.warmup``: same specialisation and
+    cache as a launch) instead of launching, and stay unbound. Lets the tuner compile a
+    problem's candidates in parallel threads by calling their launchers: nothing reaches the
+    GPU, so no collective kernel waits for a peer."""
+    previous = getattr(_MODE, "compile_only", False)
+    _MODE.compile_only = True
+    try:
+        yield
+    finally:
+        _MODE.compile_only = previous
 
 
 def interpreter_active() -> bool:
@@ -108,6 +126,10 @@ class LeanLauncher:
         launch = self._launch
         if launch is not None:
             launch(*args)
+            return
+        if getattr(_MODE, "compile_only", False):
+            if not interpreter_active():  # nothing to compile under the interpreter
+                self.fn.warmup(*args, grid=self.grid, **self.constexprs, **self.options)
             return
         compiled = self.fn[self.grid](*args, **self.constexprs, **self.options)
         if self.fast and compiled is not None:

@@ -205,6 +205,8 @@ class TritonMoE:
 
     name = "triton_moe"
     ops = MOE_OPS
+    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.sweep precompiles them).
+    compiles_kernels = True
 
     def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         reason = _shape_reason(problem)

@@ -232,6 +232,8 @@ class TritonAllReduce:
     """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
 
     ops = ("all_reduce",)
+    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.sweep precompiles them).
+    compiles_kernels = True
 
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
