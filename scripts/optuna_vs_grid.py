@@ -52,6 +52,8 @@ def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens
                 best_optuna = tuned.outcome.best_by_backend().get(name) if tuned.outcome else None
                 report.append((problem.describe(), mode, name, space, trials, best_grid.score,
                                best_optuna.score if best_optuna else float("inf")))
+                if rank == 0:  # as it goes: a run cut short still reports what it measured
+                    _print_row(*report[-1])
     return report if rank == 0 else None
 
 
@@ -68,11 +70,14 @@ def main() -> None:
     args = parser.parse_args()
     tokens = [int(t) for t in args.moe_tokens.split(",") if t]
     report = run_workers(_job, args.nproc, parse_size_range(args.sizes), args.budget, tokens)
-    print(f"{'problem':44s} {'mode':6s} {'backend':20s} {'grid':>5s} {'TPE':>4s} {'share':>6s} {'grid us':>9s} "
-          f"{'TPE us':>9s} {'TPE/grid':>8s}")
-    for desc, mode, name, space, trials, grid_us, tpe_us in report:
-        print(f"{desc:44s} {mode:6s} {name:20s} {space:5d} {trials:4d} {trials / space:6.1%} {grid_us:9.2f} "
-              f"{tpe_us:9.2f} {tpe_us / grid_us:8.3f}")
+    print("summary:")
+    for row in report:
+        _print_row(*row)
+
+
+def _print_row(desc, mode, name, space, trials, grid_us, tpe_us) -> None:
+    print(f"{desc:44s} {mode:6s} {name:20s} grid {space:4d} TPE {trials:3d} ({trials / space:6.1%}) "
+          f"grid {grid_us:9.2f} us TPE {tpe_us:9.2f} us TPE/grid {tpe_us / grid_us:6.3f}", flush=True)
 
 
 if __name__ == "__main__":
