@@ -107,7 +107,14 @@ class _GroupState:
         if decision.backend == "noop":
             launcher = _identity
         else:
-            launcher = get_backend(decision.backend).prepare(problem, decision.config, self.ctx)
+            backend = get_backend(decision.backend)
+            if mode == "graph" and not getattr(backend, "graph_capturable", True):
+                skipped = "; ".join(decision.skipped) or "none"
+                raise RuntimeError(
+                    f"autosymm: {problem.describe()} cannot be captured in a CUDA graph: only {decision.backend} "
+                    f"can serve it ({decision.reason}; passed over: {skipped}). A larger workspace "
+                    f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
+            launcher = backend.prepare(problem, decision.config, self.ctx)
         return _Entry(decision, launcher)
 
 

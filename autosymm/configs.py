@@ -162,9 +162,12 @@ def config_from_json(text: str | None) -> AnyConfig | None:
 # Search spaces
 # --------------------------------------------------------------------------------------------
 
-ALL_REDUCE_BLOCK_SIZES = (1024, 2048, 4096, 8192, 16384)
+# On 2x H200 the default tune picked the largest BLOCK, grid and warps of the earlier space
+# (16384, 132, 32) for the push one-shot at every size from 8 MiB: the space now reaches past
+# them (two programs per SM, 64 KiB of bf16 per program and chunk).
+ALL_REDUCE_BLOCK_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 ALL_REDUCE_NUM_WARPS = (4, 8, 16, 32)
-ALL_REDUCE_NUM_BLOCKS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 132)
+ALL_REDUCE_NUM_BLOCKS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 132, 256)
 
 
 def _useful_counts(counts: tuple[int, ...], work_items: int) -> list[int]:

@@ -350,13 +350,15 @@ def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, 
     multiple of 256), one per sender (:func:`_slot_ptr`); x itself is never read by a peer, so
     any tensor is served without a copy-in.
 
-    Software pipeline, per program: push chunk i, signal every peer (release.sys after a CTA
-    barrier: the pushes are visible to whoever acquires it), then wait for every peer's signal
-    of chunk i-1 and reduce it, so the wait's round trip overlaps the next chunk's pushes. The
-    k-th signal a program consumes from a peer's program is that program's k-th (counting
-    slots; every rank runs the same grid and chunk sequence), i.e. the one sent after it pushed
-    the same chunk. A peer may run one chunk ahead: its next pushes go to other chunks of the
-    slot, never to one we still read.
+    Software pipeline, per program: push chunk i (posted writes), wait for every peer's signal
+    of chunk i-1 and reduce it from local memory while chunk i's writes drain over NVLink, then
+    signal chunk i to every peer (release.sys after a CTA barrier: the pushes are visible to
+    whoever acquires it; its fence waits for the writes, by then mostly acknowledged). Signal i
+    depends only on wait i-1, which the peer's signal i-1 (sent before its wait i-1) satisfies:
+    no cycle. The k-th signal a program consumes from a peer's program is that program's k-th
+    (counting slots; every rank runs the same grid and chunk sequence), i.e. the one sent after
+    it pushed the same chunk. A peer may run one chunk ahead: its next pushes go to other chunks
+    of the slot, never to one we still read.
 
     Between calls. Single buffer: an end barrier (each program signals after its last read of
     its stage; a peer's kernel returns only after all its programs consumed those signals), so
@@ -383,11 +385,11 @@ def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, 
             _push_chunk(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, numel, RANK, WORLD_SIZE, ALIGNED, False)
         else:
             _push_chunk(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, numel, RANK, WORLD_SIZE, ALIGNED, True)
-        tl.debug_barrier()  # every thread's pushes of this chunk are issued before the release
-        signal_peers(signal_ptrs, pid, RANK, WORLD_SIZE)
-        if prev >= 0:
+        if prev >= 0:  # while this chunk's writes drain over NVLink: the previous chunk's reduce
             _wait_and_reduce(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, prev, numel, n_full,
                              lane, pid, RANK, WORLD_SIZE, BLOCK, ALIGNED)
+        tl.debug_barrier()  # every thread's pushes of this chunk are issued before the release
+        signal_peers(signal_ptrs, pid, RANK, WORLD_SIZE)  # its fence waits for them: little is left
         prev = chunk
     if prev >= 0:
         _wait_and_reduce(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, prev, numel, n_full,
