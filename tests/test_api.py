@@ -96,3 +96,20 @@ def test_disable_env_forces_nccl(tmp_path):
     TuningDB(path).record(_cpu_row(11.0))
     out = _run(2, [path, path], _disabled, env={"AUTOSYMM_DISABLE": "1"})
     assert out[0] == out[1] == "AUTOSYMM_DISABLE=1"
+
+
+def test_a_graph_mode_call_only_a_non_capturable_backend_serves_is_a_clear_error(monkeypatch):
+    """Inside a capture, a MoE call that only NCCL's all_to_all path could serve (e.g. its rows do
+    not fit the workspace) must say so, not fail deep inside torch with a capture error."""
+    from autosymm import api
+    from autosymm.dispatch import Decision
+    from autosymm.problem import MoEShape, Problem
+
+    state = object.__new__(api._GroupState)
+    decision = Decision("nccl_all_to_all", None, "no tuned backend can serve the call", mode="graph",
+                        skipped=("triton_moe: the output needs 939524096 bytes",))
+    monkeypatch.setattr(state, "decide", lambda problem, mode: decision, raising=False)
+    problem = Problem.moe("dp_to_ep", MoEShape(7168, 256, 8), 4096, "bf16", 2)
+    with pytest.raises(RuntimeError, match=r"cannot be captured in a CUDA graph: only nccl_all_to_all.*"
+                                           r"triton_moe: the output needs 939524096 bytes.*AUTOSYMM_WORKSPACE_BYTES"):
+        state.prepare(problem, "graph")
