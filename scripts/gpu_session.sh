@@ -5,14 +5,7 @@
 #   scripts/gpu_session.sh [tests] [tune] [bench] [optuna]
 # Wheels for packages the node lacks (optuna, sqlite-utils) are taken from ./.whl if present.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/_node_env.sh"
 steps=${*:-tests tune bench}
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvidia-smi topo -m;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)";

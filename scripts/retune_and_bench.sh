@@ -4,14 +4,7 @@
 # Logs and the merged database go to $OUT (default ./out).
 #   TUNE_ARGS="--ops all_reduce --backends triton_one_shot_push" scripts/retune_and_bench.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/_node_env.sh"
 shipped=$(python3 -c "from autosymm.db import shipped_db_for; from autosymm.hardware import fingerprint; \
 print(shipped_db_for(fingerprint().node_slug) or '')")
 [ -n "$shipped" ] || { echo "no shipped database for this node in tuning_db/"; exit 1; }

@@ -118,3 +118,16 @@ def snapshot_workspace(workspaces, rank: int) -> Workspace:
     return Workspace(rank=rank, world_size=ws.world_size, device=ws.device, local_buffer=ws.buffer,
                      peer_buffers=peers, all_reduce_bytes=ws.capacity("all_reduce"), moe_bytes=ws.capacity("moe"),
                      double_buffer_bytes=ws.double_buffer_half_bytes)
+
+
+def poisoned_workspaces(world_size: int, region_bytes: int, half_bytes: int) -> list[Workspace]:
+    """Simulated workspaces whose all-reduce region and double buffer are NaN-filled (0xFF bytes
+    are NaN in every float dtype): a read of anything nobody wrote shows up as NaN."""
+    from autosymm.symm import simulated_workspaces
+
+    wss = simulated_workspaces(world_size, all_reduce_bytes=region_bytes, moe_bytes=256, double_buffer_bytes=half_bytes)
+    for ws in wss:
+        for name in ("all_reduce", DOUBLE_BUFFER_REGION):
+            region = ws.regions[name]
+            ws.buffer[region.offset:region.offset + region.nbytes] = 0xFF
+    return wss

@@ -11,9 +11,9 @@ import torch
 
 from autosymm.backends.triton_all_reduce import segment_vecs
 from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
-from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, simulated_workspaces
+from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION
 
-from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, error_counts, half_bytes, half_view, pads, preset,
+from _all_reduce_sim import (poisoned_workspaces, arrivals, assert_close_to_sum, epoch, error_counts, half_bytes, half_view, pads, preset,
                              random_inputs, requires_interpreter, snapshot_workspace, tiny_poll_limit)
 
 pytestmark = requires_interpreter
@@ -38,12 +38,7 @@ CASES = [
 
 
 def _poisoned_workspaces(world_size):
-    wss = simulated_workspaces(world_size, all_reduce_bytes=REGION_BYTES, moe_bytes=256, double_buffer_bytes=HALF_BYTES)
-    for ws in wss:
-        for name in ("all_reduce", DOUBLE_BUFFER_REGION):
-            region = ws.regions[name]
-            ws.buffer[region.offset:region.offset + region.nbytes] = 0xFF  # NaN in every float dtype
-    return wss
+    return poisoned_workspaces(world_size, REGION_BYTES, HALF_BYTES)
 
 
 def _x_in_sentinel(values):

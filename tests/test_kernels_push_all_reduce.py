@@ -13,9 +13,10 @@ import torch
 
 from autosymm.backends.triton_all_reduce import push_slot_bytes
 from autosymm.kernels.all_reduce import _push_one_shot_all_reduce
-from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, simulated_workspaces
+from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION
 
-from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, error_counts, pads, random_inputs,
+from test_kernels_all_reduce import CASES as PULL_CASES
+from _all_reduce_sim import (poisoned_workspaces, arrivals, assert_close_to_sum, epoch, error_counts, pads, random_inputs,
                              requires_interpreter, snapshot_workspace, tiny_poll_limit)
 
 pytestmark = requires_interpreter
@@ -25,21 +26,11 @@ HALF_BYTES = 1 << 16
 SENTINEL = 12345.0
 STAGE_OFFSET = 512  # single buffer: where the slots start in the all-reduce region (bytes)
 
-# (world_size, dtype, numel, block, programs, warps): every world size meets every dtype; one
-# program with many chunks (the pipeline's steady state), more programs than chunks (programs
-# with nothing to push still pass the end barrier), partial tails and single elements.
-CASES = [
-    (2, torch.bfloat16, 1, 128, 1, 4),
-    (2, torch.float16, 4099, 256, 1, 2),
-    (2, torch.float32, 4099, 1024, 3, 8),
-    (3, torch.bfloat16, 1000, 128, 2, 4),
-    (4, torch.bfloat16, 4099, 256, 5, 4),
-    (4, torch.float16, 1000, 128, 3, 1),
-    (4, torch.float32, 7, 128, 2, 4),
-    (8, torch.bfloat16, 1000, 256, 2, 8),
-    (8, torch.float16, 4099, 1024, 1, 4),
-    (8, torch.float32, 1, 128, 3, 4),
-]
+# (world_size, dtype, numel, block, programs, warps): the pull kernels' cases (every world size
+# meets every dtype, partial tails, single elements, more programs than chunks: programs with
+# nothing to push still pass the end barrier), plus one program over many chunks (the
+# pipeline's steady state) and an odd world size.
+CASES = PULL_CASES + [(2, torch.float16, 4099, 256, 1, 2), (3, torch.bfloat16, 1000, 128, 2, 4)]
 
 
 def slot_of(receiver: int, sender: int, world_size: int) -> int:
@@ -48,12 +39,7 @@ def slot_of(receiver: int, sender: int, world_size: int) -> int:
 
 
 def _poisoned(world_size):
-    wss = simulated_workspaces(world_size, all_reduce_bytes=REGION_BYTES, moe_bytes=256, double_buffer_bytes=HALF_BYTES)
-    for ws in wss:
-        for name in ("all_reduce", DOUBLE_BUFFER_REGION):
-            region = ws.regions[name]
-            ws.buffer[region.offset:region.offset + region.nbytes] = 0xFF  # NaN in every float dtype
-    return wss
+    return poisoned_workspaces(world_size, REGION_BYTES, HALF_BYTES)
 
 
 def _slot_view(ws, region: str, base: int, slot: int, numel: int, dtype, rank=None):

@@ -67,6 +67,13 @@ def _stage_ptr(region_ptrs, rank, stage_offset, ALIGNED: tl.constexpr, ELEM: tl.
 
 
 @triton.jit
+def _chunks(numel, BLOCK: tl.constexpr):
+    """(program id, programs, BLOCK-wide chunks, full chunks, lane offsets) of a one-shot call:
+    program ``pid`` owns chunks pid, pid + programs, ... (see the module docstring)."""
+    return tl.program_id(0), tl.num_programs(0), tl.cdiv(numel, BLOCK), numel // BLOCK, tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _copy(dst, src, offs, end, MASKED: tl.constexpr):
     """dst[offs] = src[offs] (only where offs < end when MASKED)."""
     if MASKED:
@@ -171,6 +178,13 @@ def _read_epoch(signal_ptrs, RANK: tl.constexpr):
 
 
 @triton.jit
+def _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK: tl.constexpr):
+    """(epoch address, epoch, stage offset in half ``epoch & 1``) of a double-buffered call."""
+    epoch_slot, epoch = _read_epoch(signal_ptrs, RANK)
+    return epoch_slot, epoch, stage_offset + (epoch & 1).to(tl.int64) * half_bytes
+
+
+@triton.jit
 def _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK: tl.constexpr):
     """Count this program's arrival; the grid's last program resets the count and stores
     ``epoch + 1`` (every program read ``epoch`` before its release arrival)."""
@@ -232,14 +246,9 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
     """
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     tl.static_assert(not (DOUBLE_BUFFER and ZERO_COPY), "a zero-copy input is not staged: no double buffer")
-    pid = tl.program_id(0)
-    n_programs = tl.num_programs(0)
-    n_chunks = tl.cdiv(numel, BLOCK)
-    n_full = numel // BLOCK
-    lane = tl.arange(0, BLOCK)
+    pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     if DOUBLE_BUFFER:
-        epoch_slot, epoch = _read_epoch(signal_ptrs, RANK)
-        stage_offset += (epoch & 1).to(tl.int64) * half_bytes
+        epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
     if not ZERO_COPY:
         stage = _stage_ptr(region_ptrs, RANK, stage_offset, ALIGNED, ELEM)
         for chunk in range(pid, n_chunks, n_programs):
@@ -369,15 +378,9 @@ def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, 
     m-1 (other parity) waited for r's signal of call m-1, which r sent after its call m-2
     (the previous one of parity h, whose reads of half h it completed) returned.
     """
-    ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    n_programs = tl.num_programs(0)
-    n_chunks = tl.cdiv(numel, BLOCK)
-    n_full = numel // BLOCK
-    lane = tl.arange(0, BLOCK)
+    pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     if DOUBLE_BUFFER:
-        epoch_slot, epoch = _read_epoch(signal_ptrs, RANK)
-        stage_offset += (epoch & 1).to(tl.int64) * half_bytes
+        epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
     prev = -1
     for chunk in range(pid, n_chunks, n_programs):
         offs = chunk * BLOCK + lane
