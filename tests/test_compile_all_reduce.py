@@ -83,7 +83,8 @@ def _compile_cases(indices: list[int]) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from autosymm.kernels.all_reduce import _one_shot_all_reduce, _push_one_shot_all_reduce, _two_shot_all_reduce
+    from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+    from autosymm.kernels.push_all_reduce import _push_one_shot_all_reduce
 
     out = {}
     for i in indices:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autosymm.backends.triton_all_reduce import push_slot_bytes
-from autosymm.kernels.all_reduce import _push_one_shot_all_reduce
+from autosymm.kernels.push_all_reduce import _push_one_shot_all_reduce
 from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION
 
 from test_kernels_all_reduce import CASES as PULL_CASES

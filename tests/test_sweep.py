@@ -256,7 +256,7 @@ class _CollectiveBackend:
 
 def test_precompile_compiles_every_candidate_in_threads_and_launches_nothing(monkeypatch):
     import autosymm.backends.launch as launch_mod
-    from autosymm.sweep import precompile
+    from autosymm.precompile import precompile
 
     monkeypatch.setattr(launch_mod, "interpreter_active", lambda: False)
     monkeypatch.setenv("AUTOSYMM_COMPILE_THREADS", "4")
@@ -275,7 +275,7 @@ def test_precompile_compiles_every_candidate_in_threads_and_launches_nothing(mon
 
 
 def test_precompile_is_a_no_op_under_the_interpreter():
-    from autosymm.sweep import precompile
+    from autosymm.precompile import precompile
 
     problem = Problem.all_reduce(4096, "bf16", 2)
     fn = _FakeJit()

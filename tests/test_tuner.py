@@ -227,8 +227,8 @@ import torch  # noqa: E402
 
 from autosymm import moe as moe_ref  # noqa: E402
 from autosymm.backends import Capabilities  # noqa: E402
-from autosymm.sweep import (MOE_TOKENS, candidates_for, check_output, default_modes, default_sweep,  # noqa: E402
-                            moe_reference_for_rank, timing_plan)
+from autosymm.reference import check_output, moe_reference_for_rank  # noqa: E402
+from autosymm.sweep import MOE_TOKENS, candidates_for, default_modes, default_sweep, timing_plan  # noqa: E402
 
 
 @pytest.mark.parametrize("op", ["dp_to_ep", "ep_to_dp"])

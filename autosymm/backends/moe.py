@@ -205,7 +205,7 @@ class TritonMoE:
 
     name = "triton_moe"
     ops = MOE_OPS
-    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.sweep precompiles them).
+    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.precompile compiles them ahead).
     compiles_kernels = True
 
     def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:

@@ -37,7 +37,8 @@ from typing import Callable, Optional
 import torch
 
 from ..configs import AllReduceConfig, all_reduce_space
-from ..kernels.all_reduce import _one_shot_all_reduce, _push_one_shot_all_reduce, _two_shot_all_reduce
+from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+from ..kernels.push_all_reduce import _push_one_shot_all_reduce
 from ..problem import DTYPES, Problem
 from ..symm import DOUBLE_BUFFER_REGION
 from .base import BackendError, Capabilities, RunContext
@@ -232,7 +233,7 @@ class TritonAllReduce:
     """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
 
     ops = ("all_reduce",)
-    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.sweep precompiles them).
+    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.precompile compiles them ahead).
     compiles_kernels = True
 
     def __init__(self, algorithm: str) -> None:
