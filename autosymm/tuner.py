@@ -4,9 +4,10 @@ Each tuned backend is searched in turn with its own budget (every backend's best
 the dispatcher needs the runner-up when the winner cannot serve a call). Strategies: ``grid``
 visits every config in a deterministic order; ``optuna`` runs a TPE study (in memory, seeded)
 over the config fields with a trial budget; ``auto`` is grid for a backend space of at most
-:data:`GRID_THRESHOLD` configs, else optuna. Baselines (candidates without a config: NCCL,
-torch's ops) are always evaluated once, first, outside any budget. Only this module imports
-optuna, lazily, and only on rank 0.
+GRID_THRESHOLD configs, else optuna (autosymm.search, the only module that imports optuna,
+lazily; only rank 0 runs a study). Baselines (candidates without a config: NCCL, torch's ops)
+are always evaluated once, first, outside any budget. The ranks talk through
+autosymm.rank_comm.
 
 Rank protocol (every rank runs :func:`tune` in lock-step; all traffic is small float64 tensors on
 ``group``, no pickling):
@@ -44,26 +45,18 @@ from __future__ import annotations
 
 import math
 import threading
-import traceback
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .configs import AnyConfig, config_fields, config_to_json, iter_space_fields
+from .configs import AnyConfig, config_fields, config_to_json
 from .problem import Problem
-from .timing import Timing, comm_device, group_size
+from .rank_comm import RankComm, call_with_timeout, device_healthy, flagged_ranks
+from .search import GRID_THRESHOLD, SequentialChooser, default_trials, make_chooser, resolve_strategy
+from .timing import Timing
 
-STRATEGIES = ("auto", "grid", "optuna")
-GRID_THRESHOLD = 48  # 'auto' searches spaces of at most this many configs exhaustively
-TRIAL_FRACTION = 0.3  # default optuna budget: this share of the space ...
-MIN_TRIALS = 16  # ... but at least this many trials (and at most the whole space) ...
-#: ... and at most this many: on 2x H200 one candidate costs 5-250 ms (compile, validation,
-#: graph capture, timing; more for larger problems), and 30 % of the largest all-reduce spaces
-#: (100+ trials per backend) made the default sweep take over 5 minutes.
-MAX_DEFAULT_TRIALS = 24
-_PENALTY = 1e30  # what the study is told for a failed candidate (TPE only ranks the values)
 
 
 @dataclass(frozen=True)
@@ -214,258 +207,6 @@ def build_candidates(candidates_by_backend: dict[str, Sequence[Optional[AnyConfi
     return out
 
 
-def default_trials(space_size: int) -> int:
-    """Default optuna budget: TRIAL_FRACTION of the space, clamped to MIN_TRIALS..MAX_DEFAULT_TRIALS,
-    at most the whole space."""
-    share = math.ceil(TRIAL_FRACTION * space_size)
-    return min(space_size, max(MIN_TRIALS, min(MAX_DEFAULT_TRIALS, share)))
-
-
-def resolve_strategy(strategy: str, space_size: int, grid_threshold: int = GRID_THRESHOLD) -> str:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
-    if strategy == "auto":
-        return "grid" if space_size <= grid_threshold else "optuna"
-    return strategy
-
-
-class _GridChooser:
-    def __init__(self, indices: list[int]):
-        self._todo = list(indices)
-
-    def next(self) -> Optional[int]:
-        return self._todo.pop(0) if self._todo else None
-
-    def tell(self, index: int, score: float) -> None:
-        pass
-
-
-class _OptunaChooser:
-    """TPE over one backend's config fields. Numeric fields are suggested as an index into their
-    sorted values (ordinal, so TPE sees 'bigger'/'smaller'); strings as categories. A suggested
-    point maps to the nearest valid candidate; one already evaluated is told its known score and
-    not evaluated again (after a few such duplicates in a row, the nearest unvisited candidate is
-    evaluated and added to the study as a trial of its own)."""
-
-    MAX_DUPLICATES = 8
-
-    def __init__(self, candidates: list[Candidate], indices: list[int], budget: int, seed: int):
-        import optuna
-        from optuna.distributions import CategoricalDistribution, IntDistribution
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self._optuna = optuna
-        self.indices = list(indices)
-        self.budget = min(budget, len(indices))
-        configs = [candidates[i].config for i in indices]
-        self.axes: list[tuple[str, list[Any], bool]] = []  # (name, values, ordinal)
-        names: list[str] = []
-        for cls in sorted({type(c) for c in configs}, key=lambda t: t.__name__):
-            for name, _ in iter_space_fields([c for c in configs if type(c) is cls]):
-                if name not in names:
-                    names.append(name)
-        for name in names:
-            values = sorted({getattr(c, name) for c in configs if hasattr(c, name)}, key=lambda v: (str(type(v)), v))
-            if len(values) < 2:
-                continue
-            ordinal = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-            self.axes.append((name, values, ordinal))
-        self.distributions = {
-            name: IntDistribution(0, len(values) - 1) if ordinal else CategoricalDistribution(values)
-            for name, values, ordinal in self.axes
-        }
-        self._coords = {i: self._coordinates(candidates[i]) for i in indices}
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(4, min(10, self.budget // 3)))
-        self.study = optuna.create_study(direction="minimize", sampler=sampler)
-        self.visited: dict[int, float] = {}
-        self._pending: Optional[tuple[int, Any]] = None
-        self._duplicates = 0
-
-    def _coordinates(self, candidate: Candidate) -> dict[str, Any]:
-        coords: dict[str, Any] = {}
-        for name, values, ordinal in self.axes:
-            value = getattr(candidate.config, name, None)
-            if value is None:
-                coords[name] = None
-            else:
-                coords[name] = values.index(value) if ordinal else value
-        return coords
-
-    def _distance(self, point: dict[str, Any], index: int) -> float:
-        coords = self._coords[index]
-        dist = 0.0
-        for name, values, ordinal in self.axes:
-            mine, want = coords[name], point.get(name)
-            if mine is None or want is None:
-                dist += 1.0 if mine != want else 0.0
-            elif ordinal:
-                dist += abs(mine - want) / (len(values) - 1)
-            elif mine != want:
-                dist += 1000.0  # another algorithm is far away
-        return dist
-
-    def _nearest(self, point: dict[str, Any], exclude: Iterable[int] = ()) -> Optional[int]:
-        excluded = set(exclude)
-        best, best_dist = None, math.inf
-        for index in self.indices:  # ties go to the earlier candidate: deterministic
-            if index in excluded:
-                continue
-            d = self._distance(point, index)
-            if d < best_dist:
-                best, best_dist = index, d
-        return best
-
-    def next(self) -> Optional[int]:
-        while len(self.visited) < self.budget:
-            trial = self.study.ask(self.distributions)
-            index = self._nearest(trial.params)
-            if index not in self.visited:
-                self._duplicates = 0
-                self._pending = (index, trial)
-                return index
-            self.study.tell(trial, self.visited[index])
-            self._duplicates += 1
-            if self._duplicates >= self.MAX_DUPLICATES:
-                self._duplicates = 0
-                index = self._nearest(trial.params, exclude=self.visited)
-                self._pending = (index, None)
-                return index
-        return None
-
-    def tell(self, index: int, score: float) -> None:
-        value = score if math.isfinite(score) else _PENALTY
-        pending_index, trial = self._pending if self._pending else (index, None)
-        assert pending_index == index, (pending_index, index)
-        if trial is not None:
-            self.study.tell(trial, value)
-        else:
-            params = {k: v for k, v in self._coords[index].items() if v is not None}
-            dists = {k: d for k, d in self.distributions.items() if k in params}
-            self.study.add_trial(self._optuna.trial.create_trial(params=params, distributions=dists, value=value))
-        self.visited[index] = value
-        self._pending = None
-
-
-class _SequentialChooser:
-    """One chooser per tuned backend, run one after the other (each with its own budget, so every
-    backend's best row is a real search, not leftovers: the dispatcher needs runners-up)."""
-
-    def __init__(self, parts: list[Any]):
-        self._parts = list(parts)
-
-    def next(self) -> Optional[int]:
-        while self._parts:
-            index = self._parts[0].next()
-            if index is not None:
-                return index
-            self._parts.pop(0)
-        return None
-
-    def tell(self, index: int, score: float) -> None:
-        self._parts[0].tell(index, score)
-
-
-def _make_chooser(candidates: list[Candidate], indices: list[int], strategy: str, budget: int, seed: int) -> Any:
-    if strategy == "grid":
-        return _GridChooser(indices)
-    try:
-        return _OptunaChooser(candidates, indices, budget, seed)
-    except ImportError:  # no optuna on this node: a seeded random sample of the same size
-        import random
-
-        return _GridChooser(sorted(random.Random(seed).sample(indices, budget)))
-
-
-# ------------------------------------------------------------------------------------------
-# Rank communication (small float64 tensors; identity without a process group)
-# ------------------------------------------------------------------------------------------
-
-
-class _Comm:
-    def __init__(self, group, device):
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.group = group
-        self.world_size = group_size(group)
-        self.active = self.world_size > 1
-        self.rank = dist.get_rank(group) if self.active else 0
-        self.device = comm_device(group, device) if self.active else torch.device("cpu")
-        self.src = 0
-        if self.active:
-            try:
-                self.src = dist.get_global_rank(group, 0) if group is not None else 0
-            except (AttributeError, RuntimeError, ValueError):
-                self.src = 0
-
-    def broadcast_int(self, value: int) -> int:
-        if not self.active:
-            return int(value)
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        self.dist.broadcast(t, src=self.src, group=self.group)
-        return int(t.item())
-
-    def max(self, values: list[float]) -> list[float]:
-        if not self.active:
-            return [float(v) for v in values]
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
-        return t.tolist()
-
-    def flags(self, mine: bool) -> list[float]:
-        """A vector with a 1 at this rank's slot when ``mine`` is set (MAX-combined: who failed)."""
-        vec = [0.0] * self.world_size
-        vec[self.rank] = 1.0 if mine else 0.0
-        return vec
-
-
-def _ranks(flags: Sequence[float]) -> list[int]:
-    return [r for r, f in enumerate(flags) if f > 0]
-
-
-def _current_cuda_device() -> Optional[int]:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.current_device()
-    return None
-
-
-def _call_with_timeout(fn: Callable, arg: Any, timeout_s: Optional[float]):
-    """(status, value, detail, thread): status 'ok' | 'error' | 'timeout'. The call runs in a
-    daemon thread (on this thread's CUDA device) so a stuck one can be left behind."""
-    box: dict[str, Any] = {}
-    device = _current_cuda_device()
-
-    def target() -> None:
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            box["value"] = fn(arg)
-        except BaseException as exc:  # reported, never raised through the search
-            box["error"] = f"{type(exc).__name__}: {exc}"
-            box["trace"] = traceback.format_exc(limit=8)
-
-    if timeout_s is None:
-        target()
-        thread = None
-    else:
-        thread = threading.Thread(target=target, name="autosymm-tune", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            return "timeout", None, f"no result after {timeout_s:g} s", thread
-    if "error" in box:
-        return "error", None, box["error"], thread
-    return "ok", box.get("value"), None, thread
-
-
-def _device_healthy(timeout_s: float) -> bool:
-    """Does a device synchronize finish in time? (True without CUDA.)"""
-    if _current_cuda_device() is None:
-        return True
-    status, _, _, _ = _call_with_timeout(lambda _: torch.cuda.synchronize(), None, timeout_s)
-    return status == "ok"
-
-
 # ------------------------------------------------------------------------------------------
 # The search
 # ------------------------------------------------------------------------------------------
@@ -488,20 +229,20 @@ class _Search:
         comm, candidate = self.comm, self.candidates[index]
         stuck: list[threading.Thread] = []
         # 3. prepare locally, then agree (also the barrier before the measurement)
-        status, prepared, detail, thread = _call_with_timeout(self.evaluator.prepare, candidate, self.prepare_timeout_s)
+        status, prepared, detail, thread = call_with_timeout(self.evaluator.prepare, candidate, self.prepare_timeout_s)
         if status == "timeout":
             stuck.append(thread)
         agreed = comm.max(comm.flags(status != "ok") + comm.flags(status == "timeout"))
         failed, timed_out = agreed[:comm.world_size], agreed[comm.world_size:]
         timing, error, measured = None, None, False
         if any(failed):
-            error = f"prepare failed on rank(s) {_ranks(failed)}"
+            error = f"prepare failed on rank(s) {flagged_ranks(failed)}"
             if any(timed_out):
-                error = f"prepare timed out on rank(s) {_ranks(timed_out)}"
+                error = f"prepare timed out on rank(s) {flagged_ranks(timed_out)}"
         else:
             # 4. measure under a timeout; combine by MAX
             measured = True
-            status, value, detail, thread = _call_with_timeout(self.evaluator.measure, prepared, self.timeout_s)
+            status, value, detail, thread = call_with_timeout(self.evaluator.measure, prepared, self.timeout_s)
             local = Timing.failed()
             if status == "timeout":
                 stuck.append(thread)
@@ -520,11 +261,11 @@ class _Search:
             timed_out = combined[4 + comm.world_size:]
             raised = [f and not t for f, t in zip(failed, timed_out)]
             if any(timed_out):
-                error = f"measure timed out after {self.timeout_s:g} s on rank(s) {_ranks(timed_out)}"
+                error = f"measure timed out after {self.timeout_s:g} s on rank(s) {flagged_ranks(timed_out)}"
                 if any(raised):  # often the cause: a rank that failed early left the others waiting
-                    error += f"; failed on rank(s) {_ranks(raised)}"
+                    error += f"; failed on rank(s) {flagged_ranks(raised)}"
             elif any(failed):
-                error = f"measure failed on rank(s) {_ranks(failed)}"
+                error = f"measure failed on rank(s) {flagged_ranks(failed)}"
             else:
                 timing = Timing(median, p10, p90, int(samples))
         release = getattr(self.evaluator, "release", None)
@@ -538,7 +279,7 @@ class _Search:
             unhealthy = not self._recovered(stuck)
             verdict = comm.max(comm.flags(unhealthy))
             if any(verdict):
-                self.aborted = (f"{candidate.describe()}: {error}; rank(s) {_ranks(verdict)} did not recover "
+                self.aborted = (f"{candidate.describe()}: {error}; rank(s) {flagged_ranks(verdict)} did not recover "
                                 f"within {self.grace_s:g} s (a hung kernel or call): search stopped, nothing recorded")
         # 5b. a failed measurement may leave device state unbalanced (signal pads): reset it everywhere
         if measured and any(failed) and self.aborted is None:
@@ -565,7 +306,7 @@ class _Search:
         verdict = self.comm.max(self.comm.flags(problem is not None))
         if any(verdict):
             self.aborted = (f"{candidate.describe()}: {error}; the reset after it failed on rank(s) "
-                            f"{_ranks(verdict)} ({problem or 'see those ranks'}): search stopped, nothing recorded")
+                            f"{flagged_ranks(verdict)} ({problem or 'see those ranks'}): search stopped, nothing recorded")
 
     def _recovered(self, stuck: list[threading.Thread]) -> bool:
         import time
@@ -577,7 +318,7 @@ class _Search:
                 return False
         healthy = getattr(self.evaluator, "healthy", None)
         remaining = max(0.1, deadline - time.monotonic())
-        return bool(healthy(remaining)) if healthy is not None else _device_healthy(remaining)
+        return bool(healthy(remaining)) if healthy is not None else device_healthy(remaining)
 
 
 def _digest(candidates: list[Candidate], settings: str) -> float:
@@ -615,7 +356,7 @@ def tune(problem: Problem, candidates_by_backend: dict[str, Sequence[Optional[An
         used = resolve_strategy(strategy, len(indices), grid_threshold)
         budget = len(indices) if used == "grid" else default_trials(len(indices)) if trials is None else trials
         plans[backend] = (used, max(1, min(budget, len(indices))))
-    comm = _Comm(group, device)
+    comm = RankComm(group, device)
     evaluator = as_evaluator(evaluate)
 
     # 1. the same candidates and settings everywhere, or a clear error on every rank
@@ -629,7 +370,7 @@ def tune(problem: Problem, candidates_by_backend: dict[str, Sequence[Optional[An
     chooser: Any = None
     chooser_error: Optional[str] = None
     if comm.rank == 0 and tuned:  # only rank 0 searches (and imports optuna)
-        chooser = _SequentialChooser([_make_chooser(candidates, tuned[b], *plans[b], seed) for b in sorted(tuned)])
+        chooser = SequentialChooser([make_chooser(candidates, tuned[b], *plans[b], seed) for b in sorted(tuned)])
     tuned_indices = {i for indices in tuned.values() for i in indices}
     order = list(baselines)  # baselines first, each once, in list order
     while search.aborted is None:

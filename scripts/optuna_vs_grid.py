@@ -2,7 +2,7 @@
 
 Runs on all local GPUs (one process each, like `autosymm tune`), dry-run (no database written):
 for each problem, the whole grid of every Triton backend, then Optuna with the budget
-`autosymm tune` uses by default (autosymm.tuner.default_trials: 30 % of the space, clamped to
+`autosymm tune` uses by default (autosymm.search.default_trials: 30 % of the space, clamped to
 16..24 trials) or ``--budget`` (a share of the space), and prints best(optuna) / best(grid) per
 (problem, backend, mode) with the share of the space Optuna tried.
 
@@ -34,7 +34,7 @@ def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens
     workspace = get_workspace(group, torch.device("cuda", torch.cuda.current_device()),
                               all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
     control = control_group_for(group)
-    from autosymm.tuner import default_trials
+    from autosymm.search import default_trials
 
     names = ["triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_moe"]
     backends = {n: get_backend(n) for n in names}
