@@ -1,9 +1,10 @@
 """Host time of a cached dispatch decision: `autosymm.all_reduce(x)` minus the kernel launch.
 
-Runs on the CPU: a one-rank gloo group, where the decision is the no-op, so what is timed is the
-per-call work autosymm adds in front of any backend's launcher (cache key, dict lookup, mode
-check, counters). On a GPU node the mode check also asks CUDA whether the stream is capturing;
-run it there too (same command) to include that.
+A one-rank group (gloo on the CPU, NCCL on a GPU), where the decision is the no-op, so what is
+timed is the per-call work autosymm adds in front of any backend's launcher (cache key, dict
+lookup, mode check, counters). On a GPU the mode check also asks CUDA whether the stream is
+capturing; there the script also times that query alone and the host side of one Triton kernel
+launch through LeanLauncher (an empty one-program kernel), the two other parts of an eager call.
 
     PYTHONPATH=$PWD python3 scripts/bench_dispatch.py [--calls 200000]
 """
@@ -26,10 +27,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     import autosymm
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(8192, device=device).bfloat16()
     autosymm.all_reduce(x)  # first call: collectives, databases, decision
     assert autosymm.explain(x).backend == "noop"
@@ -49,7 +50,27 @@ def main() -> None:
     print(f"empty Python call:            {baseline / 1e3:.3f} us")
     print(f"autosymm.all_reduce (cached): {cached / 1e3:.3f} us")
     print(f"dispatch overhead:            {(cached - baseline) / 1e3:.3f} us per call")
+    if device == "cuda":
+        capturing = per_call_ns(lambda t: torch.cuda.is_current_stream_capturing())
+        print(f"is_current_stream_capturing:  {(capturing - baseline) / 1e3:.3f} us per call")
+        launch = _empty_launch()
+        launches = per_call_ns(lambda t: launch())
+        torch.cuda.synchronize()
+        print(f"empty Triton kernel launch:   {(launches - baseline) / 1e3:.3f} us per call (host, LeanLauncher.direct)")
     dist.destroy_process_group()
+
+
+def _empty_launch():
+    """A bound launch of autosymm's one-program barrier kernel over one rank (it does nothing)."""
+    from autosymm.backends.launch import LeanLauncher
+    from autosymm.kernels.barrier import _barrier_kernel
+
+    pads = torch.zeros(2, dtype=torch.int64, device="cuda")
+    launcher = LeanLauncher(_barrier_kernel, (1,), dict(RANK=0, WORLD_SIZE=1), num_warps=1)
+    launcher(pads)  # compiles and binds
+    direct = launcher.direct or launcher
+    address = pads.data_ptr()
+    return lambda: direct(address)
 
 
 if __name__ == "__main__":
