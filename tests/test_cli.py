@@ -132,3 +132,16 @@ def test_run_without_gpu_shows_the_shipped_plan(runner, db_file, monkeypatch):
 def test_info(runner):
     result = runner.invoke(main, ["info"])
     assert result.exit_code == 0 and "hardware_slug" in result.output and "user_db" in result.output
+
+
+def test_tune_backends_option_names_known_backends_and_keeps_the_baselines():
+    import click
+
+    from autosymm.cli import _parse_backends
+
+    assert _parse_backends(None) is None and _parse_backends("") is None
+    # the fallbacks are every row's baseline: always measured
+    assert _parse_backends("triton_one_shot_push") == ["triton_one_shot_push", "nccl", "nccl_all_to_all"]
+    assert _parse_backends("nccl, triton_moe") == ["nccl", "triton_moe", "nccl_all_to_all"]
+    with pytest.raises(click.BadParameter, match="unknown backend.*triton_three_shot.*known: nccl"):
+        _parse_backends("triton_three_shot")

@@ -81,3 +81,19 @@ def test_precompile_is_a_no_op_under_the_interpreter():
     assert precompile(problem, {"c": space}, {"c": _CompilingBackend(fn)}, RunContext(), (torch.zeros(4),),
                       torch.device("cpu")) == 0
     assert not fn.warmups and not fn.launches
+
+
+def test_compile_threads_from_the_environment(monkeypatch):
+    import pytest
+
+    from autosymm.precompile import compile_threads
+
+    monkeypatch.setenv("AUTOSYMM_COMPILE_THREADS", "3")
+    assert compile_threads() == 3
+    monkeypatch.setenv("AUTOSYMM_COMPILE_THREADS", "0")
+    assert compile_threads() == 1  # at least one
+    monkeypatch.delenv("AUTOSYMM_COMPILE_THREADS")
+    assert 1 <= compile_threads() <= 16
+    monkeypatch.setenv("AUTOSYMM_COMPILE_THREADS", "many")
+    with pytest.raises(ValueError, match="AUTOSYMM_COMPILE_THREADS='many' must be a whole number"):
+        compile_threads()
