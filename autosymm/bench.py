@@ -211,16 +211,6 @@ def _moe_equal(got, expected, op, expt_indx, assignment, rank, shape) -> bool:
     return torch.equal(got, expected)
 
 
-def bench_problems(options: BenchOptions, world_size: int) -> list[Problem]:
-    """Every problem the bench measures (all-reduce sizes, MoE shapes x token counts x ops)."""
-    problems = []
-    if "all_reduce" in options.ops:
-        problems += [Problem.all_reduce(n, options.dtype, world_size) for n in options.sizes]
-    problems += [Problem.moe(op, shape, t, options.dtype, world_size) for op in ("dp_to_ep", "ep_to_dp")
-                 if op in options.ops for shape in options.shapes.values() for t in options.tokens]
-    return problems
-
-
 def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[BenchResult]:
     """Worker body of `autosymm bench`; rank 0 returns the result."""
     import autosymm
@@ -231,10 +221,12 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
     if torch.cuda.is_available() and world_size > 1:
         # a workspace large enough for every measured call (as a user would size it), else the
         # largest MoE calls fall back to NCCL, which a CUDA graph cannot capture
-        from .jobs import workspace_bytes
+        from .jobs import sweep_problems, workspace_bytes
         from .symm import get_workspace
 
-        ar_bytes, moe_bytes = workspace_bytes(bench_problems(options, world_size))
+        problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens,
+                                  world_size)
+        ar_bytes, moe_bytes = workspace_bytes(problems)
         get_workspace(group, torch.device("cuda", torch.cuda.current_device()), all_reduce_bytes=ar_bytes,
                       moe_bytes=moe_bytes)
     autosymm.init(group)

@@ -28,13 +28,19 @@ class TuneOptions:
 
 
 def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
-    """The sweep: all-reduce sizes x dtypes, then MoE shapes x token counts x ops."""
+    """The sweep of ``options`` (see :func:`sweep_problems`)."""
+    return sweep_problems(options.ops, options.sizes, options.dtypes, options.shapes, options.tokens, world_size)
+
+
+def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: dict[str, MoEShape],
+                   tokens: list[int], world_size: int) -> list[Problem]:
+    """All-reduce sizes x dtypes, then MoE shapes x token counts x ops (of those in ``ops``)."""
     problems = []
-    if "all_reduce" in options.ops:
-        problems += [Problem.all_reduce(n, d, world_size) for d in options.dtypes for n in options.sizes]
-    for op in (o for o in options.ops if o in MOE_OPS):
+    if "all_reduce" in ops:
+        problems += [Problem.all_reduce(n, d, world_size) for d in dtypes for n in sizes]
+    for op in (o for o in ops if o in MOE_OPS):
         problems += [Problem.moe(op, shape, t, d, world_size)
-                     for d in options.dtypes for shape in options.shapes.values() for t in options.tokens]
+                     for d in dtypes for shape in shapes.values() for t in tokens]
     return problems
 
 

@@ -304,7 +304,7 @@ def run_sweep(problems: Sequence[Problem], *, backends: dict, group=None, worksp
         for mode in wanted:
             start = time.monotonic()
             item = _tune_one(problem, mode, backends, caps, ctx, device, rank, control, FALLBACK, strategy, trials,
-                             seed, timeout_s, plan_for(problem, mode))
+                             seed, timeout_s, plan_for(problem, mode), compile_ahead=mode == wanted[0])
             item.seconds = time.monotonic() - start
             if item.outcome is not None and item.status == "tuned" and rank == 0 and db is not None:
                 from .db import Row
@@ -325,7 +325,9 @@ def run_sweep(problems: Sequence[Problem], *, backends: dict, group=None, worksp
 
 
 def _tune_one(problem, mode, backends, caps, ctx, device, rank, control, fallback, strategy, trials, seed,
-              timeout_s, plan) -> SweepItem:
+              timeout_s, plan, compile_ahead: bool = True) -> SweepItem:
+    """One (problem, mode). ``compile_ahead``: precompile the candidates first (the problem's
+    first mode; the kernels are the same in both, so the second finds them compiled)."""
     candidates, why_not = candidates_for(problem, mode, backends, caps)
     if not any(name != fallback.get(problem.op) for name in candidates):
         return SweepItem(problem, mode, "skipped", "no backend but the fallback serves it", unsupported=why_not)
@@ -343,7 +345,8 @@ def _tune_one(problem, mode, backends, caps, ctx, device, rank, control, fallbac
         return SweepItem(problem, mode, "failed", f"inputs could not be built on some rank ({failure or 'see others'})",
                          unsupported=why_not)
     data.build_reference()
-    precompile(problem, candidates, backends, ctx, data.validation_args(), device)
+    if compile_ahead:
+        precompile(problem, candidates, backends, ctx, data.validation_args(), device)
     evaluator = SweepEvaluator(problem, mode, backends, data, ctx, plan, control_group=control)
     outcome = tune(problem, candidates, evaluator, strategy=strategy, trials=trials, seed=seed, group=control,
                    timeout_s=timeout_s, baseline_backend=fallback.get(problem.op))

@@ -129,39 +129,49 @@ class _AllReduceLauncher:
         addr = x.data_ptr()
         x_aligned = addr % 16 == 0
         if self._push:
-            return self._call_push(x, addr, numel, nbytes, x_aligned)
-        if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
-            key = (True, x_aligned, x_aligned, phase, False)
-            offset = addr - self.region_start
+            key, sizes = self._push_args(x, addr, numel, nbytes, x_aligned)
         else:
-            if addr < self.region_end and addr + nbytes > self.region_start:
-                raise BackendError(f"tensor {tuple(x.shape)} straddles the edge of the all-reduce region: "
-                                   "it can be neither reduced in place nor staged")
-            if nbytes <= self.half_bytes:  # double-buffered: staged at the bottom of half epoch & 1
-                if addr < self.double_end and addr + nbytes > self.double_start:
-                    raise BackendError(f"tensor {tuple(x.shape)} lies in the all-reduce double buffer, where "
-                                       "it would be staged onto itself")
-                key = (False, True, x_aligned, phase, True)
-                offset = self.double_offset
+            if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
+                key = (True, x_aligned, x_aligned, phase, False)
+                offset = addr - self.region_start
             else:
-                key = (False, True, x_aligned, phase, False)
-                offset = self.capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
-                if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
-                    raise BackendError(
-                        f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
-                        f"by autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
-        if self._one_shot:
-            sizes = (numel, offset, self.half_bytes)
-        else:  # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
-            sizes = (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
-        return self._launch(key, x, addr, sizes)
+                if addr < self.region_end and addr + nbytes > self.region_start:
+                    raise BackendError(f"tensor {tuple(x.shape)} straddles the edge of the all-reduce region: "
+                                       "it can be neither reduced in place nor staged")
+                if nbytes <= self.half_bytes:  # double-buffered: staged at the bottom of half epoch & 1
+                    if addr < self.double_end and addr + nbytes > self.double_start:
+                        raise BackendError(f"tensor {tuple(x.shape)} lies in the all-reduce double buffer, where "
+                                           "it would be staged onto itself")
+                    key = (False, True, x_aligned, phase, True)
+                    offset = self.double_offset
+                else:
+                    key = (False, True, x_aligned, phase, False)
+                    offset = self.capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+                    if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
+                        raise BackendError(
+                            f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
+                            f"by autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
+            if self._one_shot:
+                sizes = (numel, offset, self.half_bytes)
+            else:  # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
+                sizes = (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
+        direct = self._direct.get(key)
+        if direct is not None:  # bound: int addresses, no per-pointer driver query
+            direct(addr, self._region_addr, self._signal_addr, *sizes)
+            return x
+        launch = self._variants.get(key) or self._variant(*key)
+        launch(x, self.region_ptrs, self.signal_ptrs, *sizes)
+        if launch.direct is not None:
+            self._direct[key] = launch.direct
+        return x
 
     run = __call__
 
-    def _call_push(self, x: torch.Tensor, addr: int, numel: int, nbytes: int, x_aligned: bool) -> torch.Tensor:
-        """Push one-shot: x is read only locally, so any tensor (in the region or not) is served
-        without a copy; the stage is WORLD_SIZE - 1 slots in a double-buffer half when they fit,
-        else at the top of the all-reduce region, clear of x and of autosymm.empty's tensors."""
+    def _push_args(self, x: torch.Tensor, addr: int, numel: int, nbytes: int, x_aligned: bool) -> tuple:
+        """(variant key, integer arguments) of a push one-shot call. x is read only locally, so
+        any tensor (in the region or not) is served without a copy; the stage is WORLD_SIZE - 1
+        slots in a double-buffer half when they fit, else at the top of the all-reduce region,
+        clear of x and of autosymm.empty's tensors."""
         slot_bytes = (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN  # push_slot_bytes(nbytes)
         need = (self.world_size - 1) * slot_bytes
         if need <= self.half_bytes:
@@ -177,19 +187,7 @@ class _AllReduceLauncher:
         if addr < stage_end and addr + nbytes > stage_start:
             raise BackendError(f"tensor {tuple(x.shape)} overlaps the push stage of the all-reduce region, "
                                "where peers write their copies")
-        return self._launch((False, True, x_aligned, 0, double), x, addr, (numel, offset, slot_bytes, self.half_bytes))
-
-    def _launch(self, key: tuple, x: torch.Tensor, addr: int, sizes: tuple) -> torch.Tensor:
-        """Launch the kernel variant ``key`` on ``x`` with the integer arguments ``sizes``."""
-        direct = self._direct.get(key)
-        if direct is not None:  # bound: int addresses, no per-pointer driver query
-            direct(addr, self._region_addr, self._signal_addr, *sizes)
-            return x
-        launch = self._variants.get(key) or self._variant(*key)
-        launch(x, self.region_ptrs, self.signal_ptrs, *sizes)
-        if launch.direct is not None:
-            self._direct[key] = launch.direct
-        return x
+        return (False, True, x_aligned, 0, double), (numel, offset, slot_bytes, self.half_bytes)
 
     # -- cold path --------------------------------------------------------------------------
     def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int, double: bool) -> LeanLauncher:
