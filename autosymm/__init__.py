@@ -23,7 +23,7 @@ from .api import (  # noqa: E402
     stats,
 )
 from .dispatch import Decision  # noqa: E402
-from .moe import (  # noqa: E402
+from .routing import (  # noqa: E402
     ExptAssignment,
     make_expt_assignment,
     make_expt_dict_random,

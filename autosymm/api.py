@@ -226,7 +226,7 @@ def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
 
 def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, gate_indx: torch.Tensor,
                      group=None) -> torch.Tensor:
-    """Send each local token's row to the ranks owning its top-k experts (see autosymm.moe).
+    """Send each local token's row to the ranks owning its top-k experts (see autosymm.routing).
 
     ``src`` [n_tokens_local, d_model]; ``expt_indx`` [n_tokens_global, k] global expert ids;
     ``gate_indx`` from ``autosymm.route``. Returns this rank's [n_tokens_global * k, d_model]

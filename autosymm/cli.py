@@ -16,7 +16,7 @@ from . import __version__
 from .problem import MODEL_SHAPES, MODES, MoEShape, Problem, format_bytes, parse_bytes, parse_size_range
 
 DEFAULT_SIZES = "4KiB:256MiB"
-DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,8192"  # autosymm.sweep.MOE_TOKENS
+DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,8192"  # autosymm.tuning.sweep.MOE_TOKENS
 
 
 def _console():
@@ -118,8 +118,8 @@ def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_
     # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
     os.environ.setdefault("AUTOSYMM_BARRIER_MAX_POLLS", str(TUNING_MAX_POLLS))
     from .db import user_db_path
-    from .jobs import TuneOptions, tune_job
-    from .workers import run_workers
+    from .tuning.session import TuneOptions, tune_job
+    from .tuning.workers import run_workers
 
     options = TuneOptions(
         ops=[o.strip() for o in ops.split(",") if o.strip()],
@@ -176,8 +176,8 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm bench needs CUDA GPUs; none is visible here")
-    from .bench import BenchOptions, bench_job, print_bench, write_bench_csv
-    from .workers import run_workers
+    from .tuning.bench import BenchOptions, bench_job, print_bench, write_bench_csv
+    from .tuning.workers import run_workers
 
     options = BenchOptions(sizes=parse_size_range(sizes), modes=[m.strip() for m in modes.split(",")],
                            shapes=_parse_shapes(shapes), tokens=_parse_tokens(tokens),
@@ -187,7 +187,7 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
     if csv_path:
         write_bench_csv(result, csv_path)
     if plot_path:
-        from .plot import plot_bench
+        from .tuning.plot import plot_bench
 
         plot_bench(result, plot_path)
 

@@ -21,7 +21,7 @@ peer's base address plus the same offset)::
   own index), so these *self slots* hold per-rank words that only r's own kernels touch:
 
   - channel 'moe_end', ``[SIGNAL_SLOT[op]][r]``: the MoE fused end barrier's arrival counter
-    (autosymm.kernels.moe);
+    (autosymm.kernels.moe_conversion);
   - channel 'all_reduce', ``[ALL_REDUCE_ARRIVAL_SLOT][r]``: the double-buffered one-shot's
     arrival counter (0 whenever no such kernel runs: the last program resets it);
   - channel 'all_reduce', ``[ALL_REDUCE_EPOCH_SLOT][r]``: the double-buffer *epoch*, the number

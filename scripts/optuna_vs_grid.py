@@ -2,7 +2,7 @@
 
 Runs on all local GPUs (one process each, like `autosymm tune`), dry-run (no database written):
 for each problem, the whole grid of every Triton backend, then Optuna with the budget
-`autosymm tune` uses by default (autosymm.search.default_trials: 30 % of the space, clamped to
+`autosymm tune` uses by default (autosymm.tuning.search.default_trials: 30 % of the space, clamped to
 16..24 trials) or ``--budget`` (a share of the space), and prints best(optuna) / best(grid) per
 (problem, backend, mode) with the share of the space Optuna tried.
 
@@ -22,9 +22,9 @@ def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens
 
     from autosymm.backends import get_backend
     from autosymm.hardware import fingerprint
-    from autosymm.jobs import workspace_bytes
+    from autosymm.tuning.session import workspace_bytes
     from autosymm.problem import MODEL_SHAPES, Problem
-    from autosymm.sweep import control_group_for, run_sweep
+    from autosymm.tuning.sweep import control_group_for, run_sweep
     from autosymm.symm import get_workspace
 
     group = dist.group.WORLD
@@ -34,7 +34,7 @@ def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens
     workspace = get_workspace(group, torch.device("cuda", torch.cuda.current_device()),
                               all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
     control = control_group_for(group)
-    from autosymm.search import default_trials
+    from autosymm.tuning.search import default_trials
 
     names = ["triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_moe"]
     backends = {n: get_backend(n) for n in names}
@@ -59,7 +59,7 @@ def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens
 
 def main() -> None:
     from autosymm.problem import parse_size_range
-    from autosymm.workers import run_workers
+    from autosymm.tuning.workers import run_workers
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget", type=float, default=None,

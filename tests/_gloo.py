@@ -8,7 +8,7 @@ import traceback
 import pytest
 import torch.multiprocessing as mp
 
-from autosymm.workers import free_port
+from autosymm.tuning.workers import free_port
 
 
 def _worker(rank, world_size, port, env, body, args, results):

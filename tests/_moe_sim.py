@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from autosymm.backends.moe import SIGNAL_SLOT, buffer_layout, dst_rows, launch
+from autosymm.backends.triton_moe import SIGNAL_SLOT, buffer_layout, dst_rows, launch
 from autosymm.symm import SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK
 
 SLOTS_PER_PROGRAM = 8

@@ -11,7 +11,7 @@ import torch
 from autosymm.backends import launch as launch_mod
 from autosymm.backends.base import BackendError, Capabilities, RunContext
 from autosymm.backends.launch import LeanLauncher
-from autosymm.backends.nccl import nccl
+from autosymm.backends.nccl_all_reduce import nccl
 from autosymm.backends.torch_symm import _TorchLauncher, torch_one_shot, torch_two_shot
 from autosymm.backends.triton_all_reduce import (segment_vecs, stage_offset, triton_multimem, triton_one_shot,
                                                  triton_one_shot_push, triton_two_shot)

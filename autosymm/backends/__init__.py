@@ -13,15 +13,15 @@ from .base import Backend, BackendError, Capabilities, RunContext
 
 # name -> (module, attribute)
 _REGISTRY: dict[str, tuple[str, str]] = {
-    "nccl": ("autosymm.backends.nccl", "nccl"),
+    "nccl": ("autosymm.backends.nccl_all_reduce", "nccl"),
     "torch_one_shot": ("autosymm.backends.torch_symm", "torch_one_shot"),
     "torch_two_shot": ("autosymm.backends.torch_symm", "torch_two_shot"),
     "triton_one_shot": ("autosymm.backends.triton_all_reduce", "triton_one_shot"),
     "triton_one_shot_push": ("autosymm.backends.triton_all_reduce", "triton_one_shot_push"),
     "triton_two_shot": ("autosymm.backends.triton_all_reduce", "triton_two_shot"),
     "triton_multimem": ("autosymm.backends.triton_all_reduce", "triton_multimem"),
-    "triton_moe": ("autosymm.backends.moe", "TRITON_MOE"),
-    "nccl_all_to_all": ("autosymm.backends.moe", "NCCL_ALL_TO_ALL"),
+    "triton_moe": ("autosymm.backends.triton_moe", "TRITON_MOE"),
+    "nccl_all_to_all": ("autosymm.backends.nccl_all_to_all", "NCCL_ALL_TO_ALL"),
 }
 
 #: The backend that can always serve an op (the fallback of the dispatcher).

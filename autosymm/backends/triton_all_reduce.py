@@ -231,7 +231,7 @@ class TritonAllReduce:
     """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
 
     ops = ("all_reduce",)
-    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.precompile compiles them ahead).
+    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.tuning.precompile compiles them ahead).
     compiles_kernels = True
 
     def __init__(self, algorithm: str) -> None:

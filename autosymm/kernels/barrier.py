@@ -69,7 +69,7 @@ def _max_polls_from_env() -> int:
 #: plus an ``ld.acquire.sys`` of a local L2-resident word and a shared-memory broadcast: about
 #: 0.3-1 us on an H100/H200 (an estimate, not yet measured), so the run-time default gives up
 #: after roughly 5-18 minutes and the tuner's after roughly 5-17 s, far below the tuner's
-#: measurement timeout (autosymm.sweep), so a spinning kernel ends by itself there.
+#: measurement timeout (autosymm.tuning.sweep), so a spinning kernel ends by itself there.
 #: Tests under the interpreter patch this module attribute to a handful of polls.
 MAX_POLLS: tl.constexpr = tl.constexpr(_max_polls_from_env())
 #: A pessimistic cost of one poll (us), for host-side timeouts that must outlast a spinning wait.

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from autosymm.workers import SAFE_ENV, free_port
+from autosymm.tuning.workers import SAFE_ENV, free_port
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 

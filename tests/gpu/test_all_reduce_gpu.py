@@ -24,7 +24,7 @@ def _setup(rank, world_size):
     import torch.distributed as dist
 
     from autosymm.backends.base import Capabilities, RunContext
-    from autosymm.backends.nccl import BACKENDS as NCCL
+    from autosymm.backends.nccl_all_reduce import BACKENDS as NCCL
     from autosymm.backends.torch_symm import BACKENDS as TORCH, ops_available
     from autosymm.backends.triton_all_reduce import BACKENDS as TRITON
     from autosymm.symm import get_workspace

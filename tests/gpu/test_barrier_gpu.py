@@ -19,11 +19,11 @@ def _missing_peer_body(rank, world_size):
     import torch.distributed as dist
 
     from autosymm.backends.base import RunContext
-    from autosymm.backends.moe import TritonMoE
+    from autosymm.backends.triton_moe import TritonMoE
     from autosymm.backends.triton_all_reduce import triton_one_shot
     from autosymm.configs import MoEConfig
     from autosymm.kernels.barrier import MAX_POLLS
-    from autosymm.moe import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
+    from autosymm.routing import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
     from autosymm.problem import MoEShape, Problem
     from autosymm.symm import SIGNAL_BYTES, get_workspace
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autosymm.configs import MoEConfig
-from autosymm.moe import (make_expt_assignment, make_expt_dict_random, random_expt_indx, reference_dp_to_ep,
+from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, reference_dp_to_ep,
                           reference_ep_to_dp, route, rows_written)
 from autosymm.problem import DTYPE_NAMES, MoEShape
 
@@ -60,7 +60,8 @@ def _prepare(backend, op, shape, n_tokens_local, dtype, world_size, config, ctx,
 
 
 def _backends_match_reference(rank, world_size):
-    from autosymm.backends.moe import NCCL_ALL_TO_ALL, TRITON_MOE
+    from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
+    from autosymm.backends.triton_moe import TRITON_MOE
 
     ctx, caps = _ctx(rank, world_size)
     device = torch.device("cuda", rank)
@@ -88,7 +89,7 @@ def _backends_match_reference(rank, world_size):
 
 def _conversion(op, ctx, config, fused, shape, n_tokens_local, dtype, world_size):
     """A launcher-like callable over backends.moe.Conversion with the end barrier forced."""
-    from autosymm.backends.moe import Conversion, buffer_layout, dst_rows
+    from autosymm.backends.triton_moe import Conversion, buffer_layout, dst_rows
 
     ws = ctx.workspace
     conversion = Conversion(op, ws, config)
@@ -107,7 +108,7 @@ def _back_to_back_and_graphs(rank, world_size):
     """Many conversions with no host sync, each output read by a kernel right after the call;
     then the same cycle captured in one CUDA graph and replayed with new data. Launchers with
     their default end barrier, then the fused and the separate barrier forced."""
-    from autosymm.backends.moe import TRITON_MOE
+    from autosymm.backends.triton_moe import TRITON_MOE
 
     ctx, caps = _ctx(rank, world_size)
     device = torch.device("cuda", rank)

@@ -1,9 +1,9 @@
-"""MoE dp->ep / ep->dp backends: ``triton_moe`` (symmetric-memory kernels) and ``nccl_all_to_all``.
+"""MoE dp->ep / ep->dp backend ``triton_moe``: the symmetric-memory conversion kernels.
 
 Launchers (see backends/base.py):
   dp_to_ep: ``launcher(src, assignment, expt_indx, gate_indx) -> dst [n_tokens_global * k, d_model]``
   ep_to_dp: ``launcher(src, assignment, expt_indx, topk_indx) -> dst [n_tokens_local * k, d_model]``
-with the meaning of autosymm.moe (rows of dropped pairs are left unwritten).
+with the meaning of autosymm.routing (rows of dropped pairs are left unwritten).
 
 ``triton_moe``'s ``dst`` is a view into the workspace: valid until the next call of the same op
 by any rank of the group. The two ops own disjoint parts of the MoE region (ep->dp the first
@@ -21,10 +21,6 @@ Failures are reported after the fact, never on the hot path: the end barrier's w
 finish with garbage instead of hanging the GPU, and ``Workspace.barrier_errors()`` (non-zero)
 says so; ``Workspace.reset_signals()`` on every rank then re-arms the pads.
 
-``nccl_all_to_all`` is what a user would write without autosymm: split sizes computed locally
-from the global expt_indx, rows gathered, ``dist.all_to_all_single``, rows scattered into the
-same layout. The split sizes go through the host (``.tolist()``), so it is eager only, not
-CUDA-graph capturable (the dispatcher never picks it in graph mode).
 """
 
 from __future__ import annotations
@@ -33,17 +29,15 @@ from typing import Optional
 
 import torch
 
-from ..configs import MAX_WORLD_SIZE, MoEConfig, moe_space
+from ..configs import MoEConfig, moe_space
 from ..kernels.barrier import _barrier_kernel
-from ..kernels.moe import _convert_dp_to_ep, _convert_ep_to_dp
-from ..moe import ExptAssignment
+from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
 from ..problem import DTYPES, MOE_OPS, Problem, next_pow2
 from ..symm import ALIGN
 from .base import BackendError, Capabilities, RunContext
 from .launch import LeanLauncher
+from .moe_inputs import check_inputs, shape_reason
 
-#: Largest top-k the backends accept (the kernels need no limit; this is the tested range).
-MAX_N_EXPTS_ACT = 32
 #: Signal slot (program index) of each op's end barrier in the 'moe_end' channel.
 SIGNAL_SLOT = {"dp_to_ep": 0, "ep_to_dp": 1}
 #: The end barrier is fused into the copy kernel when the grid has at most this many programs
@@ -52,7 +46,6 @@ SIGNAL_SLOT = {"dp_to_ep": 0, "ep_to_dp": 1}
 #: tokens per rank (one launch fewer) and was within -1.1..+0.4 us under graph replay; at 128
 #: tokens (1024-program grids) it cost up to 3.7 us under graph replay.
 FUSED_BARRIER_MAX_PROGRAMS = 256
-INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 _KERNELS = {"dp_to_ep": _convert_dp_to_ep, "ep_to_dp": _convert_ep_to_dp}
 
 
@@ -144,72 +137,16 @@ def _signal_ptrs(ws, op: str) -> torch.Tensor:
     return ws.signal_ptrs("moe_end", SIGNAL_SLOT[op])
 
 
-def _shape_reason(problem: Problem) -> Optional[str]:
-    if problem.op not in MOE_OPS:
-        return f"does not serve {problem.op}"
-    if not 1 <= problem.world_size <= MAX_WORLD_SIZE:
-        return f"world size {problem.world_size} > {MAX_WORLD_SIZE}"
-    if not 1 <= problem.shape.n_expts_act <= MAX_N_EXPTS_ACT:
-        return f"top-k {problem.shape.n_expts_act} outside 1..{MAX_N_EXPTS_ACT}"
-    if problem.shape.n_expts_tot < problem.world_size:
-        return f"{problem.shape.n_expts_tot} experts for {problem.world_size} ranks"
-    return None
-
-
-def _check_tensor(name: str, t, device: torch.device, dtypes, op: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise BackendError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device != device:
-        raise BackendError(f"{op}: {name} is on {t.device}, the group's device is {device}")
-    if t.dtype not in dtypes:
-        raise BackendError(f"{op}: {name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
-    if not t.is_contiguous():
-        raise BackendError(f"{op}: {name} of shape {tuple(t.shape)} and strides {t.stride()} is not contiguous")
-
-
-def check_inputs(problem: Problem, device: torch.device, world_size: int, src, assignment, expt_indx, indx) -> int:
-    """Validate a call against its problem; return n_tokens_local. BackendError names the culprit."""
-    op, shape = problem.op, problem.shape
-    dtype = DTYPES[problem.dtype]
-    _check_tensor("src", src, device, (dtype,), op)
-    _check_tensor("expt_indx", expt_indx, device, INDEX_DTYPES, op)
-    _check_tensor("gate_indx" if op == "dp_to_ep" else "topk_indx", indx, device, INDEX_DTYPES, op)
-    if not isinstance(assignment, ExptAssignment):
-        raise BackendError(f"{op}: assignment must be an ExptAssignment, got {type(assignment).__name__}")
-    _check_tensor("assignment.expt_owner", assignment.expt_owner, device, (torch.int32,), op)
-    if assignment.n_expt_shard != world_size:
-        raise BackendError(f"{op}: assignment has {assignment.n_expt_shard} shards, the group {world_size} ranks")
-    if assignment.n_expts_tot != shape.n_expts_tot:
-        raise BackendError(f"{op}: assignment has {assignment.n_expts_tot} experts, the problem {shape.n_expts_tot}")
-    if expt_indx.dim() != 2 or expt_indx.shape[1] != shape.n_expts_act:
-        raise BackendError(f"{op}: expt_indx has shape {tuple(expt_indx.shape)}, expected "
-                           f"[n_tokens_global, {shape.n_expts_act}]")
-    if expt_indx.shape[0] % world_size:
-        raise BackendError(f"{op}: n_tokens_global={expt_indx.shape[0]} is not a multiple of world size {world_size}")
-    n_tokens_local = expt_indx.shape[0] // world_size
-    n_pairs = expt_indx.numel()
-    if indx.numel() != n_pairs:
-        raise BackendError(f"{op}: index tensor of shape {tuple(indx.shape)} has {indx.numel()} entries, "
-                           f"expected n_tokens_global * k = {n_pairs}")
-    src_rows = n_tokens_local if op == "dp_to_ep" else n_pairs
-    if src.dim() != 2 or src.shape[1] != shape.d_model or src.shape[0] != src_rows:
-        what = "n_tokens_local" if op == "dp_to_ep" else "n_tokens_global * k"
-        raise BackendError(f"{op}: src has shape {tuple(src.shape)}, expected [{src_rows}, {shape.d_model}] "
-                           f"([{what}, d_model]; n_tokens_global={expt_indx.shape[0]} must be "
-                           f"world size {world_size} * n_tokens_local)")
-    return n_tokens_local
-
-
 class TritonMoE:
     """The Triton conversion kernels writing into the workspace's MoE region."""
 
     name = "triton_moe"
     ops = MOE_OPS
-    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.precompile compiles them ahead).
+    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.tuning.precompile compiles them ahead).
     compiles_kernels = True
 
     def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        reason = _shape_reason(problem)
+        reason = shape_reason(problem)
         if reason:
             return reason
         if not caps.intra_node:
@@ -258,108 +195,4 @@ class TritonMoE:
         return launcher
 
 
-class NcclAllToAll:
-    """``dist.all_to_all_single`` with locally computed split sizes (eager only)."""
-
-    name = "nccl_all_to_all"
-    ops = MOE_OPS
-    graph_capturable = False  # split sizes go through the host (.tolist()): no CUDA-graph capture
-
-    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        return _shape_reason(problem)
-
-    def search_space(self, problem: Problem) -> list[None]:
-        return [None]
-
-    def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        import torch.distributed as dist
-
-        group = ctx.group
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if world_size != problem.world_size:
-            raise BackendError(f"group has world size {world_size}, the problem {problem.world_size}")
-        exchange = _nccl_dp_to_ep if problem.op == "dp_to_ep" else _nccl_ep_to_dp
-        outputs: dict[tuple, torch.Tensor] = {}
-
-        def launcher(src, assignment, expt_indx, indx):
-            check_inputs(problem, src.device, world_size, src, assignment, expt_indx, indx)
-            return exchange(src, assignment, expt_indx, indx, rank, world_size, group, outputs)
-
-        return launcher
-
-
-def _pair_owner(assignment: ExptAssignment, expt_indx: torch.Tensor) -> torch.Tensor:
-    """int64 [n_pairs] on expt_indx's device: owning rank per pair, -1 for a dropped pair."""
-    e = expt_indx.reshape(-1).long()
-    n = assignment.n_expts_tot
-    return torch.where((e >= 0) & (e < n), assignment.expt_owner.long()[e.clamp(0, n - 1)], -1)
-
-
-def _output(outputs: dict, shape: tuple[int, int], src: torch.Tensor) -> torch.Tensor:
-    key = (shape, src.dtype, src.device)
-    out = outputs.get(key)
-    if out is None:
-        out = outputs[key] = torch.empty(shape, dtype=src.dtype, device=src.device)
-    return out
-
-
-def _rank_counts(ranks: torch.Tensor, world_size: int) -> torch.Tensor:
-    """int64 [world_size]: how many entries of ``ranks`` equal each rank (-1 counts nowhere)."""
-    return (ranks[:, None] == torch.arange(world_size, device=ranks.device)).sum(0)
-
-
-def _grouped(ranks: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Positions of ``ranks`` stably sorted by rank, entries of -1 last (cut them off by count)."""
-    return torch.argsort(torch.where(ranks >= 0, ranks, world_size), stable=True)
-
-
-def _exchange(send, n_recv_rows, send_counts, recv_counts, group):
-    import torch.distributed as dist
-
-    recv = send.new_empty((n_recv_rows, send.shape[1]))
-    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
-    return recv
-
-
-def _nccl_dp_to_ep(src, assignment, expt_indx, gate_indx, rank, world_size, group, outputs):
-    k = expt_indx.shape[1]
-    n_pairs_local = src.shape[0] * k
-    owner = _pair_owner(assignment, expt_indx)
-    mine = owner[rank * n_pairs_local:(rank + 1) * n_pairs_local]
-    here = (owner == rank).to(torch.int8)
-    # The only host sync: every split size in one transfer.
-    counts = torch.cat([_rank_counts(mine, world_size), here.view(world_size, -1).sum(1)]).tolist()
-    send_counts, recv_counts = counts[:world_size], counts[world_size:]
-    # Send: this rank's pairs grouped by owner, in pair order within a group.
-    send_pairs = _grouped(mine, world_size)[:sum(send_counts)]
-    # Receive: every pair owned here, in pair order = grouped by sender, pair order within.
-    recv_pairs = torch.argsort(1 - here, stable=True)[:sum(recv_counts)]
-    recv = _exchange(src[send_pairs // k], len(recv_pairs), send_counts, recv_counts, group)
-    out = _output(outputs, (owner.numel(), src.shape[1]), src)
-    out[gate_indx.reshape(-1).long()[recv_pairs]] = recv
-    return out
-
-
-def _nccl_ep_to_dp(src, assignment, expt_indx, topk_indx, rank, world_size, group, outputs):
-    n_pairs = src.shape[0]
-    n_pairs_local = n_pairs // world_size
-    owner = _pair_owner(assignment, expt_indx)
-    mine = owner[rank * n_pairs_local:(rank + 1) * n_pairs_local]
-    here = (owner == rank).to(torch.int8)
-    counts = torch.cat([here.view(world_size, -1).sum(1), _rank_counts(mine, world_size)]).tolist()
-    send_counts, recv_counts = counts[:world_size], counts[world_size:]
-    topk = topk_indx.reshape(-1).long()
-    gate = torch.empty_like(topk)
-    gate[topk] = torch.arange(n_pairs, device=topk.device)
-    # Send: the pairs of this rank's experts in pair order (= grouped by home rank).
-    send_pairs = torch.argsort(1 - here, stable=True)[:sum(send_counts)]
-    # Receive: this rank's pairs grouped by owner (sender), pair order within.
-    recv_pairs = _grouped(mine, world_size)[:sum(recv_counts)]
-    recv = _exchange(src[gate[send_pairs]], len(recv_pairs), send_counts, recv_counts, group)
-    out = _output(outputs, (n_pairs_local, src.shape[1]), src)
-    out[recv_pairs] = recv
-    return out
-
-
 TRITON_MOE = TritonMoE()
-NCCL_ALL_TO_ALL = NcclAllToAll()

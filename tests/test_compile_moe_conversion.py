@@ -40,8 +40,8 @@ def _compile_all(cases) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from autosymm.backends.moe import _vec
-    from autosymm.kernels.moe import _convert_dp_to_ep, _convert_ep_to_dp
+    from autosymm.backends.triton_moe import _vec
+    from autosymm.kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
 
     kernels = {"dp_to_ep": _convert_dp_to_ep, "ep_to_dp": _convert_ep_to_dp}
     out = {}
@@ -111,7 +111,7 @@ def test_compiles_for_sm90(compiled, op, case):
     world_size, fused = case[2], case[7]
     atomics = set(facts["atomics"])
     if fused and world_size > 1:
-        # arrival counter acq_rel.sys, peer signals release.sys (autosymm.kernels.moe docstring)
+        # arrival counter acq_rel.sys, peer signals release.sys (autosymm.kernels.moe_conversion docstring)
         assert "atom.global.sys.acq_rel.add.u32" in atomics, atomics
         assert {"red.global.sys.release.add.u32", "atom.global.sys.release.add.u32"} & atomics, atomics
         # the bounded wait: acquire polls, a loop bounded by MAX_POLLS, one error-slot add per peer

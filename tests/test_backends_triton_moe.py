@@ -14,9 +14,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are importe
 
 from autosymm.backends import get_backend  # noqa: E402
 from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
-from autosymm.backends.moe import NCCL_ALL_TO_ALL, TRITON_MOE, buffer_layout  # noqa: E402
+from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
+from autosymm.backends.triton_moe import TRITON_MOE, buffer_layout  # noqa: E402
 from autosymm.configs import MoEConfig, moe_space  # noqa: E402
-from autosymm.moe import (make_expt_assignment, make_expt_dict_random, random_expt_indx,  # noqa: E402
+from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx,  # noqa: E402
                           reference_dp_to_ep, reference_ep_to_dp, route, rows_written)
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 from autosymm.symm import ALIGN, simulated_workspaces  # noqa: E402

@@ -16,7 +16,7 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 from autosymm.configs import MoEConfig
-from autosymm.moe import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, random_expt_indx,
+from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, random_expt_indx,
                           reference_dp_to_ep, reference_ep_to_dp, route, rows_written)
 from autosymm.symm import simulated_workspaces
 
@@ -151,7 +151,7 @@ def test_a_missing_peer_flags_the_error_and_the_conversion_completes(monkeypatch
     from _all_reduce_sim import tiny_poll_limit
     from _moe_sim import _slots
 
-    from autosymm.backends.moe import launch
+    from autosymm.backends.triton_moe import launch
 
     tiny_poll_limit(monkeypatch, 3)
     world_size, k, n_tokens_local, d_model = 2, 8, 1, 64  # DeepSeek-like top-8, one token per rank

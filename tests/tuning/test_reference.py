@@ -1,11 +1,11 @@
-"""A tuning problem's references (autosymm.reference): the MoE reference agrees with
-autosymm.moe's, and the output check rejects wrong, NaN and misshapen results."""
+"""A tuning problem's references (autosymm.tuning.reference): the MoE reference agrees with
+autosymm.routing's, and the output check rejects wrong, NaN and misshapen results."""
 
 import pytest
 import torch
 
 from autosymm import moe as moe_ref
-from autosymm.reference import check_output, moe_reference_for_rank
+from autosymm.tuning.reference import check_output, moe_reference_for_rank
 
 
 @pytest.mark.parametrize("op", ["dp_to_ep", "ep_to_dp"])

@@ -4,12 +4,12 @@ import pytest
 from _gloo import run_gloo
 from rich.console import Console
 
-from autosymm.bench import BenchOptions, BenchResult, print_bench, write_bench_csv
+from autosymm.tuning.bench import BenchOptions, BenchResult, print_bench, write_bench_csv
 from autosymm.problem import MoEShape
 
 
 def _bench(rank, world_size, options):
-    from autosymm.bench import bench_job
+    from autosymm.tuning.bench import bench_job
 
     return bench_job(rank, world_size, options)
 
@@ -55,7 +55,7 @@ def test_table_and_csv(result, tmp_path):
 
 def test_plot(result, tmp_path):
     pytest.importorskip("matplotlib")
-    from autosymm.plot import plot_bench
+    from autosymm.tuning.plot import plot_bench
 
     path = tmp_path / "bench.png"
     plot_bench(result, str(path))
@@ -63,7 +63,7 @@ def test_plot(result, tmp_path):
 
 
 def test_moe_link_bandwidth_counts_only_the_rows_that_leave_the_rank():
-    from autosymm.bench import moe_link_gbps
+    from autosymm.tuning.bench import moe_link_gbps
 
     assert moe_link_gbps(2_000_000, 10.0, 2) == 100.0  # half of 2 MB in 10 us
     assert moe_link_gbps(4_000_000, 10.0, 4) == 300.0  # three quarters of 4 MB

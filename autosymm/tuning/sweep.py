@@ -3,7 +3,7 @@
 Every rank of the group calls :func:`run_sweep` with the same arguments, in lock-step. Per
 problem and mode it asks each backend whether it serves the problem and for its space, builds
 the inputs and a reference (all-reduce: NCCL's result of the same input; MoE: a gathered copy of
-every rank's input routed by plain torch), and runs :func:`autosymm.tuner.tune` with an
+every rank's input routed by plain torch), and runs :func:`autosymm.tuning.tuner.tune` with an
 evaluator whose ``prepare`` builds the launcher and poisons the workspace (NaN bytes) and whose
 ``measure`` validates one call against the reference (a wrong row or a NaN disqualifies it) and
 then times it in the problem's mode. Rank 0 writes each backend's best row to the database.
@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .configs import config_to_json
+from ..configs import config_to_json
 from .precompile import precompile
-from .problem import MODEL_SHAPES, MOE_OPS, Problem, format_bytes
+from ..problem import MODEL_SHAPES, MOE_OPS, Problem, format_bytes
 from .reference import ProblemData, check_output
 from .timing import comm_device, time_eager, time_graph
 from .tuner import Candidate, TuneOutcome, tune
@@ -45,7 +45,7 @@ MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
 def measure_timeout_s() -> float:
     """Default timeout of one measurement (s): at least twice a barrier wait's pessimistic spin
     limit plus a minute, so a kernel whose peer never arrives gives up by itself first."""
-    from .kernels.barrier import max_wait_s
+    from ..kernels.barrier import max_wait_s
 
     return max(MEASURE_TIMEOUT_S, 2 * max_wait_s() + 60.0)
 
@@ -104,7 +104,7 @@ class BarrierTimeout(RuntimeError):
 class SweepEvaluator:
     """prepare: backend launcher + fresh inputs + poisoned workspace (then a device sync, so the
     tuner's agreement step also orders the poison before every peer's first write); measure:
-    one validated call, then timing in ``mode`` (no host collective: see autosymm.tuner);
+    one validated call, then timing in ``mode`` (no host collective: see autosymm.tuning.tuner);
     reset (collective): re-arm the workspace's signal pads after a failed candidate.
 
     A MoE output is a view into the workspace that any rank's *next* call overwrites, so it is
@@ -231,7 +231,7 @@ def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[d
 
 
 def _capabilities(workspace, world_size: int, fingerprint):
-    from .backends import Capabilities
+    from ..backends import Capabilities
 
     ops = getattr(torch.ops, "symm_mem", None)
     return Capabilities(
@@ -280,8 +280,8 @@ def run_sweep(problems: Sequence[Problem], *, backends: dict, group=None, worksp
     """
     import torch.distributed as dist
 
-    from .backends import FALLBACK, RunContext
-    from .hardware import fingerprint, provenance
+    from ..backends import FALLBACK, RunContext
+    from ..hardware import fingerprint, provenance
 
     fp = hardware if hardware is not None and not isinstance(hardware, str) else fingerprint()
     slug = hardware if isinstance(hardware, str) else fp.hardware_slug
@@ -307,7 +307,7 @@ def run_sweep(problems: Sequence[Problem], *, backends: dict, group=None, worksp
                              seed, timeout_s, plan_for(problem, mode), compile_ahead=mode == wanted[0])
             item.seconds = time.monotonic() - start
             if item.outcome is not None and item.status == "tuned" and rank == 0 and db is not None:
-                from .db import Row
+                from ..db import Row
 
                 try:
                     rows = item.outcome.rows(mode=mode, hardware=slug, provenance=prov)

@@ -1,4 +1,4 @@
-"""Worker bodies of `autosymm tune` (one process per GPU, see autosymm.workers)."""
+"""Worker bodies of `autosymm tune` (one process per GPU, see autosymm.tuning.workers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .problem import DTYPES, MOE_OPS, MoEShape, Problem
+from ..problem import DTYPES, MOE_OPS, MoEShape, Problem
 
 
 @dataclass
@@ -46,8 +46,8 @@ def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: 
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
     """(all-reduce, MoE) region bytes the sweep needs (at least the defaults)."""
-    from .backends.triton_all_reduce import stage_bytes
-    from .symm import default_region_bytes
+    from ..backends.triton_all_reduce import stage_bytes
+    from ..symm import default_region_bytes
 
     ar_default, moe_default = default_region_bytes()
     # the largest stage any all-reduce backend needs: the push one-shot's slot per peer
@@ -66,13 +66,13 @@ def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[list[
     """Tune ``options`` on this rank; rank 0 writes the DB and returns the summary rows."""
     import torch.distributed as dist
 
-    from .backends import backend_names, get_backend
-    from .db import TuningDB
-    from .hardware import fingerprint
+    from ..backends import backend_names, get_backend
+    from ..db import TuningDB
+    from ..hardware import fingerprint
     from .sweep import control_group_for, run_sweep
-    from .symm import get_workspace
+    from ..symm import get_workspace
 
-    from .kernels import barrier
+    from ..kernels import barrier
 
     group = dist.group.WORLD
     if rank == 0 and int(barrier.MAX_POLLS.value) > barrier.TUNING_MAX_POLLS:

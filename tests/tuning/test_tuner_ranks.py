@@ -19,8 +19,8 @@ from _gloo import run_with_deadline
 
 from autosymm.configs import all_reduce_space, config_to_json
 from autosymm.problem import Problem
-from autosymm.timing import Timing
-from autosymm.tuner import Candidate, build_candidates, tune
+from autosymm.tuning.timing import Timing
+from autosymm.tuning.tuner import Candidate, build_candidates, tune
 
 TIMEOUT_S = 1.0  # generous: a loaded CI machine must not time out a healthy fake
 SPACE = {"nccl": [None], "torch_one_shot": [None],
@@ -109,7 +109,7 @@ class GlooAllReduce:
 
 
 class GatherMoE:
-    """A correct (slow) MoE conversion through all_gather + autosymm.moe's references; ``wrong``
+    """A correct (slow) MoE conversion through all_gather + autosymm.routing's references; ``wrong``
     configs drop one written row."""
 
     ops = ("dp_to_ep", "ep_to_dp")
@@ -148,11 +148,11 @@ def run_gloo_sweep(rank, world_size):
     """run_sweep end to end on gloo CPU tensors with stand-in backends (eager mode only)."""
     import torch.distributed as dist
 
-    from autosymm.backends.moe import NCCL_ALL_TO_ALL
+    from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
     from autosymm.configs import moe_space
     from autosymm.db import TuningDB
     from autosymm.problem import MoEShape
-    from autosymm.sweep import TimingPlan, run_sweep
+    from autosymm.tuning.sweep import TimingPlan, run_sweep
 
     ar_space = all_reduce_space("one_shot", 8192, world_size, 2)[:3]
     shape = MoEShape(64, 8, 2)

@@ -4,10 +4,10 @@ Each tuned backend is searched in turn with its own budget (every backend's best
 the dispatcher needs the runner-up when the winner cannot serve a call). Strategies: ``grid``
 visits every config in a deterministic order; ``optuna`` runs a TPE study (in memory, seeded)
 over the config fields with a trial budget; ``auto`` is grid for a backend space of at most
-GRID_THRESHOLD configs, else optuna (autosymm.search, the only module that imports optuna,
+GRID_THRESHOLD configs, else optuna (autosymm.tuning.search, the only module that imports optuna,
 lazily; only rank 0 runs a study). Baselines (candidates without a config: NCCL, torch's ops)
 are always evaluated once, first, outside any budget. The ranks talk through
-autosymm.rank_comm.
+autosymm.tuning.rank_comm.
 
 Rank protocol (every rank runs :func:`tune` in lock-step; all traffic is small float64 tensors on
 ``group``, no pickling):
@@ -36,7 +36,7 @@ that timed out has left it behind while its peers go on to step 4's MAX. Device 
 candidate kernel) are fine. Limit: a GPU kernel that truly hangs (a peer never arrived at its
 device barrier) poisons that process's stream; no thread can cancel it. The tuner then aborts the
 problem on every rank and records nothing for it, never a wrong row; the caller should stop
-(see :func:`autosymm.sweep.run_sweep`). autosymm's own barriers are bounded (a wait gives up and
+(see :func:`autosymm.tuning.sweep.run_sweep`). autosymm's own barriers are bounded (a wait gives up and
 flags the workspace, autosymm.kernels.barrier), so with a timeout above their spin limit a
 missing peer costs one failed candidate and a ``reset()``, not the search.
 """
@@ -51,8 +51,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .configs import AnyConfig, config_fields, config_to_json
-from .problem import Problem
+from ..configs import AnyConfig, config_fields, config_to_json
+from ..problem import Problem
 from .rank_comm import RankComm, call_with_timeout, device_healthy, flagged_ranks
 from .search import GRID_THRESHOLD, SequentialChooser, default_trials, make_chooser, resolve_strategy
 from .timing import Timing
@@ -342,7 +342,7 @@ def tune(problem: Problem, candidates_by_backend: dict[str, Sequence[Optional[An
     ``outcome.baseline`` (default: the op's fallback, 'nccl' for all-reduce). Returns the same
     :class:`TuneOutcome` on every rank; failures are reported in it, never raised.
     """
-    from .backends import FALLBACK
+    from ..backends import FALLBACK
 
     baseline_backend = baseline_backend or FALLBACK.get(problem.op, "nccl")
     candidates = build_candidates(candidates_by_backend)

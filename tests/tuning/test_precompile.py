@@ -1,4 +1,4 @@
-"""Parallel compile-only precompilation of a problem's candidates (autosymm.precompile), with
+"""Parallel compile-only precompilation of a problem's candidates (autosymm.tuning.precompile), with
 stand-ins for triton's JIT functions: the GPU compile itself is exercised by the tuner on a node."""
 
 import torch
@@ -54,7 +54,7 @@ class _CollectiveBackend:
 
 def test_precompile_compiles_every_candidate_in_threads_and_launches_nothing(monkeypatch):
     import autosymm.backends.launch as launch_mod
-    from autosymm.precompile import precompile
+    from autosymm.tuning.precompile import precompile
 
     monkeypatch.setattr(launch_mod, "interpreter_active", lambda: False)
     monkeypatch.setenv("AUTOSYMM_COMPILE_THREADS", "4")
@@ -73,7 +73,7 @@ def test_precompile_compiles_every_candidate_in_threads_and_launches_nothing(mon
 
 
 def test_precompile_is_a_no_op_under_the_interpreter():
-    from autosymm.precompile import precompile
+    from autosymm.tuning.precompile import precompile
 
     problem = Problem.all_reduce(4096, "bf16", 2)
     fn = _FakeJit()
@@ -86,7 +86,7 @@ def test_precompile_is_a_no_op_under_the_interpreter():
 def test_compile_threads_from_the_environment(monkeypatch):
     import pytest
 
-    from autosymm.precompile import compile_threads
+    from autosymm.tuning.precompile import compile_threads
 
     monkeypatch.setenv("AUTOSYMM_COMPILE_THREADS", "3")
     assert compile_threads() == 3

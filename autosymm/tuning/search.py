@@ -3,7 +3,7 @@
 ``grid`` visits every config in a deterministic order; ``optuna`` runs a seeded TPE study (in
 memory) over the config fields with a trial budget; ``auto`` is grid for a space of at most
 :data:`GRID_THRESHOLD` configs, else optuna. Only this module imports optuna, lazily, and only
-the rank that searches (rank 0 of autosymm.tuner's protocol) creates a study. A chooser's
+the rank that searches (rank 0 of autosymm.tuning.tuner's protocol) creates a study. A chooser's
 ``next()`` returns the index of the next candidate to measure (None: done); ``tell(index,
 score)`` reports its score (+inf for a failed candidate).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Optional
 
-from .configs import iter_space_fields
+from ..configs import iter_space_fields
 
 STRATEGIES = ("auto", "grid", "optuna")
 GRID_THRESHOLD = 48  # 'auto' searches spaces of at most this many configs exhaustively

@@ -1,4 +1,4 @@
-"""Expert placement, routing, references, and the launchers' input validation (autosymm.moe)."""
+"""Expert placement, routing, references, and the launchers' input validation (autosymm.routing)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from autosymm.backends.base import BackendError, RunContext
-from autosymm.backends.moe import TRITON_MOE
+from autosymm.backends.triton_moe import TRITON_MOE
 from autosymm.configs import MoEConfig
-from autosymm.moe import (ExptAssignment, make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
+from autosymm.routing import (ExptAssignment, make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
                           random_expt_indx, reference_dp_to_ep, reference_ep_to_dp, route, rows_written)
 from autosymm.problem import MoEShape, Problem
 from autosymm.symm import simulated_workspaces

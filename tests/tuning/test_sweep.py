@@ -1,4 +1,4 @@
-"""autosymm.sweep's evaluator and driver around device barriers: validation copies a workspace
+"""autosymm.tuning.sweep's evaluator and driver around device barriers: validation copies a workspace
 output before peers may overwrite it, a barrier wait that gave up fails the candidate on every
 rank, and the signal pads are reset on every rank, in lock-step, before the search goes on."""
 
@@ -15,9 +15,9 @@ from autosymm.backends import RunContext
 from autosymm.configs import all_reduce_space
 from autosymm.kernels.barrier import max_wait_s
 from autosymm.problem import Problem
-from autosymm.sweep import BarrierTimeout, SweepEvaluator, TimingPlan, measure_timeout_s
+from autosymm.tuning.sweep import BarrierTimeout, SweepEvaluator, TimingPlan, measure_timeout_s
 from autosymm.symm import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, Workspace
-from autosymm.tuner import Candidate
+from autosymm.tuning.tuner import Candidate
 
 from _gloo import run_with_deadline
 from test_tuner_ranks import GlooAllReduce
@@ -168,7 +168,7 @@ def _sweep_worker(rank, world_size, port, out):
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        from autosymm.sweep import run_sweep
+        from autosymm.tuning.sweep import run_sweep
 
         space = all_reduce_space("one_shot", 8192, world_size, 2)[:3]
         backends = {"nccl": GlooAllReduce("nccl", [None]),

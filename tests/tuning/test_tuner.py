@@ -9,9 +9,9 @@ import pytest
 
 from autosymm.configs import AllReduceConfig, all_reduce_space, config_from_json, moe_space
 from autosymm.problem import MoEShape, Problem
-from autosymm.timing import Timing
-from autosymm.search import default_trials, resolve_strategy
-from autosymm.tuner import Candidate, TuneOutcome, build_candidates, tune
+from autosymm.tuning.timing import Timing
+from autosymm.tuning.search import default_trials, resolve_strategy
+from autosymm.tuning.tuner import Candidate, TuneOutcome, build_candidates, tune
 
 PROBLEM = Problem.all_reduce(1 << 20, world_size=4)
 NUMEL = 8 * 1024 * 1024
@@ -226,7 +226,7 @@ def test_outcome_aborted_records_nothing():
 
 
 from autosymm.backends import Capabilities  # noqa: E402
-from autosymm.sweep import MOE_TOKENS, candidates_for, default_modes, default_sweep, timing_plan  # noqa: E402
+from autosymm.tuning.sweep import MOE_TOKENS, candidates_for, default_modes, default_sweep, timing_plan  # noqa: E402
 
 
 def test_default_sweep_and_modes():

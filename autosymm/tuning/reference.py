@@ -1,4 +1,4 @@
-"""A tuning problem's inputs and this rank's reference output (autosymm.sweep validates every
+"""A tuning problem's inputs and this rank's reference output (autosymm.tuning.sweep validates every
 candidate against it before timing it).
 
 All-reduce: small multiples of 1/4 as the validation input, so every partial sum of <= 8 ranks
@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .problem import DTYPES, MOE_OPS, Problem
+from ..problem import DTYPES, MOE_OPS, Problem
 
 _SEED = 1234
 
@@ -23,7 +23,7 @@ def moe_reference_for_rank(op: str, gathered: torch.Tensor, owner_of_pair: torch
     """(expected output, bool mask of the rows the op writes) of ``rank``, on ``gathered``'s
     device. ``gathered`` [R, rows, d] holds every rank's src; ``owner_of_pair`` [n_pairs] the
     rank owning each (token, k) pair's expert (-1: dropped); ``indx`` is gate_indx (dp_to_ep) or
-    topk_indx (ep_to_dp). Same semantics as autosymm.moe.reference_* (tested against them)."""
+    topk_indx (ep_to_dp). Same semantics as autosymm.routing.reference_* (tested against them)."""
     world_size, rows, d_model = gathered.shape
     owner = owner_of_pair.reshape(-1).long()
     n_pairs = owner.numel()
@@ -101,7 +101,7 @@ class ProblemData:
             self.timing = [torch.empty(p.numel, dtype=self.dtype, device=dev) for _ in range(self.n_inputs)]
             self.extra: tuple = ()
         else:
-            from .moe import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
+            from ..routing import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
 
             shape, world_size = p.shape, p.world_size
             n_global = world_size * p.n_tokens_local

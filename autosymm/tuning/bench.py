@@ -1,6 +1,6 @@
 """`autosymm bench`: autosymm through its dispatcher against NCCL and torch's built-ins.
 
-Runs in every worker (autosymm.workers). For each size and mode, every implementation is first
+Runs in every worker (autosymm.tuning.workers). For each size and mode, every implementation is first
 checked against NCCL's result on random data, then timed the way the tuner times (timing.py:
 warm-up, CUDA events or graph replay, median of repeats on rotating inputs, MAX over ranks).
 Also measures the peer-read bandwidth once, for the link floor of the report.
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .problem import MoEShape, Problem, format_bytes
+from ..problem import MoEShape, Problem, format_bytes
 
 ALL_REDUCE_IMPLS = ("autosymm", "nccl", "torch_one_shot", "torch_two_shot")
 MOE_IMPLS = ("autosymm", "nccl_all_to_all")
@@ -85,8 +85,8 @@ def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float
 def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
     import autosymm
 
-    from .backends import RunContext, get_backend
-    from .problem import DTYPES
+    from ..backends import RunContext, get_backend
+    from ..problem import DTYPES
 
     rows = []
     world_size = dist.get_world_size(group)
@@ -148,9 +148,9 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _moe_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
     import autosymm
 
-    from .backends import RunContext, get_backend
-    from .moe import make_expt_assignment, make_expt_dict_uniform, route
-    from .problem import DTYPES
+    from ..backends import RunContext, get_backend
+    from ..routing import make_expt_assignment, make_expt_dict_uniform, route
+    from ..problem import DTYPES
 
     rows = []
     world_size = dist.get_world_size(group)
@@ -203,7 +203,7 @@ def _moe_equal(got, expected, op, expt_indx, assignment, rank, shape) -> bool:
     """Compare only rows that the conversion defines (the rest of the buffer is don't-care)."""
     if op == "dp_to_ep":
         owner = assignment.expt_boolmask[rank][expt_indx.long().flatten()]
-        from .moe import route
+        from ..routing import route
 
         gate_indx, _ = route(expt_indx)
         rows = gate_indx.long().flatten()[owner]
@@ -215,14 +215,14 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
     """Worker body of `autosymm bench`; rank 0 returns the result."""
     import autosymm
 
-    from .hardware import fingerprint
+    from ..hardware import fingerprint
 
     group = dist.group.WORLD
     if torch.cuda.is_available() and world_size > 1:
         # a workspace large enough for every measured call (as a user would size it), else the
         # largest MoE calls fall back to NCCL, which a CUDA graph cannot capture
-        from .jobs import sweep_problems, workspace_bytes
-        from .symm import get_workspace
+        from .session import sweep_problems, workspace_bytes
+        from ..symm import get_workspace
 
         problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens,
                                   world_size)

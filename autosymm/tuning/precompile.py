@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .problem import Problem
+from ..problem import Problem
 
 
 def compile_threads() -> int:
@@ -33,7 +33,7 @@ def precompile(problem: Problem, candidates: dict[str, list], backends: dict, ct
     launch, no collective: autosymm.backends.launch.compile_only). A failure is left for the
     candidate's own prepare/measure to report. Without it, the first candidates of each problem
     compile one by one (about 0.3-1 s per kernel variant)."""
-    from .backends.launch import compile_only, interpreter_active
+    from ..backends.launch import compile_only, interpreter_active
 
     if interpreter_active():
         return 0

@@ -1,0 +1,72 @@
+"""Input checks shared by the MoE conversion backends (triton_moe, nccl_all_to_all)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..configs import MAX_WORLD_SIZE
+from ..problem import DTYPES, MOE_OPS, Problem
+from ..routing import ExptAssignment
+from .base import BackendError
+
+#: Largest top-k the backends accept (the kernels need no limit; this is the tested range).
+MAX_N_EXPTS_ACT = 32
+INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+def shape_reason(problem: Problem) -> Optional[str]:
+    if problem.op not in MOE_OPS:
+        return f"does not serve {problem.op}"
+    if not 1 <= problem.world_size <= MAX_WORLD_SIZE:
+        return f"world size {problem.world_size} > {MAX_WORLD_SIZE}"
+    if not 1 <= problem.shape.n_expts_act <= MAX_N_EXPTS_ACT:
+        return f"top-k {problem.shape.n_expts_act} outside 1..{MAX_N_EXPTS_ACT}"
+    if problem.shape.n_expts_tot < problem.world_size:
+        return f"{problem.shape.n_expts_tot} experts for {problem.world_size} ranks"
+    return None
+
+
+def _check_tensor(name: str, t, device: torch.device, dtypes, op: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise BackendError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise BackendError(f"{op}: {name} is on {t.device}, the group's device is {device}")
+    if t.dtype not in dtypes:
+        raise BackendError(f"{op}: {name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if not t.is_contiguous():
+        raise BackendError(f"{op}: {name} of shape {tuple(t.shape)} and strides {t.stride()} is not contiguous")
+
+
+def check_inputs(problem: Problem, device: torch.device, world_size: int, src, assignment, expt_indx, indx) -> int:
+    """Validate a call against its problem; return n_tokens_local. BackendError names the culprit."""
+    op, shape = problem.op, problem.shape
+    dtype = DTYPES[problem.dtype]
+    _check_tensor("src", src, device, (dtype,), op)
+    _check_tensor("expt_indx", expt_indx, device, INDEX_DTYPES, op)
+    _check_tensor("gate_indx" if op == "dp_to_ep" else "topk_indx", indx, device, INDEX_DTYPES, op)
+    if not isinstance(assignment, ExptAssignment):
+        raise BackendError(f"{op}: assignment must be an ExptAssignment, got {type(assignment).__name__}")
+    _check_tensor("assignment.expt_owner", assignment.expt_owner, device, (torch.int32,), op)
+    if assignment.n_expt_shard != world_size:
+        raise BackendError(f"{op}: assignment has {assignment.n_expt_shard} shards, the group {world_size} ranks")
+    if assignment.n_expts_tot != shape.n_expts_tot:
+        raise BackendError(f"{op}: assignment has {assignment.n_expts_tot} experts, the problem {shape.n_expts_tot}")
+    if expt_indx.dim() != 2 or expt_indx.shape[1] != shape.n_expts_act:
+        raise BackendError(f"{op}: expt_indx has shape {tuple(expt_indx.shape)}, expected "
+                           f"[n_tokens_global, {shape.n_expts_act}]")
+    if expt_indx.shape[0] % world_size:
+        raise BackendError(f"{op}: n_tokens_global={expt_indx.shape[0]} is not a multiple of world size {world_size}")
+    n_tokens_local = expt_indx.shape[0] // world_size
+    n_pairs = expt_indx.numel()
+    if indx.numel() != n_pairs:
+        raise BackendError(f"{op}: index tensor of shape {tuple(indx.shape)} has {indx.numel()} entries, "
+                           f"expected n_tokens_global * k = {n_pairs}")
+    src_rows = n_tokens_local if op == "dp_to_ep" else n_pairs
+    if src.dim() != 2 or src.shape[1] != shape.d_model or src.shape[0] != src_rows:
+        what = "n_tokens_local" if op == "dp_to_ep" else "n_tokens_global * k"
+        raise BackendError(f"{op}: src has shape {tuple(src.shape)}, expected [{src_rows}, {shape.d_model}] "
+                           f"([{what}, d_model]; n_tokens_global={expt_indx.shape[0]} must be "
+                           f"world size {world_size} * n_tokens_local)")
+    return n_tokens_local
