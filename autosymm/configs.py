@@ -12,19 +12,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from .geometry import DOUBLE_BUFFER_HALF_BYTES, MAX_PROGRAMS, stage_bytes
+
 WARP_SIZE = 32
-#: Most programs (thread blocks) one launch may use: the signal pads hold one slot per
-#: (program, peer), see autosymm.symm.SIGNAL_SLOTS_PER_RANK.
-MAX_PROGRAMS = 256
-#: Largest supported world size of a symmetric-memory group (one NVLink node).
-MAX_WORLD_SIZE = 8
 
 ALL_REDUCE_ALGORITHMS = ("one_shot", "one_shot_push", "two_shot", "multimem")
-#: Bytes of each half of the double-buffer region (autosymm.symm.DOUBLE_BUFFER_HALF_BYTES): the
-#: search space offers ``double_buffer`` where a call's stage fits in it (one-shot: the tensor;
-#: push one-shot: one slot per peer), and the pull one-shot only up to
-#: :data:`PULL_DOUBLE_BUFFER_MAX_BYTES`.
-DOUBLE_BUFFER_MAX_BYTES = 4 << 20
 #: Largest all-reduce (bytes) for which the pull one-shot's space offers ``double_buffer``: beyond
 #: it a call reads megabytes over NVLink and the end barrier (about a microsecond) is noise.
 PULL_DOUBLE_BUFFER_MAX_BYTES = 1 << 20
@@ -185,7 +177,7 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
     ``world_size`` segments, so their chunk count is per segment. Never empty.
 
     One-shot of at most :data:`PULL_DOUBLE_BUFFER_MAX_BYTES`, and push one-shot whose slots fit
-    a :data:`DOUBLE_BUFFER_MAX_BYTES` half, also get every config again with
+    a :data:`autosymm.geometry.DOUBLE_BUFFER_HALF_BYTES` half, also get every config again with
     ``double_buffer=True`` (appended, so the first configs stay the single-buffer ones): there
     the call is latency-bound and its end barrier (a system-scope round trip over NVLink, about
     1-1.5 us of 5-6 us at 4-64 KiB on H200) is worth removing; beyond it the copy and the reads
@@ -210,9 +202,8 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
             for num_blocks in _useful_counts(ALL_REDUCE_NUM_BLOCKS, chunks):
                 space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))
     nbytes = numel * elem_bytes
-    push_stage = (world_size - 1) * (-(-nbytes // 256) * 256)  # one 256-byte aligned slot per peer
     if (algorithm == "one_shot" and nbytes <= PULL_DOUBLE_BUFFER_MAX_BYTES) or \
-            (algorithm == "one_shot_push" and push_stage <= DOUBLE_BUFFER_MAX_BYTES):
+            (algorithm == "one_shot_push" and stage_bytes(algorithm, nbytes, world_size) <= DOUBLE_BUFFER_HALF_BYTES):
         space += [dataclasses.replace(config, double_buffer=True) for config in space]
     return space
 

@@ -48,37 +48,15 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 from math import prod
 from typing import Optional, Sequence
 
 import torch
 
-from .configs import DOUBLE_BUFFER_MAX_BYTES, MAX_PROGRAMS, MAX_WORLD_SIZE
-
-ALIGN = 256  # bytes: every region and every tensor handed out starts on this boundary
-SIGNAL_SLOTS_PER_RANK = MAX_PROGRAMS * MAX_WORLD_SIZE
-N_SIGNAL_CHANNELS = 4
-SIGNAL_CHANNEL = {"all_reduce": 0, "moe": 1, "moe_end": 2, "host": 3}
-#: Byte offset of the error slots (one uint32 per channel) after the signal channels.
-ERROR_SLOTS_OFFSET = N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
-SIGNAL_BYTES = ERROR_SLOTS_OFFSET + N_SIGNAL_CHANNELS * 4
-#: Self slots of the 'all_reduce' channel (program rows of this rank's own column, which no
-#: signal ever reaches): the double-buffered one-shot's arrival counter and epoch.
-#: autosymm.kernels.all_reduce hard-codes the same rows (kernels import no host code).
-ALL_REDUCE_ARRIVAL_SLOT = 0
-ALL_REDUCE_EPOCH_SLOT = 1
-
-#: The double-buffered one-shot's staging region and the default size of each of its halves.
-DOUBLE_BUFFER_REGION = "all_reduce_double_buffer"
-DOUBLE_BUFFER_HALF_BYTES = DOUBLE_BUFFER_MAX_BYTES
-
-DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
-DEFAULT_MOE_BYTES = 256 * 1024**2
-
-
-def _align(value: int, alignment: int = ALIGN) -> int:
-    return (value + alignment - 1) // alignment * alignment
+from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES,
+                       DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, Layout,
+                       MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
+                       SIGNAL_SLOTS_PER_RANK, align, workspace_layout)
 
 
 def multicast_disabled_by_env() -> bool:
@@ -95,15 +73,9 @@ def default_region_bytes() -> tuple[int, int]:
         nbytes = parse_bytes(total)
         if nbytes < 2 * ALIGN:
             raise ValueError(f"AUTOSYMM_WORKSPACE_BYTES={total!r} is too small")
-        half = _align(nbytes // 2)
+        half = align(nbytes // 2)
         return half, max(ALIGN, nbytes - half)
     return DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
-
-
-@dataclass(frozen=True)
-class Region:
-    offset: int  # bytes from the buffer's base, the same on every rank
-    nbytes: int
 
 
 class Workspace:
@@ -120,43 +92,27 @@ class Workspace:
       ``double_buffer_half_bytes``: bytes of each half of the all-reduce double buffer (0: none).
     """
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        local_buffer: torch.Tensor,
-        peer_buffers: Sequence[torch.Tensor],
-        multicast_ptr: int = 0,
-        all_reduce_bytes: int,
-        moe_bytes: int,
-        double_buffer_bytes: int = 0,
-        group=None,
-        handle=None,
-    ) -> None:
+    def __init__(self, rank: int, peer_buffers: Sequence[torch.Tensor], layout: Layout, *, multicast_ptr: int = 0,
+                 group=None, handle=None) -> None:
+        """``peer_buffers[r]``: rank r's workspace buffer as this rank addresses it (uint8; entry
+        ``rank`` is this rank's own), each laid out by ``layout``."""
+        world_size = len(peer_buffers)
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world_size={world_size} must be in 1..{MAX_WORLD_SIZE}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in 0..{world_size - 1}")
         self.rank = rank
         self.world_size = world_size
-        self.device = device
+        self.buffer = peer_buffers[rank]
+        self.device = self.buffer.device
         self.group = group
         self.handle = handle
-        self.buffer = local_buffer
         self.peer_buffers = tuple(peer_buffers)
         self.multicast_ptr = int(multicast_ptr or 0)
-        self.regions = {
-            "signal": Region(0, SIGNAL_BYTES),
-            "all_reduce": Region(_align(SIGNAL_BYTES), _align(all_reduce_bytes)),
-        }
-        moe_offset = self.regions["all_reduce"].offset + self.regions["all_reduce"].nbytes
-        self.regions["moe"] = Region(moe_offset, _align(moe_bytes))
-        need = moe_offset + self.regions["moe"].nbytes
-        if double_buffer_bytes > 0:  # appended: the other regions keep their offsets
-            self.regions[DOUBLE_BUFFER_REGION] = Region(need, 2 * _align(double_buffer_bytes))
-            need += self.regions[DOUBLE_BUFFER_REGION].nbytes
-        if local_buffer.numel() < need:
-            raise ValueError(f"workspace buffer has {local_buffer.numel()} bytes, layout needs {need}")
+        self.layout = layout
+        self.regions = layout.regions
+        if self.buffer.numel() < layout.total_bytes:
+            raise ValueError(f"workspace buffer has {self.buffer.numel()} bytes, layout needs {layout.total_bytes}")
         self._ptr_cache: dict[tuple[str, int], torch.Tensor] = {}
         self._empty_offset = 0  # bump allocator of empty() inside the all-reduce region
         # Made now, not per call: a host-to-device copy is not allowed inside CUDA-graph capture.
@@ -253,8 +209,8 @@ class Workspace:
         :meth:`reset_empty` frees all of them at once.
         """
         elem = torch.empty((), dtype=dtype).element_size()
-        nbytes = _align(prod(shape) * elem)
-        region = self.regions["all_reduce"]
+        nbytes = align(prod(shape) * elem)
+        region = self.regions[ALL_REDUCE_REGION]
         if self._empty_offset + nbytes > region.nbytes:
             raise ValueError(
                 f"autosymm.empty({tuple(shape)}, {dtype}) needs {nbytes} bytes; the all-reduce region "
@@ -415,7 +371,8 @@ def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: i
 
     if device.type != "cuda":
         raise ValueError(f"symmetric memory needs a CUDA device, got {device}")
-    total = _total_bytes(all_reduce_bytes, moe_bytes, double_buffer_bytes)
+    layout = workspace_layout(all_reduce_bytes, moe_bytes, double_buffer_bytes)
+    total = layout.total_bytes
     buffer = symm_mem.empty((total,), dtype=torch.uint8, device=device)
     buffer[:SIGNAL_BYTES].zero_()  # signal pads start at zero: no signal pending
     torch.cuda.synchronize(device)
@@ -434,9 +391,7 @@ def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: i
         multicast += base_offset
     if multicast_disabled_by_env():
         multicast = 0
-    ws = Workspace(rank=rank, world_size=world_size, device=device, local_buffer=buffer, peer_buffers=peers,
-                   multicast_ptr=multicast, all_reduce_bytes=all_reduce_bytes, moe_bytes=moe_bytes,
-                   double_buffer_bytes=double_buffer_bytes, group=group, handle=handle)
+    ws = Workspace(rank, peers, layout, multicast_ptr=multicast, group=group, handle=handle)
     dist.barrier(group=group)  # every rank's signal pads are zero before anyone signals
     return ws
 
@@ -447,16 +402,6 @@ def simulated_workspaces(world_size: int, *, all_reduce_bytes: int = 1 << 20, mo
 
     Under TRITON_INTERPRET=1 the kernels read and write the peers' buffers exactly as on GPUs.
     """
-    total = _total_bytes(all_reduce_bytes, moe_bytes, double_buffer_bytes)
-    buffers = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(world_size)]
-    return [
-        Workspace(rank=r, world_size=world_size, device=torch.device(device), local_buffer=buffers[r],
-                  peer_buffers=buffers, all_reduce_bytes=all_reduce_bytes, moe_bytes=moe_bytes,
-                  double_buffer_bytes=double_buffer_bytes)
-        for r in range(world_size)
-    ]
-
-
-def _total_bytes(all_reduce_bytes: int, moe_bytes: int, double_buffer_bytes: int) -> int:
-    """Bytes of a workspace buffer with these regions (see the module docstring's layout)."""
-    return _align(SIGNAL_BYTES) + _align(all_reduce_bytes) + _align(moe_bytes) + 2 * _align(double_buffer_bytes)
+    layout = workspace_layout(all_reduce_bytes, moe_bytes, double_buffer_bytes)
+    buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    return [Workspace(rank, buffers, layout) for rank in range(world_size)]

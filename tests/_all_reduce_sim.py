@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from autosymm.configs import MAX_PROGRAMS, MAX_WORLD_SIZE
-from autosymm.symm import (ALL_REDUCE_ARRIVAL_SLOT, ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, SIGNAL_CHANNEL,
-                           SIGNAL_SLOTS_PER_RANK, Workspace)
+from autosymm.geometry import (ALL_REDUCE_ARRIVAL_SLOT, ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, MAX_PROGRAMS,
+                               MAX_WORLD_SIZE, SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK)
+from autosymm.symm import Workspace
 
 requires_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -115,9 +115,7 @@ def snapshot_workspace(workspaces, rank: int) -> Workspace:
     """
     ws = workspaces[rank]
     peers = [ws.buffer if p == rank else workspaces[p].buffer.clone() for p in range(ws.world_size)]
-    return Workspace(rank=rank, world_size=ws.world_size, device=ws.device, local_buffer=ws.buffer,
-                     peer_buffers=peers, all_reduce_bytes=ws.capacity("all_reduce"), moe_bytes=ws.capacity("moe"),
-                     double_buffer_bytes=ws.double_buffer_half_bytes)
+    return Workspace(rank, peers, ws.layout)
 
 
 def poisoned_workspaces(world_size: int, region_bytes: int, half_bytes: int) -> list[Workspace]:

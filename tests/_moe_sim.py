@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from autosymm.backends.triton_moe import SIGNAL_SLOT, buffer_layout, dst_rows, launch
-from autosymm.symm import SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK
+from autosymm.backends.triton_moe import launch
+from autosymm.geometry import MOE_SIGNAL_SLOT, SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK, dst_rows, moe_buffer
 
 SLOTS_PER_PROGRAM = 8
 
 
 def _slots(ws, op: str) -> torch.Tensor:
     """int32 view of this rank's 8 slots of ``op``'s end-barrier program in 'moe_end'."""
-    start = SIGNAL_CHANNEL["moe_end"] * SIGNAL_SLOTS_PER_RANK + SIGNAL_SLOT[op] * SLOTS_PER_PROGRAM
+    start = SIGNAL_CHANNEL["moe_end"] * SIGNAL_SLOTS_PER_RANK + MOE_SIGNAL_SLOT[op] * SLOTS_PER_PROGRAM
     return ws.buffer[: 4 * (start + SLOTS_PER_PROGRAM)].view(torch.int32)[start:]
 
 
@@ -42,7 +42,7 @@ def check_and_clear(workspaces, op: str) -> None:
 
 def dst_views(workspaces, op: str, n_tokens_local: int, k: int, d_model: int, dtype) -> list[torch.Tensor]:
     rows = dst_rows(op, n_tokens_local, k, len(workspaces))
-    offset = buffer_layout(op, workspaces[0].capacity("moe"), len(workspaces))[0]
+    offset = moe_buffer(op, workspaces[0].capacity("moe"), len(workspaces))[0]
     return [ws.local_view("moe", (rows, d_model), dtype, offset) for ws in workspaces]
 
 

@@ -13,11 +13,12 @@ from autosymm.backends.base import BackendError, Capabilities, RunContext
 from autosymm.backends.launch import LeanLauncher
 from autosymm.backends.nccl_all_reduce import nccl
 from autosymm.backends.torch_symm import _TorchLauncher, torch_one_shot, torch_two_shot
-from autosymm.backends.triton_all_reduce import (segment_vecs, stage_offset, triton_multimem, triton_one_shot,
+from autosymm.backends.triton_all_reduce import (triton_multimem, triton_one_shot,
                                                  triton_one_shot_push, triton_two_shot)
 from autosymm.configs import AllReduceConfig, all_reduce_space
 from autosymm.problem import MoEShape, Problem
-from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, simulated_workspaces
+from autosymm.geometry import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, segment_vecs, stage_offset
+from autosymm.symm import simulated_workspaces
 
 from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, half_view, pads, preset, random_inputs,
                              requires_interpreter, snapshot_workspace)

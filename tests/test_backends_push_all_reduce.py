@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from autosymm.backends.base import BackendError, RunContext
-from autosymm.backends.triton_all_reduce import push_slot_bytes, stage_bytes, triton_one_shot_push
+from autosymm.backends.triton_all_reduce import triton_one_shot_push
+from autosymm.geometry import DOUBLE_BUFFER_REGION, push_slot_bytes, stage_bytes
 from autosymm.configs import AllReduceConfig, all_reduce_space
 from autosymm.problem import Problem
-from autosymm.symm import DOUBLE_BUFFER_REGION, simulated_workspaces
+from autosymm.symm import simulated_workspaces
 
 from _all_reduce_sim import assert_close_to_sum, epoch, pads, random_inputs, requires_interpreter, snapshot_workspace
 

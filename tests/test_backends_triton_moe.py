@@ -15,12 +15,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are importe
 from autosymm.backends import get_backend  # noqa: E402
 from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
 from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
-from autosymm.backends.triton_moe import TRITON_MOE, buffer_layout  # noqa: E402
+from autosymm.backends.triton_moe import TRITON_MOE  # noqa: E402
 from autosymm.configs import MoEConfig, moe_space  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx,  # noqa: E402
                           reference_dp_to_ep, reference_ep_to_dp, route, rows_written)
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
-from autosymm.symm import ALIGN, simulated_workspaces  # noqa: E402
+from autosymm.geometry import ALIGN, moe_buffer  # noqa: E402
+from autosymm.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_gloo  # noqa: E402
 from _moe_sim import check_and_clear, presatisfy  # noqa: E402
@@ -69,8 +70,8 @@ def test_triton_moe_search_space(op, rows):
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_buffer_layout_splits_the_region_in_disjoint_aligned_buffers(world_size):
     moe_bytes = 1 << 20
-    ep_off, ep_bytes = buffer_layout("ep_to_dp", moe_bytes, world_size)
-    dp_off, dp_bytes = buffer_layout("dp_to_ep", moe_bytes, world_size)
+    ep_off, ep_bytes = moe_buffer("ep_to_dp", moe_bytes, world_size)
+    dp_off, dp_bytes = moe_buffer("dp_to_ep", moe_bytes, world_size)
     assert ep_off == 0 and dp_off == ep_bytes and dp_off + dp_bytes == moe_bytes
     assert ep_off % ALIGN == dp_off % ALIGN == 0
     # A problem whose ep->dp output fills its buffer has a dp->ep output (world_size times larger) that fits too.
@@ -105,7 +106,7 @@ def test_triton_moe_launchers_round_trip(world_size, k, dtype, config):
     ep = run("dp_to_ep", srcs, gate)
     for ws, out in zip(wss, ep):  # a view into the rank's own MoE region, at the dp->ep buffer
         offset = ws.offset_in_region(out, "moe")
-        assert offset == buffer_layout("dp_to_ep", ws.capacity("moe"), world_size)[0]
+        assert offset == moe_buffer("dp_to_ep", ws.capacity("moe"), world_size)[0]
         assert out.shape == (world_size * n_tokens_local * k, d_model) and out.dtype == dtype
     want = reference_dp_to_ep(srcs, assignment, expt_indx, gate)
     written = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
+from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES
 from autosymm.configs import (
     ALL_REDUCE_ALGORITHMS,
-    DOUBLE_BUFFER_MAX_BYTES,
     PULL_DOUBLE_BUFFER_MAX_BYTES,
     AllReduceConfig,
     MoEConfig,
@@ -99,12 +99,12 @@ def test_all_reduce_space_grows_with_size():
 def test_double_buffer_only_for_small_one_shot(world_size, elem_bytes):
     for algorithm in ALL_REDUCE_ALGORITHMS:
         for nbytes in (4096, 65536, PULL_DOUBLE_BUFFER_MAX_BYTES, 2 * PULL_DOUBLE_BUFFER_MAX_BYTES,
-                       DOUBLE_BUFFER_MAX_BYTES, 2 * DOUBLE_BUFFER_MAX_BYTES):
+                       DOUBLE_BUFFER_HALF_BYTES, 2 * DOUBLE_BUFFER_HALF_BYTES):
             space = all_reduce_space(algorithm, nbytes // elem_bytes, world_size, elem_bytes)
             on = [c for c in space if c.double_buffer]
             off = [c for c in space if not c.double_buffer]
             offered = {"one_shot": nbytes <= PULL_DOUBLE_BUFFER_MAX_BYTES,  # the pull one-shot: latency-bound sizes
-                       "one_shot_push": (world_size - 1) * nbytes <= DOUBLE_BUFFER_MAX_BYTES}  # its slots fit a half
+                       "one_shot_push": (world_size - 1) * nbytes <= DOUBLE_BUFFER_HALF_BYTES}  # its slots fit a half
             if offered.get(algorithm, False):
                 # every single-buffer config once more with double buffering, appended (space[0] unchanged)
                 assert on == [dataclasses.replace(c, double_buffer=True) for c in off]

@@ -9,9 +9,9 @@ write past the tail shows up there).
 import pytest
 import torch
 
-from autosymm.backends.triton_all_reduce import segment_vecs
+from autosymm.geometry import segment_vecs
 from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
-from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION
+from autosymm.geometry import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION
 
 from _all_reduce_sim import (poisoned_workspaces, arrivals, assert_close_to_sum, epoch, error_counts, half_bytes, half_view, pads, preset,
                              random_inputs, requires_interpreter, snapshot_workspace, tiny_poll_limit)
@@ -162,7 +162,7 @@ def test_one_shot_double_buffer_alternates_halves(world_size, dtype):
     k % 2 (the other half stays poisoned, so reading it would give NaN), the sums are right,
     the epoch counts the calls, the arrival counter is back to 0 and the pads are balanced."""
     import autosymm.kernels.all_reduce as kernels
-    from autosymm.symm import ALL_REDUCE_ARRIVAL_SLOT
+    from autosymm.geometry import ALL_REDUCE_ARRIVAL_SLOT
 
     assert (kernels._ARRIVAL_SLOT.value, kernels._EPOCH_SLOT.value) == (ALL_REDUCE_ARRIVAL_SLOT, ALL_REDUCE_EPOCH_SLOT)
     calls = DOUBLE_CALLS[:world_size]  # 2 ranks: two calls, 3 ranks: three, 4 ranks: four

@@ -11,9 +11,8 @@ or element reads as NaN) and x sits in a sentinel-filled tensor (a write past it
 import pytest
 import torch
 
-from autosymm.backends.triton_all_reduce import push_slot_bytes
 from autosymm.kernels.push_all_reduce import _push_one_shot_all_reduce
-from autosymm.symm import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION
+from autosymm.geometry import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, push_slot_bytes
 
 from test_kernels_all_reduce import CASES as PULL_CASES
 from _all_reduce_sim import (poisoned_workspaces, arrivals, assert_close_to_sum, epoch, error_counts, pads, random_inputs,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from autosymm.configs import MAX_WORLD_SIZE
-from autosymm.symm import (ERROR_SLOTS_OFFSET, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK,
-                           Workspace, simulated_workspaces)
+from autosymm.geometry import (ERROR_SLOTS_OFFSET, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
+                               SIGNAL_SLOTS_PER_RANK, align)
+from autosymm.symm import Workspace, simulated_workspaces
 
 from _all_reduce_sim import requires_interpreter
 
@@ -18,7 +18,7 @@ def test_error_slots_follow_the_channels_inside_the_signal_region():
     assert ERROR_SLOTS_OFFSET == N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
     assert SIGNAL_BYTES == ERROR_SLOTS_OFFSET + 4 * N_SIGNAL_CHANNELS
     (ws,) = simulated_workspaces(1, all_reduce_bytes=256, moe_bytes=256)
-    assert ws.regions["signal"].nbytes == SIGNAL_BYTES
+    assert ws.regions["signal"].nbytes == align(SIGNAL_BYTES)
     assert ws.regions["all_reduce"].offset >= SIGNAL_BYTES
 
 

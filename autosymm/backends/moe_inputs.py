@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..configs import MAX_WORLD_SIZE
+from ..geometry import MAX_WORLD_SIZE
 from ..problem import DTYPES, MOE_OPS, Problem
 from ..routing import ExptAssignment
 from .base import BackendError

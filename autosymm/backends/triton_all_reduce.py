@@ -40,36 +40,12 @@ from ..configs import AllReduceConfig, all_reduce_space
 from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
 from ..kernels.push_all_reduce import _push_one_shot_all_reduce
 from ..problem import DTYPES, Problem
-from ..symm import DOUBLE_BUFFER_REGION
+from ..geometry import (ALIGN, ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, max_stage_input_bytes, stage_bytes)
 from .base import BackendError, Capabilities, RunContext
 from .launch import LeanLauncher
 
-CHANNEL = "all_reduce"
-STAGE_ALIGN = 256  # bytes; the stage's offset in the region is a multiple of it
+CHANNEL = ALL_REDUCE_REGION
 MAX_NUMEL = 2**31 - 1  # kernels index with int32
-
-
-def stage_offset(capacity: int, nbytes: int) -> int:
-    """Byte offset in the all-reduce region where a non-zero-copy tensor of ``nbytes`` is staged."""
-    return capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
-
-
-def push_slot_bytes(nbytes: int) -> int:
-    """Bytes of one sender's slot in a push one-shot stage: ``nbytes`` rounded up to STAGE_ALIGN."""
-    return (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
-
-
-def stage_bytes(algorithm: str, nbytes: int, world_size: int) -> int:
-    """Bytes of the all-reduce region one rank's stage takes for a tensor of ``nbytes``: the
-    tensor itself, or (push one-shot) one slot per peer."""
-    if algorithm == "one_shot_push":
-        return (world_size - 1) * push_slot_bytes(nbytes)
-    return nbytes
-
-
-def segment_vecs(numel: int, world_size: int, elem_bytes: int) -> int:
-    """Two-shot segment length in 16-byte units: ceil(numel / world_size) rounded up to 16 bytes."""
-    return -(-numel // (world_size * (16 // elem_bytes)))  # = ceil(ceil(numel / world_size) / vec)
 
 
 class _AllReduceLauncher:
@@ -86,9 +62,8 @@ class _AllReduceLauncher:
         self.capacity = workspace.capacity(CHANNEL)
         self._push = algorithm == "one_shot_push"
         # push: one slot of the rounded-up tensor per peer must fit the region
-        stage_limit = self.capacity // max(1, self.world_size - 1) // STAGE_ALIGN * STAGE_ALIGN if self._push \
-            else self.capacity
-        self.max_bytes = min(stage_limit, MAX_NUMEL * self.elem_bytes)
+        self.max_bytes = min(max_stage_input_bytes(algorithm, self.capacity, self.world_size),
+                             MAX_NUMEL * self.elem_bytes)
         self.region_start = int(workspace.buffer.data_ptr()) + workspace.regions[CHANNEL].offset
         self.region_end = self.region_start + self.capacity
         self.region_ptrs = workspace.region_ptrs(CHANNEL)
@@ -146,7 +121,7 @@ class _AllReduceLauncher:
                     offset = self.double_offset
                 else:
                     key = (False, True, x_aligned, phase, False)
-                    offset = self.capacity - (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN
+                    offset = self.capacity - (nbytes + ALIGN - 1) // ALIGN * ALIGN
                     if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
                         raise BackendError(
                             f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
@@ -172,7 +147,7 @@ class _AllReduceLauncher:
         any tensor (in the region or not) is served without a copy; the stage is WORLD_SIZE - 1
         slots in a double-buffer half when they fit, else at the top of the all-reduce region,
         clear of x and of autosymm.empty's tensors."""
-        slot_bytes = (nbytes + STAGE_ALIGN - 1) // STAGE_ALIGN * STAGE_ALIGN  # push_slot_bytes(nbytes)
+        slot_bytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN  # push_slot_bytes(nbytes)
         need = (self.world_size - 1) * slot_bytes
         if need <= self.half_bytes:
             offset, double = self.double_offset, True

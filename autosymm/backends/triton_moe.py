@@ -33,13 +33,11 @@ from ..configs import MoEConfig, moe_space
 from ..kernels.barrier import _barrier_kernel
 from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
 from ..problem import DTYPES, MOE_OPS, Problem, next_pow2
-from ..symm import ALIGN
+from ..geometry import MOE_REGION, MOE_SIGNAL_SLOT, dst_rows, grid_rows, moe_buffer
 from .base import BackendError, Capabilities, RunContext
 from .launch import LeanLauncher
 from .moe_inputs import check_inputs, shape_reason
 
-#: Signal slot (program index) of each op's end barrier in the 'moe_end' channel.
-SIGNAL_SLOT = {"dp_to_ep": 0, "ep_to_dp": 1}
 #: The end barrier is fused into the copy kernel when the grid has at most this many programs
 #: (each program adds one acq_rel.sys atomic), else barrier._barrier_kernel runs after it. On
 #: 2 x H200 (DeepSeek-V3 rows, best configs) fusing saved ~9 us per call in eager mode at 8
@@ -47,24 +45,6 @@ SIGNAL_SLOT = {"dp_to_ep": 0, "ep_to_dp": 1}
 #: tokens (1024-program grids) it cost up to 3.7 us under graph replay.
 FUSED_BARRIER_MAX_PROGRAMS = 256
 _KERNELS = {"dp_to_ep": _convert_dp_to_ep, "ep_to_dp": _convert_ep_to_dp}
-
-
-def buffer_layout(op: str, moe_bytes: int, world_size: int) -> tuple[int, int]:
-    """(offset, bytes) of ``op``'s destination buffer inside a MoE region of ``moe_bytes`` bytes."""
-    ep_to_dp_bytes = moe_bytes // (world_size + 1) // ALIGN * ALIGN
-    if op == "ep_to_dp":
-        return 0, ep_to_dp_bytes
-    return ep_to_dp_bytes, moe_bytes - ep_to_dp_bytes
-
-
-def dst_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
-    """Rows of ``op``'s destination buffer (also the rows its kernel's grid walks over for ep->dp)."""
-    return n_tokens_local * n_expts_act * (world_size if op == "dp_to_ep" else 1)
-
-
-def grid_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
-    """Pair rows the kernel's programs walk over: local pairs (dp->ep), all sorted rows (ep->dp)."""
-    return n_tokens_local * n_expts_act * (world_size if op == "ep_to_dp" else 1)
 
 
 def _vec(d_model: int, elem_bytes: int) -> int:
@@ -83,7 +63,7 @@ class Conversion:
     def __init__(self, op: str, ws, config: MoEConfig) -> None:
         self.op, self.ws, self.config = op, ws, config
         self.world_size, self.rank = ws.world_size, ws.rank
-        self.dst_ptrs = ws.region_ptrs("moe", buffer_layout(op, ws.capacity("moe"), ws.world_size)[0])
+        self.dst_ptrs = ws.region_ptrs(MOE_REGION, moe_buffer(op, ws.capacity(MOE_REGION), ws.world_size)[0])
         self.signal_ptrs = _signal_ptrs(ws, op)
         self._kernels: dict[tuple, LeanLauncher] = {}
         self._barrier = LeanLauncher(_barrier_kernel, (1,), dict(RANK=ws.rank, WORLD_SIZE=ws.world_size),
@@ -132,9 +112,9 @@ def launch(op: str, ws, config: MoEConfig, src: torch.Tensor, expt_owner: torch.
 
 
 def _signal_ptrs(ws, op: str) -> torch.Tensor:
-    """int64 [world_size + 1]: each rank's program SIGNAL_SLOT[op] of the 'moe_end' channel, then
+    """int64 [world_size + 1]: each rank's program MOE_SIGNAL_SLOT[op] of the 'moe_end' channel, then
     this rank's error slot of that channel (autosymm.symm.Workspace.signal_ptrs)."""
-    return ws.signal_ptrs("moe_end", SIGNAL_SLOT[op])
+    return ws.signal_ptrs("moe_end", MOE_SIGNAL_SLOT[op])
 
 
 class TritonMoE:
@@ -155,7 +135,7 @@ class TritonMoE:
             return "no symmetric-memory workspace"
         need = dst_rows(problem.op, problem.n_tokens_local, problem.shape.n_expts_act, problem.world_size) \
             * problem.shape.d_model * problem.elem_bytes
-        have = buffer_layout(problem.op, caps.moe_bytes, problem.world_size)[1]
+        have = moe_buffer(problem.op, caps.moe_bytes, problem.world_size)[1]
         if need > have:
             return f"needs {need} bytes, the MoE workspace buffer has {have}"
         return None
@@ -173,7 +153,7 @@ class TritonMoE:
         if not isinstance(config, MoEConfig):
             raise BackendError(f"{self.name} needs a MoEConfig, got {config!r}")
         op, shape, world_size = problem.op, problem.shape, ws.world_size
-        offset, capacity = buffer_layout(op, ws.capacity("moe"), world_size)
+        offset, capacity = moe_buffer(op, ws.capacity(MOE_REGION), world_size)
         conversion = Conversion(op, ws, config)
         dtype = DTYPES[problem.dtype]
         row_bytes = shape.d_model * problem.elem_bytes
@@ -188,7 +168,7 @@ class TritonMoE:
                     raise BackendError(f"{op}: the [{rows}, {shape.d_model}] {dtype} output needs "
                                        f"{rows * row_bytes} bytes, the MoE workspace buffer has {capacity} "
                                        f"(raise AUTOSYMM_WORKSPACE_BYTES)")
-                dst = views[rows] = ws.local_view("moe", (rows, shape.d_model), dtype, offset)
+                dst = views[rows] = ws.local_view(MOE_REGION, (rows, shape.d_model), dtype, offset)
             conversion(src, assignment.expt_owner, expt_indx, indx)
             return dst
 

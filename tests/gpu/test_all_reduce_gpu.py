@@ -117,7 +117,7 @@ def _graph_body(rank, world_size):
     import torch.distributed as dist
 
     from autosymm.problem import Problem
-    from autosymm.symm import SIGNAL_BYTES
+    from autosymm.geometry import SIGNAL_BYTES
 
     ws, caps, ctx, backends = _setup(rank, world_size)
     numel, dtype = 8192 + 5, torch.bfloat16

@@ -89,11 +89,12 @@ def _backends_match_reference(rank, world_size):
 
 def _conversion(op, ctx, config, fused, shape, n_tokens_local, dtype, world_size):
     """A launcher-like callable over backends.moe.Conversion with the end barrier forced."""
-    from autosymm.backends.triton_moe import Conversion, buffer_layout, dst_rows
+    from autosymm.backends.triton_moe import Conversion
+    from autosymm.geometry import dst_rows, moe_buffer
 
     ws = ctx.workspace
     conversion = Conversion(op, ws, config)
-    offset = buffer_layout(op, ws.capacity("moe"), world_size)[0]
+    offset = moe_buffer(op, ws.capacity("moe"), world_size)[0]
     dst = ws.local_view("moe", (dst_rows(op, n_tokens_local, shape.n_expts_act, world_size), shape.d_model), dtype,
                         offset)
 

@@ -16,7 +16,8 @@ from autosymm.configs import all_reduce_space
 from autosymm.kernels.barrier import max_wait_s
 from autosymm.problem import Problem
 from autosymm.tuning.sweep import BarrierTimeout, SweepEvaluator, TimingPlan, measure_timeout_s
-from autosymm.symm import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, Workspace
+from autosymm.geometry import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, workspace_layout
+from autosymm.symm import Workspace
 from autosymm.tuning.tuner import Candidate
 
 from _gloo import run_with_deadline
@@ -31,8 +32,7 @@ class CpuWorkspace(Workspace):
 
     def __init__(self, rank: int = 0, world_size: int = 2, on_barrier=None):
         buffer = torch.zeros(1 << 16, dtype=torch.uint8)
-        super().__init__(rank=rank, world_size=world_size, device=torch.device("cpu"), local_buffer=buffer,
-                         peer_buffers=[buffer] * world_size, all_reduce_bytes=1024, moe_bytes=1024)
+        super().__init__(rank, [buffer] * world_size, workspace_layout(1024, 1024))
         self.on_barrier = on_barrier
         self.device_barriers = 0
         self.resets: list[int] = []  # barrier_errors() seen at each reset

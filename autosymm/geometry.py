@@ -1,0 +1,162 @@
+"""Workspace geometry: alignment, signal-pad layout, stage and buffer sizes, and the regions of
+the symmetric workspace, in one place. Pure arithmetic on ints (no torch, no device).
+
+Every rank lays out its workspace buffer identically, so a peer's region is the peer's base
+address plus the same offset. Regions are reserved by name, in order, each on an
+:data:`ALIGN`-byte boundary (:class:`Layout`); the standard layout (:func:`workspace_layout`) is::
+
+    [ signal pads | all-reduce region | MoE region | all-reduce double buffer ]
+
+Users of these numbers: ``autosymm.symm`` (the buffer and its regions), the backends (where a
+call stages its data, what fits), ``autosymm.configs`` (which search-space points fit) and the
+tuner (how large a workspace a sweep needs). The backends' hot paths inline some of this
+arithmetic; tests check the inlined forms against this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Bytes: every region, every stage and every tensor handed out starts on this boundary.
+ALIGN = 256
+#: Most programs (thread blocks) one collective launch may use: one signal slot per (program, peer).
+MAX_PROGRAMS = 256
+#: Largest world size of a symmetric-memory group (one NVLink node).
+MAX_WORLD_SIZE = 8
+
+# -- signal pads -----------------------------------------------------------------------------
+#: uint32 slots of one signal channel: [program][sender] (see autosymm.kernels.barrier).
+SIGNAL_SLOTS_PER_RANK = MAX_PROGRAMS * MAX_WORLD_SIZE
+#: One channel per kernel family, so collectives on two streams never share a slot.
+SIGNAL_CHANNEL = {"all_reduce": 0, "moe": 1, "moe_end": 2, "host": 3}
+N_SIGNAL_CHANNELS = len(SIGNAL_CHANNEL)
+#: Byte offset of the error slots (one uint32 per channel) after the signal channels.
+ERROR_SLOTS_OFFSET = N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
+SIGNAL_BYTES = ERROR_SLOTS_OFFSET + N_SIGNAL_CHANNELS * 4
+#: Self slots of the 'all_reduce' channel (program rows of a rank's own column, which no signal
+#: reaches): the double-buffered one-shot's arrival counter and epoch. autosymm.kernels.all_reduce
+#: hard-codes the same rows (kernels import no host code).
+ALL_REDUCE_ARRIVAL_SLOT = 0
+ALL_REDUCE_EPOCH_SLOT = 1
+#: Program slot of each MoE op's end barrier in the 'moe_end' channel.
+MOE_SIGNAL_SLOT = {"dp_to_ep": 0, "ep_to_dp": 1}
+
+# -- regions ---------------------------------------------------------------------------------
+SIGNAL_REGION = "signal"
+ALL_REDUCE_REGION = "all_reduce"
+MOE_REGION = "moe"
+#: The double-buffered one-shots' staging halves: a region of its own at fixed offsets, because a
+#: half may still be read by a peer after this rank's kernel returned (until the next
+#: double-buffered call's start barrier), so nothing else may write there.
+DOUBLE_BUFFER_REGION = "all_reduce_double_buffer"
+#: Bytes of each half of the double-buffer region.
+DOUBLE_BUFFER_HALF_BYTES = 4 << 20
+DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
+DEFAULT_MOE_BYTES = 256 * 1024**2
+#: Slack added to the MoE region a sweep or a declared call needs (bytes).
+MOE_REGION_SLACK = 1 << 20
+
+
+def align(value: int, alignment: int = ALIGN) -> int:
+    """``value`` rounded up to a multiple of ``alignment``."""
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int  # bytes from the buffer's base, the same on every rank
+    nbytes: int
+
+
+@dataclass
+class Layout:
+    """Named regions of a workspace buffer, reserved in order on ALIGN boundaries."""
+
+    regions: dict[str, Region] = field(default_factory=dict)
+    total_bytes: int = 0
+
+    def reserve(self, name: str, nbytes: int) -> Region:
+        """Append region ``name`` of ``nbytes`` (rounded up to ALIGN); ValueError if taken."""
+        if name in self.regions:
+            raise ValueError(f"workspace region {name!r} is reserved already")
+        if nbytes < 0:
+            raise ValueError(f"workspace region {name!r}: nbytes={nbytes} must be >= 0")
+        region = Region(self.total_bytes, align(nbytes))
+        self.regions[name] = region
+        self.total_bytes += region.nbytes
+        return region
+
+
+def workspace_layout(all_reduce_bytes: int, moe_bytes: int, double_buffer_half_bytes: int = 0) -> Layout:
+    """The standard layout (module docstring); no double-buffer region when its half is 0 bytes
+    (appended last, so the other regions keep their offsets either way)."""
+    layout = Layout()
+    layout.reserve(SIGNAL_REGION, SIGNAL_BYTES)
+    layout.reserve(ALL_REDUCE_REGION, all_reduce_bytes)
+    layout.reserve(MOE_REGION, moe_bytes)
+    if double_buffer_half_bytes > 0:
+        layout.reserve(DOUBLE_BUFFER_REGION, 2 * align(double_buffer_half_bytes))
+    return layout
+
+
+# -- all-reduce stages -----------------------------------------------------------------------
+
+def push_slot_bytes(nbytes: int) -> int:
+    """Bytes of one sender's slot in a push one-shot stage: ``nbytes`` rounded up to ALIGN."""
+    return align(nbytes)
+
+
+def stage_bytes(algorithm: str, nbytes: int, world_size: int) -> int:
+    """Bytes of the all-reduce region one rank's stage takes for a tensor of ``nbytes``: the
+    tensor itself, or (push one-shot) one slot per peer."""
+    if algorithm == "one_shot_push":
+        return (world_size - 1) * push_slot_bytes(nbytes)
+    return nbytes
+
+
+def stage_offset(capacity: int, nbytes: int) -> int:
+    """Byte offset in an all-reduce region of ``capacity`` bytes where a non-zero-copy stage of
+    ``nbytes`` sits: at the top, clear of ``Workspace.empty``'s tensors (allocated from the bottom)."""
+    return capacity - align(nbytes)
+
+
+def max_stage_input_bytes(algorithm: str, capacity: int, world_size: int) -> int:
+    """Largest tensor (bytes) whose stage fits an all-reduce region of ``capacity`` bytes."""
+    if algorithm == "one_shot_push":
+        return capacity // max(1, world_size - 1) // ALIGN * ALIGN
+    return capacity
+
+
+def segment_vecs(numel: int, world_size: int, elem_bytes: int) -> int:
+    """Two-shot segment length in 16-byte units: ceil(numel / world_size) rounded up to 16 bytes."""
+    return -(-numel // (world_size * (16 // elem_bytes)))  # = ceil(ceil(numel / world_size) / vec)
+
+
+# -- MoE buffers -----------------------------------------------------------------------------
+
+def moe_buffer(op: str, moe_bytes: int, world_size: int) -> tuple[int, int]:
+    """(offset, bytes) of ``op``'s destination buffer inside a MoE region of ``moe_bytes``: ep->dp
+    owns the first 1/(world_size + 1), dp->ep the rest (disjoint, so the two ops' peers never
+    write a buffer the other op's owner still reads)."""
+    ep_to_dp_bytes = moe_bytes // (world_size + 1) // ALIGN * ALIGN
+    if op == "ep_to_dp":
+        return 0, ep_to_dp_bytes
+    return ep_to_dp_bytes, moe_bytes - ep_to_dp_bytes
+
+
+def dst_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
+    """Rows of ``op``'s destination buffer (dp->ep: every global pair; ep->dp: local pairs)."""
+    return n_tokens_local * n_expts_act * (world_size if op == "dp_to_ep" else 1)
+
+
+def grid_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
+    """Pair rows the kernel's programs walk over: local pairs (dp->ep), all sorted rows (ep->dp)."""
+    return n_tokens_local * n_expts_act * (world_size if op == "ep_to_dp" else 1)
+
+
+def moe_region_bytes(n_tokens_local: int, n_expts_act: int, row_bytes: int, world_size: int) -> int:
+    """MoE region (bytes) in which both conversions of ``n_tokens_local`` tokens per rank fit,
+    with :data:`MOE_REGION_SLACK`: the two destination buffers side by side."""
+    rows = (dst_rows("dp_to_ep", n_tokens_local, n_expts_act, world_size)
+            + dst_rows("ep_to_dp", n_tokens_local, n_expts_act, world_size))
+    return rows * row_bytes + MOE_REGION_SLACK
