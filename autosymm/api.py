@@ -2,7 +2,7 @@
 
 Per process group a ``_GroupState`` holds what the first call found out (collectively, on every
 rank: hostnames, the workspace rendezvous, the databases' digest) and a dict of prepared calls
-keyed by (op, dtype, size, mode). A repeated call is a dict lookup, two counter increments and
+keyed by (op, dtype, size, mode). A repeated call is a dict lookup, one counter increment and
 the backend's launcher. Call ``init(group)`` (or make one eager call) before capturing a CUDA
 graph: the first call on a group runs collectives that must not be captured.
 """
@@ -67,15 +67,8 @@ class _GroupState:
 
             self.workspace = get_workspace(group, self.device)
         ws = self.workspace
-        self.caps = Capabilities(
-            world_size=self.world_size,
-            all_reduce_bytes=ws.capacity("all_reduce") if ws else 0,
-            moe_bytes=ws.capacity("moe") if ws else 0,
-            has_multicast=bool(ws and ws.has_multicast),
-            intra_node=intra_node,
-            torch_symm_ops=bool(ws) and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"),
-            compute_capability=self.fingerprint.compute_capability,
-        )
+        self.caps = Capabilities.of(self.world_size, workspace=ws, intra_node=intra_node,
+                                    compute_capability=self.fingerprint.compute_capability)
         self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
         self._agree_on_databases()
         self.ctx = RunContext(group=group, workspace=ws)
@@ -108,7 +101,7 @@ class _GroupState:
             launcher = _identity
         else:
             backend = get_backend(decision.backend)
-            if mode == "graph" and not getattr(backend, "graph_capturable", True):
+            if mode == "graph" and not backend.needs.graph_capturable:
                 skipped = "; ".join(decision.skipped) or "none"
                 raise RuntimeError(
                     f"autosymm: {problem.describe()} cannot be captured in a CUDA graph: only {decision.backend} "

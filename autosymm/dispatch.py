@@ -26,12 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .backends import FALLBACK, Capabilities, get_backend
-from .configs import AnyConfig, MoEConfig, config_fields, config_from_json
-from .problem import MOE_OPS, Problem
-
-#: Config used for the MoE conversion when no database row exists.
-DEFAULT_MOE_CONFIG = MoEConfig(block_n=4096, num_warps=8, rows_per_program=2, num_blocks=0)
+from .backends import FALLBACK, FALLBACK_ORDER, Capabilities, get_backend
+from .configs import AnyConfig, config_fields, config_from_json
+from .problem import Problem
 
 
 @dataclass(frozen=True)
@@ -76,13 +73,14 @@ def disabled_by_env() -> bool:
 
 
 def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str) -> Decision:
-    """The decision when no tuned row serves ``problem``."""
-    if problem.op in MOE_OPS:
-        triton_moe = get_backend("triton_moe")
-        why_not = triton_moe.unsupported_reason(problem, caps)
-        if why_not is None and not disabled_by_env():
-            return Decision("triton_moe", DEFAULT_MOE_CONFIG, f"{reason}; untuned default config",
-                            bucket=problem.bucket, mode=mode)
+    """The decision when no tuned row serves ``problem``: the first backend of the op's
+    FALLBACK_ORDER that can serve it, with its ``fallback_config``; else the op's FALLBACK."""
+    for name in FALLBACK_ORDER[problem.op]:
+        backend = get_backend(name)
+        if backend.why_not(problem, caps, mode) is None:
+            config = backend.fallback_config(problem)
+            note = "; untuned default config" if config is not None else ""
+            return Decision(name, config, reason + note, bucket=problem.bucket, mode=mode)
     return Decision(FALLBACK[problem.op], None, reason, bucket=problem.bucket, mode=mode)
 
 
@@ -150,11 +148,7 @@ def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str)
         backend = get_backend(backend_name)
     except (KeyError, ImportError) as exc:
         return f"not available here ({exc})"
-    if problem.op not in backend.ops:
-        return f"does not serve {problem.op}"
-    if mode == "graph" and not getattr(backend, "graph_capturable", True):
-        return "not CUDA-graph capturable"
-    return backend.unsupported_reason(problem, caps)
+    return backend.why_not(problem, caps, mode)
 
 
 def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSource]:

@@ -50,7 +50,7 @@ def _problem(nbytes=16384, dtype="bf16", world_size=4):
      "no multicast"),
     (triton_multimem, _problem(), Capabilities(world_size=4, all_reduce_bytes=1 << 20, has_multicast=True,
                                                compute_capability=(8, 0)), "sm_90"),
-    (triton_one_shot, Problem.moe("dp_to_ep", MoEShape(64, 8, 2), 4), CAPS, "op dp_to_ep"),
+    (triton_one_shot, Problem.moe("dp_to_ep", MoEShape(64, 8, 2), 4), CAPS, "does not serve dp_to_ep"),
     (torch_one_shot, _problem(), CAPS, None),
     (torch_two_shot, _problem(dtype="fp32"), CAPS, None),
     (torch_one_shot, _problem(dtype="fp16"), CAPS, "dtype fp16"),
@@ -59,10 +59,10 @@ def _problem(nbytes=16384, dtype="bf16", world_size=4):
     (torch_two_shot, _problem(nbytes=16 * 4 * 3 + 16), CAPS, "multiple of 64"),
     (torch_one_shot, _problem(), Capabilities(world_size=4, torch_symm_ops=True, intra_node=False), "nodes"),
     (nccl, _problem(nbytes=6, dtype="fp16"), Capabilities(world_size=4), None),
-    (nccl, Problem.moe("ep_to_dp", MoEShape(64, 8, 2), 4), CAPS, "op ep_to_dp"),
+    (nccl, Problem.moe("ep_to_dp", MoEShape(64, 8, 2), 4), CAPS, "does not serve ep_to_dp"),
 ])
-def test_unsupported_reason(backend, problem, caps, reason):
-    got = backend.unsupported_reason(problem, caps)
+def test_why_not(backend, problem, caps, reason):
+    got = backend.why_not(problem, caps)
     if reason is None:
         assert got is None
     else:
@@ -72,7 +72,7 @@ def test_unsupported_reason(backend, problem, caps, reason):
 def test_names_and_ops():
     assert [b.name for b in ALL] == ["triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_multimem",
                                      "torch_one_shot", "torch_two_shot", "nccl"]
-    assert all(b.ops == ("all_reduce",) for b in ALL)
+    assert all(b.needs.ops == ("all_reduce",) for b in ALL)
 
 
 @pytest.mark.parametrize("backend", TRITON)

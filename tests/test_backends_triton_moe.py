@@ -32,7 +32,8 @@ DSV3 = MODEL_SHAPES["deepseek-v3"]
 
 def test_registry_finds_both_backends():
     assert get_backend("triton_moe") is TRITON_MOE and get_backend("nccl_all_to_all") is NCCL_ALL_TO_ALL
-    assert TRITON_MOE.ops == NCCL_ALL_TO_ALL.ops == ("dp_to_ep", "ep_to_dp")
+    assert TRITON_MOE.needs.ops == NCCL_ALL_TO_ALL.needs.ops == ("dp_to_ep", "ep_to_dp")
+    assert not NCCL_ALL_TO_ALL.needs.graph_capturable and TRITON_MOE.needs.graph_capturable
 
 
 @pytest.mark.parametrize("problem,caps,reason", [
@@ -42,21 +43,21 @@ def test_registry_finds_both_backends():
     (Problem.moe("dp_to_ep", MoEShape(512, 64, 33), 4, "bf16", 8), CAPS, "top-k 33 outside 1..32"),
     (Problem.moe("dp_to_ep", MoEShape(512, 4, 2), 4, "bf16", 8), CAPS, "4 experts for 8 ranks"),
     (Problem.moe("dp_to_ep", DSV3, 128, "bf16", 8), Capabilities(8, moe_bytes=256 << 20, intra_node=False),
-     "not intra-node"),
-    (Problem.moe("dp_to_ep", DSV3, 128, "bf16", 8), Capabilities(8), "no symmetric-memory workspace"),
+     "group spans nodes"),
+    (Problem.moe("dp_to_ep", DSV3, 128, "bf16", 8), Capabilities(8), "no symmetric workspace"),
     # 8 * 512 * 8 * 7168 * 2 bytes = 448 MiB > the dp->ep part (8/9) of 256 MiB
     (Problem.moe("dp_to_ep", DSV3, 512, "bf16", 8), CAPS, "needs 469762048 bytes, the MoE workspace buffer has"),
     (Problem.moe("ep_to_dp", DSV3, 512, "fp32", 8), CAPS, "needs 117440512 bytes"),
 ])
-def test_triton_moe_unsupported_reason(problem, caps, reason):
-    got = TRITON_MOE.unsupported_reason(problem, caps)
+def test_triton_moe_why_not(problem, caps, reason):
+    got = TRITON_MOE.why_not(problem, caps)
     assert got == reason if reason is None else reason in got
 
 
 def test_nccl_all_to_all_serves_what_the_group_cannot_hold():
     problem = Problem.moe("dp_to_ep", DSV3, 4096, "bf16", 8)
-    assert NCCL_ALL_TO_ALL.unsupported_reason(problem, Capabilities(8, intra_node=False)) is None
-    assert "top-k" in NCCL_ALL_TO_ALL.unsupported_reason(Problem.moe("ep_to_dp", MoEShape(64, 64, 40), 4), CAPS)
+    assert NCCL_ALL_TO_ALL.why_not(problem, Capabilities(8, intra_node=False)) is None
+    assert "top-k" in NCCL_ALL_TO_ALL.why_not(Problem.moe("ep_to_dp", MoEShape(64, 64, 40), 4), CAPS)
     assert NCCL_ALL_TO_ALL.search_space(problem) == [None]
 
 

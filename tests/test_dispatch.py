@@ -5,7 +5,8 @@ import pytest
 from autosymm.backends import Capabilities
 from autosymm.configs import AllReduceConfig, MoEConfig
 from autosymm.db import Row, TuningDB
-from autosymm.dispatch import DEFAULT_MOE_CONFIG, DBSource, decide, open_sources
+from autosymm.backends.triton_moe import DEFAULT_MOE_CONFIG
+from autosymm.dispatch import DBSource, decide, open_sources
 from autosymm.problem import MODEL_SHAPES, Problem
 
 HW = "nvidia-h200-nvlink"

@@ -7,9 +7,8 @@ symmetric-memory ops) only disables its own backends.
 from __future__ import annotations
 
 import importlib
-from typing import Optional
 
-from .base import Backend, BackendError, Capabilities, RunContext
+from .base import Backend, BackendError, Capabilities, Needs, RunContext
 
 # name -> (module, attribute)
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -24,8 +23,12 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "nccl_all_to_all": ("autosymm.backends.nccl_all_to_all", "NCCL_ALL_TO_ALL"),
 }
 
-#: The backend that can always serve an op (the fallback of the dispatcher).
+#: The backend that can always serve an op (the tuner's baseline; the dispatcher's last resort).
 FALLBACK = {"all_reduce": "nccl", "dp_to_ep": "nccl_all_to_all", "ep_to_dp": "nccl_all_to_all"}
+#: Where no database row serves a call, the first of these that can serve it runs it with its
+#: ``fallback_config`` (the MoE kernels before NCCL: no NCCL path is graph-capturable).
+FALLBACK_ORDER = {"all_reduce": ("nccl",), "dp_to_ep": ("triton_moe", "nccl_all_to_all"),
+                  "ep_to_dp": ("triton_moe", "nccl_all_to_all")}
 
 _LOADED: dict[str, Backend] = {}
 
@@ -46,15 +49,5 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-def backends_for(op: str, names: Optional[list[str]] = None) -> dict[str, Backend]:
-    """All registered backends serving ``op`` (optionally only those in ``names``)."""
-    out = {}
-    for name in names or _REGISTRY:
-        backend = get_backend(name)
-        if op in backend.ops:
-            out[name] = backend
-    return out
-
-
-__all__ = ["Backend", "BackendError", "Capabilities", "RunContext", "FALLBACK", "backend_names",
-           "backends_for", "get_backend"]
+__all__ = ["Backend", "BackendError", "Capabilities", "FALLBACK", "FALLBACK_ORDER", "Needs", "RunContext",
+           "backend_names", "get_backend"]

@@ -1,10 +1,16 @@
-"""What every backend is: a named way to run one or more ops, with a config space.
+"""What every backend is: a named way to run one or more ops, with a config space, and the one
+eligibility contract that dispatch, the tuner and the API all ask.
 
-A backend never decides; it answers three questions for the tuner and the dispatcher:
+A backend never decides; it answers:
 
-* ``unsupported_reason(problem, caps)``: None when it can serve ``problem`` on a group with
-  capabilities ``caps``, else a short reason ("no multicast", "dtype fp32", ...);
+* ``why_not(problem, caps, mode)``: None when it can serve ``problem`` on a group with
+  capabilities ``caps`` in ``mode`` ('eager' | 'graph'), else a short reason ("no multicast",
+  "dtype fp16 (supports bf16, fp32)", ...). The generic part reads the backend's declared
+  :class:`Needs`; :meth:`Backend.limits` adds what only the backend knows (sizes, alignment,
+  what fits its workspace region);
 * ``search_space(problem)``: the configs worth trying ([None] for backends without any);
+* ``fallback_config(problem)``: the config to run when no database row serves a call (None:
+  the backend is not a fallback, or has no config);
 * ``prepare(problem, config, ctx)``: a launcher bound to everything but the tensors, so a
   repeated call costs one Python call plus the kernel launch.
 
@@ -17,15 +23,17 @@ Launchers:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from ..configs import AnyConfig
-from ..problem import Problem
+from ..geometry import ALL_REDUCE_REGION, MOE_REGION
+from ..problem import DTYPES, MODES, Problem
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a process group offers, as far as backend choice goes (same on every rank)."""
+    """What a process group offers, as far as backend choice goes (same on every rank). Build it
+    with :meth:`of`; the fields are plain so tests can state any group."""
 
     world_size: int
     all_reduce_bytes: int = 0  # capacity of the workspace's all-reduce region (0: no workspace)
@@ -34,6 +42,42 @@ class Capabilities:
     intra_node: bool = True  # False when the group spans nodes
     torch_symm_ops: bool = False  # torch.ops.symm_mem one/two-shot available
     compute_capability: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def of(cls, world_size: int, *, workspace=None, region_bytes: Optional[tuple[int, int]] = None,
+           intra_node: bool = True, compute_capability: tuple[int, int] = (0, 0)) -> "Capabilities":
+        """The one builder. ``workspace``: the group's autosymm.symm.Workspace (regions, multicast
+        and torch's ops as this process has them). ``region_bytes``: (all-reduce, MoE) bytes of
+        a workspace on another machine (``autosymm explain``): no multicast (autosymm never
+        enables it), torch's symm_mem ops assumed present. Neither: a group without a workspace."""
+        if workspace is not None:
+            from .torch_symm import ops_available
+
+            return cls(world_size, workspace.capacity(ALL_REDUCE_REGION), workspace.capacity(MOE_REGION),
+                       bool(workspace.has_multicast), intra_node, ops_available(), tuple(compute_capability))
+        if region_bytes is not None:
+            return cls(world_size, region_bytes[0], region_bytes[1], False, intra_node, True,
+                       tuple(compute_capability))
+        return cls(world_size, intra_node=intra_node, compute_capability=tuple(compute_capability))
+
+    def region_bytes(self, region: str) -> int:
+        """Bytes of workspace region ``region`` ('all_reduce' | 'moe'); 0 without a workspace."""
+        return {ALL_REDUCE_REGION: self.all_reduce_bytes, MOE_REGION: self.moe_bytes}[region]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a backend declares it needs from a call and a group."""
+
+    ops: tuple[str, ...]
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    graph_capturable: bool = True  # its launcher may be captured in a CUDA graph
+    compiles_kernels: bool = False  # its launchers compile Triton kernels (the tuner precompiles them)
+    workspace_region: Optional[str] = None  # the symmetric-workspace region it works in
+    intra_node: bool = False  # needs one NVLink domain (peer-mapped memory)
+    torch_symm_ops: bool = False  # needs torch.ops.symm_mem's all-reduce ops
+    multicast: bool = False  # needs a multicast address (multimem)
+    min_compute_capability: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -47,17 +91,49 @@ class RunContext:
 Launcher = Callable[..., Any]
 
 
-class Backend(Protocol):
+class Backend:
+    """Base of every backend: ``name``, ``needs`` and the eligibility contract."""
+
     name: str
-    ops: tuple[str, ...]
-    # Backends whose launcher cannot be captured in a CUDA graph set ``graph_capturable = False``
-    # (read with getattr, default True): the tuner and the dispatcher skip them in graph mode.
+    needs: Needs
 
-    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]: ...
+    def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
+        """None when this backend can serve ``problem`` on ``caps`` in ``mode``, else why not."""
+        needs = self.needs
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if problem.op not in needs.ops:
+            return f"does not serve {problem.op}"
+        if problem.dtype not in needs.dtypes:
+            return f"dtype {problem.dtype} (supports {', '.join(needs.dtypes)})"
+        if mode == "graph" and not needs.graph_capturable:
+            return "not CUDA-graph capturable"
+        if needs.intra_node and not caps.intra_node:
+            return "group spans nodes"
+        if needs.torch_symm_ops and not caps.torch_symm_ops:
+            return "torch.ops.symm_mem all-reduce ops unavailable"
+        if needs.workspace_region is not None and caps.region_bytes(needs.workspace_region) <= 0:
+            return "no symmetric workspace"
+        if needs.multicast and not caps.has_multicast:
+            return "no multicast"
+        if tuple(caps.compute_capability) < needs.min_compute_capability:
+            have, want = caps.compute_capability, needs.min_compute_capability
+            return f"needs sm_{want[0]}{want[1]}+, got sm_{have[0]}{have[1]}"
+        return self.limits(problem, caps)
 
-    def search_space(self, problem: Problem) -> list[Optional[AnyConfig]]: ...
+    def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+        """What only this backend knows (sizes, alignment, workspace fit): None when it serves."""
+        return None
 
-    def prepare(self, problem: Problem, config: Optional[AnyConfig], ctx: RunContext) -> Launcher: ...
+    def search_space(self, problem: Problem) -> list[Optional[AnyConfig]]:
+        return [None]
+
+    def fallback_config(self, problem: Problem) -> Optional[AnyConfig]:
+        """The config to run ``problem`` with when no database row serves it."""
+        return None
+
+    def prepare(self, problem: Problem, config: Optional[AnyConfig], ctx: RunContext) -> Launcher:
+        raise NotImplementedError
 
 
 class BackendError(RuntimeError):

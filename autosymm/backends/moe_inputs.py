@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..geometry import MAX_WORLD_SIZE
-from ..problem import DTYPES, MOE_OPS, Problem
+from ..problem import DTYPES, Problem
 from ..routing import ExptAssignment
 from .base import BackendError
 
@@ -17,8 +17,6 @@ INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
 def shape_reason(problem: Problem) -> Optional[str]:
-    if problem.op not in MOE_OPS:
-        return f"does not serve {problem.op}"
     if not 1 <= problem.world_size <= MAX_WORLD_SIZE:
         return f"world size {problem.world_size} > {MAX_WORLD_SIZE}"
     if not 1 <= problem.shape.n_expts_act <= MAX_N_EXPTS_ACT:

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..problem import Problem
-from .base import Capabilities, RunContext
+from .base import Backend, Needs, RunContext
 
 
-class NcclAllReduce:
+class NcclAllReduce(Backend):
     """``dist.all_reduce(x, group=ctx.group)``: serves every all-reduce, no config."""
 
     name = "nccl"
-    ops = ("all_reduce",)
-
-    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        return None if problem.op == "all_reduce" else f"op {problem.op}"
-
-    def search_space(self, problem: Problem) -> list[None]:
-        return [None]
+    needs = Needs(ops=("all_reduce",))
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist

@@ -14,22 +14,19 @@ import torch
 
 from ..problem import MOE_OPS, Problem
 from ..routing import ExptAssignment
-from .base import BackendError, Capabilities, RunContext
+from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .moe_inputs import check_inputs, shape_reason
 
 
-class NcclAllToAll:
+class NcclAllToAll(Backend):
     """``dist.all_to_all_single`` with locally computed split sizes (eager only)."""
 
     name = "nccl_all_to_all"
-    ops = MOE_OPS
-    graph_capturable = False  # split sizes go through the host (.tolist()): no CUDA-graph capture
+    # split sizes go through the host (.tolist()): no CUDA-graph capture
+    needs = Needs(ops=MOE_OPS, graph_capturable=False)
 
-    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+    def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         return shape_reason(problem)
-
-    def search_space(self, problem: Problem) -> list[None]:
-        return [None]
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist

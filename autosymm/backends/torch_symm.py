@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..problem import DTYPES, Problem
-from .base import BackendError, Capabilities, RunContext
+from .base import Backend, BackendError, Capabilities, Needs, RunContext
 
 SUPPORTED_DTYPES = ("bf16", "fp32")
 MIN_STAGING_BYTES = 1 << 20
@@ -96,31 +96,20 @@ class _TorchLauncher:
         return x
 
 
-class TorchSymmAllReduce:
+class TorchSymmAllReduce(Backend):
     """torch's ``one_shot`` or ``two_shot`` symmetric-memory all-reduce as a Backend."""
 
-    ops = ("all_reduce",)
+    needs = Needs(ops=("all_reduce",), dtypes=SUPPORTED_DTYPES, intra_node=True, torch_symm_ops=True)
 
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
         self.name = f"torch_{algorithm}"
 
-    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        if problem.op != "all_reduce":
-            return f"op {problem.op}"
-        if not caps.torch_symm_ops:
-            return "torch.ops.symm_mem all-reduce ops unavailable"
-        if not caps.intra_node:
-            return "group spans nodes"
-        if problem.dtype not in SUPPORTED_DTYPES:
-            return f"dtype {problem.dtype} (torch's op supports {', '.join(SUPPORTED_DTYPES)})"
+    def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         multiple = size_multiple(self.algorithm, problem.world_size)
         if problem.nbytes % multiple:
             return f"{problem.nbytes} bytes is not a multiple of {multiple}"
         return None
-
-    def search_space(self, problem: Problem) -> list[None]:
-        return [None]
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext) -> _TorchLauncher:
         """Collective on first use per (group, device, dtype, capacity): every rank must call it."""

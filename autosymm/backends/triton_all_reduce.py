@@ -41,7 +41,7 @@ from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
 from ..kernels.push_all_reduce import _push_one_shot_all_reduce
 from ..problem import DTYPES, Problem
 from ..geometry import (ALIGN, ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, max_stage_input_bytes, stage_bytes)
-from .base import BackendError, Capabilities, RunContext
+from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
 
 CHANNEL = ALL_REDUCE_REGION
@@ -202,36 +202,22 @@ class _AllReduceLauncher:
         return BackendError(f"triton_{self.algorithm} cannot reduce tensor {tuple(x.shape)}: " + "; ".join(problems))
 
 
-class TritonAllReduce:
+class TritonAllReduce(Backend):
     """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
-
-    ops = ("all_reduce",)
-    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.tuning.precompile compiles them ahead).
-    compiles_kernels = True
 
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
         self.name = f"triton_{algorithm}"
+        multimem = algorithm == "multimem"
+        self.needs = Needs(ops=("all_reduce",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
+                           intra_node=True, multicast=multimem, min_compute_capability=(9, 0) if multimem else (0, 0))
 
-    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        if problem.op != "all_reduce":
-            return f"op {problem.op}"
-        if problem.dtype not in DTYPES:
-            return f"dtype {problem.dtype}"
-        if not caps.intra_node:
-            return "group spans nodes"
-        if caps.all_reduce_bytes <= 0:
-            return "no symmetric workspace"
+    def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         need = stage_bytes(self.algorithm, problem.nbytes, problem.world_size)
         if need > caps.all_reduce_bytes:
             return f"a {need}-byte stage exceeds the {caps.all_reduce_bytes}-byte all-reduce region"
         if problem.numel > MAX_NUMEL:
             return f"{problem.numel} elements exceed int32 indexing"
-        if self.algorithm == "multimem":
-            if not caps.has_multicast:
-                return "no multicast"
-            if tuple(caps.compute_capability) < (9, 0):
-                return f"multimem needs sm_90+, got sm_{caps.compute_capability[0]}{caps.compute_capability[1]}"
         return None
 
     def search_space(self, problem: Problem) -> list[AllReduceConfig]:

@@ -34,7 +34,7 @@ from ..kernels.barrier import _barrier_kernel
 from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
 from ..problem import DTYPES, MOE_OPS, Problem, next_pow2
 from ..geometry import MOE_REGION, MOE_SIGNAL_SLOT, dst_rows, grid_rows, moe_buffer
-from .base import BackendError, Capabilities, RunContext
+from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
 from .moe_inputs import check_inputs, shape_reason
 
@@ -44,6 +44,8 @@ from .moe_inputs import check_inputs, shape_reason
 #: tokens per rank (one launch fewer) and was within -1.1..+0.4 us under graph replay; at 128
 #: tokens (1024-program grids) it cost up to 3.7 us under graph replay.
 FUSED_BARRIER_MAX_PROGRAMS = 256
+#: Config of a conversion no database row serves (TritonMoE.fallback_config).
+DEFAULT_MOE_CONFIG = MoEConfig(block_n=4096, num_warps=8, rows_per_program=2, num_blocks=0)
 _KERNELS = {"dp_to_ep": _convert_dp_to_ep, "ep_to_dp": _convert_ep_to_dp}
 
 
@@ -117,28 +119,26 @@ def _signal_ptrs(ws, op: str) -> torch.Tensor:
     return ws.signal_ptrs("moe_end", MOE_SIGNAL_SLOT[op])
 
 
-class TritonMoE:
+class TritonMoE(Backend):
     """The Triton conversion kernels writing into the workspace's MoE region."""
 
     name = "triton_moe"
-    ops = MOE_OPS
-    #: Its launchers compile Triton kernels through LeanLauncher (autosymm.tuning.precompile compiles them ahead).
-    compiles_kernels = True
+    needs = Needs(ops=MOE_OPS, compiles_kernels=True, workspace_region=MOE_REGION, intra_node=True)
 
-    def unsupported_reason(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+    def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         reason = shape_reason(problem)
         if reason:
             return reason
-        if not caps.intra_node:
-            return "not intra-node"
-        if caps.moe_bytes <= 0:
-            return "no symmetric-memory workspace"
         need = dst_rows(problem.op, problem.n_tokens_local, problem.shape.n_expts_act, problem.world_size) \
             * problem.shape.d_model * problem.elem_bytes
         have = moe_buffer(problem.op, caps.moe_bytes, problem.world_size)[1]
         if need > have:
             return f"needs {need} bytes, the MoE workspace buffer has {have}"
         return None
+
+    def fallback_config(self, problem: Problem) -> MoEConfig:
+        """Used where no database row serves a conversion: wide rows, two per program."""
+        return DEFAULT_MOE_CONFIG
 
     def search_space(self, problem: Problem) -> list[MoEConfig]:
         rows = grid_rows(problem.op, problem.n_tokens_local, problem.shape.n_expts_act, problem.world_size)

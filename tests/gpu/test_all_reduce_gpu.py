@@ -75,7 +75,7 @@ def _all_backends_body(rank, world_size):
         for numel in SIZES:
             problem = Problem.all_reduce(numel * dtype.itemsize, DTYPE_NAMES[dtype], world_size)
             for backend in backends:
-                if backend.unsupported_reason(problem, caps):
+                if backend.why_not(problem, caps):
                     continue
                 for config in _spread(backend.search_space(problem)):
                     launcher = backend.prepare(problem, config, ctx)
@@ -101,7 +101,7 @@ def _back_to_back_body(rank, world_size):
     for numel in (4099, 1 << 20, 8192, 65539):
         problem = Problem.all_reduce(numel * 2, "bf16", world_size)
         for backend in backends:
-            if not backend.unsupported_reason(problem, caps):
+            if not backend.why_not(problem, caps):
                 for config in _spread(backend.search_space(problem), 2):
                     calls.append((backend.prepare(problem, config, ctx), numel))
     inputs = [_random(numel, torch.bfloat16, rank, seed=i) for i, (_, numel) in enumerate(calls)]
@@ -123,7 +123,7 @@ def _graph_body(rank, world_size):
     numel, dtype = 8192 + 5, torch.bfloat16
     problem = Problem.all_reduce(numel * 2, "bf16", world_size)
     for backend in backends:
-        if backend.unsupported_reason(problem, caps):
+        if backend.why_not(problem, caps):
             continue
         config = backend.search_space(problem)[0]
         launcher = backend.prepare(problem, config, ctx)

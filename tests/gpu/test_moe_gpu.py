@@ -55,7 +55,7 @@ def _prepare(backend, op, shape, n_tokens_local, dtype, world_size, config, ctx,
     from autosymm.problem import Problem
 
     problem = Problem.moe(op, shape, n_tokens_local, DTYPE_NAMES[dtype], world_size)
-    assert backend.unsupported_reason(problem, caps) is None
+    assert backend.why_not(problem, caps) is None
     return backend.prepare(problem, config, ctx)
 
 
