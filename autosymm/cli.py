@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import click
 
@@ -45,14 +45,25 @@ def _parse_shapes(text: str) -> dict[str, MoEShape]:
 
 
 def _parse_tokens(text: str) -> list[int]:
-    if ":" in text:
-        low, high = (int(t) for t in text.split(":", 1))
-        tokens, t = [], low
-        while t <= high:
-            tokens.append(t)
-            t *= 2
+    """'1,4,16' -> those token counts; '1:8192' -> every power of two from low to high."""
+    try:
+        if ":" in text:
+            low, high = (int(t) for t in text.split(":", 1))
+        else:
+            tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a token list like 1,4,16 or a range like 1:8192") from None
+    if ":" not in text:
+        if not tokens or min(tokens) < 1:
+            raise click.BadParameter(f"token counts must be >= 1, got {text!r}")
         return tokens
-    return [int(t) for t in text.split(",") if t.strip()]
+    if low < 1 or high < low:
+        raise click.BadParameter(f"token range {text!r} must be low:high with 1 <= low <= high")
+    tokens, t = [], low
+    while t <= high:
+        tokens.append(t)
+        t *= 2
+    return tokens
 
 
 @click.group()
@@ -86,7 +97,7 @@ def run(ctx: click.Context) -> None:
         sources = open_sources(None, [path])
         combos = sorted({(r.hardware, r.gpu, r.world_size) for s in sources for r in s.db.rows()})
         for hardware, gpu, world_size in combos:
-            _plan(console, hardware, gpu, world_size, "bf16", sources, None, ["all_reduce", "dp_to_ep", "ep_to_dp"])
+            _plan(console, _Target(hardware, gpu, world_size, "bf16"), sources, None, ["all_reduce", "dp_to_ep", "ep_to_dp"])
 
 
 # --------------------------------------------------------------------------------------- tune
@@ -99,7 +110,7 @@ def run(ctx: click.Context) -> None:
 @click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True, help="MoE shapes: model names or d{D}_e{E}_k{K}")
 @click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="MoE tokens per rank: a list, or low:high (every power of two)")
 @click.option("--strategy", type=click.Choice(["auto", "grid", "optuna"]), default="auto", show_default=True)
-@click.option("--trials", type=int, default=None, help="Optuna trials per problem and backend (default: 30% of the space)")
+@click.option("--trials", type=int, default=None, help="Optuna trials per problem and backend (default: 30 % of the space, 16..24)")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")
 @click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
 @click.option("--backends", "backend_list", default=None,
@@ -275,38 +286,54 @@ def _short_config(config_json: Optional[str]) -> str:
 @click.option("--tokens", type=int, default=None, help="MoE tokens per rank")
 @click.option("--all", "all_sizes", is_flag=True, help="plan over all sizes (or token counts)")
 @click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False))
-def explain(op, nbytes, dtype, world_size, gpu, links, mode, shape, tokens, all_sizes, db_paths) -> None:
+def explain(**opts) -> None:
     """Which backend and config would serve a call, and why (no GPU needed)."""
     from .hardware import fingerprint, hardware_slug_for
 
     fp = fingerprint()
-    gpu = gpu or fp.gpu_name
-    hardware = hardware_slug_for(gpu, links) if gpu != fp.gpu_name else fp.hardware_slug
-    console = _console()
+    gpu = opts["gpu"] or fp.gpu_name
+    hardware = hardware_slug_for(gpu, opts["links"]) if gpu != fp.gpu_name else fp.hardware_slug
+    target = _Target(hardware, gpu, opts["world_size"], opts["dtype"])
+    op, shape = opts["op"], opts["shape"]
     moe_shape = _parse_shapes(shape)[shape] if shape else None
     if op != "all_reduce" and moe_shape is None:
         raise click.BadParameter("MoE ops need --shape", param_hint="--shape")
-    if all_sizes:
-        _plan(console, hardware, gpu, world_size, dtype, _open(db_paths), moe_shape, [op],
-              modes=[mode] if mode else list(MODES))
+    modes = [opts["mode"]] if opts["mode"] else list(MODES)
+    sources = _open(opts["db_paths"])
+    if opts["all_sizes"]:
+        _plan(_console(), target, sources, moe_shape, [op], modes)
         return
-    if op == "all_reduce":
-        if nbytes is None:
-            raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
-        problem = Problem.all_reduce(parse_bytes(nbytes), dtype, world_size)
-    else:
-        if tokens is None:
-            raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
-        problem = Problem.moe(op, moe_shape, tokens, dtype, world_size)
-    sources = _open(db_paths)
-    caps = _offline_caps(world_size, gpu)
+    problem = _explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target)
     from .dispatch import decide
 
-    for m in ([mode] if mode else list(MODES)):
-        decision = decide(problem, m, caps, sources, hardware)
+    for m in modes:
+        decision = decide(problem, m, _offline_caps(target), sources, hardware)
         click.echo(f"{problem.describe()} [{m}] on {gpu} ({hardware}): {decision.describe()}")
         for skipped in decision.skipped:
             click.echo(f"  skipped {skipped}")
+
+
+class _Target(NamedTuple):
+    """The machine and call family `explain` and the plans are for."""
+
+    hardware: str
+    gpu: str
+    world_size: int
+    dtype: str
+
+
+def _explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: _Target) -> Problem:
+    if op == "all_reduce":
+        if nbytes is None:
+            raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
+        try:
+            size = parse_bytes(nbytes)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--bytes") from None
+        return Problem.all_reduce(size, target.dtype, target.world_size)
+    if tokens is None:
+        raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
+    return Problem.moe(op, moe_shape, tokens, target.dtype, target.world_size)
 
 
 def _open(db_paths):
@@ -316,23 +343,22 @@ def _open(db_paths):
     return open_sources(None, _db_paths(db_paths))
 
 
-def _offline_caps(world_size: int, gpu: str):
-    """Capabilities assumed when explaining for another machine: default workspace, no
-    multicast (autosymm never enables it), intra-node, torch's symm ops present."""
+def _offline_caps(target: _Target):
+    """Capabilities assumed when explaining for another machine: the default workspace (or
+    AUTOSYMM_WORKSPACE_BYTES), intra-node (autosymm.backends.Capabilities.of)."""
     from .backends import Capabilities
     from .symm import default_region_bytes
 
-    ar_bytes, moe_bytes = default_region_bytes()
-    cc = (9, 0) if any(name in gpu.upper() for name in ("H100", "H200", "H800", "H20", "GH200")) else (8, 0)
-    return Capabilities(world_size=world_size, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes, has_multicast=False,
-                        intra_node=True, torch_symm_ops=True, compute_capability=cc)
+    cc = (9, 0) if any(name in target.gpu.upper() for name in ("H100", "H200", "H800", "H20", "GH200")) else (8, 0)
+    return Capabilities.of(target.world_size, region_bytes=default_region_bytes(), compute_capability=cc)
 
 
-def _plan(console, hardware, gpu, world_size, dtype, sources, moe_shape, ops, modes=MODES) -> None:
+def _plan(console, target: _Target, sources, moe_shape, ops, modes=MODES) -> None:
     """One table per op: the decision at every default size (or shape x token count)."""
     from .dispatch import decide
 
-    caps = _offline_caps(world_size, gpu)
+    hardware, gpu, world_size, dtype = target
+    caps = _offline_caps(target)
     for this_op in ops:
         if this_op == "all_reduce":
             problems = [(format_bytes(s), Problem.all_reduce(s, dtype, world_size)) for s in parse_size_range(DEFAULT_SIZES)]
@@ -383,8 +409,7 @@ def info() -> None:
     fp = fingerprint()
     console = _console()
     for key, value in fp.as_dict().items():
-        if key != "extra":
-            console.print(f"{key:20s} {value}")
+        console.print(f"{key:20s} {value}")
     console.print(f"{'user_db':20s} {user_db_path()} ({'exists' if user_db_path().exists() else 'absent'})")
     for path in shipped_db_paths():
         console.print(f"{'shipped_db':20s} {path}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -63,7 +63,6 @@ class Fingerprint:
     cuda_version: str = ""
     torch_version: str = torch.__version__
     triton_version: str = ""
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def hardware_slug(self) -> str:

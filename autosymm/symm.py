@@ -83,7 +83,6 @@ class Workspace:
 
     Attributes used by the backends (all on ``device``):
       ``rank``, ``world_size``;
-      ``base_ptrs``: int64 tensor [world_size], each rank's buffer base address;
       ``signal_ptrs(family)``: int64 tensor [world_size + 1], each rank's signal channel address,
       then this rank's error slot of that channel (entry ``world_size``, read by the kernels'
       bounded waits);
@@ -117,7 +116,6 @@ class Workspace:
         self._empty_offset = 0  # bump allocator of empty() inside the all-reduce region
         # Made now, not per call: a host-to-device copy is not allowed inside CUDA-graph capture.
         # Kernels take these plus byte offsets as scalars.
-        self.base_ptrs = self._ptrs_at(0)
         for region_name in self.regions:
             self.region_ptrs(region_name)
         for family in SIGNAL_CHANNEL:
@@ -308,15 +306,6 @@ class Workspace:
         from .kernels.barrier import _barrier_kernel
 
         _barrier_kernel[(1,)](self.signal_ptrs("host"), RANK=self.rank, WORLD_SIZE=self.world_size, num_warps=1)
-
-    def barrier(self) -> None:
-        """Host-side barrier of the whole group (not on the hot path)."""
-        if self.handle is not None:
-            self.handle.barrier(channel=0)
-        elif self.group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
 
 
 # ------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def _convert_dp_to_ep(
     expt_owner_ptr,  # int32 [n_expts_tot]: rank owning each expert
     expt_indx_ptr,  # int [n_tokens_global, K]: global expert ids (-1: dropped pair)
     gate_indx_ptr,  # int [n_tokens_global, K]: pair -> row in the expert-sorted order
-    signal_ptrs,  # int64 [WORLD_SIZE]: this conversion's signal slots (FUSED_BARRIER only)
+    signal_ptrs,  # int64 [WORLD_SIZE + 1]: each rank's end-barrier slot, then this rank's error slot (FUSED_BARRIER only)
     n_tokens_local: tl.int32, n_expts_tot: tl.int32, d_vecs: tl.int32,  # annotated: not specialised
     N_EXPTS_ACT: tl.constexpr, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, VEC: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, FUSED_BARRIER: tl.constexpr,
@@ -124,7 +124,7 @@ def _convert_ep_to_dp(
     expt_owner_ptr,  # int32 [n_expts_tot]: rank owning each expert
     expt_indx_ptr,  # int [n_tokens_global, K]: global expert ids (-1: dropped pair)
     topk_indx_ptr,  # int [n_tokens_global * K]: sorted row -> pair
-    signal_ptrs,  # int64 [WORLD_SIZE]: this conversion's signal slots (FUSED_BARRIER only)
+    signal_ptrs,  # int64 [WORLD_SIZE + 1]: each rank's end-barrier slot, then this rank's error slot (FUSED_BARRIER only)
     n_tokens_local: tl.int32, n_expts_tot: tl.int32, d_vecs: tl.int32,  # annotated: not specialised
     N_EXPTS_ACT: tl.constexpr, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, VEC: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, FUSED_BARRIER: tl.constexpr,
