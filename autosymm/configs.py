@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -22,6 +23,9 @@ ALL_REDUCE_ALGORITHMS = ("one_shot", "one_shot_push", "two_shot", "multimem")
 PULL_DOUBLE_BUFFER_MAX_BYTES = 1 << 20
 #: Algorithms whose configs may set ``double_buffer``.
 DOUBLE_BUFFER_ALGORITHMS = ("one_shot", "one_shot_push")
+#: Widest BLOCK (elements) a config may ask for: far beyond any useful one (the search spaces stop
+#: at 32768), and a bound on what a damaged database row can make the compiler build.
+MAX_BLOCK = 65536
 
 
 def _is_pow2(value: int) -> bool:
@@ -31,6 +35,29 @@ def _is_pow2(value: int) -> bool:
 def _check_num_warps(num_warps: int) -> None:
     if num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps={num_warps} must be a power of two in 1..32")
+
+
+def as_int(name: str, value: Any) -> int:
+    """``value`` as a Python int (numpy's ints too); a bool, float, str or anything else is a
+    ValueError naming ``name``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an int, not {type(value).__name__}") from None
+
+
+def _check_ints(config, *names: str) -> None:
+    """The named fields of ``config`` are ints (kept as Python ints): the kernels take them as
+    constexprs and grid sizes."""
+    for name in names:
+        object.__setattr__(config, name, as_int(name, getattr(config, name)))  # the dataclass is frozen
+
+
+def _check_block(name: str, value: int, smallest: int) -> None:
+    if not _is_pow2(value) or not smallest <= value <= MAX_BLOCK:
+        raise ValueError(f"{name}={value} must be a power of two in {smallest}..{MAX_BLOCK} (elements)")
 
 
 def config_fields(config) -> dict[str, Any]:
@@ -67,11 +94,11 @@ class AllReduceConfig:
     double_buffer: bool = field(default=False, metadata={"json_omit_default": True})
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALL_REDUCE_ALGORITHMS:
+        if not isinstance(self.algorithm, str) or self.algorithm not in ALL_REDUCE_ALGORITHMS:
             raise ValueError(f"algorithm={self.algorithm!r} is not one of {ALL_REDUCE_ALGORITHMS}")
+        _check_ints(self, "block_size", "num_blocks", "num_warps")
         _check_num_warps(self.num_warps)
-        if not _is_pow2(self.block_size):
-            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        _check_block("block_size", self.block_size, 1)
         if self.block_size < self.threads:
             raise ValueError(
                 f"block_size={self.block_size} is smaller than the {self.threads} threads of "
@@ -109,9 +136,9 @@ class MoEConfig:
     num_blocks: int = 0
 
     def __post_init__(self) -> None:
+        _check_ints(self, "block_n", "num_warps", "rows_per_program", "num_blocks")
         _check_num_warps(self.num_warps)
-        if not _is_pow2(self.block_n) or self.block_n < 16:
-            raise ValueError(f"block_n={self.block_n} must be a power of two >= 16")
+        _check_block("block_n", self.block_n, 16)
         if self.block_n < self.num_warps * WARP_SIZE:
             raise ValueError(
                 f"block_n={self.block_n} is smaller than the {self.num_warps * WARP_SIZE} threads "
@@ -136,18 +163,33 @@ def config_to_json(config: AnyConfig | None) -> str:
 
 
 def config_from_json(text: str | None) -> AnyConfig | None:
-    """Inverse of :func:`config_to_json`; unknown keys are ignored, an unknown type is an error."""
-    if not text:
+    """Inverse of :func:`config_to_json`; unknown keys are ignored.
+
+    Empty text or ``{}`` is None (a config-less backend). Anything malformed (not JSON, not an
+    object, an unknown or missing ``type``, missing or ill-typed fields) raises ValueError.
+    """
+    if text is None or text == "":
         return None
-    data: dict[str, Any] = json.loads(text)
+    if not isinstance(text, str):
+        raise ValueError(f"config {text!r} is not JSON text ({type(text).__name__})")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"config {text[:200]!r} is not JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config {text[:200]!r} is not a JSON object")
     if not data:
         return None
     type_name = data.pop("type", None)
-    cls = _CONFIG_TYPES.get(type_name)
+    cls = _CONFIG_TYPES.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
-        raise ValueError(f"unknown config type {type_name!r} in {text!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+        raise ValueError(f"unknown config type {type_name!r} in {text[:200]!r}: "
+                         f"expected one of {sorted(_CONFIG_TYPES)}")
+    fields = dataclasses.fields(cls)
+    missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"config {text[:200]!r} lacks {type_name} field(s) {missing}")
+    return cls(**{f.name: data[f.name] for f in fields if f.name in data})
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,10 +31,12 @@ For example::
       speedup FROM winners WHERE op = 'all_reduce' AND dtype = 'bf16' ORDER BY 1, 2"
 
 A database is data: values are always bound parameters, no pickle or eval, unknown extra
-columns are ignored. An older schema is migrated in one transaction (in memory when opened
-read-only); a newer one raises :class:`DatabaseVersionError`; a file that is not a tuning
-database raises :class:`CorruptDatabaseError`. Writers take ``BEGIN IMMEDIATE`` and wait up to
-30 s for each other, so several tune processes can share one file. The user's database is
+columns are ignored; a row that does not validate (config included) is skipped by every read,
+digest and merge, with one :class:`BadRowWarning` per file and key. An older schema is migrated
+in one transaction (in memory when opened read-only; a hot journal is rolled back first where
+the file is writable); a newer one raises :class:`DatabaseVersionError`; a file that is not a
+tuning database raises :class:`CorruptDatabaseError`. Writers take ``BEGIN IMMEDIATE`` and wait
+up to 30 s for each other, so several tune processes can share one file. The user's database is
 ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite`` (:func:`user_db_path`); shipped ones are
 ``tuning_db/<slug>.sqlite`` in the package (:func:`shipped_db_paths`), opened read-only.
 """
@@ -43,37 +45,25 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import re
 import sqlite3
+import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import sqlite_utils
 
 from .db_schema import (  # the schema's public names are re-exported (__all__)
-    BUSY_TIMEOUT_S,
-    FILTER_COLUMNS,
-    KEY_COLUMNS,
-    MIGRATIONS,
-    PK_COLUMNS,
-    SCHEMA_VERSION,
-    CorruptDatabaseError,
-    DatabaseVersionError,
-    Key,
-    ReadOnlyDatabaseError,
-    Row,
-    TuningDBError,
-    ROW_FIELDS,
-    META_DDL,
-    ROW_ORDER,
-    RESULTS_DDL,
-    UPSERT_SQL,
-    V0_COLUMNS,
-    WINNERS_DDL,
+    BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, MIGRATIONS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER, SCHEMA_VERSION,
+    BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts, ReadOnlyDatabaseError, Row,
+    TuningDBError, connect, create_schema, read_schema_version, row_matches, version_mismatch, where_clause,
 )
 
+#: Bad rows already warned about, per database file (a row is named once per process).
+_WARNED: dict[str, set[tuple]] = {}
 
 
 class TuningDB:
@@ -86,7 +76,7 @@ class TuningDB:
 
     def __init__(self, path: Union[str, os.PathLike, sqlite_utils.Database] = ":memory:", *,
                  readonly: bool = False, timeout_s: float = BUSY_TIMEOUT_S) -> None:
-        self.readonly, self.path = readonly, None
+        self.readonly, self.path, self._where = readonly, None, ":memory:"  # _where: for messages
         self._owns_connection = not isinstance(path, sqlite_utils.Database)
         if isinstance(path, sqlite_utils.Database):
             self.db = path
@@ -94,31 +84,22 @@ class TuningDB:
         else:
             if str(path) != ":memory:":
                 self.path = Path(path).expanduser()
-            conn = self._connect(self.path, readonly, timeout_s)
+                self._where = str(self.path)
+            conn = connect(self.path, readonly, timeout_s)
             try:
                 self.db = sqlite_utils.Database(conn)
             except BaseException:
                 conn.close()
                 raise
+        self._warned = _WARNED.setdefault(str(self.path), set()) if self.path else set()
         try:
             self._open_schema()
         except BaseException:
             self.close()
             raise
 
-    @staticmethod
-    def _connect(path: Optional[Path], readonly: bool, timeout_s: float) -> sqlite3.Connection:
-        if path is None:
-            return sqlite3.connect(":memory:")
-        if readonly:
-            if not path.is_file():
-                raise FileNotFoundError(f"tuning database {path} does not exist")
-            return sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=timeout_s)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return sqlite3.connect(str(path), timeout=timeout_s)
-
     def __repr__(self) -> str:
-        return f"TuningDB({str(self.path or ':memory:')!r}, readonly={self.readonly})"
+        return f"TuningDB({self._where!r}, readonly={self.readonly})"
 
     def __enter__(self) -> "TuningDB":
         return self
@@ -131,48 +112,17 @@ class TuningDB:
             self.db.conn.close()
 
     def __len__(self) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
+        """Stored rows, valid or not."""
+        return self._results.count
 
     # ---------------------------------------------------------------- schema and transactions
 
     @property
-    def _where(self) -> str:
-        return str(self.path or ":memory:")
-
-    def _stored_version(self) -> Optional[int]:
-        """The schema version in the file; None for an empty database."""
-        try:
-            tables = {t for t in self.db.table_names() if not t.startswith("sqlite_")}
-            if "meta" in tables:
-                found = self.db.execute("SELECT value FROM meta WHERE key = ?", ["schema_version"]).fetchone()
-                try:
-                    return int(found[0])
-                except (TypeError, ValueError):
-                    raise CorruptDatabaseError(f"{self._where}: meta has no valid schema_version ({found!r})") from None
-            if not tables:
-                return None
-            if "results" in tables and V0_COLUMNS <= self._columns():
-                return 0
-        except sqlite3.OperationalError:  # locked, cannot open: not a statement about the file
-            raise
-        except sqlite3.DatabaseError as exc:
-            raise CorruptDatabaseError(f"{self._where} is not a readable SQLite database ({exc})") from exc
-        raise CorruptDatabaseError(f"{self._where} is not an autosymm tuning database (tables: {sorted(tables)})")
-
-    def _columns(self) -> set[str]:
-        return {r[1] for r in self.db.execute("PRAGMA table_info(results)").fetchall()}
-
-    def _readable_version(self) -> Optional[int]:
-        """The stored schema version, refused (never misread) when newer than this code's."""
-        version = self._stored_version()
-        if version is not None and version > SCHEMA_VERSION:
-            raise DatabaseVersionError(
-                f"{self._where} has tuning-database schema version {version}, newer than version "
-                f"{SCHEMA_VERSION} that this autosymm reads: upgrade autosymm to use it")
-        return version
+    def _results(self) -> sqlite_utils.db.Table:
+        return self.db.table("results")
 
     def _open_schema(self) -> None:
-        version = self._readable_version()
+        version = read_schema_version(self.db, self._where)
         if version != SCHEMA_VERSION:
             if self.readonly:
                 if version is None:
@@ -182,39 +132,30 @@ class TuningDB:
                 self.close()
                 self.db, self._owns_connection = sqlite_utils.Database(memory), True
             with self._transaction():  # re-read under the write lock: another process may be first
-                version = self._readable_version()
+                version = read_schema_version(self.db, self._where)
                 if version is None:
-                    for ddl in (RESULTS_DDL, META_DDL, WINNERS_DDL):
-                        self.db.execute(ddl)
+                    create_schema(self.db)
                     version = SCHEMA_VERSION
                 for step in range(version, SCHEMA_VERSION):
                     MIGRATIONS[step](self.db)
                 self._put_meta("schema_version", str(SCHEMA_VERSION))
-        missing = set(ROW_FIELDS) - self._columns()
+        missing = set(ROW_FIELDS) - set(self._results.columns_dict)
         if missing:
             raise CorruptDatabaseError(f"{self._where}: table results lacks columns {sorted(missing)}")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
         """One write transaction; BEGIN IMMEDIATE takes the write lock up front (no deadlock)."""
-        conn = self.db.conn
-        if conn.in_transaction:  # inside a caller's transaction: nest
-            conn.execute("SAVEPOINT autosymm_db")
-            try:
+        if self.db.conn.in_transaction:  # inside a caller's transaction: a savepoint
+            with self.db.atomic():
                 yield
-            except BaseException:
-                conn.execute("ROLLBACK TO autosymm_db")
-                conn.execute("RELEASE autosymm_db")
-                raise
-            conn.execute("RELEASE autosymm_db")
             return
-        conn.execute("BEGIN IMMEDIATE")
+        self.db.execute("BEGIN IMMEDIATE")
         try:
             yield
-            conn.execute("COMMIT")
+            self.db.commit()
         except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            self.db.rollback()
             raise
 
     def _require_writable(self) -> None:
@@ -222,8 +163,7 @@ class TuningDB:
             raise ReadOnlyDatabaseError(f"{self._where} was opened read-only")
 
     def _put_meta(self, key: str, value: str) -> None:
-        self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
-                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value", [key, value])
+        self.db.table("meta").upsert({"key": key, "value": value}, pk="key")
 
     @property
     def schema_version(self) -> int:
@@ -231,7 +171,7 @@ class TuningDB:
 
     def meta(self) -> dict[str, str]:
         """The meta table as a dict."""
-        return {r["key"]: r["value"] for r in self.db.query("SELECT key, value FROM meta")}
+        return {r["key"]: r["value"] for r in self.db.table("meta").rows}
 
     def set_meta(self, key: str, value: str) -> None:
         """Store a note in the meta table ('schema_version' is reserved)."""
@@ -248,41 +188,38 @@ class TuningDB:
         self.record_many([row])
 
     def record_many(self, rows: Iterable[Row]) -> int:
-        """Insert or replace ``rows`` in one transaction; returns how many."""
+        """Insert or replace ``rows`` (validated Row objects) in one transaction; returns how many."""
         self._require_writable()
         rows = list(rows)
-        for row in rows:
-            row.config_obj  # a config this autosymm cannot read back never enters the DB
         with self._transaction():
-            self.db.conn.executemany(UPSERT_SQL, [row.to_dict() for row in rows])
+            self._results.upsert_all([row.to_dict() for row in rows], pk=PK_COLUMNS)
         return len(rows)
 
-    def merge_from(self, other: Union["TuningDB", str, os.PathLike]) -> tuple[int, int, int]:
-        """Merge ``other`` (a TuningDB or a path) in: per key and backend the faster row wins.
+    def merge_from(self, other: Union["TuningDB", str, os.PathLike]) -> MergeCounts:
+        """Merge ``other`` (a TuningDB or a path, read in full first) in: per key and backend the
+        faster row wins; bad source rows are skipped (each warned about) and counted.
 
-        Returns (inserted, replaced, kept): rows new here, rows ``other`` improved, rows where
-        this database's row was at least as fast. Rows of other keys are never touched.
+        Rows of other keys are never touched; a bad row here is replaced by a valid one.
         """
         self._require_writable()
         if isinstance(other, TuningDB):
-            incoming = other.rows()
+            incoming, bad = other._select(other._results)
         else:
             with TuningDB(other, readonly=True) as source:
-                incoming = source.rows()
-        inserted = replaced = kept = 0
-        where = " AND ".join(f"{c} = ?" for c in PK_COLUMNS)
-        with self._transaction():
-            for row in incoming:
-                found = self.db.conn.execute(f"SELECT median_us FROM results WHERE {where}", row.pk).fetchone()
-                if found is not None and found[0] <= row.median_us:
-                    kept += 1
-                    continue
-                self.db.conn.execute(UPSERT_SQL, row.to_dict())
-                inserted, replaced = (inserted + 1, replaced) if found is None else (inserted, replaced + 1)
-        return inserted, replaced, kept
+                incoming, bad = source._select(source._results)
+        return self._merge_rows(incoming, len(bad))
+
+    def _merge_rows(self, incoming: list[Row], skipped: int) -> MergeCounts:
+        with self._transaction():  # read and write under the write lock
+            valid, bad = self._select(self._results)
+            mine, stale = {row.pk: row.median_us for row in valid}, set(bad)
+            new = [row for row in incoming if row.pk not in mine and row.pk not in stale]
+            faster = [row for row in incoming if row.pk in stale or mine.get(row.pk, -1.0) > row.median_us]
+            self._results.upsert_all([row.to_dict() for row in new + faster], pk=PK_COLUMNS)
+        return MergeCounts(len(new), len(faster), len(incoming) - len(new) - len(faster), skipped)
 
     def export(self, path: Union[str, os.PathLike], *, overwrite: bool = False, **filters: Any) -> int:
-        """Write the rows matching ``filters`` (see :meth:`rows`) to a new database file.
+        """Write the valid rows matching ``filters`` (see :meth:`rows`) to a new database file.
 
         The file is written aside and renamed into place; an existing file is an error unless
         ``overwrite``. Returns the number of rows written.
@@ -298,10 +235,10 @@ class TuningDB:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.unlink(missing_ok=True)
         try:
-            with TuningDB(tmp) as out, out._transaction():
-                out.db.conn.executemany(UPSERT_SQL, [row.to_dict() for row in rows])
+            with TuningDB(tmp) as out:
+                out.record_many(rows)
                 for key, value in notes.items():
-                    out._put_meta(key, value)
+                    out.set_meta(key, value)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -309,79 +246,96 @@ class TuningDB:
 
     # ---------------------------------------------------------------- reading
 
-    def _read(self, sql: str, params: Iterable[Any] = ()) -> list[Row]:
-        rows = []
-        for data in self.db.query(sql, list(params)):
+    def _select(self, source: sqlite_utils.db.Queryable, where: str = "1", params: Sequence[Any] = (),
+                order_by: str = ROW_ORDER) -> tuple[list[Row], list[tuple]]:
+        """The valid rows of table or view ``source`` matching ``where``, and the primary keys
+        of the bad ones skipped (each warned about once per process)."""
+        rows, bad = [], []
+        for data in source.rows_where(where, list(params), order_by=order_by):
             try:
                 rows.append(Row.from_dict(data))
-            except (TypeError, ValueError) as exc:
-                key = tuple(data.get(c) for c in PK_COLUMNS)
-                raise CorruptDatabaseError(f"{self._where}: unreadable row {key}: {exc}") from exc
-        return rows
-
-    @staticmethod
-    def _filter(filters: dict[str, Any]) -> tuple[str, list[Any]]:
-        clauses, params = ["1"], []
-        for column, value in filters.items():
-            if column not in FILTER_COLUMNS:
-                raise ValueError(f"unknown filter {column!r}: filter on {', '.join(FILTER_COLUMNS)}")
-            if value is None:
-                continue
-            if isinstance(value, (list, tuple, set, frozenset)):
-                values = sorted(value, key=str)
-                clauses.append(f"{column} IN ({', '.join('?' * len(values))})" if values else "0")
-                params.extend(values)
-            else:
-                clauses.append(f"{column} = ?")
-                params.append(value)
-        return " AND ".join(clauses), params
+            except ValueError as exc:
+                pk = tuple(data.get(c) for c in PK_COLUMNS)
+                bad.append(pk)
+                if pk not in self._warned:
+                    self._warned.add(pk)
+                    named = ", ".join(f"{c}={v!r}" for c, v in zip(PK_COLUMNS, pk))
+                    warnings.warn(f"autosymm: skipping a bad row of tuning database {self._where} "
+                                  f"({named}): {exc}", BadRowWarning, stacklevel=3)
+        return rows, bad
 
     def rows(self, **filters: Any) -> list[Row]:
-        """Rows whose columns equal the given values (a list/tuple/set: any of them; None: any).
+        """Valid rows whose columns equal the given values (a list/tuple/set: any of them; None: any).
 
         Filter columns: the key columns, ``backend`` and ``gpu``; another name is a ValueError.
         """
-        where, params = self._filter(filters)
-        return self._read(f"SELECT * FROM results WHERE {where} ORDER BY {ROW_ORDER}", params)
+        return self._select(self._results, *where_clause(filters))[0]
 
     def winners(self, **filters: Any) -> list[Row]:
-        """The fastest row of each key (the ``winners`` view), filtered like :meth:`rows`."""
-        where, params = self._filter(filters)
-        return self._read(f"SELECT * FROM winners WHERE {where} ORDER BY {ROW_ORDER}", params)
+        """The fastest valid row of each key (the ``winners`` view), filtered like :meth:`rows`."""
+        where_clause(filters)  # checks the names
+        by_key = {c: v for c, v in filters.items() if c in KEY_COLUMNS}
+        winners, bad = self._select(self.db.view("winners"), *where_clause(by_key))
+        if bad:  # a bad row tops its key in the view: the key's fastest valid row wins instead
+            ranked = self.rows(**by_key)  # ROW_ORDER: per key, fastest first
+            winners = [next(rows) for _, rows in itertools.groupby(ranked, key=lambda r: r.key)]
+        others = {c: v for c, v in filters.items() if c not in KEY_COLUMNS}
+        return [row for row in winners if row_matches(row, others)]
 
-    def ranked(self, hardware: str, world_size: int, op: str, dtype: str, bucket: int, shape: str = "",
-               mode: str = "eager", exclude_backends: Iterable[str] = ()) -> list[Row]:
-        """Every backend's row for the key, fastest first (ties: backend name)."""
+    def ranked(self, key: Key, *, exclude_backends: Iterable[str] = ()) -> list[Row]:
+        """Every backend's valid row for ``key``, fastest first (ties: backend name)."""
+        if not isinstance(key, Key):
+            raise TypeError(f"ranked() takes an autosymm.db.Key, not {key!r}")
         excluded = [exclude_backends] if isinstance(exclude_backends, str) else sorted(set(exclude_backends))
-        params = [hardware, world_size, op, dtype, bucket, shape, mode, *excluded]
-        sql = "SELECT * FROM results WHERE " + " AND ".join(f"{c} = ?" for c in KEY_COLUMNS)
+        where, params = where_clause(key._asdict())
         if excluded:
-            sql += f" AND backend NOT IN ({', '.join('?' * len(excluded))})"
-        return self._read(sql + " ORDER BY median_us, backend", params)
+            where += f" AND backend NOT IN ({', '.join('?' * len(excluded))})"
+        return self._select(self._results, where, params + excluded, "median_us, backend")[0]
 
-    def best(self, hardware: str, world_size: int, op: str, dtype: str, bucket: int, shape: str = "",
-             mode: str = "eager", exclude_backends: Iterable[str] = ()) -> Optional[Row]:
-        """The fastest row for the key (None if the key was not tuned)."""
-        ranked = self.ranked(hardware, world_size, op, dtype, bucket, shape, mode, exclude_backends)
-        return ranked[0] if ranked else None
+    def best(self, key: Key, *, exclude_backends: Iterable[str] = ()) -> Optional[Row]:
+        """The fastest valid row for ``key`` (None if the key has none)."""
+        return next(iter(self.ranked(key, exclude_backends=exclude_backends)), None)
 
     def buckets(self, hardware: str, world_size: int, op: str, dtype: str, shape: str = "",
                 mode: str = "eager") -> list[int]:
-        """The tuned buckets of a key without its bucket, ascending."""
-        sql = ("SELECT DISTINCT bucket FROM results WHERE hardware = ? AND world_size = ? AND op = ? "
-               "AND dtype = ? AND shape = ? AND mode = ? ORDER BY bucket")
-        return [r[0] for r in self.db.execute(sql, [hardware, world_size, op, dtype, shape, mode]).fetchall()]
+        """The buckets of a key without its bucket that have a valid row, ascending."""
+        rows = self.rows(hardware=hardware, world_size=world_size, op=op, dtype=dtype, shape=shape, mode=mode)
+        return sorted({row.bucket for row in rows})
 
     def hardware_slugs(self) -> list[str]:
-        return [r[0] for r in self.db.execute("SELECT DISTINCT hardware FROM results ORDER BY hardware")]
+        """The hardware slugs of the valid rows, sorted."""
+        return sorted({row.hardware for row in self.rows()})
 
     def digest(self, **filters: Any) -> str:
-        """sha256 of the rows' key, backend, config and median: equal for equal data, whatever
-        the file, insertion order or provenance (ranks compare it before trusting a lookup)."""
+        """sha256 of the valid rows' key, backend, config and median: equal for equal data,
+        whatever the file, insertion order, provenance or bad rows (ranks compare it before
+        trusting a lookup)."""
         entries = sorted(
             [*row.pk, json.dumps(json.loads(row.config), sort_keys=True), row.median_us.hex()]
             for row in self.rows(**filters))
         return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+
+
+def merge_files(sources: Sequence[Union[str, os.PathLike]], target: Union[str, os.PathLike]) -> list[MergeCounts]:
+    """Merge the database files ``sources`` into ``target`` (created if absent), in order, in one
+    transaction; per key and backend the faster row wins. One MergeCounts per source.
+
+    Every source is opened and read before ``target`` is touched: an unreadable, corrupt or
+    newer source raises and leaves ``target`` as it was (no new file when it did not exist).
+    """
+    loaded = []
+    for source in sources:
+        with TuningDB(source, readonly=True) as db:
+            loaded.append(db._select(db._results))
+    target = Path(target).expanduser()
+    created = not target.exists()
+    try:
+        with TuningDB(target) as into, into._transaction():
+            return [into._merge_rows(rows, len(bad)) for rows, bad in loaded]
+    except BaseException:
+        if created:
+            target.unlink(missing_ok=True)
+        raise
 
 
 # -------------------------------------------------------------------- locating databases
@@ -428,6 +382,7 @@ def shipped_db_for(slug: str) -> Optional[Path]:
 
 __all__ = [
     "BUSY_TIMEOUT_S", "FILTER_COLUMNS", "KEY_COLUMNS", "MIGRATIONS", "PK_COLUMNS", "SCHEMA_VERSION",
-    "CorruptDatabaseError", "DatabaseVersionError", "Key", "ReadOnlyDatabaseError", "Row", "TuningDB",
-    "TuningDBError", "shipped_db_dir", "shipped_db_for", "shipped_db_paths", "user_db_path",
+    "BadRowWarning", "CorruptDatabaseError", "DatabaseVersionError", "Key", "MergeCounts",
+    "ReadOnlyDatabaseError", "Row", "TuningDB", "TuningDBError", "merge_files", "shipped_db_dir",
+    "shipped_db_for", "shipped_db_paths", "user_db_path", "version_mismatch",
 ]

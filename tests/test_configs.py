@@ -1,7 +1,10 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES
 from autosymm.configs import (
@@ -28,6 +31,16 @@ from autosymm.configs import (
     (dict(algorithm="two_shot", block_size=1024, num_blocks=1, num_warps=4, double_buffer=True), "only for"),
     (dict(algorithm="multimem", block_size=1024, num_blocks=1, num_warps=4, double_buffer=True), "only for"),
     (dict(algorithm="one_shot", block_size=1024, num_blocks=1, num_warps=4, double_buffer=1), "must be a bool"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=1, num_warps=4, double_buffer="yes"), "must be a bool"),
+    (dict(algorithm=["one_shot"], block_size=1024, num_blocks=1, num_warps=4), "algorithm"),
+    (dict(algorithm="one_shot", block_size=-1024, num_blocks=1, num_warps=4), "block_size=-1024"),
+    (dict(algorithm="one_shot", block_size=1 << 17, num_blocks=1, num_warps=4), r"power of two in 1\.\.65536"),
+    (dict(algorithm="one_shot", block_size=1 << 40, num_blocks=1, num_warps=4), "block_size=1099511627776"),
+    (dict(algorithm="one_shot", block_size=1024.0, num_blocks=1, num_warps=4), "block_size=1024.0 must be an int"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=2.0, num_warps=4), "num_blocks=2.0 must be an int"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=True, num_warps=4), "num_blocks=True .*not a bool"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=1, num_warps=True), "num_warps=True .*not a bool"),
+    (dict(algorithm="one_shot", block_size=1024, num_blocks=1, num_warps="4"), "num_warps='4' must be an int"),
 ])
 def test_all_reduce_config_rejects_illegal(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -39,10 +52,22 @@ def test_all_reduce_config_rejects_illegal(kwargs, message):
     (dict(block_n=64, num_warps=4), "smaller than the 128 threads"),
     (dict(block_n=512, num_warps=4, rows_per_program=0), "rows_per_program=0"),
     (dict(block_n=512, num_warps=4, num_blocks=-1), "num_blocks=-1"),
+    (dict(block_n=1 << 17, num_warps=4), "block_n=131072"),
+    (dict(block_n=1024.0, num_warps=4), "block_n=1024.0 must be an int"),
+    (dict(block_n=1024, num_warps=4, rows_per_program=True), "rows_per_program=True .*not a bool"),
+    (dict(block_n=1024, num_warps=4, num_blocks=1.5), "num_blocks=1.5 must be an int"),
 ])
 def test_moe_config_rejects_illegal(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig(**kwargs)
+
+
+def test_numpy_ints_are_taken_as_python_ints():
+    config = AllReduceConfig("one_shot", np.int64(1024), np.int32(2), np.int64(4))
+    plain = AllReduceConfig("one_shot", 1024, 2, 4)
+    assert config == plain and hash(config) == hash(plain)
+    assert type(config.block_size) is int and config_from_json(config_to_json(config)) == config
+    assert type(MoEConfig(np.int64(1024), np.int64(4)).block_n) is int
 
 
 def test_config_json_round_trip_and_unknown_keys():
@@ -69,6 +94,42 @@ def test_double_buffer_json_is_backward_compatible():
     # descriptions (dispatch, tuner, cli) read as before unless it is on
     assert "double_buffer" not in config_fields(config) and config_fields(on)["double_buffer"] is True
     assert dataclasses.replace(on, double_buffer=False) == config and dataclasses.asdict(config)["double_buffer"] is False
+
+
+AR_JSON = '{"algorithm": "one_shot", "block_size": %s, "num_blocks": 1, "num_warps": 4, "type": "AllReduceConfig"}'
+
+
+@pytest.mark.parametrize("text", [
+    "not json", "{", "[1, 2]", "5", '"text"', "null", "[" * 100_000, b"{}", 7,  # not a JSON object
+    '{"x": 1}', '{"type": "Pickle"}', '{"type": ["AllReduceConfig"]}', '{"type": null, "block_n": 1}',  # type
+    '{"type": "AllReduceConfig"}', '{"type": "MoEConfig", "num_warps": 4}',  # fields missing
+    '{"type": "MoEConfig", "block_n": "1024", "num_warps": 4}', AR_JSON % "true", AR_JSON % "4096.0",
+    AR_JSON % "-4096", AR_JSON % (1 << 40), AR_JSON % "NaN", AR_JSON % "[]", AR_JSON % "{}",  # wrong values
+], ids=lambda text: repr(text)[:48])
+def test_config_from_json_raises_only_value_error_on_malformed_text(text):
+    with pytest.raises(ValueError) as info:
+        config_from_json(text)
+    assert type(info.value) is ValueError  # not JSONDecodeError, TypeError, KeyError, AttributeError
+
+
+_json_scalars = st.none() | st.booleans() | st.integers(-2, 1 << 41) | st.floats() | st.text(max_size=4)
+_json_values = st.recursive(
+    _json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6)
+_config_dicts = st.dictionaries(
+    st.sampled_from(["algorithm", "block_size", "num_blocks", "num_warps", "double_buffer", "block_n",
+                     "rows_per_program"]),
+    _json_values | st.sampled_from(["one_shot", "two_shot", 4, 16, 1024, 4096]), max_size=7,
+).flatmap(lambda d: st.sampled_from(["AllReduceConfig", "MoEConfig", "Other", 3]).map(lambda t: {**d, "type": t}))
+
+
+@given(st.text(max_size=40) | _json_values.map(json.dumps) | _config_dicts.map(json.dumps))
+def test_property_config_from_json_answers_a_config_or_a_value_error(text):
+    try:
+        config = config_from_json(text)
+    except ValueError:
+        return
+    assert config is None or config_from_json(config_to_json(config)) == config
 
 
 @pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import multiprocessing
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -14,51 +11,15 @@ from hypothesis import strategies as st
 
 from autosymm import db as dbmod
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import (
-    SCHEMA_VERSION,
-    CorruptDatabaseError,
-    DatabaseVersionError,
-    Key,
-    ReadOnlyDatabaseError,
-    Row,
-    TuningDB,
-)
+from autosymm.db import SCHEMA_VERSION, Key, MergeCounts, Row, TuningDB
 
-HW = "nvidia-h200-nvlink"
+from _db_rows import HW, build_v0, make_row, moe_row, run_processes, sql
 
 
 @pytest.fixture
 def db():
     with TuningDB(":memory:") as fresh:
         yield fresh
-
-
-def make_row(**changes) -> Row:
-    fields = dict(hardware=HW, gpu="NVIDIA H200", world_size=2, op="all_reduce", dtype="bf16",
-                  bucket=1 << 20, backend="triton_one_shot", mode="eager",
-                  config=AllReduceConfig("one_shot", 2048, 32, 8), median_us=10.0, p10_us=9.5,
-                  p90_us=11.0, nccl_us=20.0, trials=40, autosymm_version="0.1.0",
-                  torch_version="2.6.0", triton_version="3.2.0", cuda_version="12.4",
-                  driver_version="550.54", created="2025-01-01T00:00:00+00:00")
-    fields.update(changes)
-    return Row(**fields)
-
-
-def moe_row(**changes) -> Row:
-    fields = dict(op="dp_to_ep", bucket=256, shape="d7168_e256_k8", backend="triton_moe",
-                  config=MoEConfig(block_n=1024, num_warps=4, rows_per_program=2, num_blocks=132))
-    fields.update(changes)
-    return make_row(**fields)
-
-
-def sql(tdb: TuningDB, statement: str, params=()) -> None:
-    """Run a raw statement and commit it (what an outside tool, or a bug, might do)."""
-    tdb.db.conn.execute(statement, params)
-    tdb.db.conn.commit()
-
-
-def file_sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ------------------------------------------------------------------------------ rows
@@ -102,9 +63,8 @@ def test_row_rejects_bad_values(change):
 
 
 def test_record_rejects_unreadable_config_and_writes_nothing(db):
-    good, bad = make_row(), make_row(backend="other", config='{"type": "NoSuchConfig"}')
-    with pytest.raises(ValueError, match="NoSuchConfig"):
-        db.record_many([good, bad])
+    with pytest.raises(ValueError, match="NoSuchConfig"):  # a config this autosymm cannot read back
+        db.record_many([make_row(), make_row(backend="other", config='{"type": "NoSuchConfig"}')])
     assert db.rows() == []
 
 
@@ -125,18 +85,18 @@ def test_best_and_ranked(db):
                     make_row(backend="torch_two_shot", median_us=15.0, config=None),
                     make_row(backend="nccl", bucket=1 << 21, median_us=1.0, config=None)])
     key = Key(HW, 2, "all_reduce", "bf16", 1 << 20)
-    assert [r.backend for r in db.ranked(*key)] == ["triton_one_shot", "torch_two_shot", "nccl"]
-    assert db.best(*key).backend == "triton_one_shot"
-    assert db.best(*key, exclude_backends=("triton_one_shot",)).backend == "torch_two_shot"
-    assert db.best(*key, exclude_backends="triton_one_shot").backend == "torch_two_shot"  # a str: one name
-    assert db.best(*key, exclude_backends=["triton_one_shot", "torch_two_shot", "nccl"]) is None
-    assert db.best(*key._replace(mode="graph")) is None
-    assert db.best(*key._replace(hardware="other")) is None
+    assert [r.backend for r in db.ranked(key)] == ["triton_one_shot", "torch_two_shot", "nccl"]
+    assert db.best(key).backend == "triton_one_shot"
+    assert db.best(key, exclude_backends=("triton_one_shot",)).backend == "torch_two_shot"
+    assert db.best(key, exclude_backends="triton_one_shot").backend == "torch_two_shot"  # a str: one name
+    assert db.best(key, exclude_backends=["triton_one_shot", "torch_two_shot", "nccl"]) is None
+    assert db.best(key._replace(mode="graph")) is None
+    assert db.best(key._replace(hardware="other")) is None
 
 
 def test_ranked_ties_break_by_backend_name(db):
     db.record_many([make_row(backend="b", median_us=5.0), make_row(backend="a", median_us=5.0)])
-    assert [r.backend for r in db.ranked(*make_row().key)] == ["a", "b"]
+    assert [r.backend for r in db.ranked(make_row().key)] == ["a", "b"]
 
 
 def test_key_for_problem():
@@ -226,124 +186,6 @@ def test_schema_is_documented():
         assert column in dbmod.__doc__, column
 
 
-# ------------------------------------------------------------------------------ files, versions
-
-
-def build_v0(path: Path) -> None:
-    """Version 0 (pre-release): results without p10_us/p90_us/trials, no meta table, no view."""
-    conn = sqlite3.connect(path)
-    conn.execute("""CREATE TABLE results (hardware TEXT NOT NULL, gpu TEXT NOT NULL DEFAULT '',
-        world_size INTEGER NOT NULL, op TEXT NOT NULL, dtype TEXT NOT NULL, bucket INTEGER NOT NULL,
-        shape TEXT NOT NULL DEFAULT '', mode TEXT NOT NULL, backend TEXT NOT NULL,
-        config TEXT NOT NULL DEFAULT '{}', median_us REAL NOT NULL, nccl_us REAL, speedup REAL,
-        autosymm_version TEXT, torch_version TEXT, triton_version TEXT, cuda_version TEXT,
-        driver_version TEXT, created TEXT NOT NULL,
-        PRIMARY KEY (hardware, world_size, op, dtype, bucket, shape, mode, backend))""")
-    conn.execute("INSERT INTO results (hardware, world_size, op, dtype, bucket, mode, backend, median_us, "
-                 "nccl_us, created) VALUES (?, 2, 'all_reduce', 'bf16', 4096, 'eager', 'nccl', 8.0, 8.0, "
-                 "'2024-06-01T00:00:00+00:00')", [HW])
-    conn.commit()
-    conn.close()
-
-
-def test_migrates_v0_in_place(tmp_path):
-    path = tmp_path / "old.sqlite"
-    build_v0(path)
-    with TuningDB(path) as tdb:
-        assert tdb.schema_version == 1
-        (row,) = tdb.rows()
-        assert (row.backend, row.median_us, row.p10_us, row.trials) == ("nccl", 8.0, None, None)
-        assert [r.backend for r in tdb.winners()] == ["nccl"]
-        tdb.record(make_row())
-    with TuningDB(path) as again:  # reopening does not migrate twice
-        assert again.schema_version == 1 and len(again) == 2
-
-
-def test_migrates_v0_read_only_in_memory(tmp_path):
-    path = tmp_path / "old.sqlite"
-    build_v0(path)
-    before = file_sha(path)
-    with TuningDB(path, readonly=True) as tdb:
-        assert tdb.schema_version == 1 and tdb.best(HW, 2, "all_reduce", "bf16", 4096).backend == "nccl"
-        with pytest.raises(ReadOnlyDatabaseError):
-            tdb.record(make_row())
-    assert file_sha(path) == before
-    assert "meta" not in sqlite_utils.Database(path).table_names()
-
-
-@pytest.mark.parametrize("readonly", [False, True])
-def test_newer_schema_is_refused(tmp_path, readonly):
-    path = tmp_path / "new.sqlite"
-    with TuningDB(path) as tdb:
-        tdb.record(make_row())
-        sql(tdb, "UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
-    before = file_sha(path)
-    with pytest.raises(DatabaseVersionError, match=f"version {SCHEMA_VERSION + 1}.*version {SCHEMA_VERSION}"):
-        TuningDB(path, readonly=readonly)
-    assert issubclass(DatabaseVersionError, ValueError)
-    assert file_sha(path) == before
-
-
-@pytest.mark.parametrize("readonly", [False, True])
-def test_non_sqlite_file_is_refused(tmp_path, readonly):
-    path = tmp_path / "junk.sqlite"
-    path.write_bytes(b"this is not a database\n" * 100)
-    with pytest.raises(CorruptDatabaseError, match="junk.sqlite"):
-        TuningDB(path, readonly=readonly)
-    assert path.read_bytes() == b"this is not a database\n" * 100
-
-
-@pytest.mark.parametrize("ddl", [
-    "CREATE TABLE other (x INTEGER)",  # someone else's database
-    "CREATE TABLE results (x INTEGER)",  # a 'results' table that is not ours
-    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)",  # no schema_version
-    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT); INSERT INTO meta VALUES ('schema_version', '1')",
-])
-def test_foreign_or_incomplete_database_is_refused(tmp_path, ddl):
-    path = tmp_path / "foreign.sqlite"
-    conn = sqlite3.connect(path)
-    conn.executescript(ddl)
-    conn.close()
-    with pytest.raises(CorruptDatabaseError):
-        TuningDB(path)
-
-
-def test_unreadable_row_is_a_clear_error(db):
-    db.record(make_row())
-    sql(db, "UPDATE results SET config = 'garbage'")
-    with pytest.raises(CorruptDatabaseError, match="triton_one_shot"):
-        db.rows()
-
-
-def test_read_only_database_is_never_written(tmp_path):
-    path = tmp_path / "shipped.sqlite"
-    with TuningDB(path) as tdb:
-        tdb.record(make_row())
-    before = file_sha(path)
-    with TuningDB(path, readonly=True) as tdb:
-        assert tdb.rows() == [make_row()]
-        for write in (lambda: tdb.record(make_row(median_us=1.0)), lambda: tdb.set_meta("a", "b"),
-                      lambda: tdb.merge_from(TuningDB())):
-            with pytest.raises(ReadOnlyDatabaseError):
-                write()
-        with pytest.raises(sqlite3.OperationalError, match="readonly"):  # SQLite itself refuses too
-            tdb.db.execute("DELETE FROM results")
-    assert file_sha(path) == before
-    with pytest.raises(FileNotFoundError):
-        TuningDB(tmp_path / "missing.sqlite", readonly=True)
-    empty = tmp_path / "empty.sqlite"
-    empty.touch()
-    with pytest.raises(CorruptDatabaseError):
-        TuningDB(empty, readonly=True)
-
-
-def test_creates_parent_folders(tmp_path):
-    path = tmp_path / "a" / "b" / "tuning.sqlite"
-    with TuningDB(path) as tdb:
-        tdb.record(make_row())
-    assert path.is_file() and len(TuningDB(path, readonly=True)) == 1
-
-
 # ------------------------------------------------------------------------------ merge, export, digest
 
 
@@ -355,10 +197,10 @@ def test_merge_keeps_the_faster_row_and_never_loses_others(db, tmp_path):
         other.record_many([make_row(backend="a", median_us=5.0),  # better: replaces
                            make_row(backend="b", median_us=20.0),  # worse: kept
                            moe_row()])  # new key: inserted
-        assert db.merge_from(other) == (1, 1, 1)
+        assert db.merge_from(other) == MergeCounts(inserted=1, replaced=1, kept=1, skipped=0)
     assert {r.backend: r.median_us for r in db.rows(op="all_reduce")} == {"a": 5.0, "b": 10.0, "mine_only": 50.0}
     assert db.rows(op="dp_to_ep") == [moe_row()]
-    assert db.merge_from(other_path) == (0, 0, 3)  # from a path, again: nothing changes
+    assert db.merge_from(other_path) == (0, 0, 3, 0)  # from a path, again: nothing changes
 
 
 def test_export_subset(db, tmp_path):
@@ -407,18 +249,6 @@ def test_digest_is_order_file_and_provenance_independent(db, tmp_path):
 
 
 N_OWN, N_SHARED = 60, 20
-
-
-def run_processes(target, path: Path, count: int) -> list:
-    """Run ``target(str(path), worker)`` in ``count`` processes at once; their exit codes."""
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    workers = [context.Process(target=target, args=(str(path), w)) for w in range(count)]
-    for proc in workers:
-        proc.start()
-    for proc in workers:
-        proc.join(timeout=120)
-    return [proc.exitcode for proc in workers]
 
 
 def _writer(path: str, worker: int) -> None:
@@ -518,4 +348,4 @@ def test_property_round_trip(rows):
             assert reordered.digest() == tdb.digest()
         for row in rows:  # excluding the faster backends of its key leaves ``row`` (or a tie) best
             faster = [r.backend for r in rows if r.key == row.key and r.median_us < row.median_us]
-            assert tdb.best(*row.key, exclude_backends=faster).median_us == row.median_us
+            assert tdb.best(row.key, exclude_backends=faster).median_us == row.median_us

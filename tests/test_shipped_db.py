@@ -1,9 +1,11 @@
 """The shipped tuning databases: found from the package, well-formed, consistent with their names."""
 
+import warnings
+
 import pytest
 
 from autosymm.configs import config_from_json
-from autosymm.db import SCHEMA_VERSION, TuningDB, shipped_db_for, shipped_db_paths
+from autosymm.db import SCHEMA_VERSION, BadRowWarning, TuningDB, shipped_db_for, shipped_db_paths
 from autosymm.dispatch import DBSource, decide
 from autosymm.backends import Capabilities
 from autosymm.problem import Problem
@@ -20,8 +22,10 @@ def test_the_2xh200_database_is_shipped():
 def test_shipped_database_is_well_formed(path):
     db = TuningDB(path, readonly=True)
     assert db.schema_version == SCHEMA_VERSION
-    rows = db.rows()
-    assert rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BadRowWarning)  # every shipped row validates
+        rows = db.rows()
+    assert rows and len(rows) == len(db)
     node_slug = path.stem
     for row in rows:
         assert node_slug.startswith(row.hardware + "-x"), (node_slug, row.hardware)
