@@ -426,12 +426,12 @@ def db() -> None:
 @click.option("--into", "target", required=True, type=click.Path(dir_okay=False), help="database to merge into (created if absent)")
 def db_merge(sources, target) -> None:
     """Merge SOURCES into --into, keeping the faster row per key."""
-    from .db import TuningDB
+    from .db import merge_files
 
-    into = TuningDB(target)
-    for source in sources:
-        inserted, replaced, kept = into.merge_from(TuningDB(source, readonly=True))
-        click.echo(f"{source}: {inserted} new, {replaced} replaced by faster rows, {kept} kept")
+    for source, counts in zip(sources, merge_files(sources, target)):
+        skipped = f", {counts.skipped} bad rows skipped" if counts.skipped else ""
+        click.echo(f"{source}: {counts.inserted} new, {counts.replaced} replaced by faster rows, {counts.kept} kept"
+                   f"{skipped}")
 
 
 @db.command("export")

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .backends import FALLBACK, FALLBACK_ORDER, Capabilities, get_backend
-from .configs import AnyConfig, config_fields, config_from_json
+from .configs import AnyConfig, config_fields
+from .db_schema import Key, version_mismatch
+from .hardware import running_versions
 from .problem import Problem
 
 
@@ -125,7 +127,8 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
             bucket = _pick_bucket(buckets, call_bucket)
             if bucket is None:
                 continue
-            rows = source.db.ranked(hardware, problem.world_size, problem.op, dtype, bucket, keyed.shape_key, row_mode)
+            rows = source.db.ranked(Key(hardware, problem.world_size, problem.op, dtype, bucket, keyed.shape_key,
+                                        row_mode))
             nccl_us = next((r.nccl_us for r in rows if r.nccl_us), None)
             for row in rows:
                 why_not = _why_not(row.backend, problem, caps, mode)
@@ -133,9 +136,10 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
                     skipped.append(f"{row.backend}: {why_not}")
                     continue
                 reason = f"tuned {bucket}-bucket {row_mode} row"
-                if note:
-                    reason += f" ({note})"
-                return Decision(row.backend, config_from_json(row.config), reason, source=source.label,
+                for remark in (note, version_mismatch(row, *running_versions())):
+                    if remark:
+                        reason += f" ({remark})"
+                return Decision(row.backend, row.config_obj, reason, source=source.label,
                                 expected_us=row.median_us, nccl_us=nccl_us or row.nccl_us, bucket=bucket,
                                 mode=mode, skipped=tuple(skipped))
     reason = "no tuned row for this hardware/world size/shape" if not skipped else "no tuned backend can serve the call"

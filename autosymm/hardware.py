@@ -89,6 +89,7 @@ class Fingerprint:
         return data
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_version() -> str:
     try:
         import triton
@@ -96,6 +97,11 @@ def _triton_version() -> str:
         return triton.__version__
     except Exception:  # triton missing or broken: the fingerprint still works
         return ""
+
+
+def running_versions() -> tuple[str, str]:
+    """(torch, triton) versions of this process, as recorded with tuning rows."""
+    return torch.__version__, _triton_version()
 
 
 def _driver_version() -> str:

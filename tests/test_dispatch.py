@@ -160,3 +160,19 @@ def test_graph_mode_skips_backends_that_cannot_be_captured():
     assert decide(problem, "eager", CAPS, [source], HW).backend == "nccl_all_to_all"
     graph = decide(problem, "graph", CAPS, [source], HW)
     assert graph.backend == "triton_moe" and "nccl_all_to_all: not CUDA-graph capturable" in graph.skipped
+
+
+def test_rows_of_other_torch_or_triton_versions_serve_and_say_so():
+    import torch
+
+    from autosymm.hardware import running_versions
+
+    db = TuningDB(":memory:")
+    old = Row(hardware=HW, world_size=2, op="all_reduce", dtype="bf16", bucket=4096, backend="triton_one_shot",
+              median_us=5.0, config=ONE_SHOT, torch_version="0.0.1", triton_version=running_versions()[1])
+    db.record(old)
+    decision = decide(Problem.all_reduce(4096), "eager", CAPS, [DBSource(db, "x")], HW)
+    assert decision.backend == "triton_one_shot"
+    assert "measured with torch 0.0.1" in decision.reason and f"running torch {torch.__version__}" in decision.reason
+    db.record(Row(**{**old.to_dict(), "torch_version": torch.__version__}))
+    assert "measured with" not in decide(Problem.all_reduce(4096), "eager", CAPS, [DBSource(db, "x")], HW).reason
