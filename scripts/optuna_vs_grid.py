@@ -13,47 +13,36 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Optional
 
-import torch
 
+def _job(rank: int, world_size: int, sizes: list[int], budget: Optional[float], moe_tokens: list[int]):
+    from dataclasses import replace
 
-def _job(rank: int, world_size: int, sizes: list[int], budget: float, moe_tokens: list[int]):
-    import torch.distributed as dist
-
-    from autosymm.backends import get_backend
-    from autosymm.hardware import fingerprint
-    from autosymm.tuning.session import workspace_bytes
     from autosymm.problem import MODEL_SHAPES, Problem
-    from autosymm.tuning.sweep import control_group_for, run_sweep
-    from autosymm.symm import get_workspace
+    from autosymm.tuning.search import default_trials
+    from autosymm.tuning.session import TuneSession, TuneSettings
 
-    group = dist.group.WORLD
     problems = [Problem.all_reduce(n, "bf16", world_size) for n in sizes]
     problems += [Problem.moe("dp_to_ep", MODEL_SHAPES["deepseek-v3"], t, "bf16", world_size) for t in moe_tokens]
-    ar_bytes, moe_bytes = workspace_bytes(problems)
-    workspace = get_workspace(group, torch.device("cuda", torch.cuda.current_device()),
-                              all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
-    control = control_group_for(group)
-    from autosymm.tuning.search import default_trials
-
-    names = ["triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_moe"]
-    backends = {n: get_backend(n) for n in names}
+    names = ("triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_moe")
+    session = TuneSession.open(TuneSettings(strategy="grid", backends=names), problems)  # dry run: no database
+    if rank == 0 and session.unavailable:
+        print(f"backends left out: {session.unavailable}")
     report = []
     for problem in problems:
-        for mode in ("graph",) if problem.op == "all_reduce" else ("eager",):
-            grid = run_sweep([problem], backends=backends, group=group, workspace=workspace, db=None,
-                             hardware=fingerprint(), strategy="grid", modes=[mode], control_group=control)[0]
-            for name, best_grid in (grid.outcome.best_by_backend() if grid.outcome else {}).items():
-                space = len(backends[name].search_space(problem))
-                trials = default_trials(space) if budget is None else max(1, math.floor(budget * space))
-                tuned = run_sweep([problem], backends={name: backends[name]}, group=group, workspace=workspace,
-                                  db=None, hardware=fingerprint(), strategy="optuna", trials=trials, modes=[mode],
-                                  control_group=control)[0]
-                best_optuna = tuned.outcome.best_by_backend().get(name) if tuned.outcome else None
-                report.append((problem.describe(), mode, name, space, trials, best_grid.score,
-                               best_optuna.score if best_optuna else float("inf")))
-                if rank == 0:  # as it goes: a run cut short still reports what it measured
-                    _print_row(*report[-1])
+        grid_settings = replace(session.settings, modes=("graph",) if problem.op == "all_reduce" else ("eager",))
+        grid = session.with_settings(grid_settings).sweep([problem])[0]
+        for name, best_grid in (grid.outcome.best_by_backend() if grid.outcome else {}).items():
+            space = len(session.backends[name].search_space(problem))
+            trials = default_trials(space) if budget is None else max(1, math.floor(budget * space))
+            optuna = replace(grid_settings, strategy="optuna", trials=trials, backends=(name,))
+            tuned = session.with_settings(optuna).sweep([problem])[0]
+            best_optuna = tuned.outcome.best_by_backend().get(name) if tuned.outcome else None
+            report.append((problem.describe(), grid.mode, name, space, trials, best_grid.score,
+                           best_optuna.score if best_optuna else float("inf")))
+            if rank == 0:  # as it goes: a run cut short still reports what it measured
+                _print_row(*report[-1])
     return report if rank == 0 else None
 
 

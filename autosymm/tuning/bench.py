@@ -216,19 +216,13 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
     import autosymm
 
     from ..hardware import fingerprint
+    from .session import TuneSession, TuneSettings, sweep_problems
 
     group = dist.group.WORLD
-    if torch.cuda.is_available() and world_size > 1:
-        # a workspace large enough for every measured call (as a user would size it), else the
-        # largest MoE calls fall back to NCCL, which a CUDA graph cannot capture
-        from .session import sweep_problems, workspace_bytes
-        from ..symm import get_workspace
-
-        problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens,
-                                  world_size)
-        ar_bytes, moe_bytes = workspace_bytes(problems)
-        get_workspace(group, torch.device("cuda", torch.cuda.current_device()), all_reduce_bytes=ar_bytes,
-                      moe_bytes=moe_bytes)
+    # a workspace large enough for every measured call (as a user would size it), else the
+    # largest MoE calls fall back to NCCL, which a CUDA graph cannot capture; autosymm.init finds it
+    problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens, world_size)
+    TuneSession.open(TuneSettings(), problems, group=group)
     autosymm.init(group)
     state = autosymm.api._state(group)
     workspace = state.workspace

@@ -1,20 +1,48 @@
 """The tuner's rank communication: small float64 tensors on the control group (no pickling),
 the identity without a process group; and calls under a timeout in a worker thread.
+
+What the ranks agree on comes back with names (:class:`Agreement`), never as slices of the
+exchanged vector.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .timing import comm_device, group_size
+from .timing import Timing, comm_device, group_size
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Which ranks reported a failure and which timed out, the same on every rank."""
+
+    failed_ranks: tuple[int, ...] = ()
+    timed_out_ranks: tuple[int, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failed_ranks)
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.timed_out_ranks)
+
+    @property
+    def raised_ranks(self) -> tuple[int, ...]:
+        """The ranks that failed without timing out (often why a peer timed out)."""
+        return tuple(r for r in self.failed_ranks if r not in self.timed_out_ranks)
 
 
 class RankComm:
-    def __init__(self, group, device):
+    """Rank 0's word and MAX over ``group`` (None: the default group), on the group's device for
+    host collectives (CPU for gloo); without a process group every call is local."""
+
+    def __init__(self, group):
         import torch.distributed as dist
 
         self.dist = dist
@@ -22,7 +50,7 @@ class RankComm:
         self.world_size = group_size(group)
         self.active = self.world_size > 1
         self.rank = dist.get_rank(group) if self.active else 0
-        self.device = comm_device(group, device) if self.active else torch.device("cpu")
+        self.device = comm_device(group) if self.active else torch.device("cpu")
         self.src = 0
         if self.active:
             try:
@@ -31,6 +59,7 @@ class RankComm:
                 self.src = 0
 
     def broadcast_int(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
         if not self.active:
             return int(value)
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
@@ -38,21 +67,41 @@ class RankComm:
         return int(t.item())
 
     def max(self, values: list[float]) -> list[float]:
+        """Element-wise MAX of ``values`` over the ranks."""
         if not self.active:
             return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def flags(self, mine: bool) -> list[float]:
-        """A vector with a 1 at this rank's slot when ``mine`` is set (MAX-combined: who failed)."""
+    def agree(self, failed: bool, timed_out: bool = False) -> Agreement:
+        """Who failed and who timed out, from this rank's two flags (one MAX)."""
+        return self._agreement(self.max(self._flags(failed) + self._flags(timed_out)))
+
+    def combine_measurement(self, timing: Timing, status: str) -> tuple[Timing, Agreement]:
+        """One MAX of (median, p10, p90, samples) and the failure flags of this rank's ``status``
+        ('ok' | 'error' | 'timeout'): the slowest rank's timing (us) when every rank's status
+        was 'ok', else ``Timing.failed()``; NaN counts as +inf."""
+        ok = status == "ok"
+        numbers = [timing.median_us, timing.p10_us, timing.p90_us, float(timing.samples)]
+        numbers = [math.inf if (math.isnan(v) or not ok) else v for v in numbers]
+        combined = self.max(numbers + self._flags(not ok) + self._flags(status == "timeout"))
+        agreement = self._agreement(combined[4:])
+        if agreement.failed:
+            return Timing.failed(), agreement
+        median, p10, p90, samples = combined[:4]
+        return Timing(median, p10, p90, int(samples)), agreement
+
+    def _flags(self, mine: bool) -> list[float]:
+        """A vector with a 1 at this rank's slot when ``mine`` is set (MAX-combined: who)."""
         vec = [0.0] * self.world_size
         vec[self.rank] = 1.0 if mine else 0.0
         return vec
 
-
-def flagged_ranks(flags: Sequence[float]) -> list[int]:
-    return [r for r, f in enumerate(flags) if f > 0]
+    def _agreement(self, flags: Sequence[float]) -> Agreement:
+        """The Agreement of MAX-combined (failed, timed out) flag vectors, in that order."""
+        n = self.world_size
+        return Agreement(tuple(r for r in range(n) if flags[r] > 0), tuple(r for r in range(n) if flags[n + r] > 0))
 
 
 def current_cuda_device() -> Optional[int]:
@@ -74,7 +123,6 @@ def call_with_timeout(fn: Callable, arg: Any, timeout_s: Optional[float]):
             box["value"] = fn(arg)
         except BaseException as exc:  # reported, never raised through the search
             box["error"] = f"{type(exc).__name__}: {exc}"
-            box["trace"] = traceback.format_exc(limit=8)
 
     if timeout_s is None:
         target()

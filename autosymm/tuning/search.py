@@ -33,11 +33,12 @@ def default_trials(space_size: int) -> int:
     return min(space_size, max(MIN_TRIALS, min(MAX_DEFAULT_TRIALS, share)))
 
 
-def resolve_strategy(strategy: str, space_size: int, grid_threshold: int = GRID_THRESHOLD) -> str:
+def resolve_strategy(strategy: str, space_size: int) -> str:
+    """'grid' or 'optuna' for ``strategy`` over a space of ``space_size`` configs."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
     if strategy == "auto":
-        return "grid" if space_size <= grid_threshold else "optuna"
+        return "grid" if space_size <= GRID_THRESHOLD else "optuna"
     return strategy
 
 

@@ -1,208 +1,68 @@
-"""autosymm.tuning.sweep's evaluator and driver around device barriers: validation copies a workspace
-output before peers may overwrite it, a barrier wait that gave up fails the candidate on every
-rank, and the signal pads are reset on every rank, in lock-step, before the search goes on."""
+"""What a sweep tries (autosymm.tuning.sweep): default problems and modes, timing plans, the
+candidates each backend offers, and how an item reports a failure."""
 
 from __future__ import annotations
 
-import os
-import traceback
-from datetime import timedelta
-
-import pytest
-import torch
-
-from autosymm.backends import RunContext
-from autosymm.configs import all_reduce_space
-from autosymm.kernels.barrier import max_wait_s
-from autosymm.problem import Problem
-from autosymm.tuning.sweep import BarrierTimeout, SweepEvaluator, TimingPlan, measure_timeout_s
-from autosymm.geometry import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, workspace_layout
-from autosymm.symm import Workspace
-from autosymm.tuning.tuner import Candidate
-
-from _gloo import run_with_deadline
-from test_tuner_ranks import GlooAllReduce
-
-PLAN = TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1, calls_per_graph=2)
+from autosymm.backends import Capabilities
+from autosymm.configs import moe_space
+from autosymm.problem import MoEShape, Problem
+from autosymm.tuning.outcome import TuneOutcome
+from autosymm.tuning.sweep import MOE_TOKENS, SweepItem, candidates_for, default_modes, default_sweep, timing_plan
 
 
-class CpuWorkspace(Workspace):
-    """A rank's workspace over one CPU buffer (peers are other processes, never addressed): real
-    error slots and reset_signals; the device barrier is recorded, or replaced by ``on_barrier``."""
+def test_default_sweep_and_modes():
+    problems = default_sweep(8)
+    ar = [p for p in problems if p.op == "all_reduce"]
+    assert [p.nbytes for p in ar] == [4096 << i for i in range(17)] and ar[-1].nbytes == 256 << 20
+    moe = [p for p in problems if p.op != "all_reduce"]
+    assert len(moe) == 4 * 2 * 8 and {p.n_tokens_local for p in moe} == {1, 4, 16, 64, 256, 1024, 4096, 8192}
+    from autosymm.cli import DEFAULT_TOKENS, _parse_tokens
 
-    def __init__(self, rank: int = 0, world_size: int = 2, on_barrier=None):
-        buffer = torch.zeros(1 << 16, dtype=torch.uint8)
-        super().__init__(rank, [buffer] * world_size, workspace_layout(1024, 1024))
-        self.on_barrier = on_barrier
-        self.device_barriers = 0
-        self.resets: list[int] = []  # barrier_errors() seen at each reset
-
-    def device_barrier(self) -> None:
-        self.device_barriers += 1
-        if self.on_barrier is not None:
-            self.on_barrier()
-
-    def reset_signals(self, group=None) -> None:
-        self.resets.append(self.barrier_errors())
-        super().reset_signals(group)
-
-    def give_up_a_wait(self, family: str = "all_reduce") -> None:
-        """What a kernel's barrier wait does when a peer never arrives (autosymm.kernels.barrier)."""
-        self.buffer[ERROR_SLOTS_OFFSET:ERROR_SLOTS_OFFSET + 16].view(torch.int32)[SIGNAL_CHANNEL[family]] += 1
+    assert _parse_tokens(DEFAULT_TOKENS) == MOE_TOKENS, "`autosymm tune`'s default is the default sweep's"
+    assert all(p.world_size == 8 and p.dtype == "bf16" for p in problems)
+    assert default_modes(ar[0]) == ("eager", "graph") == default_modes(ar[-1])
+    small = next(p for p in moe if p.n_tokens_local == 256)
+    large = next(p for p in moe if p.n_tokens_local == 1024)
+    assert default_modes(small) == ("eager", "graph") and default_modes(large) == ("eager",)
+    tiny, huge = timing_plan(ar[0], "eager"), timing_plan(ar[-1], "eager")
+    assert tiny.calls_per_sample > 1 and huge.calls_per_sample == 1 and huge.n_inputs == 2 and tiny.n_inputs == 8
+    assert timing_plan(ar[0], "graph").calls_per_graph >= 8
 
 
-class FakeData:
-    """ProblemData's interface for one output of 16 floats (exact check)."""
+class _FakeBackend:
+    def __init__(self, name, ops, space, reason=None):
+        self.name, self.ops, self.space, self.reason = name, ops, space, reason
 
-    def __init__(self):
-        self.device = torch.device("cpu")
-        self.expected = torch.arange(16, dtype=torch.float32)
-        self.mask, self.exact = None, True
+    def unsupported_reason(self, problem, caps):
+        return self.reason
 
-    def validation_args(self):
-        return (torch.zeros(16),)
-
-    def timing_args(self):
-        return [(torch.zeros(16),)] * 2
+    def search_space(self, problem):
+        return self.space
 
 
-def _evaluator(ws, control_group=None):
-    return SweepEvaluator(Problem.all_reduce(64, "fp32", 2), "eager", {}, FakeData(), RunContext(workspace=ws), PLAN,
-                          control_group=control_group)
+def test_candidates_for_skips_unsupported_and_uncapturable():
+    shape = MoEShape(2048, 128, 8)
+    problem = Problem.moe("dp_to_ep", shape, 4, world_size=2)
+    not_capturable = _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None])
+    not_capturable.graph_capturable = False
+    backends = {"nccl_all_to_all": not_capturable,
+                "triton_moe": _FakeBackend("triton_moe", ("dp_to_ep",), moe_space(shape.d_model, 4)),
+                "nccl": _FakeBackend("nccl", ("all_reduce",), [None]),
+                "broken": _FakeBackend("broken", ("dp_to_ep",), [None], reason="no workspace")}
+    caps = Capabilities(world_size=2)
+    eager, why = candidates_for(problem, "eager", backends, caps)
+    assert sorted(eager) == ["nccl_all_to_all", "triton_moe"] and why == {"broken": "no workspace"}
+    graph, why = candidates_for(problem, "graph", backends, caps)
+    assert sorted(graph) == ["triton_moe"] and why["nccl_all_to_all"] == "not CUDA-graph capturable"
 
 
-def test_a_workspace_output_is_copied_before_the_ranks_line_up():
-    """A MoE result lives in the workspace, where a peer's next call (it may start as soon as the
-    ranks passed the device barrier) overwrites it: the check must see the copy."""
-    log = []
-    ws = CpuWorkspace(on_barrier=lambda: (log.append("barrier"), ws.local_view("moe", (16,), torch.float32).fill_(-1)))
-    calls = []
-
-    def launcher(_):
-        calls.append(len(log))
-        out = ws.local_view("moe", (16,), torch.float32)
-        out.copy_(torch.arange(16, dtype=torch.float32))
-        return out
-
-    timing = _evaluator(ws).measure(launcher)
-    assert timing.ok and ws.device_barriers == 1 and calls[0] == 0  # validation call, then the barrier
-    assert len(calls) == 1 + PLAN.warmup + PLAN.repeats
-
-
-def test_a_barrier_that_gave_up_during_validation_fails_the_candidate_before_timing():
-    ws = CpuWorkspace()
-    calls = []
-
-    def launcher(x):
-        calls.append(1)
-        ws.give_up_a_wait()
-        return torch.arange(16, dtype=torch.float32)  # looks right: the flag alone must fail it
-
-    with pytest.raises(BarrierTimeout, match="barrier timed out: a peer never arrived .*validation"):
-        _evaluator(ws).measure(launcher)
-    assert len(calls) == 1, "nothing is timed after a failed barrier"
-
-
-def test_a_barrier_that_gave_up_during_timing_fails_the_candidate():
-    ws = CpuWorkspace()
-    calls = []
-
-    def launcher(x):
-        calls.append(1)
-        if len(calls) == 3:
-            ws.give_up_a_wait("moe_end")
-        return torch.arange(16, dtype=torch.float32)
-
-    with pytest.raises(BarrierTimeout, match="1 wait.*during timing"):
-        _evaluator(ws).measure(launcher)
-
-
-def test_reset_uses_the_control_group_and_clears_the_flags(monkeypatch):
-    ws = CpuWorkspace()
-    ws.give_up_a_wait()
-    groups = []
-    monkeypatch.setattr(Workspace, "_host_barrier", staticmethod(groups.append))
-    _evaluator(ws, control_group="control").reset()
-    assert ws.resets == [1] and ws.barrier_errors() == 0 and groups == ["control", "control"]
-    _evaluator(None).reset()  # NCCL-only sweeps have no workspace: nothing to do
-
-
-def test_the_measure_timeout_outlasts_a_spinning_wait():
-    assert measure_timeout_s() >= 2 * max_wait_s() + 60 and measure_timeout_s() >= 120
-    from autosymm.kernels.barrier import POLL_US_MAX, RUNTIME_MAX_POLLS, TUNING_MAX_POLLS
-
-    assert 2.0 < TUNING_MAX_POLLS * POLL_US_MAX * 1e-6 < 60.0  # the tuner's 2**24 polls at 2 us
-    assert RUNTIME_MAX_POLLS * 0.3e-6 > 300  # at run time: minutes, like NCCL's watchdog
-
-
-# -- two gloo ranks ----------------------------------------------------------------------------
-
-class TimingOutAllReduce(GlooAllReduce):
-    """GlooAllReduce whose ``timeouts`` configs, on rank 1, make a barrier wait give up in the first
-    timing call (after validation: the fake's host collectives stay matched on both ranks)."""
-
-    def __init__(self, name, space, timeouts):
-        super().__init__(name, space)
-        self.timeouts = set(timeouts)
-
-    def prepare(self, problem, config, ctx):
-        import torch.distributed as dist
-
-        inner = super().prepare(problem, config, ctx)
-        if config not in self.timeouts or dist.get_rank() != 1:
-            return inner
-        calls = []
-
-        def launcher(x):
-            calls.append(1)
-            if len(calls) == 2:
-                ctx.workspace.give_up_a_wait()
-            return inner(x)
-
-        return launcher
-
-
-def _sweep_worker(rank, world_size, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        from autosymm.tuning.sweep import run_sweep
-
-        space = all_reduce_space("one_shot", 8192, world_size, 2)[:3]
-        backends = {"nccl": GlooAllReduce("nccl", [None]),
-                    "triton_one_shot": TimingOutAllReduce("triton_one_shot", space, timeouts=space[1:2])}
-        ws = CpuWorkspace(rank, world_size)
-        items = run_sweep([Problem.all_reduce(16384, world_size=world_size)], backends=backends,
-                          group=dist.group.WORLD, workspace=ws, hardware="test-hw", strategy="grid", modes=["eager"],
-                          control_group=dist.new_group(backend="gloo"), timeout_s=30.0,
-                          plan_for=lambda problem, mode: PLAN)
-        (item,) = items
-        out.put((rank, {
-            "status": item.status, "winner": item.summary()["backend"] if item.summary() else None,
-            "results": [(r.candidate.describe(), r.score, r.error) for r in item.outcome.results],
-            "details": [r.detail for r in item.outcome.results if r.detail],
-            "bad": Candidate("triton_one_shot", space[1]).describe(),
-            "resets": ws.resets, "device_barriers": ws.device_barriers, "errors_left": ws.barrier_errors(),
-        }, None))
-    except BaseException:
-        out.put((rank, None, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_barrier_timeout_on_one_rank_fails_the_candidate_everywhere_and_the_sweep_goes_on():
-    reports = run_with_deadline(_sweep_worker, 2, deadline_s=90.0)
-    r0, r1 = reports[0], reports[1]
-    assert r0["results"] == r1["results"], "every rank holds the same outcome"
-    results = {name: (score, error) for name, score, error in r0["results"]}
-    assert len(results) == 4, "every candidate was measured: the search went on after the failure"
-    assert results[r0["bad"]] == (float("inf"), "measure failed on rank(s) [1]")
-    assert all(error is None for name, (_, error) in results.items() if name != r0["bad"])
-    assert r0["status"] == "tuned" and r0["winner"] is not None
-    assert any("barrier timed out: a peer never arrived" in d for d in r1["details"])
-    # one reset before the first problem, one after the failed candidate, on both ranks
-    assert r0["resets"] == [0, 0] and r1["resets"] == [0, 1]
-    assert r0["errors_left"] == r1["errors_left"] == 0
-    assert r0["device_barriers"] == r1["device_barriers"] == 4  # one per measured candidate
+def test_an_item_reports_a_failed_or_aborted_search_and_a_failed_database_write():
+    problem = Problem.all_reduce(8192, "bf16", 2)
+    assert SweepItem(problem, "eager", "failed", "no candidate passed validation").failure() == (
+        "all_reduce bf16 ws=2 8KiB [eager]: failed no candidate passed validation")
+    assert SweepItem(problem, "graph", "aborted", "hung").failure() == "all_reduce bf16 ws=2 8KiB [graph]: aborted hung"
+    outcome = TuneOutcome(problem, None, [], None)
+    written_badly = SweepItem(problem, "eager", "tuned", "database write failed: OperationalError: locked", outcome)
+    assert written_badly.failure().endswith("tuned database write failed: OperationalError: locked")
+    assert SweepItem(problem, "eager", "tuned", "", outcome).failure() is None
+    assert SweepItem(problem, "eager", "skipped", "no backend but the fallback serves it").failure() is None

@@ -11,13 +11,19 @@ from autosymm.configs import AllReduceConfig, all_reduce_space, config_from_json
 from autosymm.problem import MoEShape, Problem
 from autosymm.tuning.timing import Timing
 from autosymm.tuning.search import default_trials, resolve_strategy
-from autosymm.tuning.tuner import Candidate, TuneOutcome, build_candidates, tune
+from autosymm.tuning.outcome import Candidate, TuneOutcome, build_candidates
+from autosymm.tuning.tuner import SearchSettings, tune
 
 PROBLEM = Problem.all_reduce(1 << 20, world_size=4)
 NUMEL = 8 * 1024 * 1024
 BIG = {"triton_one_shot": all_reduce_space("one_shot", NUMEL, 8, 2),
        "triton_two_shot": all_reduce_space("two_shot", NUMEL, 8, 2)}
 BIG_PROBLEM = Problem.all_reduce(NUMEL * 2, world_size=8)
+GRID = SearchSettings(strategy="grid", timeout_s=None)  # no thread, no timeout
+
+
+def optuna(trials: int, seed: int) -> SearchSettings:
+    return SearchSettings(strategy="optuna", trials=trials, seed=seed, timeout_s=None)
 
 
 def smooth(config: AllReduceConfig) -> float:
@@ -74,7 +80,7 @@ def small_space():
 def test_fastest_valid_candidate_wins_and_results_sorted():
     space = small_space()
     ev = FakeEvaluate()
-    out = tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    out = tune(PROBLEM, space, ev, GRID)
     everything = build_candidates(space)
     expected = min(everything, key=fake_time)
     assert out.best is not None and out.best.candidate == expected
@@ -91,7 +97,7 @@ def test_bad_candidates_never_win(how):
     ranked = sorted(build_candidates(space), key=fake_time)
     bad = {ranked[0]: how, ranked[1]: how}  # the two fastest fail
     ev = FakeEvaluate(bad=bad)
-    out = tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    out = tune(PROBLEM, space, ev, GRID)
     assert out.best.candidate == ranked[2]
     failed = [r for r in out.results if r.candidate in bad]
     assert len(failed) == 2 and all(not r.ok and r.score == math.inf and r.error for r in failed)
@@ -105,7 +111,7 @@ def test_bad_candidates_never_win(how):
 def test_all_fail_gives_no_best():
     space = {"nccl": [None], "triton_one_shot": all_reduce_space("one_shot", 4096, 4, 2)[:3]}
     ev = FakeEvaluate(bad={c: "raise" for c in build_candidates(space)})
-    out = tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    out = tune(PROBLEM, space, ev, GRID)
     assert out.best is None and out.baseline is not None and not out.baseline.ok
     assert out.rows(mode="eager", hardware="x") == []
 
@@ -121,7 +127,7 @@ def test_plain_callable_form_and_timeout():
         return fake_time(candidate)  # a float is accepted as the median
 
     start = time.monotonic()
-    out = tune(PROBLEM, space, evaluate, strategy="grid", timeout_s=0.2, grace_s=5.0)
+    out = tune(PROBLEM, space, evaluate, SearchSettings(strategy="grid", timeout_s=0.2, grace_s=5.0))
     assert time.monotonic() - start < 5
     result = next(r for r in out.results if r.candidate == slow)
     assert result.error.startswith("measure timed out") and out.best.candidate != slow
@@ -131,14 +137,14 @@ def test_plain_callable_form_and_timeout():
 def test_grid_visits_every_point_exactly_once_in_order():
     space = small_space()
     ev = FakeEvaluate()
-    tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    tune(PROBLEM, space, ev, GRID)
     assert ev.measured == build_candidates(space)  # baselines first, then backends by name
     assert len(set(ev.measured)) == len(ev.measured)
 
 
 def _visits(seed, trials=20):
     ev = FakeEvaluate()
-    tune(BIG_PROBLEM, {"nccl": [None], **BIG}, ev, strategy="optuna", trials=trials, seed=seed, timeout_s=None)
+    tune(BIG_PROBLEM, {"nccl": [None], **BIG}, ev, optuna(trials, seed))
     return ev.measured
 
 
@@ -152,7 +158,7 @@ def test_tpe_is_reproducible_per_seed():
 def test_baselines_always_evaluated_once_outside_the_budget():
     space = {"nccl": [None], "torch_one_shot": [None], "torch_two_shot": [None], **BIG}
     ev = FakeEvaluate()
-    out = tune(BIG_PROBLEM, space, ev, strategy="optuna", trials=5, seed=0, timeout_s=None)
+    out = tune(BIG_PROBLEM, space, ev, optuna(trials=5, seed=0))
     baselines = [c for c in ev.measured if c.config is None]
     assert baselines == [Candidate("nccl"), Candidate("torch_one_shot"), Candidate("torch_two_shot")]
     assert ev.measured[:3] == baselines
@@ -168,7 +174,7 @@ def test_optuna_finds_near_best_with_30_percent_of_trials(seed):
     # only 18/20 times (median 1.3%, worst 6.9%).
     ev = FakeEvaluate()
     trials = math.ceil(0.3 * min(len(space) for space in BIG.values()))  # 30 %, past the default cap
-    out = tune(BIG_PROBLEM, {"nccl": [None], **BIG}, ev, strategy="optuna", trials=trials, seed=seed, timeout_s=None)
+    out = tune(BIG_PROBLEM, {"nccl": [None], **BIG}, ev, optuna(trials, seed))
     for backend, space in BIG.items():
         truth = min(fake_time(Candidate(backend, c)) for c in space)
         found = out.best_by_backend()[backend].score
@@ -188,14 +194,14 @@ def test_auto_strategy_and_default_budget():
     ev = FakeEvaluate(times=lambda c: 1.0 if c.config is None else float(c.config.block_n) / c.config.num_warps)
     shape = MoEShape(7168, 256, 8)
     out = tune(Problem.moe("dp_to_ep", shape, 8, world_size=8), {"triton_moe": moe, "nccl_all_to_all": [None]}, ev,
-               timeout_s=None)
+               SearchSettings(timeout_s=None))
     assert out.strategies == {"triton_moe": "optuna"} and out.baseline.candidate.backend == "nccl_all_to_all"
     assert len(ev.measured) == 1 + default_trials(len(moe))
 
 
 def test_rows_one_per_backend_with_nccl_baseline():
     space = small_space()
-    out = tune(PROBLEM, space, FakeEvaluate(), strategy="grid", timeout_s=None)
+    out = tune(PROBLEM, space, FakeEvaluate(), GRID)
     prov = {"gpu": "NVIDIA H200", "autosymm_version": "0.1.0", "torch_version": "2.6"}
     rows = out.rows(mode="graph", hardware="nvidia-h200-nvlink", provenance=prov)
     assert sorted(r["backend"] for r in rows) == ["nccl", "torch_one_shot", "triton_one_shot", "triton_two_shot"]
@@ -220,61 +226,6 @@ def test_outcome_aborted_records_nothing():
     assert out.rows(mode="eager", hardware="x") == []
 
 
-# ------------------------------------------------------------------------------------------
-# The sweep driver's pure parts (the driver itself runs over gloo in test_tuner_ranks.py)
-# ------------------------------------------------------------------------------------------
-
-
-from autosymm.backends import Capabilities  # noqa: E402
-from autosymm.tuning.sweep import MOE_TOKENS, candidates_for, default_modes, default_sweep, timing_plan  # noqa: E402
-
-
-def test_default_sweep_and_modes():
-    problems = default_sweep(8)
-    ar = [p for p in problems if p.op == "all_reduce"]
-    assert [p.nbytes for p in ar] == [4096 << i for i in range(17)] and ar[-1].nbytes == 256 << 20
-    moe = [p for p in problems if p.op != "all_reduce"]
-    assert len(moe) == 4 * 2 * 8 and {p.n_tokens_local for p in moe} == {1, 4, 16, 64, 256, 1024, 4096, 8192}
-    from autosymm.cli import DEFAULT_TOKENS, _parse_tokens
-
-    assert _parse_tokens(DEFAULT_TOKENS) == MOE_TOKENS, "`autosymm tune`'s default is the default sweep's"
-    assert all(p.world_size == 8 and p.dtype == "bf16" for p in problems)
-    assert default_modes(ar[0]) == ("eager", "graph") == default_modes(ar[-1])
-    small = next(p for p in moe if p.n_tokens_local == 256)
-    large = next(p for p in moe if p.n_tokens_local == 1024)
-    assert default_modes(small) == ("eager", "graph") and default_modes(large) == ("eager",)
-    tiny, huge = timing_plan(ar[0], "eager"), timing_plan(ar[-1], "eager")
-    assert tiny.calls_per_sample > 1 and huge.calls_per_sample == 1 and huge.n_inputs == 2 and tiny.n_inputs == 8
-    assert timing_plan(ar[0], "graph").calls_per_graph >= 8
-
-
-class _FakeBackend:
-    def __init__(self, name, ops, space, reason=None):
-        self.name, self.ops, self.space, self.reason = name, ops, space, reason
-
-    def unsupported_reason(self, problem, caps):
-        return self.reason
-
-    def search_space(self, problem):
-        return self.space
-
-
-def test_candidates_for_skips_unsupported_and_uncapturable():
-    shape = MoEShape(2048, 128, 8)
-    problem = Problem.moe("dp_to_ep", shape, 4, world_size=2)
-    not_capturable = _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None])
-    not_capturable.graph_capturable = False
-    backends = {"nccl_all_to_all": not_capturable,
-                "triton_moe": _FakeBackend("triton_moe", ("dp_to_ep",), moe_space(shape.d_model, 4)),
-                "nccl": _FakeBackend("nccl", ("all_reduce",), [None]),
-                "broken": _FakeBackend("broken", ("dp_to_ep",), [None], reason="no workspace")}
-    caps = Capabilities(world_size=2)
-    eager, why = candidates_for(problem, "eager", backends, caps)
-    assert sorted(eager) == ["nccl_all_to_all", "triton_moe"] and why == {"broken": "no workspace"}
-    graph, why = candidates_for(problem, "graph", backends, caps)
-    assert sorted(graph) == ["triton_moe"] and why["nccl_all_to_all"] == "not CUDA-graph capturable"
-
-
 class ResettingEvaluate(FakeEvaluate):
     """FakeEvaluate with the optional ``reset`` hook: records when the tuner calls it."""
 
@@ -294,7 +245,7 @@ def test_reset_runs_after_each_failed_measurement_only():
     cands = build_candidates(space)
     bad = {cands[1]: "raise", cands[2]: "prepare", cands[3]: "wrong", cands[4]: "inf"}
     ev = ResettingEvaluate(bad)
-    out = tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    out = tune(PROBLEM, space, ev, GRID)
     # prepare failures launch nothing (no reset); every failed measurement is followed by one
     assert ev.resets == [cands[1], cands[3], cands[4]]
     assert out.aborted is None and out.best is not None and len(out.results) == len(cands)
@@ -304,6 +255,6 @@ def test_a_failing_reset_stops_the_search():
     space = {"nccl": [None], "triton_one_shot": all_reduce_space("one_shot", 4096, 4, 2)[:6]}
     cands = build_candidates(space)
     ev = ResettingEvaluate({cands[2]: "raise"}, reset_error="pads not writable")
-    out = tune(PROBLEM, space, ev, strategy="grid", timeout_s=None)
+    out = tune(PROBLEM, space, ev, GRID)
     assert out.aborted and "reset after it failed" in out.aborted and "pads not writable" in out.aborted
     assert out.best is None and len(out.results) == 3  # nothing measured after the failed reset

@@ -20,7 +20,8 @@ from _gloo import run_with_deadline
 from autosymm.configs import all_reduce_space, config_to_json
 from autosymm.problem import Problem
 from autosymm.tuning.timing import Timing
-from autosymm.tuning.tuner import Candidate, build_candidates, tune
+from autosymm.tuning.outcome import Candidate, build_candidates
+from autosymm.tuning.tuner import SearchSettings, tune
 
 TIMEOUT_S = 1.0  # generous: a loaded CI machine must not time out a healthy fake
 SPACE = {"nccl": [None], "torch_one_shot": [None],
@@ -145,14 +146,15 @@ class GatherMoE:
 
 
 def run_gloo_sweep(rank, world_size):
-    """run_sweep end to end on gloo CPU tensors with stand-in backends (eager mode only)."""
+    """TuneSession.sweep end to end on gloo CPU tensors with stand-in backends (eager mode only)."""
     import torch.distributed as dist
 
     from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
     from autosymm.configs import moe_space
     from autosymm.db import TuningDB
     from autosymm.problem import MoEShape
-    from autosymm.tuning.sweep import TimingPlan, run_sweep
+    from autosymm.tuning.session import TuneSession, TuneSettings
+    from autosymm.tuning.sweep import TimingPlan
 
     ar_space = all_reduce_space("one_shot", 8192, world_size, 2)[:3]
     shape = MoEShape(64, 8, 2)
@@ -166,10 +168,11 @@ def run_gloo_sweep(rank, world_size):
                 Problem.moe("ep_to_dp", shape, 8, world_size=world_size)]
     db = TuningDB(":memory:") if rank == 0 else None
     control = dist.new_group(backend="gloo")
-    items = run_sweep(problems, backends=backends, group=dist.group.WORLD, workspace=None, db=db, hardware="test-hw",
-                      strategy="grid", modes=["eager"], control_group=control, timeout_s=30.0,
-                      plan_for=lambda problem, mode: TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1,
-                                                                calls_per_graph=2))
+    settings = TuneSettings(strategy="grid", modes=("eager",), timeout_s=30.0,
+                            plan_for=lambda problem, mode: TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1,
+                                                                      calls_per_graph=2))
+    session = TuneSession(settings, backends, group=dist.group.WORLD, db=db, hardware="test-hw", control_group=control)
+    items = session.sweep(problems)
     rows = [(r.op, r.backend, r.config, r.nccl_us is not None) for r in db.rows()] if db is not None else None
     return {"items": [(i.problem.describe(), i.mode, i.status, i.summary()["backend"] if i.summary() else None,
                        [(r.candidate.describe(), r.error) for r in i.outcome.results]) for i in items],
@@ -207,17 +210,17 @@ def _worker(rank, world_size, port, out):
         report = {}
         start = time.monotonic()
         # A: grid; failures in prepare / measure / wrong result / inf / a hang that recovers
-        outcome = tune(problem, SPACE, RankEvaluate(rank, plan, hang_s=TIMEOUT_S + 0.5), strategy="grid",
-                       timeout_s=TIMEOUT_S, grace_s=5.0)
+        outcome = tune(problem, SPACE, RankEvaluate(rank, plan, hang_s=TIMEOUT_S + 0.5),
+                       SearchSettings(strategy="grid", timeout_s=TIMEOUT_S, grace_s=5.0))
         report["grid"] = summary(outcome)
         # B: optuna (only rank 0 runs the study; the others follow its broadcasts)
-        outcome = tune(problem, BIG, RankEvaluate(rank, big_plan, 0), strategy="optuna", trials=12, seed=3,
-                       timeout_s=TIMEOUT_S)
+        outcome = tune(problem, BIG, RankEvaluate(rank, big_plan, 0),
+                       SearchSettings(strategy="optuna", trials=12, seed=3, timeout_s=TIMEOUT_S))
         report["optuna"] = summary(outcome)
         # C: the ranks disagree on the candidates: every rank raises, nobody hangs
         mine = dict(SPACE, triton_two_shot=SPACE["triton_two_shot"][: (7 if rank == 1 else 8)])
         try:
-            tune(problem, mine, RankEvaluate(rank, {}, 0), strategy="grid", timeout_s=TIMEOUT_S)
+            tune(problem, mine, RankEvaluate(rank, {}, 0), SearchSettings(strategy="grid", timeout_s=TIMEOUT_S))
             report["mismatch"] = "no error"
         except RuntimeError as exc:
             report["mismatch"] = "different candidate lists" in str(exc)
@@ -225,8 +228,8 @@ def _worker(rank, world_size, port, out):
         report["sweep"] = run_gloo_sweep(rank, world_size)
         # D: a candidate never comes back on one rank: the problem is abandoned everywhere
         stuck = {STUCK: (1, "hang")}
-        outcome = tune(problem, SPACE, RankEvaluate(rank, stuck, hang_s=120.0), strategy="grid",
-                       timeout_s=TIMEOUT_S, grace_s=0.5)
+        outcome = tune(problem, SPACE, RankEvaluate(rank, stuck, hang_s=120.0),
+                       SearchSettings(strategy="grid", timeout_s=TIMEOUT_S, grace_s=0.5))
         report["stuck"] = summary(outcome)
         report["elapsed"] = time.monotonic() - start
         out.put((rank, report, None))
