@@ -8,32 +8,20 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import click
 
 from . import __version__
-from .problem import MODEL_SHAPES, MODES, MoEShape, Problem, format_bytes, parse_bytes, parse_size_range
+from .cli_plans import DEFAULT_SIZES, DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
+from .problem import MODEL_SHAPES, MODES, MoEShape, format_bytes, parse_size_range
 
-DEFAULT_SIZES = "4KiB:256MiB"
-DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,8192"  # autosymm.tuning.sweep.MOE_TOKENS
 
 
 def _console():
     from rich.console import Console
 
     return Console(width=160)
-
-
-def _table(title: str, columns: list[str], rows: list[list]):
-    from rich.table import Table
-
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*[str(v) for v in row])
-    return table
 
 
 def _parse_shapes(text: str) -> dict[str, MoEShape]:
@@ -97,7 +85,7 @@ def run(ctx: click.Context) -> None:
         sources = open_sources(None, [path])
         combos = sorted({(r.hardware, r.gpu, r.world_size) for s in sources for r in s.db.rows()})
         for hardware, gpu, world_size in combos:
-            _plan(console, _Target(hardware, gpu, world_size, "bf16"), sources, None, ["all_reduce", "dp_to_ep", "ep_to_dp"])
+            plan(console, Target(hardware, gpu, world_size, "bf16"), sources, None, ["all_reduce", "dp_to_ep", "ep_to_dp"])
 
 
 # --------------------------------------------------------------------------------------- tune
@@ -110,42 +98,54 @@ def run(ctx: click.Context) -> None:
 @click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True, help="MoE shapes: model names or d{D}_e{E}_k{K}")
 @click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="MoE tokens per rank: a list, or low:high (every power of two)")
 @click.option("--strategy", type=click.Choice(["auto", "grid", "optuna"]), default="auto", show_default=True)
-@click.option("--trials", type=int, default=None, help="Optuna trials per problem and backend (default: 30 % of the space, 16..24)")
+@click.option("--trials", type=click.IntRange(min=1), default=None, help="Optuna trials per problem and backend (default: 30 % of the space, 16..24)")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")
 @click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
 @click.option("--backends", "backend_list", default=None,
               help="only these backends, comma-separated (default: every registered one; NCCL is always timed)")
-def tune(nproc, ops, sizes, dtypes, modes, shapes, tokens, strategy, trials, db_path, json_summary,
-         backend_list) -> None:
+def tune(nproc, json_summary, **opts) -> None:
     """Tune every applicable backend on the local GPUs and record the winners."""
+    import os
+
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
-    import os
-
     from .kernels.barrier import TUNING_MAX_POLLS
-
-    # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
-    os.environ.setdefault("AUTOSYMM_BARRIER_MAX_POLLS", str(TUNING_MAX_POLLS))
-    from .db import user_db_path
-    from .tuning.session import TuneOptions, tune_job
+    from .tuning.session import tune_job
     from .tuning.workers import run_workers
 
-    options = TuneOptions(
-        ops=[o.strip() for o in ops.split(",") if o.strip()],
-        sizes=parse_size_range(sizes), dtypes=[d.strip() for d in dtypes.split(",")],
-        modes=[m.strip() for m in modes.split(",")], shapes=_parse_shapes(shapes), tokens=_parse_tokens(tokens),
-        strategy=strategy, trials=trials, db_path=str(db_path or user_db_path()),
-        backends=_parse_backends(backend_list),
-    )
-    for mode in options.modes:
-        if mode not in MODES:
-            raise click.BadParameter(f"mode {mode!r} is not one of {MODES}", param_hint="--modes")
-    summary = run_workers(tune_job, nproc, options)
-    _print_summary(summary or [])
+    options = _tune_options(opts)
+    # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
+    os.environ.setdefault("AUTOSYMM_BARRIER_MAX_POLLS", str(TUNING_MAX_POLLS))
+    result = run_workers(tune_job, nproc, options)
+    if result is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return
+    _print_summary(result.rows)
     if json_summary:
-        Path(json_summary).write_text(json.dumps(summary, indent=1))
+        Path(json_summary).write_text(json.dumps(result.rows, indent=1))
+    if result.failures:
+        raise click.ClickException(f"{len(result.failures)} (problem, mode) pair(s) failed (listed above)")
+
+
+def _tune_options(opts: dict):
+    """autosymm.tuning.session.TuneOptions of `tune`'s options; bad values are usage errors."""
+    from .db import user_db_path
+    from .tuning.session import TuneOptions
+
+    def items(name: str) -> list[str]:
+        return [t.strip() for t in opts[name].split(",") if t.strip()]
+
+    try:
+        options = TuneOptions(
+            ops=items("ops"), sizes=parse_size_range(opts["sizes"]), dtypes=items("dtypes"), modes=items("modes"),
+            shapes=_parse_shapes(opts["shapes"]), tokens=_parse_tokens(opts["tokens"]),
+            strategy=opts["strategy"], trials=opts["trials"], db_path=str(opts["db_path"] or user_db_path()),
+            backends=_parse_backends(opts["backend_list"]))
+        options.settings()  # validates strategy, trials and modes before any worker starts
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return options
 
 
 def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
@@ -168,7 +168,7 @@ def _print_summary(rows: list[dict]) -> None:
     body = [[r["op"], r["label"], r["mode"], r["backend"], r["config"], f"{r['us']:.2f}",
              f"{r['nccl_us']:.2f}" if r.get("nccl_us") else "-",
              f"{r['speedup']:.2f}x" if r.get("speedup") else "-"] for r in rows]
-    _console().print(_table("autosymm tune: winners", columns, body))
+    _console().print(table("autosymm tune: winners", columns, body))
 
 
 # -------------------------------------------------------------------------------------- bench
@@ -224,7 +224,7 @@ def show(db_paths, all_rows, as_json, op, world_size) -> None:
         body.append([r.gpu, r.world_size, r.op, r.dtype, size, r.shape or "-", r.mode, r.backend, _short_config(r.config),
                      f"{r.median_us:.2f}", f"{r.nccl_us:.2f}" if r.nccl_us else "-",
                      f"{r.speedup:.2f}x" if r.speedup else "-"])
-    _console().print(_table(f"{len(rows)} rows", columns, body))
+    _console().print(table(f"{len(rows)} rows", columns, body))
 
 
 def _db_paths(db_paths) -> list[Path]:
@@ -237,19 +237,19 @@ def _db_paths(db_paths) -> list[Path]:
 
 
 def _collect_rows(db_paths, op, world_size, winners_only: bool):
+    """Rows of the databases (each one's ``winners`` view with ``winners_only``; across several
+    files the fastest winner of each key)."""
     from .db import TuningDB
 
+    filters = {k: v for k, v in (("op", op), ("world_size", world_size)) if v is not None}
     rows = []
     for path in _db_paths(db_paths):
-        db = TuningDB(path, readonly=True)
-        filters = {k: v for k, v in (("op", op), ("world_size", world_size)) if v is not None}
-        rows.extend(db.rows(**filters))
+        with TuningDB(path, readonly=True) as db:
+            rows.extend(db.winners(**filters) if winners_only else db.rows(**filters))
     if winners_only:
         best = {}
-        for r in rows:
-            key = (r.hardware, r.world_size, r.op, r.dtype, r.bucket, r.shape, r.mode)
-            if key not in best or r.median_us < best[key].median_us:
-                best[key] = r
+        for r in sorted(rows, key=lambda r: (r.median_us, r.backend)):
+            best.setdefault(r.key, r)
         rows = list(best.values())
     rows.sort(key=lambda r: (r.hardware, r.world_size, r.op, r.shape, r.dtype, r.mode, r.bucket, r.median_us))
     return rows
@@ -293,7 +293,7 @@ def explain(**opts) -> None:
     fp = fingerprint()
     gpu = opts["gpu"] or fp.gpu_name
     hardware = hardware_slug_for(gpu, opts["links"]) if gpu != fp.gpu_name else fp.hardware_slug
-    target = _Target(hardware, gpu, opts["world_size"], opts["dtype"])
+    target = Target(hardware, gpu, opts["world_size"], opts["dtype"])
     op, shape = opts["op"], opts["shape"]
     moe_shape = _parse_shapes(shape)[shape] if shape else None
     if op != "all_reduce" and moe_shape is None:
@@ -301,39 +301,16 @@ def explain(**opts) -> None:
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
     sources = _open(opts["db_paths"])
     if opts["all_sizes"]:
-        _plan(_console(), target, sources, moe_shape, [op], modes)
+        plan(_console(), target, sources, moe_shape, [op], modes)
         return
-    problem = _explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target)
+    problem = explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target)
     from .dispatch import decide
 
     for m in modes:
-        decision = decide(problem, m, _offline_caps(target), sources, hardware)
+        decision = decide(problem, m, offline_caps(target), sources, hardware)
         click.echo(f"{problem.describe()} [{m}] on {gpu} ({hardware}): {decision.describe()}")
         for skipped in decision.skipped:
             click.echo(f"  skipped {skipped}")
-
-
-class _Target(NamedTuple):
-    """The machine and call family `explain` and the plans are for."""
-
-    hardware: str
-    gpu: str
-    world_size: int
-    dtype: str
-
-
-def _explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: _Target) -> Problem:
-    if op == "all_reduce":
-        if nbytes is None:
-            raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
-        try:
-            size = parse_bytes(nbytes)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--bytes") from None
-        return Problem.all_reduce(size, target.dtype, target.world_size)
-    if tokens is None:
-        raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
-    return Problem.moe(op, moe_shape, tokens, target.dtype, target.world_size)
 
 
 def _open(db_paths):
@@ -341,62 +318,6 @@ def _open(db_paths):
     from .dispatch import open_sources
 
     return open_sources(None, _db_paths(db_paths))
-
-
-def _offline_caps(target: _Target):
-    """Capabilities assumed when explaining for another machine: the default workspace (or
-    AUTOSYMM_WORKSPACE_BYTES), intra-node (autosymm.backends.Capabilities.of)."""
-    from .backends import Capabilities
-    from .symm import default_region_bytes
-
-    cc = (9, 0) if any(name in target.gpu.upper() for name in ("H100", "H200", "H800", "H20", "GH200")) else (8, 0)
-    return Capabilities.of(target.world_size, region_bytes=default_region_bytes(), compute_capability=cc)
-
-
-def _plan(console, target: _Target, sources, moe_shape, ops, modes=MODES) -> None:
-    """One table per op: the decision at every default size (or shape x token count)."""
-    from .dispatch import decide
-
-    hardware, gpu, world_size, dtype = target
-    caps = _offline_caps(target)
-    for this_op in ops:
-        if this_op == "all_reduce":
-            problems = [(format_bytes(s), Problem.all_reduce(s, dtype, world_size)) for s in parse_size_range(DEFAULT_SIZES)]
-        else:
-            shapes = [moe_shape] if moe_shape else _shapes_in(sources, hardware, world_size, this_op)
-            problems = [(f"{s.key} {t} tok", Problem.moe(this_op, s, t, dtype, world_size))
-                        for s in shapes for t in _parse_tokens(DEFAULT_TOKENS)]
-        if not problems:
-            continue
-        body = []
-        for label, problem in problems:
-            row = [label]
-            for m in modes:
-                d = decide(problem, m, caps, sources, hardware)
-                row += [d.backend, _short_config_obj(d.config),
-                        f"{d.expected_us:.2f}" if d.expected_us else "-",
-                        f"{d.nccl_us / d.expected_us:.2f}x" if d.nccl_us and d.expected_us else "-"]
-            body.append(row)
-        columns = ["size" if this_op == "all_reduce" else "shape/tokens"]
-        for m in modes:
-            columns += [f"{m} backend", f"{m} config", f"{m} us", f"{m} vs NCCL"]
-        console.print(_table(f"{this_op} plan: {world_size}x {gpu} ({hardware}), {dtype}", columns, body))
-
-
-def _shapes_in(sources, hardware, world_size, op) -> list[MoEShape]:
-    keys = set()
-    for source in sources:
-        for row in source.db.rows(hardware=hardware, world_size=world_size, op=op):
-            keys.add(row.shape)
-    return [MoEShape.from_key(k) for k in sorted(keys) if k]
-
-
-def _short_config_obj(config) -> str:
-    from .configs import config_fields
-
-    if config is None:
-        return "-"
-    return " ".join(f"{k}={v}" for k, v in config_fields(config).items() if k != "algorithm")
 
 
 # --------------------------------------------------------------------------------------- info

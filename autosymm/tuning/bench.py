@@ -110,7 +110,7 @@ def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
             if impl == "autosymm":
                 launch, backend = autosymm.all_reduce, ""
             else:
-                why_not = get_backend(impl).unsupported_reason(problem, caps)
+                why_not = get_backend(impl).why_not(problem, caps)
                 if why_not is not None:
                     rows += [BenchRow("all_reduce", format_bytes(nbytes), nbytes, m, impl, None, note=why_not)
                              for m in options.modes]

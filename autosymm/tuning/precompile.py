@@ -28,7 +28,7 @@ def compile_threads() -> int:
 
 def precompile(problem: Problem, candidates: dict[str, list], backends: dict, ctx, args: tuple,
                device: torch.device) -> int:
-    """Compile every kernel the candidates of backends with ``compiles_kernels`` would launch for
+    """Compile every kernel the candidates of backends whose Needs say ``compiles_kernels`` would launch for
     ``args``, in :func:`compile_threads` threads; returns how many launchers ran. Local only (no
     launch, no collective: autosymm.backends.launch.compile_only). A failure is left for the
     candidate's own prepare/measure to report. Without it, the first candidates of each problem
@@ -38,7 +38,7 @@ def precompile(problem: Problem, candidates: dict[str, list], backends: dict, ct
     if interpreter_active():
         return 0
     jobs = [(name, config) for name, configs in candidates.items()
-            if getattr(backends[name], "compiles_kernels", False) for config in configs]
+            if backends[name].needs.compiles_kernels for config in configs]
     if not jobs:
         return 0
 

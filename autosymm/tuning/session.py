@@ -22,7 +22,7 @@ from .outcome import TuneOutcome
 from .precompile import precompile
 from .rank_comm import RankComm
 from .reference import ProblemData
-from .sweep import (SweepItem, TimingPlan, _capabilities, candidates_for, control_group_for, default_modes,
+from .sweep import (SweepItem, TimingPlan, candidates_for, control_group_for, default_modes,
                     measure_timeout_s, timing_plan)
 from .timing import comm_device
 from .tuner import SearchSettings, tune
@@ -68,20 +68,18 @@ def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: 
 
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
-    """(all-reduce, MoE) region bytes the sweep needs (at least the defaults)."""
-    from ..backends.triton_all_reduce import stage_bytes
+    """(all-reduce, MoE) region bytes the sweep needs (at least the defaults): the largest stage
+    any all-reduce backend needs (the push one-shot's slot per peer), both MoE buffers."""
+    from ..geometry import moe_region_bytes, stage_bytes
     from ..symm import default_region_bytes
 
-    ar_default, moe_default = default_region_bytes()
-    # the largest stage any all-reduce backend needs: the push one-shot's slot per peer
-    ar = max([stage_bytes("one_shot_push", p.nbytes, p.world_size) for p in problems if p.op == "all_reduce"]
-             + [ar_default])
-    moe = moe_default
+    ar, moe = default_region_bytes()
     for p in problems:
         if p.op in MOE_OPS:
-            rows_global = p.world_size * p.n_tokens_local * p.shape.n_expts_act
-            rows_local = p.n_tokens_local * p.shape.n_expts_act
-            moe = max(moe, (rows_global + rows_local) * p.shape.d_model * p.elem_bytes + (1 << 20))
+            moe = max(moe, moe_region_bytes(p.n_tokens_local, p.shape.n_expts_act, p.shape.d_model * p.elem_bytes,
+                                            p.world_size))
+        else:
+            ar = max(ar, stage_bytes("one_shot_push", p.nbytes, p.world_size))
     return ar, moe
 
 
@@ -124,7 +122,7 @@ class TuneSession:
                  hardware=None, control_group=None):
         import torch.distributed as dist
 
-        from ..backends import RunContext
+        from ..backends import Capabilities, RunContext
         from ..hardware import fingerprint, provenance
 
         self.settings, self.backends = settings, dict(backends)
@@ -133,7 +131,7 @@ class TuneSession:
         fp = hardware if hardware is not None and not isinstance(hardware, str) else fingerprint()
         self.hardware_slug = hardware if isinstance(hardware, str) else fp.hardware_slug
         self.provenance = provenance(fp)
-        self.caps = _capabilities(workspace, self.world_size, fp)
+        self.caps = Capabilities.of(self.world_size, workspace=workspace, compute_capability=fp.compute_capability)
         self.device = workspace.device if workspace is not None else comm_device(group)
         self.control_group = control_group if control_group is not None else control_group_for(group)
         self.ctx = RunContext(group=group, workspace=workspace)

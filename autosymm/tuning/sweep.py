@@ -19,8 +19,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from ..configs import config_to_json
 from ..problem import MODEL_SHAPES, MOE_OPS, Problem, format_bytes
 from .outcome import TuneOutcome
@@ -124,36 +122,20 @@ class SweepItem:
 
 
 def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[dict[str, list], dict[str, str]]:
-    """({backend: configs} of the backends serving ``problem`` in ``mode``, {backend: why not})."""
+    """({backend: configs} of the backends serving ``problem`` in ``mode``, {backend: why not}),
+    by the backends' one eligibility contract (autosymm.backends.base.Backend.why_not)."""
     out: dict[str, list] = {}
     why_not: dict[str, str] = {}
     for name in sorted(backends):
         backend = backends[name]
-        if problem.op not in getattr(backend, "ops", ()):
+        if problem.op not in backend.needs.ops:
             continue
-        reason = backend.unsupported_reason(problem, caps)
-        if reason is None and mode == "graph" and not getattr(backend, "graph_capturable", True):
-            reason = "not CUDA-graph capturable"
+        reason = backend.why_not(problem, caps, mode)
         if reason is not None:
             why_not[name] = reason
             continue
         out[name] = list(backend.search_space(problem))
     return out, why_not
-
-
-def _capabilities(workspace, world_size: int, fingerprint):
-    from ..backends import Capabilities
-
-    ops = getattr(torch.ops, "symm_mem", None)
-    return Capabilities(
-        world_size=world_size,
-        all_reduce_bytes=workspace.capacity("all_reduce") if workspace is not None else 0,
-        moe_bytes=workspace.capacity("moe") if workspace is not None else 0,
-        has_multicast=bool(workspace is not None and workspace.has_multicast),
-        intra_node=True,
-        torch_symm_ops=workspace is not None and ops is not None and hasattr(ops, "two_shot_all_reduce_"),
-        compute_capability=tuple(getattr(fingerprint, "compute_capability", (0, 0))),
-    )
 
 
 def control_group_for(group):

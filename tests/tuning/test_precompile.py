@@ -3,6 +3,7 @@ stand-ins for triton's JIT functions: the GPU compile itself is exercised by the
 
 import torch
 
+from autosymm.backends.base import Backend, Needs
 from autosymm.backends import RunContext
 from autosymm.configs import all_reduce_space
 from autosymm.problem import Problem
@@ -30,9 +31,8 @@ class _FakeJit:
         return launch
 
 
-class _CompilingBackend:
-    ops = ("all_reduce",)
-    compiles_kernels = True
+class _CompilingBackend(Backend):
+    needs = Needs(ops=("all_reduce",), compiles_kernels=True)
 
     def __init__(self, fn, fail_on=()):
         self.fn, self.fail_on = fn, set(fail_on)
@@ -45,8 +45,8 @@ class _CompilingBackend:
         return LeanLauncher(self.fn, (config.num_blocks,), dict(BLOCK=config.block_size), num_warps=config.num_warps)
 
 
-class _CollectiveBackend:
-    ops = ("all_reduce",)
+class _CollectiveBackend(Backend):
+    needs = Needs(ops=("all_reduce",))
 
     def prepare(self, problem, config, ctx):
         raise AssertionError("a backend without compiles_kernels must not be called: it may run collectives")

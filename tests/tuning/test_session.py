@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from _gloo import run_gloo
 
+from autosymm.backends.base import Backend, Needs
 from autosymm.configs import all_reduce_space
 from autosymm.problem import Problem
 from autosymm.tuning.session import TuneOptions, TuneSettings
@@ -43,17 +44,15 @@ def test_settings_name_the_bad_value(kwargs, message):
         TuneSettings(**kwargs)
 
 
-class _OnlyRightAt:
+class _OnlyRightAt(Backend):
     """A stand-in all-reduce (gloo) that is right only below ``max_nbytes``: above, every config
     (the baseline too) adds 1 to the result, so no candidate passes validation."""
 
-    ops = ("all_reduce",)
+    needs = Needs(ops=("all_reduce",))
 
     def __init__(self, space, max_nbytes):
         self.space, self.max_nbytes = space, max_nbytes
 
-    def unsupported_reason(self, problem, caps):
-        return None
 
     def search_space(self, problem):
         return self.space

@@ -3,6 +3,7 @@ candidates each backend offers, and how an item reports a failure."""
 
 from __future__ import annotations
 
+from autosymm.backends.base import Backend, Needs
 from autosymm.backends import Capabilities
 from autosymm.configs import moe_space
 from autosymm.problem import MoEShape, Problem
@@ -29,11 +30,12 @@ def test_default_sweep_and_modes():
     assert timing_plan(ar[0], "graph").calls_per_graph >= 8
 
 
-class _FakeBackend:
-    def __init__(self, name, ops, space, reason=None):
-        self.name, self.ops, self.space, self.reason = name, ops, space, reason
+class _FakeBackend(Backend):
+    def __init__(self, name, ops, space, reason=None, graph_capturable=True):
+        self.name, self.space, self.reason = name, space, reason
+        self.needs = Needs(ops=ops, graph_capturable=graph_capturable)
 
-    def unsupported_reason(self, problem, caps):
+    def limits(self, problem, caps):
         return self.reason
 
     def search_space(self, problem):
@@ -43,8 +45,7 @@ class _FakeBackend:
 def test_candidates_for_skips_unsupported_and_uncapturable():
     shape = MoEShape(2048, 128, 8)
     problem = Problem.moe("dp_to_ep", shape, 4, world_size=2)
-    not_capturable = _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None])
-    not_capturable.graph_capturable = False
+    not_capturable = _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None], graph_capturable=False)
     backends = {"nccl_all_to_all": not_capturable,
                 "triton_moe": _FakeBackend("triton_moe", ("dp_to_ep",), moe_space(shape.d_model, 4)),
                 "nccl": _FakeBackend("nccl", ("all_reduce",), [None]),

@@ -17,6 +17,7 @@ import pytest
 
 from _gloo import run_with_deadline
 
+from autosymm.backends.base import Backend, Needs
 from autosymm.configs import all_reduce_space, config_to_json
 from autosymm.problem import Problem
 from autosymm.tuning.timing import Timing
@@ -79,16 +80,14 @@ class RankEvaluate:
         return Timing(t, 0.9 * t, 1.1 * t, 20)
 
 
-class GlooAllReduce:
+class GlooAllReduce(Backend):
     """Stands in for NCCL (and, with ``wrong``/``broken`` configs, for the tuned kernels) on gloo."""
 
-    ops = ("all_reduce",)
+    needs = Needs(ops=("all_reduce",))
 
     def __init__(self, name, space, wrong=(), broken=()):
         self.name, self.space, self.wrong, self.broken = name, space, set(wrong), set(broken)
 
-    def unsupported_reason(self, problem, caps):
-        return None
 
     def search_space(self, problem):
         return self.space
@@ -109,18 +108,16 @@ class GlooAllReduce:
         return launcher
 
 
-class GatherMoE:
+class GatherMoE(Backend):
     """A correct (slow) MoE conversion through all_gather + autosymm.routing's references; ``wrong``
     configs drop one written row."""
 
-    ops = ("dp_to_ep", "ep_to_dp")
+    needs = Needs(ops=("dp_to_ep", "ep_to_dp"))
     name = "triton_moe"
 
     def __init__(self, space, wrong=()):
         self.space, self.wrong = space, set(wrong)
 
-    def unsupported_reason(self, problem, caps):
-        return None
 
     def search_space(self, problem):
         return self.space
