@@ -152,6 +152,8 @@ class Problem:
 
     @classmethod
     def moe(cls, op: str, shape: MoEShape, n_tokens_local: int, dtype: str = "bf16", world_size: int = 2) -> "Problem":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
         elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
         return cls(op, dtype, world_size, nbytes=n_tokens_local * shape.d_model * elem, shape=shape,
                    n_tokens_local=n_tokens_local)

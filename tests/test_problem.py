@@ -206,3 +206,8 @@ def test_problem_helpers():
     assert "all_reduce fp16 ws=8 12KiB" == problem.describe()
     moe = Problem.moe("dp_to_ep", MODEL_SHAPES["deepseek-v3"], 100)
     assert "d7168_e256_k8" in moe.describe() and "tokens/rank=100" in moe.describe()
+
+
+def test_a_moe_problem_with_an_unknown_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        Problem.moe("dp_to_ep", MoEShape(64, 8, 2), 4, "int8")

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from ..problem import MoEShape, Problem, format_bytes
 
 ALL_REDUCE_IMPLS = ("autosymm", "nccl", "torch_one_shot", "torch_two_shot")
-MOE_IMPLS = ("autosymm", "nccl_all_to_all")
 
 
 @dataclass
@@ -234,7 +233,6 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
         result.rows += _all_reduce_rows(options, group, workspace)
     if any(op in options.ops for op in ("dp_to_ep", "ep_to_dp")):
         result.rows += _moe_rows(options, group, workspace)
-    result.hardware.pop("extra", None)
     return result if rank == 0 else None
 
 
