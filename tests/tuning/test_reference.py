@@ -4,7 +4,7 @@ autosymm.routing's, and the output check rejects wrong, NaN and misshapen result
 import pytest
 import torch
 
-from autosymm import moe as moe_ref
+from autosymm import routing as moe_ref
 from autosymm.tuning.reference import check_output, moe_reference_for_rank
 
 
