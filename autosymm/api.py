@@ -16,15 +16,16 @@ import socket
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import dispatch
-from .backends import Capabilities, RunContext, get_backend
+from .agreement import AgreementError, Exchange, problems
+from .backends import FALLBACK, Capabilities, RunContext, get_backend
 from .dispatch import Decision
-from .problem import MoEShape, Problem, dtype_name
+from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
 
 log = logging.getLogger("autosymm")
 if os.environ.get("AUTOSYMM_LOG"):
@@ -45,54 +46,44 @@ class _Entry:
 
 
 class _GroupState:
-    def __init__(self, group) -> None:
-        from .db import shipped_db_paths, user_db_path
-        from .hardware import fingerprint
+    """What the first call on a group found out, agreed by every rank (see autosymm.agreement)."""
 
+    def __init__(self, group) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         backend = str(dist.get_backend(group)).lower()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
                        else torch.device("cpu"))
-        self.fingerprint = fingerprint()
-        self.hardware = self.fingerprint.hardware_slug
-        hosts: list = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        intra_node = len(set(hosts)) == 1
+        self.channel = Exchange(group, self.rank, self.world_size)
+        self.prepared_calls = 0
+        local = _LocalSetup(self.device, self.world_size)
+        reports = self.channel.exchange("init", local.report)
+        if any(report["capturing"] for report in reports):
+            raise AgreementError("autosymm: the first call on a group ran inside a CUDA-graph capture; call "
+                                 "autosymm.init(group) (or make one eager call) before capturing")
+        self.intra_node = len({report["host"] for report in reports}) == 1
+        self.fingerprint, self.hardware = local.fingerprint, local.fingerprint.hardware_slug
+        #: why every call takes the fallback (NCCL), when the ranks failed or disagree at set-up
+        self.safe_reason = problems(reports)
+        if self.safe_reason and self.rank == 0:
+            warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
         self.workspace = None
-        if (self.device.type == "cuda" and self.world_size > 1 and intra_node
-                and not dispatch.disabled_by_env()):
+        if self.safe_reason is None and local.wants_workspace and self.intra_node:
             from .symm import get_workspace
 
             self.workspace = get_workspace(group, self.device)
-        ws = self.workspace
-        self.caps = Capabilities.of(self.world_size, workspace=ws, intra_node=intra_node,
+        self.caps = Capabilities.of(self.world_size, workspace=self.workspace, intra_node=self.intra_node,
                                     compute_capability=self.fingerprint.compute_capability)
-        self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
-        self._agree_on_databases()
-        self.ctx = RunContext(group=group, workspace=ws)
+        self.sources = local.sources if self.safe_reason is None else []
+        self.ctx = RunContext(group=group, workspace=self.workspace)
         self.cache: dict[tuple, _Entry] = {}
 
-    def _agree_on_databases(self) -> None:
-        """Every rank must read the same rows: compare digests; on a mismatch use none."""
-        digest = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
-        digests: list = [None] * self.world_size
-        dist.all_gather_object(digests, digest, group=self.group)
-        self.db_agreed = len(set(digests)) == 1
-        if not self.db_agreed:
-            if self.rank == 0:
-                warnings.warn("autosymm: ranks read different tuning databases "
-                              f"({len(set(digests))} digests); every rank uses NCCL", stacklevel=3)
-            self.sources = []
-
     def decide(self, problem: Problem, mode: str) -> Decision:
-        decision = dispatch.decide(problem, mode, self.caps, self.sources, self.hardware)
-        if not self.db_agreed and decision.source == "":
-            decision = Decision(decision.backend, decision.config,
-                                "ranks disagree on the tuning databases; " + decision.reason,
-                                bucket=decision.bucket, mode=mode)
-        return decision
+        if self.safe_reason is not None:
+            return Decision(FALLBACK[problem.op], None, f"ranks failed or disagree at set-up ({self.safe_reason})",
+                            bucket=problem.bucket, mode=mode)
+        return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware)
 
     def prepare(self, problem: Problem, mode: str) -> _Entry:
         decision = self.decide(problem, mode)
@@ -109,6 +100,78 @@ class _GroupState:
                     f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
             launcher = backend.prepare(problem, decision.config, self.ctx)
         return _Entry(decision, launcher)
+
+    def agreed_entry(self, call: str, build: Callable[[], _Entry]) -> _Entry:
+        """``build()`` the prepared call, then check with every rank that each built the same
+        ``call`` (a description of op, dtype, size, mode) without error. A failure or mismatch
+        raises on every rank: the failing rank its own error, the others an AgreementError."""
+        entry, error = None, None
+        try:
+            entry = build()
+        except Exception as exc:  # reported to the peers before it propagates
+            error = exc
+        self.prepared_calls += 1
+        report = {"ok": error is None, "error": f"{type(error).__name__}: {error}" if error else "",
+                  "settings": {"call": call}}
+        trouble = problems(self.channel.exchange(f"call{self.prepared_calls}", report))
+        if error is not None:
+            raise error
+        if trouble is not None:
+            raise AgreementError(f"autosymm: ranks disagree on or failed at {call}: {trouble}")
+        return entry
+
+
+class _LocalSetup:
+    """What this rank finds out on its own before the first agreement; never raises: a failure
+    goes into ``report`` (ok False) so that every rank learns it and takes the same path."""
+
+    def __init__(self, device: torch.device, world_size: int) -> None:
+        from .hardware import cpu_fingerprint
+
+        self.fingerprint, self.sources, self.wants_workspace = cpu_fingerprint(), [], False
+        self.report: dict[str, Any] = {"ok": True, "error": "", "host": socket.gethostname(),
+                                       "capturing": _HAS_CUDA and torch.cuda.is_current_stream_capturing(),
+                                       "settings": {}}
+        try:
+            self._find_out(device, world_size)
+        except Exception as exc:  # bad env value, unreadable DB, driver trouble: every rank hears it
+            self.report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+
+    def _find_out(self, device: torch.device, world_size: int) -> None:
+        from .db import shipped_db_paths, user_db_path
+        from .geometry import MAX_WORLD_SIZE
+        from .hardware import fingerprint
+
+        self.fingerprint = fingerprint()
+        disabled = dispatch.disabled_by_env()
+        settings = self.report["settings"]
+        settings.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
+        self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
+        settings["databases"] = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
+        self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
+        if world_size > 1:  # what the kernels would be built with, compared even where none run
+            from .kernels.barrier import MAX_POLLS, MAX_POLLS_ERROR
+            from .symm import default_region_bytes, multicast_disabled_by_env
+
+            if MAX_POLLS_ERROR:
+                raise ValueError(MAX_POLLS_ERROR)
+            region_bytes = default_region_bytes()
+            settings.update(region_bytes=region_bytes, barrier_max_polls=int(MAX_POLLS.value),
+                            multicast_off=multicast_disabled_by_env())
+            if self.wants_workspace:
+                _check_free_memory(device, region_bytes)
+
+
+def _check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> None:
+    """MemoryError naming the bytes when ``device`` cannot hold the workspace: checked before the
+    rendezvous, because a rank whose allocation fails inside it would leave its peers waiting."""
+    from .geometry import DOUBLE_BUFFER_HALF_BYTES, workspace_layout
+
+    needed = workspace_layout(*region_bytes, DOUBLE_BUFFER_HALF_BYTES).total_bytes
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < needed:
+        raise MemoryError(f"{device} has {free} bytes free; the symmetric workspace needs {needed} "
+                          f"(AUTOSYMM_WORKSPACE_BYTES sizes it)")
 
 
 def _identity(x, *args):
@@ -168,32 +231,32 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
 
 def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, key: tuple) -> _Entry:
     mode = "graph" if key[-1] else "eager"
-    _check_tensor(x, state, "all_reduce")
-    if op not in _NCCL_OPS:
-        raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(_NCCL_OPS)}")
-    try:
-        dtype = dtype_name(x.dtype)
-    except ValueError:
-        dtype = None
-    if op != "sum" or dtype is None:
-        # Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
-        reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
-        decision = Decision("nccl", None, f"{reason} has no tuned kernel: NCCL", mode=mode)
-        reduce_op = getattr(dist.ReduceOp, _NCCL_OPS[op])
-        group = state.group
-
-        def launcher(t):
-            dist.all_reduce(t, op=reduce_op, group=group)
-            return t
-
-        entry = _Entry(decision, launcher)
-        log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
-    else:
-        problem = Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size)
-        entry = state.prepare(problem, mode)
+    call = f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
+    entry = state.agreed_entry(call, lambda: _build_all_reduce(state, x, op, mode))
     entry.bytes_per_call = x.numel() * x.element_size()
     state.cache[key] = entry
     return entry
+
+
+def _build_all_reduce(state: _GroupState, x: torch.Tensor, op: str, mode: str) -> _Entry:
+    _check_tensor(x, state, "all_reduce")
+    if op not in _NCCL_OPS:
+        raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(_NCCL_OPS)}")
+    dtype = DTYPE_NAMES.get(x.dtype)
+    if op == "sum" and dtype is not None:
+        return state.prepare(Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size), mode)
+    # Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
+    reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
+    decision = Decision("nccl", None, f"{reason} has no tuned kernel: NCCL", mode=mode)
+    reduce_op = getattr(dist.ReduceOp, _NCCL_OPS[op])
+    group = state.group
+
+    def launcher(t):
+        dist.all_reduce(t, op=reduce_op, group=group)
+        return t
+
+    log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
+    return _Entry(decision, launcher)
 
 
 def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
@@ -203,18 +266,30 @@ def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
     key = (op, src.dtype, src.shape, n_expts_tot, expt_indx.shape, mode)
     entry = state.cache.get(key)
     if entry is None:
-        _check_tensor(src, state, op)
-        n_expts_act = int(expt_indx.shape[1])
-        if op == "dp_to_ep":
-            n_tokens_local, d_model = int(src.shape[0]), int(src.shape[1])
-        else:
-            n_tokens_local, d_model = int(src.shape[0]) // (n_expts_act * state.world_size), int(src.shape[1])
-        problem = Problem.moe(op, MoEShape(d_model, n_expts_tot, n_expts_act), max(1, n_tokens_local),
-                              dtype_name(src.dtype), state.world_size)
-        entry = state.cache[key] = state.prepare(problem, mode)
+        call = (f"{op} of {src.dtype} {tuple(src.shape)} with {n_expts_tot} experts, expt_indx "
+                f"{tuple(expt_indx.shape)}, in {mode} mode")
+        entry = state.agreed_entry(call, lambda: _build_moe(state, op, src, expt_assignment, expt_indx, indx, mode))
         entry.bytes_per_call = src.numel() * src.element_size()
+        state.cache[key] = entry
     entry.calls += 1
     return entry.launcher(src, expt_assignment, expt_indx, indx)
+
+
+def _build_moe(state: _GroupState, op: str, src, assignment, expt_indx, indx, mode: str) -> _Entry:
+    from .backends.moe_inputs import check_index_ranges, check_inputs
+
+    _check_tensor(src, state, op)
+    n_expts_act = int(expt_indx.shape[1])
+    if op == "dp_to_ep":
+        n_tokens_local, d_model = int(src.shape[0]), int(src.shape[1])
+    else:
+        n_tokens_local, d_model = int(src.shape[0]) // (n_expts_act * state.world_size), int(src.shape[1])
+    problem = Problem.moe(op, MoEShape(d_model, int(assignment.expt_map.shape[1]), n_expts_act),
+                          max(1, n_tokens_local), dtype_name(src.dtype), state.world_size)
+    check_inputs(problem, state.device, state.world_size, src, assignment, expt_indx, indx)
+    if mode == "eager":  # a range check reads the indices back: not inside a capture
+        check_index_ranges(op, expt_indx, indx)
+    return state.prepare(problem, mode)
 
 
 def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, gate_indx: torch.Tensor,
@@ -242,11 +317,21 @@ def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_redu
             problem: Optional[Problem] = None) -> Decision:
     """The Decision a call would get on ``group`` (backend, config, DB row or fallback reason,
     expected µs), without running it. Give a tensor (all-reduce) or a Problem."""
-    state = _state(group)
-    mode = mode or _mode()
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"explain: mode={mode!r} is not one of {MODES}")
+    if op not in OPS:
+        raise ValueError(f"explain: op={op!r} is not one of {OPS}")
     if problem is None:
         if x is None:
             raise ValueError("explain needs a tensor or a Problem")
+        if op != "all_reduce":
+            raise ValueError(f"explain: a tensor describes an all-reduce, not {op}; pass "
+                             f"problem=autosymm.Problem.moe({op!r}, shape, n_tokens_local, dtype, world_size)")
+    elif op != "all_reduce" and problem.op != op:
+        raise ValueError(f"explain: op={op!r} but the problem is a {problem.op}")
+    state = _state(group)
+    mode = mode or _mode()
+    if problem is None:
         problem = Problem.all_reduce(x.numel() * x.element_size(), dtype_name(x.dtype), state.world_size)
     return state.decide(problem, mode)
 

@@ -37,23 +37,38 @@ def _teardown(dist) -> None:
         dist.destroy_process_group()
 
 
-def run_gloo(body, world_size: int, *args, env: dict | None = None) -> dict:
+def run_gloo(body, world_size: int, *args, env: dict | None = None, deadline_s: float = 120.0) -> dict:
     """``body(rank, world_size, *args)`` on ``world_size`` gloo processes; {rank: return value}.
 
     ``env``: {"all": {...}} and/or {rank: {...}} environment variables set before the group is
-    made. A failure on any rank fails the test with that rank's traceback.
+    made. A failure on any rank fails the test with that rank's traceback; a rank that has not
+    reported within ``deadline_s`` seconds fails it as a hang (its processes are killed).
     """
+    import queue as queue_module
+    import time
+
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world_size, free_port(), env or {}, body, args, results),
-                       nprocs=world_size, join=True, start_method="spawn")
-    out = {}
-    while not results.empty():
-        rank, status, value = results.get()
-        if status == "error":
-            pytest.fail(f"rank {rank}:\n{value}")
-        out[rank] = value
-    assert len(out) == world_size
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, env or {}, body, args, results), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    out, errors, end = {}, {}, time.monotonic() + deadline_s
+    try:
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, end - time.monotonic()))
+            except queue_module.Empty:
+                pytest.fail(f"hang: only ranks {sorted(out) + sorted(errors)} reported within {deadline_s} s")
+            (errors if status == "error" else out)[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+    for rank, value in sorted(errors.items()):
+        pytest.fail(f"rank {rank}:\n{value}")
     return out
 
 

@@ -190,7 +190,7 @@ def test_moe_shape_from_bad_key(key):
     (dict(op="broadcast", dtype="bf16", world_size=2), "op='broadcast'"),
     (dict(op="all_reduce", dtype="int8", world_size=2), "dtype='int8'"),
     (dict(op="all_reduce", dtype="bf16", world_size=0), "world_size=0"),
-    (dict(op="all_reduce", dtype="bf16", world_size=9), "world_size=9"),
+    (dict(op="all_reduce", dtype="bf16", world_size=2.0), "world_size=2.0"),
     (dict(op="all_reduce", dtype="bf16", world_size=2, nbytes=-1), "nbytes=-1"),
     (dict(op="dp_to_ep", dtype="bf16", world_size=2, n_tokens_local=4), "MoEShape"),
     (dict(op="ep_to_dp", dtype="bf16", world_size=2, shape=MoEShape(64, 8, 2)), "n_tokens_local"),
@@ -211,3 +211,16 @@ def test_problem_helpers():
 def test_a_moe_problem_with_an_unknown_dtype_is_a_value_error():
     with pytest.raises(ValueError, match="dtype='int8'"):
         Problem.moe("dp_to_ep", MoEShape(64, 8, 2), 4, "int8")
+
+
+def test_any_world_size_is_a_problem_that_only_nccl_serves_beyond_the_kernels():
+    from autosymm.backends import Capabilities, get_backend
+    from autosymm.dispatch import decide
+
+    problem = Problem.all_reduce(1 << 20, "bf16", 16)  # two 8-GPU nodes
+    caps = Capabilities.of(16, region_bytes=(1 << 30, 1 << 30))
+    assert "world size 16 > 8" in get_backend("triton_one_shot").why_not(problem, caps, "eager")
+    assert decide(problem, "eager", caps, [], "nvidia-h200-nvlink").backend == "nccl"
+    moe = Problem.moe("dp_to_ep", MoEShape(1024, 64, 4), 16, "bf16", 16)
+    assert get_backend("triton_moe").why_not(moe, caps, "eager") is not None
+    assert decide(moe, "eager", caps, [], "nvidia-h200-nvlink").backend == "nccl_all_to_all"

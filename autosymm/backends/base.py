@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..configs import AnyConfig
-from ..geometry import ALL_REDUCE_REGION, MOE_REGION
+from ..geometry import ALL_REDUCE_REGION, MAX_WORLD_SIZE, MOE_REGION
 from ..problem import DTYPES, MODES, Problem
 
 
@@ -112,8 +112,11 @@ class Backend:
             return "group spans nodes"
         if needs.torch_symm_ops and not caps.torch_symm_ops:
             return "torch.ops.symm_mem all-reduce ops unavailable"
-        if needs.workspace_region is not None and caps.region_bytes(needs.workspace_region) <= 0:
-            return "no symmetric workspace"
+        if needs.workspace_region is not None:
+            if problem.world_size > MAX_WORLD_SIZE:
+                return f"world size {problem.world_size} > {MAX_WORLD_SIZE} (the kernels' signal layout)"
+            if caps.region_bytes(needs.workspace_region) <= 0:
+                return "no symmetric workspace"
         if needs.multicast and not caps.has_multicast:
             return "no multicast"
         if tuple(caps.compute_capability) < needs.min_compute_capability:

@@ -68,3 +68,18 @@ def check_inputs(problem: Problem, device: torch.device, world_size: int, src, a
                            f"([{what}, d_model]; n_tokens_global={expt_indx.shape[0]} must be "
                            f"world size {world_size} * n_tokens_local)")
     return n_tokens_local
+
+
+def check_index_ranges(op: str, expt_indx: torch.Tensor, indx: torch.Tensor) -> None:
+    """BackendError unless every entry of ``indx`` (gate_indx / topk_indx) is a pair index in
+    [0, n_tokens_global * k). Expert ids need no check: any id outside [0, n_expts_tot) marks a
+    dropped pair, which every backend skips alike. Reads two numbers back from the device: call
+    it once per prepared call, outside a CUDA-graph capture."""
+    if indx.numel() == 0:
+        return
+    n_pairs = expt_indx.numel()
+    low, high = (int(v) for v in torch.aminmax(indx.reshape(-1)))
+    if low < 0 or high >= n_pairs:
+        name = "gate_indx" if op == "dp_to_ep" else "topk_indx"
+        raise BackendError(f"{op}: {name} holds values in [{low}, {high}], outside [0, {n_pairs}) "
+                           f"(n_tokens_global * k); build it with autosymm.route(expt_indx)")

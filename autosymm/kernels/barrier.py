@@ -54,15 +54,23 @@ RUNTIME_MAX_POLLS = 1 << 30
 TUNING_MAX_POLLS = 1 << 24
 
 
-def _max_polls_from_env() -> int:
+def _max_polls_from_env() -> tuple[int, str]:
+    """(polls, error): AUTOSYMM_BARRIER_MAX_POLLS or the run-time default. A bad value gives the
+    default plus an error message; the first call's rank agreement reports it (every rank then
+    takes NCCL), so a typo on one rank never makes ranks compile different kernels silently."""
     value = os.environ.get("AUTOSYMM_BARRIER_MAX_POLLS", "")
     if not value:
-        return RUNTIME_MAX_POLLS
-    polls = int(value, 0)
+        return RUNTIME_MAX_POLLS, ""
+    try:
+        polls = int(value, 0)
+    except ValueError:
+        polls = 0
     if not 1 <= polls < 1 << 31:
-        raise ValueError(f"AUTOSYMM_BARRIER_MAX_POLLS={value!r} must be in 1..2**31-1")
-    return polls
+        return RUNTIME_MAX_POLLS, f"AUTOSYMM_BARRIER_MAX_POLLS={value!r} must be an integer in 1..2**31-1"
+    return polls, ""
 
+
+_POLLS, MAX_POLLS_ERROR = _max_polls_from_env()
 
 #: Polls of an empty slot before a wait gives up (read when kernels are compiled; set
 #: AUTOSYMM_BARRIER_MAX_POLLS before importing autosymm to change it). One poll is a CTA barrier
@@ -71,7 +79,7 @@ def _max_polls_from_env() -> int:
 #: after roughly 5-18 minutes and the tuner's after roughly 5-17 s, far below the tuner's
 #: measurement timeout (autosymm.tuning.sweep), so a spinning kernel ends by itself there.
 #: Tests under the interpreter patch this module attribute to a handful of polls.
-MAX_POLLS: tl.constexpr = tl.constexpr(_max_polls_from_env())
+MAX_POLLS: tl.constexpr = tl.constexpr(_POLLS)
 #: A pessimistic cost of one poll (us), for host-side timeouts that must outlast a spinning wait.
 POLL_US_MAX = 2.0
 

@@ -1,0 +1,106 @@
+"""Rank agreement with a deadline: the ranks of a group exchange small JSON reports through the
+default c10d store (host memory, no device work, so it also runs during a CUDA-graph capture).
+
+Why the store and not a collective: a rank that failed before a collective leaves its peers
+waiting until the process-group timeout (minutes to hours). Every rank publishes a report, even
+"I failed, here is why", and waits for the others' with a deadline
+(``AUTOSYMM_AGREE_TIMEOUT_S``, default 300 s); a peer that never reports (it crashed, or took
+another path) turns into an :class:`AgreementError` naming it, on every rank that waits.
+
+Keys are ``autosymm/<group name>/<generation>/<tag>/<rank>``. The generation counts the group
+states this process made for the group name (``autosymm.reset()`` then a new first call gives
+the next one), so keys of an earlier state are never read again. Every rank of a group makes
+the same exchanges in the same order, hence the same tags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+DEFAULT_TIMEOUT_S = 300.0
+_GENERATIONS: dict[str, int] = {}
+
+
+class AgreementError(RuntimeError):
+    """The ranks of a group did not all report in time, or reported a failure or a mismatch."""
+
+
+def timeout_s() -> float:
+    """Seconds a rank waits for its peers' reports (AUTOSYMM_AGREE_TIMEOUT_S, default 300)."""
+    raw = os.environ.get("AUTOSYMM_AGREE_TIMEOUT_S", "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 24 * 3600:
+        raise ValueError(f"AUTOSYMM_AGREE_TIMEOUT_S={raw!r} must be a number of seconds in (0, 86400]")
+    return value
+
+
+def group_name(group) -> str:
+    """The name c10d gives ``group`` (the same string on every rank)."""
+    name = getattr(group, "group_name", None)
+    if name is None:
+        import torch.distributed as dist
+
+        name = dist.distributed_c10d._get_process_group_name(group)
+    return str(name)
+
+
+class Exchange:
+    """The agreement channel of one group state: ``exchange(tag, report)`` -> every rank's report."""
+
+    def __init__(self, group, rank: int, world_size: int, store=None) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world_size = rank, world_size
+        name = group_name(group)
+        generation = _GENERATIONS[name] = _GENERATIONS.get(name, 0) + 1
+        self.prefix = f"autosymm/{name}/{generation}/"
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.timeout = timedelta(seconds=timeout_s())
+
+    def exchange(self, tag: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+        """Publish this rank's ``report`` under ``tag``; return all ranks' reports in rank order.
+        AgreementError naming the ranks that did not report within the deadline."""
+        if self.world_size == 1:
+            return [report]
+        keys = [f"{self.prefix}{tag}/{rank}" for rank in range(self.world_size)]
+        self.store.set(keys[self.rank], json.dumps(report, sort_keys=True, default=str))
+        try:
+            self.store.wait(keys, self.timeout)
+        except RuntimeError:  # DistStoreError (a RuntimeError): some peer never reported
+            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            raise AgreementError(
+                f"autosymm: rank(s) {missing} of the group did not reach '{tag}' within "
+                f"{self.timeout.total_seconds():g} s (AUTOSYMM_AGREE_TIMEOUT_S): a peer failed, exited or "
+                f"made a different call") from None
+        return [json.loads(self.store.get(key)) for key in keys]
+
+
+def failures(reports: Sequence[dict[str, Any]]) -> list[str]:
+    """'rank r: error' for every report with ok False."""
+    return [f"rank {rank}: {report.get('error') or 'failed'}" for rank, report in enumerate(reports)
+            if not report.get("ok", False)]
+
+
+def differences(reports: Sequence[dict[str, Any]], field: str = "settings") -> list[str]:
+    """'name: rank 0 a, rank 1 b' for every entry of ``report[field]`` that differs across ranks."""
+    names = sorted({name for report in reports for name in (report.get(field) or {})})
+    out = []
+    for name in names:
+        values = [(report.get(field) or {}).get(name) for report in reports]
+        if len({json.dumps(v, sort_keys=True) for v in values}) > 1:
+            out.append(f"{name}: " + ", ".join(f"rank {rank} {value!r}" for rank, value in enumerate(values)))
+    return out
+
+
+def problems(reports: Sequence[dict[str, Any]], field: str = "settings") -> Optional[str]:
+    """One line naming every failure and every difference, or None when all ranks agree."""
+    found = failures(reports) + differences(reports, field)
+    return "; ".join(found) if found else None

@@ -1,0 +1,117 @@
+"""Fault injection on real gloo groups: a bad setting, input or call on one rank ends with an
+error or the same safe fallback on every rank, within a deadline, never a hang."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+from _gloo import run_gloo
+
+DEADLINE_S = 120.0
+
+
+def _with_autosymm(rank, world_size, body):
+    import autosymm
+
+    return body(rank, world_size, autosymm)
+
+
+def _settings_differ(rank, world_size, autosymm):
+    import warnings
+
+    x = torch.full((1000,), float(rank + 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autosymm.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, sum(range(1, world_size + 1))))
+    said = [str(w.message) for w in caught if "every rank uses NCCL" in str(w.message)]
+    assert len(said) == (1 if rank == 0 else 0)  # rank 0 warns, once
+    return autosymm.explain(x).reason
+
+
+def test_differing_or_bad_settings_put_every_rank_on_nccl(tmp_path):
+    env = {0: {}, 1: {"AUTOSYMM_DISABLE": "1"}, 2: {"AUTOSYMM_BARRIER_MAX_POLLS": "abc"},
+           3: {"AUTOSYMM_WORKSPACE_BYTES": "1GiB"}}
+    for rank in env:
+        env[rank]["AUTOSYMM_DB"] = str(tmp_path / "none.sqlite")
+    reasons = run_gloo(_with_autosymm, 4, _settings_differ, env=env, deadline_s=DEADLINE_S)
+    assert len(set(reasons.values())) == 1  # every rank says the same
+    reason = reasons[0]
+    assert "rank 2: ValueError: AUTOSYMM_BARRIER_MAX_POLLS='abc'" in reason
+    assert "disabled: rank 0 False, rank 1 True" in reason
+    assert "region_bytes" in reason and "rank 3 [536870912, 536870912]" in reason
+
+
+def _expect(error_type, match, fn):
+    with pytest.raises(error_type, match=match):
+        fn()
+
+
+def _bad_calls(rank, world_size, autosymm):
+    from autosymm.agreement import AgreementError
+    from autosymm.backends import BackendError
+
+    autosymm.init()
+    # dtype differs across ranks: every rank raises, naming both calls
+    mixed = torch.ones(256, dtype=torch.bfloat16 if rank == 0 else torch.float32)
+    _expect(AgreementError, "bfloat16 x 256.*rank 1 .*float32 x 256", lambda: autosymm.all_reduce(mixed))
+    # the op differs
+    _expect(AgreementError, "op=max", lambda: autosymm.all_reduce(torch.ones(64), op="max" if rank else "sum"))
+    # the failing rank raises its own error, the other an AgreementError naming it
+    x = torch.ones(64, 64)
+    bad = x.t() if rank == 1 else x
+    _expect(ValueError if rank == 1 else AgreementError, "not contiguous", lambda: autosymm.all_reduce(bad))
+    # after all that, matching calls still work
+    y = torch.full((300,), float(rank + 1))
+    autosymm.all_reduce(y)
+    assert torch.equal(y, torch.full_like(y, 3.0))
+    _moe_faults(rank, world_size, autosymm, AgreementError, BackendError)
+    _explain_errors(autosymm)
+    # a peer that never makes the call: the waiting rank gives up within the agreement deadline
+    state = autosymm.api._STATES[None]
+    state.channel.timeout = timedelta(seconds=2)
+    if rank == 0:
+        _expect(AgreementError, r"rank\(s\) \[1\] .* did not reach", lambda: autosymm.all_reduce(torch.ones(77)))
+    return True
+
+
+def _moe_faults(rank, world_size, autosymm, AgreementError, BackendError):
+    n_tokens, d_model, n_expts, k = 4, 32, 8, 2
+    assignment = autosymm.make_expt_assignment(world_size, n_expts, autosymm.make_expt_dict_uniform(world_size, n_expts),
+                                               "cpu")
+    expt_indx = torch.tensor([[e % n_expts, (e + 3) % n_expts] for e in range(n_tokens * world_size)], dtype=torch.int32)
+    gate_indx, _ = autosymm.route(expt_indx)
+    src = torch.randn(n_tokens, d_model)
+    # a wrong shape on one rank only
+    short = src[:3].contiguous() if rank == 1 else src
+    _expect(BackendError if rank == 1 else AgreementError, "src has shape",
+            lambda: autosymm.convert_dp_to_ep(short, assignment, expt_indx, gate_indx))
+    # index values out of range (on every rank): a clear error, whatever backend would run
+    broken = gate_indx.clone()
+    broken[0, 0] = n_tokens * world_size * k + 5
+    _expect(BackendError, r"gate_indx holds values in \[\d+, 21\]",
+            lambda: autosymm.convert_dp_to_ep(src, assignment, expt_indx, broken))
+
+
+def _explain_errors(autosymm):
+    x = torch.ones(16)
+    _expect(ValueError, "mode='bogus'", lambda: autosymm.explain(x, mode="bogus"))
+    _expect(ValueError, "a tensor describes an all-reduce", lambda: autosymm.explain(x, op="dp_to_ep"))
+    _expect(ValueError, "op='gather'", lambda: autosymm.explain(x, op="gather"))
+
+
+def test_bad_calls_raise_on_every_rank_and_nothing_hangs(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "30"}}
+    assert run_gloo(_with_autosymm, 2, _bad_calls, env=env, deadline_s=DEADLINE_S) == {0: True, 1: True}
+
+
+def _big_group(rank, world_size, autosymm):
+    x = torch.full((4097,), float(rank))
+    autosymm.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, float(sum(range(world_size)))))
+    return autosymm.explain(x).backend
+
+
+def test_three_ranks_sum(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite")}}
+    assert set(run_gloo(_with_autosymm, 3, _big_group, env=env, deadline_s=DEADLINE_S).values()) == {"nccl"}
