@@ -43,7 +43,7 @@ def _killed_peer(rank, world_size, dist, autosymm):
     autosymm.all_reduce(x)  # prepared and agreed on every rank
     torch.cuda.synchronize()
     if rank == 1:
-        os._exit(0)  # gone without a word, as a crashed peer
+        return "exits without a word, as a crashed peer"
     time.sleep(2)
     start = time.monotonic()
     backend = autosymm.explain(x).backend
@@ -115,6 +115,8 @@ def _worker(rank, world_size, port, name, env, db_path, out):
         out.put((rank, body(rank, world_size, dist, autosymm)))
     except BaseException:
         out.put((rank, "raised: " + traceback.format_exc(limit=2).strip().splitlines()[-1]))
+    out.close()
+    out.join_thread()  # the report is flushed to the pipe before the hard exit below
     os._exit(0)  # no teardown: a scenario may leave a peer gone
 
 
