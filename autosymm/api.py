@@ -24,12 +24,11 @@ import torch.distributed as dist
 from . import dispatch
 from .backends import Capabilities, RunContext, get_backend
 from .dispatch import Decision
+from .logs import configure_from_env
 from .problem import MoEShape, Problem, dtype_name
 
 log = logging.getLogger("autosymm")
-if os.environ.get("AUTOSYMM_LOG"):
-    logging.basicConfig()
-    log.setLevel(os.environ["AUTOSYMM_LOG"].upper())
+configure_from_env()  # AUTOSYMM_LOG; a bad value is warned about, never raised
 
 _NCCL_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
