@@ -2,9 +2,9 @@
 
 * usage errors (a bad option value, an unknown command): ``Error: ... (try 'autosymm X --help')``,
   exit code 2;
-* runtime failures a user can cause (a corrupt or newer database, an unreadable path, a bad
-  setting: ValueError, OSError, sqlite3.Error and autosymm's database errors, which are
-  ValueErrors): ``Error: <message>``, exit code 1;
+* runtime failures a user can cause or meet (a corrupt or newer database, an unreadable path, a
+  bad setting, a CUDA or worker failure: ValueError, OSError, RuntimeError, sqlite3.Error and
+  autosymm's database errors, which are ValueErrors): ``Error: <message>``, exit code 1;
 * anything else (a bug): ``Error: unexpected <type>: <message> ...``, exit code 1.
 
 With ``AUTOSYMM_LOG=debug`` every non-click exception keeps its traceback.
@@ -22,13 +22,17 @@ import click
 
 from .logs import debug_enabled
 
-#: Exceptions a user's input or environment causes: shown as their message alone.
-USER_ERRORS = (ValueError, OSError, sqlite3.Error)
+#: Exceptions a user's input or environment causes (RuntimeError: torch's CUDA/NCCL failures, a
+#: failed tune worker, no GPU for --nproc): shown as their message alone.
+USER_ERRORS = (ValueError, OSError, RuntimeError, sqlite3.Error)
 
 
 def one_line(text: object) -> str:
-    """``text`` (an exception or message) with every run of whitespace, newlines included, as one space."""
-    line = " ".join(str(text).split())
+    """``text`` (an exception or message) as one line: every run of whitespace, newlines included,
+    as one space; an embedded traceback (a worker's, already printed by the worker) cut off."""
+    lines = str(text).splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), len(lines))
+    line = " ".join(" ".join(lines[:cut]).split())
     return line or type(text).__name__
 
 

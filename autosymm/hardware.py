@@ -8,6 +8,10 @@ Two slugs come out of it:
 * ``node_slug`` (shipped file name): the hardware slug plus the local GPU count, e.g.
   ``nvidia-h200-nvlink-x2`` -> ``tuning_db/nvidia-h200-nvlink-x2.sqlite``.
 
+The link class comes from NVML (nvidia-ml-py, a dependency), else from `nvidia-smi topo -m`
+(bounded by a timeout); when neither answers, a multi-GPU node is 'unknown' (slug
+``<gpu>-unknown``, which matches no tuned row: NCCL serves) and one warning says what failed.
+
 Everything here reads properties; nothing changes device state. Without CUDA a CPU fingerprint
 is returned (slug ``cpu``), so the CLI can show plans from shipped databases anywhere.
 """

@@ -279,6 +279,17 @@ def test_sqlite_and_os_errors_are_one_line(runner, db_file, monkeypatch):
     assert "Permission denied" in line and "/root/x.sqlite" in line
 
 
+def test_runtime_failures_are_their_message(runner, db_file, monkeypatch):
+    import autosymm.db as dbmod
+
+    def worker_failed(*args, **kwargs):
+        raise RuntimeError("worker failed:\nrank 1: ValueError('x')\nTraceback (most recent call last):\n  File \"w.py\"")
+
+    monkeypatch.setattr(dbmod.TuningDB, "winners", worker_failed)
+    line = one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1)
+    assert line == "Error: worker failed: rank 1: ValueError('x')"
+
+
 def test_an_unexpected_error_is_one_line_unless_debugging(runner, db_file, monkeypatch):
     import autosymm.db as dbmod
 
