@@ -180,7 +180,7 @@ def _topo_text(timeout_s: float = TOPO_TIMEOUT_S) -> tuple[str, str]:
         return "", "nvidia-smi is not on PATH"
     try:
         proc = subprocess.Popen([exe, "topo", "-m"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
     except OSError as exc:
         return "", f"`nvidia-smi topo -m` could not start ({exc})"
     try:
