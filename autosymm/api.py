@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import socket
 import threading
 import warnings
@@ -25,12 +24,11 @@ from . import dispatch
 from .agreement import AgreementError, Exchange, problems
 from .backends import FALLBACK, Capabilities, RunContext, get_backend
 from .dispatch import Decision
+from .logs import configure_from_env
 from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
 
 log = logging.getLogger("autosymm")
-if os.environ.get("AUTOSYMM_LOG"):
-    logging.basicConfig()
-    log.setLevel(os.environ["AUTOSYMM_LOG"].upper())
+configure_from_env()  # AUTOSYMM_LOG; a bad value is warned about, never raised
 
 _NCCL_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 

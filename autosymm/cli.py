@@ -13,9 +13,9 @@ from typing import Optional
 import click
 
 from . import __version__
+from .cli_errors import OneLineErrorGroup
 from .cli_plans import DEFAULT_SIZES, DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
-from .problem import MODEL_SHAPES, MODES, MoEShape, format_bytes, parse_size_range
-
+from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, parse_size_range
 
 
 def _console():
@@ -54,7 +54,15 @@ def _parse_tokens(text: str) -> list[int]:
     return tokens
 
 
-@click.group()
+def _parsed(parse, text: str, option: str):
+    """``parse(text)``; a ValueError is a usage error naming ``option``."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+@click.group(cls=OneLineErrorGroup)
 @click.version_option(__version__, prog_name="autosymm")
 def main() -> None:
     """Tuned symmetric-memory collectives for NVLink GPUs (all-reduce, MoE dp<->ep)."""
@@ -185,14 +193,14 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
     """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins."""
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise click.ClickException("autosymm bench needs CUDA GPUs; none is visible here")
     from .tuning.bench import BenchOptions, bench_job, print_bench, write_bench_csv
     from .tuning.workers import run_workers
 
-    options = BenchOptions(sizes=parse_size_range(sizes), modes=[m.strip() for m in modes.split(",")],
-                           shapes=_parse_shapes(shapes), tokens=_parse_tokens(tokens),
+    options = BenchOptions(sizes=_parsed(parse_size_range, sizes, "--sizes"), modes=[m.strip() for m in modes.split(",")],
+                           shapes=_parsed(_parse_shapes, shapes, "--shapes"), tokens=_parse_tokens(tokens),
                            ops=[o.strip() for o in ops.split(",") if o.strip()])
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise click.ClickException("autosymm bench needs CUDA GPUs; none is visible here")
     result = run_workers(bench_job, nproc, options)
     print_bench(result, _console())
     if csv_path:
@@ -277,13 +285,13 @@ def _short_config(config_json: Optional[str]) -> str:
 @main.command()
 @click.option("--op", type=click.Choice(["all_reduce", "dp_to_ep", "ep_to_dp"]), default="all_reduce", show_default=True)
 @click.option("--bytes", "nbytes", default=None, help="all-reduce size, e.g. 1MiB")
-@click.option("--dtype", default="bf16", show_default=True)
-@click.option("--world-size", type=int, required=True)
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True)
+@click.option("--world-size", type=click.IntRange(min=1), required=True)
 @click.option("--gpu", default=None, help='GPU name, e.g. "NVIDIA H200" (default: this machine\'s)')
 @click.option("--links", type=click.Choice(["nvlink", "pcie"]), default="nvlink", show_default=True)
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None, help="default: both")
 @click.option("--shape", default=None, help="MoE shape: model name or d{D}_e{E}_k{K}")
-@click.option("--tokens", type=int, default=None, help="MoE tokens per rank")
+@click.option("--tokens", type=click.IntRange(min=1), default=None, help="MoE tokens per rank")
 @click.option("--all", "all_sizes", is_flag=True, help="plan over all sizes (or token counts)")
 @click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False))
 def explain(**opts) -> None:
@@ -295,7 +303,7 @@ def explain(**opts) -> None:
     hardware = hardware_slug_for(gpu, opts["links"]) if gpu != fp.gpu_name else fp.hardware_slug
     target = Target(hardware, gpu, opts["world_size"], opts["dtype"])
     op, shape = opts["op"], opts["shape"]
-    moe_shape = _parse_shapes(shape)[shape] if shape else None
+    moe_shape = _parsed(_one_shape, shape, "--shape") if shape else None
     if op != "all_reduce" and moe_shape is None:
         raise click.BadParameter("MoE ops need --shape", param_hint="--shape")
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
@@ -311,6 +319,14 @@ def explain(**opts) -> None:
         click.echo(f"{problem.describe()} [{m}] on {gpu} ({hardware}): {decision.describe()}")
         for skipped in decision.skipped:
             click.echo(f"  skipped {skipped}")
+
+
+def _one_shape(text: str) -> MoEShape:
+    """The one MoE shape of ``text`` (a model name or d{D}_e{E}_k{K})."""
+    shapes = list(_parse_shapes(text).values())
+    if len(shapes) != 1:
+        raise ValueError(f"{text!r} is not one MoE shape (a model name or a key like d7168_e256_k8)")
+    return shapes[0]
 
 
 def _open(db_paths):
@@ -365,9 +381,9 @@ def db_export(output, source, hardware, world_size, overwrite) -> None:
     """Export (a subset of) a database into a new shippable file, e.g. tuning_db/<node slug>.sqlite."""
     from .db import TuningDB, user_db_path
 
-    src = TuningDB(source or user_db_path(), readonly=True)
     filters = {k: v for k, v in (("hardware", hardware), ("world_size", world_size)) if v is not None}
-    count = src.export(output, overwrite=overwrite, **filters)
+    with TuningDB(source or user_db_path(), readonly=True) as src:
+        count = src.export(output, overwrite=overwrite, **filters)
     click.echo(f"exported {count} rows to {output}")
 
 

@@ -8,15 +8,24 @@ Two slugs come out of it:
 * ``node_slug`` (shipped file name): the hardware slug plus the local GPU count, e.g.
   ``nvidia-h200-nvlink-x2`` -> ``tuning_db/nvidia-h200-nvlink-x2.sqlite``.
 
+The link class comes from NVML (nvidia-ml-py, a dependency), else from `nvidia-smi topo -m`
+(bounded by a timeout); when neither answers, a multi-GPU node is 'unknown' (slug
+``<gpu>-unknown``, which matches no tuned row: NCCL serves) and one warning says what failed.
+
 Everything here reads properties; nothing changes device state. Without CUDA a CPU fingerprint
 is returned (slug ``cpu``), so the CLI can show plans from shipped databases anywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import shutil
+import signal
+import subprocess
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -29,21 +38,26 @@ def slugify(text: str) -> str:
 
 
 def link_class(nvlink_counts: list[int], p2p: list[list[bool]]) -> str:
-    """'nvlink' when every GPU has active NVLinks and all pairs have peer access, 'pcie' when
-    pairs have peer access without NVLink, 'none' when some pair has no peer access, 'single'
-    for one GPU."""
+    """'single' for one GPU; 'none' when some pair has no peer access; else, from the active
+    NVLinks per GPU, 'nvlink' when every GPU has some, 'pcie' when some GPU has none, and
+    'unknown' when the counts are unknown (``[]``: neither NVML nor ``nvidia-smi topo`` answered;
+    the peer-access matrix cannot tell NVLink from PCIe)."""
     n = len(p2p)
     if n <= 1:
         return "single"
     if not all(p2p[i][j] for i in range(n) for j in range(n) if i != j):
         return "none"
-    if nvlink_counts and all(c > 0 for c in nvlink_counts):
-        return "nvlink"
-    return "pcie"
+    if not nvlink_counts:
+        return "unknown"
+    return "nvlink" if all(c > 0 for c in nvlink_counts) else "pcie"
 
 
 def hardware_slug_for(gpu_name: str, links: str) -> str:
-    """Database ``hardware`` key of a GPU model and link class."""
+    """Database ``hardware`` key of a GPU model and link class, e.g. 'nvidia-h200-nvlink'.
+
+    An unclassified multi-GPU node gets '<gpu>-unknown': it matches no NVLink or PCIe row (a
+    PCIe-tuned config on an NVLink node, or the reverse, would be a wrong choice), so every
+    call uses NCCL until the links are known (install nvidia-ml-py)."""
     if gpu_name.lower() == "cpu":
         return "cpu"
     return f"{slugify(gpu_name)}-{'nvlink' if links in ('nvlink', 'single') else links}"
@@ -122,12 +136,17 @@ def _driver_version() -> str:
         return ""
 
 
-def _nvlink_counts(gpu_count: int) -> tuple[int, ...]:
-    """Active NVLinks per GPU through NVML (nvidia-ml-py); () when NVML is unavailable."""
+def _nvml_nvlink_counts(gpu_count: int) -> tuple[tuple[int, ...], str]:
+    """(active NVLinks per GPU, '') through NVML (nvidia-ml-py), or ((), why NVML gave nothing)."""
     try:
         import pynvml
-
+    except ImportError as exc:
+        return (), f"NVML: nvidia-ml-py is not importable ({exc})"
+    try:
         pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return (), f"NVML: nvmlInit failed ({exc})"
+    try:
         counts = []
         for index in range(gpu_count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -136,12 +155,135 @@ def _nvlink_counts(gpu_count: int) -> tuple[int, ...]:
                 try:
                     if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
                         active += 1
-                except pynvml.NVMLError:
+                except pynvml.NVMLError:  # NotSupported on a GPU without NVLink, or past its last link
                     break
             counts.append(active)
-        return tuple(counts)
-    except Exception:
+        return tuple(counts), ""
+    except Exception as exc:
+        return (), f"NVML: {type(exc).__name__}: {exc}"
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+#: Seconds `nvidia-smi topo -m` may take before it is killed (a wedged driver can block it).
+TOPO_TIMEOUT_S = 10.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TOPO_CELL = re.compile(r"X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC")
+
+
+def _topo_text(timeout_s: float = TOPO_TIMEOUT_S) -> tuple[str, str]:
+    """(stdout of `nvidia-smi topo -m`, '') or ('', why there is none); returns within about
+    ``timeout_s`` + 1 seconds whatever nvidia-smi does (its process group is killed on timeout)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return "", "nvidia-smi is not on PATH"
+    try:
+        proc = subprocess.Popen([exe, "topo", "-m"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    except OSError as exc:
+        return "", f"`nvidia-smi topo -m` could not start ({exc})"
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=1.0)
+        return "", f"`nvidia-smi topo -m` gave no answer within {timeout_s:g} s"
+    if proc.returncode != 0:
+        first = (err or out).strip().splitlines()[:1]
+        return "", f"`nvidia-smi topo -m` exited with {proc.returncode}" + (f" ({first[0]})" if first else "")
+    return out, ""
+
+
+def parse_topo_matrix(text: str) -> Optional[list[list[str]]]:
+    """The GPU-to-GPU cells of `nvidia-smi topo -m` output ('X' on the diagonal, 'NV18', 'PIX',
+    'SYS', ...), row i = GPU i in nvidia-smi's order; None when no well-formed matrix is found."""
+    rows = [_ANSI.sub("", line).split() for line in text.splitlines()]
+    # the header names the columns (GPU0 GPU1 ... NIC0 CPU Affinity ...); a data row starts
+    # with its GPU's name and a cell
+    header = next((r for r in rows if r and r[0] == "GPU0" and not (len(r) > 1 and _TOPO_CELL.fullmatch(r[1]))), None)
+    if header is None:
+        return None
+    n = 0
+    while n < len(header) and header[n] == f"GPU{n}":
+        n += 1
+    data = {r[0]: r[1:1 + n] for r in rows if len(r) > n and r[0].startswith("GPU") and _TOPO_CELL.fullmatch(r[1])}
+    matrix = [data.get(f"GPU{i}") for i in range(n)]
+    if any(row is None or not all(_TOPO_CELL.fullmatch(c) for c in row) for row in matrix):
+        return None
+    if any(matrix[i][i] != "X" for i in range(n)):
+        return None
+    return matrix
+
+
+def _visible_indices(gpu_count: int) -> Optional[list[int]]:
+    """nvidia-smi indices of torch's GPUs 0..gpu_count-1 (CUDA_VISIBLE_DEVICES as integers,
+    assumed in PCI order like nvidia-smi's), None when they cannot be told (UUIDs, MIG names)."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None:
+        return list(range(gpu_count))
+    try:
+        indices = [int(t) for t in text.split(",") if t.strip()][:gpu_count]
+    except ValueError:
+        return None
+    return indices if len(indices) == gpu_count else None
+
+
+def nvlink_counts_from_topo(text: str, gpu_count: int, indices: Optional[list[int]] = None) -> tuple[int, ...]:
+    """Per visible GPU, the most NVLinks to one of the other visible GPUs (0: only PCIe/SMP
+    paths), read from `nvidia-smi topo -m` output; () when the output does not say.
+
+    ``indices``: nvidia-smi indices of the visible GPUs (None: unknown, then only a matrix whose
+    pairs are all NVLink or all not, which answers for any subset, is used)."""
+    matrix = parse_topo_matrix(text)
+    if matrix is None or gpu_count < 1:
         return ()
+
+    def links(cell: str) -> int:
+        return int(cell[2:]) if cell.startswith("NV") else 0
+
+    if indices is None:
+        cells = {links(matrix[i][j]) for i in range(len(matrix)) for j in range(len(matrix)) if i != j}
+        if len(matrix) < gpu_count or len(cells) != 1:
+            return ()
+        return (cells.pop(),) * gpu_count
+    if len(indices) != gpu_count or max(indices) >= len(matrix) or min(indices) < 0:
+        return ()
+    return tuple(max((links(matrix[i][j]) for j in indices if j != i), default=0) for i in indices)
+
+
+def nvlink_counts(gpu_count: int) -> tuple[tuple[int, ...], list[str]]:
+    """Active NVLinks per local GPU: from NVML, else from `nvidia-smi topo -m`; with ``()`` the
+    reasons neither answered (for the warning)."""
+    counts, why_nvml = _nvml_nvlink_counts(gpu_count)
+    if counts or gpu_count <= 1:  # one GPU needs no link class
+        return counts, []
+    text, why_topo = _topo_text()
+    counts = nvlink_counts_from_topo(text, gpu_count, _visible_indices(gpu_count)) if text else ()
+    if counts:
+        return counts, []
+    return (), [why_nvml, why_topo or "`nvidia-smi topo -m` printed no GPU matrix covering the visible GPUs"]
+
+
+class UnclassifiedLinksWarning(UserWarning):
+    """The local GPUs' link class (NVLink or PCIe) could not be determined."""
+
+
+_WARNED_UNCLASSIFIED: set[str] = set()
+
+
+def _warn_unclassified(fp: "Fingerprint", reasons: list[str]) -> None:
+    """Warn once per process and slug that ``fp``'s links are unknown, naming what failed."""
+    if fp.hardware_slug in _WARNED_UNCLASSIFIED:
+        return
+    _WARNED_UNCLASSIFIED.add(fp.hardware_slug)
+    warnings.warn(
+        f"autosymm: cannot tell whether the {fp.gpu_count} local {fp.gpu_name} GPUs are linked by NVLink or PCIe "
+        f"({'; '.join(reasons)}). Hardware slug {fp.hardware_slug!r} matches no tuned row, so every call uses "
+        f"NCCL. Install nvidia-ml-py (pip install nvidia-ml-py) or put a working nvidia-smi on PATH.",
+        UnclassifiedLinksWarning, stacklevel=3)
 
 
 def cpu_fingerprint() -> Fingerprint:
@@ -177,18 +319,24 @@ def fingerprint_from_properties(props: list, p2p: list[list[bool]], nvlink_count
 @functools.lru_cache(maxsize=1)
 def fingerprint() -> Fingerprint:
     """This node's fingerprint (cached). Multicast is reported as the env allows it; whether a
-    group really has it is the workspace's business (autosymm.symm)."""
+    group really has it is the workspace's business (autosymm.symm). Links whose class cannot
+    be told (see :func:`nvlink_counts`) give the 'unknown' class and one
+    :class:`UnclassifiedLinksWarning`."""
     if not torch.cuda.is_available():
         return cpu_fingerprint()
     count = torch.cuda.device_count()
     props = [torch.cuda.get_device_properties(i) for i in range(count)]
     p2p = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(count)] for i in range(count)]
     multicast_env_off = os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0") not in ("", "0")
-    return fingerprint_from_properties(
-        props, p2p, _nvlink_counts(count),
+    counts, reasons = nvlink_counts(count)
+    fp = fingerprint_from_properties(
+        props, p2p, counts,
         multicast=(not multicast_env_off) and props[0].major >= 9,
         driver_version=_driver_version(), cuda_version=torch.version.cuda or "",
     )
+    if fp.links == "unknown":
+        _warn_unclassified(fp, reasons)
+    return fp
 
 
 def provenance(fp: Optional[Fingerprint] = None) -> dict:

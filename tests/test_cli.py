@@ -1,11 +1,16 @@
 """Every CLI command through click's CliRunner (no GPU here)."""
 
+import hashlib
 import json
+import logging
+import os
+import sqlite3
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from autosymm import db_schema
 from autosymm.cli import main
 from autosymm.configs import AllReduceConfig, MoEConfig
 from autosymm.db import Row, TuningDB
@@ -145,3 +150,160 @@ def test_tune_backends_option_names_known_backends_and_keeps_the_baselines():
     assert _parse_backends("nccl, triton_moe") == ["nccl", "triton_moe", "nccl_all_to_all"]
     with pytest.raises(click.BadParameter, match="unknown backend.*triton_three_shot.*known: nccl"):
         _parse_backends("triton_three_shot")
+
+
+
+# ------------------------------------------------------------------ errors: one line, no traceback
+
+
+def one_line_error(result, exit_code: int) -> str:
+    """The one stderr line of a failed command (exit code ``exit_code``, no traceback)."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == exit_code, (result.exit_code, result.output)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("args, names", [
+    (["explain", "--op", "dp_to_ep", "--shape", "a,b", "--tokens", "4", "--world-size", "2"], ["--shape", "'a'"]),
+    (["explain", "--op", "dp_to_ep", "--shape", "deepseek-v3,mixtral-8x7b", "--tokens", "4", "--world-size", "2"],
+     ["--shape", "not one MoE shape"]),
+    (["explain", "--bytes", "1XB", "--world-size", "2"], ["--bytes", "'1XB'"]),
+    (["explain", "--bytes", "1MiB", "--world-size", "0"], ["--world-size"]),
+    (["explain", "--bytes", "1MiB", "--world-size", "2", "--dtype", "int8"], ["--dtype", "int8"]),
+    (["explain", "--op", "dp_to_ep", "--shape", "deepseek-v3", "--tokens", "0", "--world-size", "2"], ["--tokens"]),
+    (["explain", "--world-size", "two"], ["--world-size"]),
+    (["bench", "--shapes", "a,b"], ["--shapes", "'a'"]),
+    (["bench", "--sizes", "1XB"], ["--sizes", "'1XB'"]),
+    (["show", "--db", "/nonexistent/x.sqlite"], ["--db", "/nonexistent/x.sqlite"]),
+    (["db", "merge", "--into", "x.sqlite"], ["SOURCES"]),
+    (["frobnicate"], ["frobnicate"]),
+    (["--frobnicate"], ["--frobnicate"]),
+])
+def test_usage_errors_are_one_line_with_exit_code_2(runner, args, names):
+    line = one_line_error(runner.invoke(main, args), 2)
+    for name in names:
+        assert name in line, line
+    assert "--help" in line
+
+
+@pytest.fixture
+def garbage_file(tmp_path):
+    path = tmp_path / "garbage.sqlite"
+    path.write_bytes(b"this is not a database" * 100)
+    return path
+
+
+def test_show_and_export_of_a_corrupt_database(runner, garbage_file, tmp_path):
+    for args in (["show", "--db", str(garbage_file)], ["db", "export", str(tmp_path / "out.sqlite"), "--db", str(garbage_file)]):
+        line = one_line_error(runner.invoke(main, args), 1)
+        assert "garbage.sqlite is not a readable SQLite database" in line
+    assert not (tmp_path / "out.sqlite").exists()
+
+
+def test_export_refuses_to_overwrite_in_one_line(runner, db_file, tmp_path):
+    out = tmp_path / "out.sqlite"
+    out.write_text("keep me")
+    line = one_line_error(runner.invoke(main, ["db", "export", str(out), "--db", str(db_file)]), 1)
+    assert "exists" in line and out.read_text() == "keep me"
+
+
+def test_failed_merge_creates_no_target_and_keeps_an_existing_one(runner, db_file, garbage_file, tmp_path):
+    new = tmp_path / "new.sqlite"
+    line = one_line_error(runner.invoke(main, ["db", "merge", str(db_file), str(garbage_file), "--into", str(new)]), 1)
+    assert "garbage.sqlite" in line
+    assert not new.exists() and not Path(f"{new}-journal").exists()
+    # a corrupt target is left as it was
+    before = _sha(garbage_file)
+    line = one_line_error(runner.invoke(main, ["db", "merge", str(db_file), "--into", str(garbage_file)]), 1)
+    assert "garbage.sqlite" in line and _sha(garbage_file) == before
+
+
+def test_merge_skips_and_reports_bad_rows(runner, db_file, tmp_path):
+    with TuningDB(db_file) as tdb:  # what a bug or a hand edit might leave
+        tdb.db.conn.execute("UPDATE results SET config = 'not json' WHERE bucket = 4096 AND backend = 'triton_one_shot'")
+        tdb.db.conn.execute("UPDATE results SET median_us = -1 WHERE op = 'dp_to_ep'")
+        tdb.db.conn.commit()
+    target = tmp_path / "merged.sqlite"
+    result = runner.invoke(main, ["db", "merge", str(db_file), "--into", str(target)])
+    assert result.exit_code == 0, result.output
+    assert "3 new" in result.stdout and "2 bad rows skipped" in result.stdout
+    warned = result.stderr.splitlines()
+    assert len(warned) == 2 and all(w.startswith("Warning: autosymm: skipping a bad row") for w in warned), warned
+    assert "bucket=4096" in warned[0] + warned[1] and "dp_to_ep" in warned[0] + warned[1]
+    with TuningDB(target, readonly=True) as merged:
+        assert len(merged) == 3 and {r.backend for r in merged.rows()} == {"triton_one_shot", "nccl"}
+
+
+def test_show_after_a_killed_writer(runner, tmp_path, monkeypatch):
+    from test_db_schema import hot_journal_file
+
+    path, journal = hot_journal_file(tmp_path)
+    real_access = db_schema.os.access
+    # as a user who may read the file but not write it or its folder
+    monkeypatch.setattr(db_schema.os, "access", lambda p, mode, **kw: not mode & os.W_OK and real_access(p, mode, **kw))
+    line = one_line_error(runner.invoke(main, ["show", "--db", str(path)]), 1)
+    assert "hot journal" in line and "killed.sqlite-journal" in line
+    monkeypatch.undo()
+    result = runner.invoke(main, ["show", "--db", str(path), "--json"])  # the owner: rolled back, then read
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)) == 1 and not journal.exists()
+
+
+def test_bad_workspace_bytes_is_one_line_naming_the_variable(runner, db_file, monkeypatch):
+    monkeypatch.setenv("AUTOSYMM_WORKSPACE_BYTES", "1e20")
+    line = one_line_error(runner.invoke(main, ["explain", "--bytes", "1MiB", "--world-size", "2", "--db", str(db_file)]), 1)
+    assert "AUTOSYMM_WORKSPACE_BYTES='1e20'" in line
+
+
+def test_sqlite_and_os_errors_are_one_line(runner, db_file, monkeypatch):
+    import autosymm.db as dbmod
+
+    def locked(*args, **kwargs):
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(dbmod.TuningDB, "winners", locked)
+    assert one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1) == "Error: database is locked"
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/root/x.sqlite")
+
+    monkeypatch.setattr(dbmod.TuningDB, "winners", denied)
+    line = one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1)
+    assert "Permission denied" in line and "/root/x.sqlite" in line
+
+
+def test_runtime_failures_are_their_message(runner, db_file, monkeypatch):
+    import autosymm.db as dbmod
+
+    def worker_failed(*args, **kwargs):
+        raise RuntimeError("worker failed:\nrank 1: ValueError('x')\nTraceback (most recent call last):\n  File \"w.py\"")
+
+    monkeypatch.setattr(dbmod.TuningDB, "winners", worker_failed)
+    line = one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1)
+    assert line == "Error: worker failed: rank 1: ValueError('x')"
+
+
+def test_an_unexpected_error_is_one_line_unless_debugging(runner, db_file, monkeypatch):
+    import autosymm.db as dbmod
+
+    def bug(*args, **kwargs):
+        raise KeyError("a bug\nover two lines")
+
+    monkeypatch.setattr(dbmod.TuningDB, "winners", bug)
+    line = one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1)
+    assert line.startswith("Error: unexpected KeyError:") and "AUTOSYMM_LOG=debug" in line
+    logger = logging.getLogger("autosymm")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # as AUTOSYMM_LOG=debug does
+    try:
+        result = runner.invoke(main, ["show", "--db", str(db_file)])
+    finally:
+        logger.setLevel(level)
+    assert isinstance(result.exception, KeyError)  # the traceback is there for the one debugging

@@ -5,7 +5,8 @@ import torch
 
 from autosymm.geometry import (ERROR_SLOTS_OFFSET, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
                                SIGNAL_SLOTS_PER_RANK, align)
-from autosymm.symm import Workspace, simulated_workspaces
+from autosymm.geometry import DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
+from autosymm.symm import MAX_WORKSPACE_BYTES, Workspace, default_region_bytes, simulated_workspaces
 
 from _all_reduce_sim import requires_interpreter
 
@@ -95,3 +96,31 @@ def test_device_barrier_is_a_no_op_for_one_rank_and_consumes_signals_otherwise()
     ws.device_barrier()
     assert ws.barrier_errors() == 0 and int(ws.buffer[:SIGNAL_BYTES].count_nonzero()) == 0
     assert int(peer.buffer[:SIGNAL_BYTES].view(torch.int32)[start]) == 1  # our signal reached the peer
+
+
+# ------------------------------------------------------------------------ AUTOSYMM_WORKSPACE_BYTES
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2GiB", (1 << 30, 1 << 30)),
+    ("512MiB", (256 << 20, 256 << 20)),
+    ("1073741824", (512 << 20, 512 << 20)),
+    (" 64GiB ", (32 << 30, 32 << 30)),  # MAX_WORKSPACE_BYTES itself
+    ("", (DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES)),
+    (None, (DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES)),
+])
+def test_workspace_bytes_from_the_environment(monkeypatch, text, expected):
+    if text is None:
+        monkeypatch.delenv("AUTOSYMM_WORKSPACE_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("AUTOSYMM_WORKSPACE_BYTES", text)
+    assert default_region_bytes() == expected
+
+
+@pytest.mark.parametrize("text", ["1e20", "65GiB", "-1GiB", "-5", "abc", "2XB", "nan", "inf", "100", "1.2.3"])
+def test_bad_workspace_bytes_name_the_variable_and_value(monkeypatch, text):
+    monkeypatch.setenv("AUTOSYMM_WORKSPACE_BYTES", text)
+    with pytest.raises(ValueError) as info:
+        default_region_bytes()
+    assert f"AUTOSYMM_WORKSPACE_BYTES={text!r}" in str(info.value) and "64GiB" in str(info.value)
+    assert MAX_WORKSPACE_BYTES == 64 << 30
