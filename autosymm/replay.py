@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import types
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -169,8 +170,9 @@ class EagerReplay:
             self._remember(addr, launch)
             return x
         self.captures += 1
-        self._remember(addr, graph.replay)
-        graph.replay()
+        replay = replay_function(graph)
+        self._remember(addr, replay)
+        replay()
         return x
 
     def _remember(self, addr: int, plan: Callable[[], None]) -> None:
@@ -187,8 +189,9 @@ def capture_cuda_graph(launch: Callable[[], None], device: torch.device) -> "tor
     side stream of ``device`` in thread_local mode; raises if the graph allocated memory."""
     stream = _side_stream(device)
     graph = torch.cuda.CUDAGraph()
+    # No stream sync: capturing runs nothing (the replays run on the caller's stream, in order),
+    # and nothing is allocated that the caching allocator would have to order.
     with _CAPTURE_LOCK, torch.cuda.device(device):  # one capture per side stream at a time
-        stream.wait_stream(torch.cuda.current_stream(device))
         before = torch.cuda.memory_allocated(device)
         with torch.cuda.stream(stream):
             graph.capture_begin(capture_error_mode="thread_local")
@@ -201,6 +204,19 @@ def capture_cuda_graph(launch: Callable[[], None], device: torch.device) -> "tor
         raise RuntimeError(f"the captured launch allocated {allocated} bytes on {device}; a replayed "
                            "call must only launch on existing buffers")
     return graph
+
+
+def replay_function(graph: Any) -> Callable[[], None]:
+    """``graph.replay`` as the extension's own method: torch's Python ``CUDAGraph.replay`` (a
+    liveness-tracker check we do not use, then ``super().replay()``) costs a frame per call on
+    some versions. Falls back to ``graph.replay`` where the class has no such method."""
+    for cls in type(graph).__mro__:
+        method = cls.__dict__.get("replay")
+        if method is not None and not isinstance(method, types.FunctionType) and hasattr(method, "__get__"):
+            bound = method.__get__(graph, type(graph))
+            if callable(bound):
+                return bound
+    return graph.replay
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}

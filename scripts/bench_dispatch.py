@@ -117,7 +117,7 @@ def _one_program(x_ptr, STEP: tl.constexpr):
 def _floor_launches() -> dict:
     """Launches of a 1-program Triton kernel four ways (the cheapest the node allows)."""
     from autosymm.backends.launch import LeanLauncher
-    from autosymm.replay import capture_cuda_graph
+    from autosymm.replay import capture_cuda_graph, replay_function
 
     x = torch.zeros(16, dtype=torch.int32, device="cuda")
     lean = LeanLauncher(_one_program, (1,), {"STEP": 1}, num_warps=1)
@@ -127,7 +127,7 @@ def _floor_launches() -> dict:
     graph = capture_cuda_graph(lambda: direct(addr), x.device)
     return {"kernel[grid]": lambda: _one_program[(1,)](x, STEP=1, num_warps=1),
             "LeanLauncher.direct": lambda: direct(addr),
-            "graph replay": graph.replay,
+            "graph replay": replay_function(graph),
             "x.add_(1)": lambda: x.add_(1)}
 
 

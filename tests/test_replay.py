@@ -251,3 +251,18 @@ def test_wrapped_triton_launcher_plans_per_address(direct_launches):
     wss[0].empty((17000,), torch.bfloat16)  # 64000 bytes handed out: the stage would overlap them
     with pytest.raises(BackendError, match="overwrite"):
         wrapped(x)
+
+
+def test_replay_function_skips_python_wrappers():
+    class CGraph(dict):  # a C-level method, as torch._C._CUDAGraph.replay
+        replay = dict.clear
+
+    class PyGraph(CGraph):  # torch.cuda.CUDAGraph's Python wrapper around it
+        def replay(self):
+            raise AssertionError("the Python wrapper ran")
+
+    graph = PyGraph(a=1)
+    replay.replay_function(graph)()
+    assert not graph
+    fake = FakeGraph(lambda: None, [])
+    assert replay.replay_function(fake) == fake.replay  # nothing below a Python method: as is
