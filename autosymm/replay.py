@@ -28,13 +28,18 @@ after call alternates the halves exactly as launches do; a graph never bakes hos
 Replay and direct launches of one call are the same kernel with the same arguments, so ranks
 need not agree on which they use.
 
-Streams and threads. A replay runs on the caller's current stream, like a launch. Capture uses a
-side stream of the launcher's device in ``thread_local`` mode: it neither joins nor breaks a
-capture another thread runs in ``global`` mode (our capture makes no unsafe call; a launch on a
-non-capturing stream is legal), and that thread's unsafe calls do not break ours. The wrapper
-is only used for eager calls (api keys calls made while the current stream captures apart), so
-a user's own capture never meets it. Captures happen only on the first repeats of an address:
-a warmed-up loop captures nothing.
+Streams and threads. A replay runs on the caller's current stream, like a launch (calls on one
+workspace must be stream-ordered either way, autosymm.backends.triton_all_reduce). Capture uses
+a side stream of the launcher's device in ``thread_local`` mode, so other threads' unsafe calls
+(a cudaMalloc of the caching allocator) do not break it. The other way round, CUDA forbids any
+thread unsafe calls while another thread captures in ``global`` mode (torch's default): the
+instantiation of our graph at an address's first repeat, and the destruction of an evicted one,
+may then break that capture, as a first-call kernel compile or any allocation on this thread
+would. Programs that capture on one thread while eager calls run on another should warm the
+eager calls' addresses up first, capture with ``capture_error_mode="thread_local"``, or set
+``AUTOSYMM_EAGER_REPLAY=0``. The wrapper only serves eager calls (api keys calls made while the
+current stream captures apart), so a user's own capture never records a replay, and a warmed-up
+loop captures nothing. The hit path reads a dict under the GIL; the cold path holds a lock.
 
 Memory. A captured graph allocates nothing: its single node is the kernel launch on existing
 buffers. Capture checks it (``torch.cuda.memory_allocated`` unchanged; a graph that did allocate

@@ -58,8 +58,8 @@ class _AllReduceLauncher:
         self.dtype = DTYPES[problem.dtype]
         self.elem_bytes = problem.elem_bytes
         self.device = workspace.device
-        # (is_cuda, get_device()) of a tensor on the workspace's device: two cheap reads, no torch.device
-        self._device_key = (self.device.type == "cuda", self.device.index if self.device.type == "cuda" else -1)
+        # Tensor.get_device() of a tensor on the workspace's device (-1: CPU): an int, no torch.device
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         self.world_size = workspace.world_size
         self.rank = workspace.rank
         self.capacity = workspace.capacity(CHANNEL)
@@ -130,8 +130,7 @@ class _AllReduceLauncher:
     def _plan(self, x: torch.Tensor, phase: int) -> Optional[tuple[tuple, int, tuple]]:
         """(variant key, x's address, integer arguments) of a call, or None when there is
         nothing to launch; raises BackendError for a tensor this launcher cannot reduce."""
-        if (x.dtype is not self.dtype or (x.is_cuda, x.get_device()) != self._device_key
-                or not x.is_contiguous()):
+        if x.dtype is not self.dtype or x.get_device() != self._device_index or not x.is_contiguous():
             raise self._bad_input(x)
         numel = x.numel()
         nbytes = numel * self.elem_bytes
