@@ -225,6 +225,8 @@ def test_bound_launch_is_the_checked_launch(backend, double, direct_launches):
         assert launcher.bind(x) is None  # the variant is not bound before its first call
         launcher(x)
         checked = direct_launches[-1]
+        launcher(x)  # no host state may change between calls: a graph of the first must serve later ones
+        assert direct_launches[-1] == checked
         launch = launcher.bind(x)
         launch()
         assert direct_launches[-1] == checked
