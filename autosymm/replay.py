@@ -78,7 +78,12 @@ def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Call
     around a Triton all-reduce launcher (one that has ``bind`` and a ``workspace``), else
     ``launcher`` itself (graph mode, NCCL, torch's ops, MoE). ``capture(launch, device) ->
     graph`` (``graph.replay()``) defaults to :func:`capture_cuda_graph` on CUDA devices; none
-    (CPU, or AUTOSYMM_EAGER_REPLAY=0): bound launches are memoised instead of replayed."""
+    (CPU, or AUTOSYMM_EAGER_REPLAY=0): bound launches are memoised instead of replayed.
+
+    Contract: the caller hands the result only tensors of one (dtype, numel, contiguity), as
+    autosymm.api's cache key (dtype, numel, is_contiguous, op, capturing) guarantees; a hit
+    checks the address, device and ``empty_bytes`` alone. Read at prepare time: set
+    AUTOSYMM_EAGER_REPLAY before a size's first call."""
     if getattr(decision, "mode", None) != "eager" or not str(getattr(decision, "backend", "")).startswith("triton_"):
         return launcher
     if not callable(getattr(launcher, "bind", None)) or getattr(launcher, "workspace", None) is None:
