@@ -1,12 +1,23 @@
-"""Host time of a cached dispatch decision: `autosymm.all_reduce(x)` minus the kernel launch.
+"""Host cost of an eager call, next to the cheapest launches the node allows, in one run.
 
-A one-rank group (gloo on the CPU, NCCL on a GPU), where the decision is the no-op, so what is
-timed is the per-call work autosymm adds in front of any backend's launcher (cache key, dict
-lookup, mode check, counters). On a GPU the mode check also asks CUDA whether the stream is
-capturing; there the script also times that query alone and the host side of one Triton kernel
-launch through LeanLauncher (an empty one-program kernel), the two other parts of an eager call.
+On GPUs (one process per GPU, default 2; NVLink multicast off as scripts/_node_env.sh sets it):
 
-    PYTHONPATH=$PWD python3 scripts/bench_dispatch.py [--calls 200000]
+* host us/call: bursts of ``--calls`` back-to-back calls without a sync, best and median of
+  ``--repeats`` bursts, MAX over ranks, for autosymm's eager all-reduce (a plain tensor at one
+  address; an ``autosymm.empty`` buffer; replay off, i.e. memoised bound launches; no wrapper,
+  i.e. the launcher's checked direct path), the launch floor (a 1-program Triton kernel through
+  ``kernel[grid]``, through ``LeanLauncher.direct``, replayed as a one-kernel CUDA graph, and
+  ``x.add_(1)``), torch's two-shot on a symmetric buffer (no copy) and NCCL;
+* device latency per call (CUDA events around a burst) of the same eager loops at 4 KiB,
+  64 KiB and 1 MiB (bf16), MAX over ranks;
+* ``floor gap``: autosymm's host us/call minus the cheapest floor row (issue #13: <= 1 us).
+
+With ``--cpu-stub`` (any machine, no GPU): Python ns per call of the all-reduce launcher with a
+stub launch (what the host path adds to the launch itself), through the launcher's checked path,
+a memoised bound launch and a (stub) graph replay, and autosymm.all_reduce's dispatch in front.
+
+    source scripts/_node_env.sh && python3 scripts/bench_dispatch.py [--world-size 2]
+    PYTHONPATH=$PWD python3 scripts/bench_dispatch.py --cpu-stub
 """
 
 from __future__ import annotations
@@ -17,60 +28,222 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
+import triton
+import triton.language as tl
+
+SIZES = (4 << 10, 64 << 10, 1 << 20)
+HOST_BYTES = 4 << 10
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--calls", type=int, default=200_000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=400, help="calls per burst")
+    parser.add_argument("--repeats", type=int, default=15, help="bursts per row")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--cpu-stub", action="store_true", help="Python overhead with stub launches (no GPU)")
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    if args.cpu_stub or not torch.cuda.is_available():
+        _stub_report(max(args.calls, 20_000), args.repeats)
+        return
+    import torch.multiprocessing as mp
+
+    from autosymm.tuning.workers import SAFE_ENV, free_port
+
+    os.environ.update(SAFE_ENV)
+    world_size = min(args.world_size, torch.cuda.device_count())
+    mp.start_processes(_rank, args=(world_size, free_port(), args), nprocs=world_size, start_method="spawn")
+
+
+def _rank(rank: int, world_size: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        rows = _measure(rank, world_size, args)
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, rows)
+        if rank == 0:
+            _print(gathered, world_size, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _timer(args):
+    """fn -> (host us/call best, median, device us/call median) over bursts, ranks in step."""
+    import torch.distributed as dist
+
+    def measure(fn) -> tuple[float, float, float]:
+        for _ in range(20):
+            fn()
+        host, device = [], []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            dist.barrier()
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            host.append((time.perf_counter() - t0) / args.calls * 1e6)
+            end.record()
+            end.synchronize()
+            device.append(start.elapsed_time(end) * 1e3 / args.calls)
+        return min(host), statistics.median(host), statistics.median(device)
+
+    return measure
+
+
+def _measure(rank: int, world_size: int, args) -> dict[str, tuple[float, float, float]]:
     import autosymm
 
-    x = torch.randn(8192, device=device).bfloat16()
-    autosymm.all_reduce(x)  # first call: collectives, databases, decision
-    assert autosymm.explain(x).backend == "noop"
-
-    def per_call_ns(fn) -> float:
-        samples = []
-        for _ in range(args.repeats):
-            start = time.perf_counter_ns()
-            for _ in range(args.calls):
-                fn(x)
-            samples.append((time.perf_counter_ns() - start) / args.calls)
-        return statistics.median(samples)
-
-    baseline = per_call_ns(lambda t: t)  # the Python call itself
-    cached = per_call_ns(autosymm.all_reduce)
-    print(f"torch {torch.__version__}, {device}, {args.calls} calls x {args.repeats} repeats (median)")
-    print(f"empty Python call:            {baseline / 1e3:.3f} us")
-    print(f"autosymm.all_reduce (cached): {cached / 1e3:.3f} us")
-    print(f"dispatch overhead:            {(cached - baseline) / 1e3:.3f} us per call")
-    if device == "cuda":
-        capturing = per_call_ns(lambda t: torch.cuda.is_current_stream_capturing())
-        print(f"is_current_stream_capturing:  {(capturing - baseline) / 1e3:.3f} us per call")
-        launch = _empty_launch()
-        launches = per_call_ns(lambda t: launch())
-        torch.cuda.synchronize()
-        print(f"empty Triton kernel launch:   {(launches - baseline) / 1e3:.3f} us per call (host, LeanLauncher.direct)")
-    dist.destroy_process_group()
+    autosymm.init()
+    measure = _timer(args)
+    rows = {f"floor {name}": measure(fn) for name, fn in _floor_launches().items()}
+    for nbytes in SIZES:
+        numel = nbytes // 2
+        label = f"{nbytes >> 10} KiB"
+        for name, fn in _all_reduce_loops(numel).items():
+            rows[f"{name} @ {label}"] = measure(fn)
+    return rows
 
 
-def _empty_launch():
-    """A bound launch of autosymm's one-program barrier kernel over one rank (it does nothing)."""
+@triton.jit
+def _one_program(x_ptr, STEP: tl.constexpr):
+    tl.store(x_ptr, tl.load(x_ptr) + STEP)
+
+
+def _floor_launches() -> dict:
+    """Launches of a 1-program Triton kernel four ways (the cheapest the node allows)."""
     from autosymm.backends.launch import LeanLauncher
-    from autosymm.kernels.barrier import _barrier_kernel
+    from autosymm.replay import capture_cuda_graph, replay_function
 
-    pads = torch.zeros(2, dtype=torch.int64, device="cuda")
-    launcher = LeanLauncher(_barrier_kernel, (1,), dict(RANK=0, WORLD_SIZE=1), num_warps=1)
-    launcher(pads)  # compiles and binds
-    direct = launcher.direct or launcher
-    address = pads.data_ptr()
-    return lambda: direct(address)
+    x = torch.zeros(16, dtype=torch.int32, device="cuda")
+    lean = LeanLauncher(_one_program, (1,), {"STEP": 1}, num_warps=1)
+    lean(x)
+    direct, addr = lean.direct, x.data_ptr()
+    assert direct is not None, "LeanLauncher did not bind"
+    graph = capture_cuda_graph(lambda: direct(addr), x.device)
+    return {"kernel[grid]": lambda: _one_program[(1,)](x, STEP=1, num_warps=1),
+            "LeanLauncher.direct": lambda: direct(addr),
+            "graph replay": replay_function(graph),
+            "x.add_(1)": lambda: x.add_(1)}
+
+
+def _all_reduce_loops(numel: int) -> dict:
+    """Eager all-reduce loops of ``numel`` bf16 elements: autosymm four ways, torch, NCCL."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    import autosymm
+    from autosymm import api
+    from autosymm.replay import EagerReplay, wrap_eager
+
+    x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
+    zero_copy = autosymm.empty((numel,), torch.bfloat16).zero_()
+    autosymm.all_reduce(x)
+    entry = api._STATES[None].cache[(x.dtype, numel, True, "sum", False)]
+    wired = isinstance(entry.launcher, EagerReplay)
+    raw = entry.launcher.launcher if wired else entry.launcher
+    replaying = entry.launcher if wired else wrap_eager(raw, entry.decision)  # what api's prepare makes
+    memoised = EagerReplay(raw, None) if replaying is not raw else raw
+    group_name = dist.group.WORLD.group_name
+    symm = symm_mem.empty(numel, dtype=torch.bfloat16, device="cuda").zero_()
+    symm_mem.rendezvous(symm, group_name)
+
+    def autosymm_with(launcher, tensor):
+        def call():
+            entry.launcher = launcher  # the api entry runs this launcher (one attribute store)
+            return autosymm.all_reduce(tensor)
+        return call
+
+    tag = entry.decision.backend + ("" if wired else "; api not wired, wrapped here")
+    return {f"autosymm [{tag}]": autosymm_with(replaying, x),
+            "autosymm zero-copy": autosymm_with(replaying, zero_copy),
+            "autosymm replay off": autosymm_with(memoised, x),
+            "autosymm no wrapper": autosymm_with(raw, x),
+            "torch two-shot (symm)": lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name),
+            "nccl": lambda: dist.all_reduce(x)}
+
+
+def _print(gathered: list, world_size: int, args) -> None:
+    names = list(gathered[0])
+    worst = {name: tuple(max(rows[name][i] for rows in gathered) for i in range(3)) for name in names}
+    print(f"torch {torch.__version__}, {world_size} x {torch.cuda.get_device_name()}, "
+          f"{args.calls} calls x {args.repeats} bursts, MAX over ranks")
+    print(f"{'call':<62} {'host best':>10} {'host med':>10} {'device/call':>12}")
+    for name in names:
+        best, median, device = worst[name]
+        print(f"{name:<62} {best:>10.2f} {median:>10.2f} {device:>12.2f}")
+    floor = min(v[0] for k, v in worst.items() if k.startswith("floor"))
+    host = f"@ {HOST_BYTES >> 10} KiB"
+    for name in names:
+        if name.startswith("autosymm") and name.endswith(host):
+            print(f"floor gap {name:<52} {worst[name][0] - floor:+.2f} us (host best - cheapest floor {floor:.2f})")
+
+
+def _stub_report(calls: int, repeats: int) -> None:
+    """Python ns per call of the host path with a stub launch (a no-op Python function standing
+    for triton's launcher), on simulated workspaces of 2 ranks: what autosymm adds to a launch."""
+    import timeit
+
+    import torch.distributed as dist
+
+    import autosymm
+    import autosymm.backends.triton_all_reduce as tar
+    from autosymm import api
+    from autosymm.backends.base import RunContext
+    from autosymm.configs import AllReduceConfig
+    from autosymm.problem import Problem
+    from autosymm.replay import EagerReplay
+    from autosymm.symm import simulated_workspaces
+
+    def stub(*args):
+        pass
+
+    class StubLean:  # binds at once; every launch is the stub
+        direct = staticmethod(stub)
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        __call__ = staticmethod(stub)
+
+    def ns(fn) -> float:  # this thread's CPU time: other processes on the machine do not count
+        return min(timeit.Timer(fn, timer=time.thread_time).repeat(number=calls, repeat=repeats)) / calls * 1e9
+
+    tar.LeanLauncher = StubLean
+    wss = simulated_workspaces(2, all_reduce_bytes=1 << 20, moe_bytes=256)
+    numel = HOST_BYTES // 2
+    x = torch.zeros(numel, dtype=torch.bfloat16)
+    zero_copy = wss[0].empty((numel,), torch.bfloat16)
+    empty_call = ns(lambda: stub(x))
+    print(f"torch {torch.__version__}, Python ns per call beyond the launch itself (stub launch; an empty "
+          f"call, {empty_call:.0f} ns, subtracted), {HOST_BYTES} bytes bf16, thread CPU time, best of {repeats} x {calls}")
+    for double in (False, True):
+        config = AllReduceConfig("one_shot", 1024, 4, 4, double_buffer=double)
+        launcher = tar.triton_one_shot.prepare(Problem.all_reduce(HOST_BYTES, "bf16", 2), config,
+                                               RunContext(workspace=wss[0]))
+        graphed = EagerReplay(launcher, lambda launch, device: type("G", (), {"replay": staticmethod(stub)}))
+        memoised = EagerReplay(launcher, None)
+        for name, tensor in (("plain", x), ("zero-copy", zero_copy)):
+            for fn in (launcher, graphed, memoised):
+                fn(tensor), fn(tensor)  # bind, plan
+            what = f"one_shot{' double_buffer' if double else ''} {name}"
+            print(f"  {what:<32} launcher (checked): {ns(lambda: launcher(tensor)) - empty_call:6.0f}   "
+                  f"bound launch: {ns(lambda: memoised(tensor)) - empty_call:6.0f}   "
+                  f"graph replay: {ns(lambda: graphed(tensor)) - empty_call:6.0f}")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    autosymm.all_reduce(x)  # a 1-rank group: the no-op decision; its entry then runs our launcher
+    entry = api._STATES[None].cache[(x.dtype, numel, True, "sum", False)]
+    entry.launcher = graphed
+    print(f"  autosymm.all_reduce -> graph replay (stub):  {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
+    entry.launcher = launcher
+    print(f"  autosymm.all_reduce -> launcher (checked):   {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ call ``Workspace.reset_signals()`` before the next collective kernel.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -57,6 +58,8 @@ class _AllReduceLauncher:
         self.dtype = DTYPES[problem.dtype]
         self.elem_bytes = problem.elem_bytes
         self.device = workspace.device
+        # Tensor.get_device() of a tensor on the workspace's device (-1: CPU): an int, no torch.device
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         self.world_size = workspace.world_size
         self.rank = workspace.rank
         self.capacity = workspace.capacity(CHANNEL)
@@ -91,45 +94,10 @@ class _AllReduceLauncher:
     # -- hot path ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, phase: int = 0) -> torch.Tensor:
         """Reduce ``x`` in place. ``phase`` != 0 runs one phase of the two-shot kernels (tests)."""
-        if x.dtype is not self.dtype or x.device != self.device or not x.is_contiguous():
-            raise self._bad_input(x)
-        numel = x.numel()
-        nbytes = numel * self.elem_bytes
-        if nbytes > self.max_bytes:
-            raise BackendError(
-                f"all_reduce of {tuple(x.shape)} {x.dtype} needs {nbytes} bytes; at most {self.max_bytes} fit "
-                f"(the workspace's all-reduce region and int32 indexing; raise AUTOSYMM_WORKSPACE_BYTES)")
-        if numel == 0 or self.world_size == 1:
-            return x  # the sum over one rank is x itself
-        addr = x.data_ptr()
-        x_aligned = addr % 16 == 0
-        if self._push:
-            key, sizes = self._push_args(x, addr, numel, nbytes, x_aligned)
-        else:
-            if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
-                key = (True, x_aligned, x_aligned, phase, False)
-                offset = addr - self.region_start
-            else:
-                if addr < self.region_end and addr + nbytes > self.region_start:
-                    raise BackendError(f"tensor {tuple(x.shape)} straddles the edge of the all-reduce region: "
-                                       "it can be neither reduced in place nor staged")
-                if nbytes <= self.half_bytes:  # double-buffered: staged at the bottom of half epoch & 1
-                    if addr < self.double_end and addr + nbytes > self.double_start:
-                        raise BackendError(f"tensor {tuple(x.shape)} lies in the all-reduce double buffer, where "
-                                           "it would be staged onto itself")
-                    key = (False, True, x_aligned, phase, True)
-                    offset = self.double_offset
-                else:
-                    key = (False, True, x_aligned, phase, False)
-                    offset = self.capacity - (nbytes + ALIGN - 1) // ALIGN * ALIGN
-                    if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
-                        raise BackendError(
-                            f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
-                            f"by autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
-            if self._one_shot:
-                sizes = (numel, offset, self.half_bytes)
-            else:  # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
-                sizes = (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
+        plan = self._plan(x, phase)
+        if plan is None:
+            return x  # nothing to exchange
+        key, addr, sizes = plan
         direct = self._direct.get(key)
         if direct is not None:  # bound: int addresses, no per-pointer driver query
             direct(addr, self._region_addr, self._signal_addr, *sizes)
@@ -141,6 +109,67 @@ class _AllReduceLauncher:
         return x
 
     run = __call__
+
+    def bind(self, x: torch.Tensor) -> Optional[Callable[[], None]]:
+        """``launch()``: this call's kernel launch with its arguments bound, on the current stream,
+        without any check; None when the call launches nothing or its variant is not bound yet
+        (call ``self(x)`` first). Valid for every tensor at ``x``'s address with x's dtype,
+        numel and device while ``workspace.empty_bytes`` is unchanged: the variant and the
+        integer arguments are a function of those alone (autosymm.replay relies on it). The
+        kernels keep their per-call state (the double-buffer epoch) on the device, so a bound
+        launch, or a CUDA graph of one, stays right call after call."""
+        plan = self._plan(x, 0)
+        if plan is None:
+            return None
+        key, addr, sizes = plan
+        direct = self._direct.get(key)
+        if direct is None:
+            return None
+        return partial(direct, addr, self._region_addr, self._signal_addr, *sizes)
+
+    def _plan(self, x: torch.Tensor, phase: int) -> Optional[tuple[tuple, int, tuple]]:
+        """(variant key, x's address, integer arguments) of a call, or None when there is
+        nothing to launch; raises BackendError for a tensor this launcher cannot reduce."""
+        if x.dtype is not self.dtype or x.get_device() != self._device_index or not x.is_contiguous():
+            raise self._bad_input(x)
+        numel = x.numel()
+        nbytes = numel * self.elem_bytes
+        if nbytes > self.max_bytes:
+            raise BackendError(
+                f"all_reduce of {tuple(x.shape)} {x.dtype} needs {nbytes} bytes; at most {self.max_bytes} fit "
+                f"(the workspace's all-reduce region and int32 indexing; raise AUTOSYMM_WORKSPACE_BYTES)")
+        if numel == 0 or self.world_size == 1:
+            return None  # the sum over one rank is x itself
+        addr = x.data_ptr()
+        x_aligned = addr % 16 == 0
+        if self._push:
+            key, sizes = self._push_args(x, addr, numel, nbytes, x_aligned)
+            return key, addr, sizes
+        if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
+            key = (True, x_aligned, x_aligned, phase, False)
+            offset = addr - self.region_start
+        else:
+            if addr < self.region_end and addr + nbytes > self.region_start:
+                raise BackendError(f"tensor {tuple(x.shape)} straddles the edge of the all-reduce region: "
+                                   "it can be neither reduced in place nor staged")
+            if nbytes <= self.half_bytes:  # double-buffered: staged at the bottom of half epoch & 1
+                if addr < self.double_end and addr + nbytes > self.double_start:
+                    raise BackendError(f"tensor {tuple(x.shape)} lies in the all-reduce double buffer, where "
+                                       "it would be staged onto itself")
+                key = (False, True, x_aligned, phase, True)
+                offset = self.double_offset
+            else:
+                key = (False, True, x_aligned, phase, False)
+                offset = self.capacity - (nbytes + ALIGN - 1) // ALIGN * ALIGN
+                if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
+                    raise BackendError(
+                        f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
+                        f"by autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
+        if self._one_shot:
+            return key, addr, (numel, offset, self.half_bytes)
+        # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
+        return key, addr, (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
+
 
     def _push_args(self, x: torch.Tensor, addr: int, numel: int, nbytes: int, x_aligned: bool) -> tuple:
         """(variant key, integer arguments) of a push one-shot call. x is read only locally, so

@@ -1,0 +1,241 @@
+"""Eager calls at a stable address: replay a cached one-launch CUDA graph instead of launching.
+
+On a VM where a kernel launch costs 5-6 us of host time, replaying a CUDA graph that holds the
+same launch costs 4-5 us and needs none of the launcher's Python. ``wrap_eager(launcher,
+decision)`` wraps a prepared eager all-reduce launcher of a Triton backend (the others are
+returned as they are) in an :class:`EagerReplay`:
+
+* the hit path: ``plans[x.data_ptr()]`` (an LRU dict), two cheap checks, ``plan()``;
+* the first ``capture_after - 1`` calls at an address run the launcher itself (all its checks;
+  it compiles and binds the kernel variant); the next one captures ``launcher.bind(x)`` (the
+  same launch, arguments bound) into a graph on a side stream and replays it on the current
+  stream from then on. At most ``max_graphs`` plans per prepared call (least recently used
+  dropped); after ``max_graphs`` evictions (more live addresses than plans, e.g. a fresh
+  tensor per call) no more graphs are captured and bound launches are planned instead;
+* ``AUTOSYMM_EAGER_REPLAY=0``, no CUDA, or a capture that failed: the plan of a repeated address
+  is its bound launch (``launcher.bind(x)``: no checks, no per-call planning, one launch).
+
+Why an address is enough. The wrapper serves one prepared call, keyed in autosymm.api by
+(dtype, numel, contiguity, op, mode): the launcher's variant and integer arguments are then a
+function of the address alone, and of the workspace's ``empty_bytes`` (staging at the top of
+the region must stay clear of ``autosymm.empty`` tensors), which every hit compares. The graph
+holds only addresses, so a tensor freed and re-allocated at the same address with the same
+(dtype, numel) is served right: the kernel reads and writes that address when, and only when,
+it is called with it. Device addresses are unique per process (unified addressing), and every
+hit also compares the tensor's device. Per-call state of the kernels lives on the device (the
+double-buffer epoch and arrival count, autosymm.kernels.all_reduce), so replaying one graph call
+after call alternates the halves exactly as launches do; a graph never bakes host state in.
+Replay and direct launches of one call are the same kernel with the same arguments, so ranks
+need not agree on which they use.
+
+Streams and threads. A replay runs on the caller's current stream, like a launch (calls on one
+workspace must be stream-ordered either way, autosymm.backends.triton_all_reduce). Capture uses
+a side stream of the launcher's device in ``thread_local`` mode, so other threads' unsafe calls
+(a cudaMalloc of the caching allocator) do not break it. The other way round, CUDA forbids any
+thread unsafe calls while another thread captures in ``global`` mode (torch's default): the
+instantiation of our graph at an address's first repeat, and the destruction of an evicted one,
+may then break that capture, as a first-call kernel compile or any allocation on this thread
+would. Programs that capture on one thread while eager calls run on another should warm the
+eager calls' addresses up first, capture with ``capture_error_mode="thread_local"``, or set
+``AUTOSYMM_EAGER_REPLAY=0``. The wrapper only serves eager calls (api keys calls made while the
+current stream captures apart), so a user's own capture never records a replay, and a warmed-up
+loop captures nothing. The hit path reads a dict under the GIL; the cold path holds a lock.
+
+Memory. A captured graph allocates nothing: its single node is the kernel launch on existing
+buffers. Capture checks it (``torch.cuda.memory_allocated`` unchanged; a graph that did allocate
+is dropped and capture turned off for the call) and uses the graph's own private pool, which
+torch releases with the graph. The caching allocator defers other threads' cross-stream frees
+while any capture is under way (briefly, once per address), nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import types
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger("autosymm")
+
+#: Graphs cached per prepared call (per live tensor address it serves).
+MAX_GRAPHS = 32
+#: The call at an address that captures its graph (earlier ones launch directly).
+CAPTURE_AFTER = 2
+
+
+def replay_enabled() -> bool:
+    """False when AUTOSYMM_EAGER_REPLAY asks for plain launches (0, false, no, off)."""
+    return os.environ.get("AUTOSYMM_EAGER_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Callable[[], None], Any], Any]] = None,
+               max_graphs: int = MAX_GRAPHS, capture_after: int = CAPTURE_AFTER) -> Any:
+    """The launcher api should run for an eager call of ``decision``: an :class:`EagerReplay`
+    around a Triton all-reduce launcher (one that has ``bind`` and a ``workspace``), else
+    ``launcher`` itself (graph mode, NCCL, torch's ops, MoE). ``capture(launch, device) ->
+    graph`` (``graph.replay()``) defaults to :func:`capture_cuda_graph` on CUDA devices; none
+    (CPU, or AUTOSYMM_EAGER_REPLAY=0): bound launches are memoised instead of replayed.
+
+    Contract: the caller hands the result only tensors of one (dtype, numel, contiguity), as
+    autosymm.api's cache key (dtype, numel, is_contiguous, op, capturing) guarantees; a hit
+    checks the address, device and ``empty_bytes`` alone. Read at prepare time: set
+    AUTOSYMM_EAGER_REPLAY before a size's first call."""
+    if getattr(decision, "mode", None) != "eager" or not str(getattr(decision, "backend", "")).startswith("triton_"):
+        return launcher
+    if not callable(getattr(launcher, "bind", None)) or getattr(launcher, "workspace", None) is None:
+        return launcher
+    if not replay_enabled():
+        capture = None
+    elif capture is None and launcher.workspace.device.type == "cuda":
+        capture = capture_cuda_graph
+    return EagerReplay(launcher, capture, max_graphs=max_graphs, capture_after=capture_after)
+
+
+class EagerReplay:
+    """``launcher(x) -> x`` for one prepared eager call; plans cached per tensor address."""
+
+    def __init__(self, launcher: Any, capture: Optional[Callable[[Callable[[], None], Any], Any]], *,
+                 max_graphs: int = MAX_GRAPHS, capture_after: int = CAPTURE_AFTER) -> None:
+        if max_graphs < 1 or capture_after < 1:
+            raise ValueError(f"max_graphs={max_graphs} and capture_after={capture_after} must be >= 1")
+        self.launcher = launcher
+        self.capture = capture
+        self.max_graphs = max_graphs
+        self.capture_after = capture_after
+        self._workspace = launcher.workspace
+        device = launcher.workspace.device
+        self.device = device
+        # Tensor.get_device() of tensors on the launcher's device (-1: CPU, simulated ranks); an int
+        # compare, no torch.device per call. The launcher's own checks tell CPU from CUDA.
+        self._device_index = device.index if device.type == "cuda" else -1
+        self._empty_bytes = self._workspace.empty_bytes  # host state the plans depend on
+        self._plans: "OrderedDict[int, Callable[[], None]]" = OrderedDict()  # address -> replay or launch
+        self._seen: dict[int, int] = {}  # address -> calls so far, before its capture
+        self._lock = threading.Lock()  # the cold path only
+        self.captures = 0
+        self.evictions = 0
+
+    @property
+    def capturing(self) -> bool:
+        """True while new addresses still get a graph (not off, not thrashing)."""
+        return self.capture is not None and self.evictions < self.max_graphs
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        addr = x.data_ptr()
+        plans = self._plans
+        plan = plans.get(addr)
+        if (plan is not None and x.get_device() == self._device_index
+                and self._workspace.empty_bytes == self._empty_bytes):
+            plans.move_to_end(addr)  # least recently used first out
+            plan()
+            return x
+        return self._miss(x)
+
+    def _miss(self, x: torch.Tensor) -> torch.Tensor:
+        """A call without a valid plan: through the launcher (all checks), or, at an address's
+        ``capture_after``-th call, capture (or bind) its launch and plan it from then on."""
+        with self._lock:
+            if self._workspace.empty_bytes != self._empty_bytes:  # staging limits moved: replan all
+                self._plans.clear()
+                self._seen.clear()
+                self._empty_bytes = self._workspace.empty_bytes
+            if x.get_device() != self._device_index:
+                return self.launcher(x)  # it raises, naming the device
+            addr = x.data_ptr()
+            plan = self._plans.get(addr)
+            if plan is not None:  # another thread planned it meanwhile
+                plan()
+                return x
+            calls = self._seen.get(addr, 0) + 1
+            if calls < self.capture_after:
+                self.launcher(x)  # checks, compiles and binds the variant
+                if len(self._seen) >= 4 * self.max_graphs:
+                    self._seen.clear()  # addresses that never repeat: forget them
+                self._seen[addr] = calls
+                return x
+            self._seen.pop(addr, None)
+            if not self.capturing:
+                self.launcher(x)
+                launch = self.launcher.bind(x)
+                if launch is not None:
+                    self._remember(addr, launch)
+                return x
+            return self._capture_and_replay(x, addr)
+
+    def _capture_and_replay(self, x: torch.Tensor, addr: int) -> torch.Tensor:
+        launch = self.launcher.bind(x)  # the launcher's checks run here, before any capture
+        if launch is None:  # nothing to launch (one rank, empty tensor) or no bound variant yet
+            return self.launcher(x)
+        try:
+            graph = self.capture(launch, self.device)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: launch instead, from now on
+            log.warning("autosymm: eager replay off for %s: capturing its launch failed (%s: %s)",
+                        getattr(self.launcher, "algorithm", "this call"), type(exc).__name__, exc)
+            self.capture = None
+            launch()
+            self._remember(addr, launch)
+            return x
+        self.captures += 1
+        replay = replay_function(graph)
+        self._remember(addr, replay)
+        replay()
+        return x
+
+    def _remember(self, addr: int, plan: Callable[[], None]) -> None:
+        plans = self._plans
+        plans[addr] = plan
+        plans.move_to_end(addr)
+        while len(plans) > self.max_graphs:
+            plans.popitem(last=False)  # a dropped graph is freed once its replays complete
+            self.evictions += 1
+
+
+def capture_cuda_graph(launch: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``launch()`` (kernel launches on the current stream only), captured on a
+    side stream of ``device`` in thread_local mode; raises if the graph allocated memory."""
+    stream = _side_stream(device)
+    graph = torch.cuda.CUDAGraph()
+    # No stream sync: capturing runs nothing (the replays run on the caller's stream, in order),
+    # and nothing is allocated that the caching allocator would have to order.
+    with _CAPTURE_LOCK, torch.cuda.device(device):  # one capture per side stream at a time
+        before = torch.cuda.memory_allocated(device)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                launch()
+            finally:
+                graph.capture_end()
+        allocated = torch.cuda.memory_allocated(device) - before
+    if allocated:
+        raise RuntimeError(f"the captured launch allocated {allocated} bytes on {device}; a replayed "
+                           "call must only launch on existing buffers")
+    return graph
+
+
+def replay_function(graph: Any) -> Callable[[], None]:
+    """``graph.replay`` as the extension's own method: torch's Python ``CUDAGraph.replay`` (a
+    liveness-tracker check we do not use, then ``super().replay()``) costs a frame per call on
+    some versions. Falls back to ``graph.replay`` where the class has no such method."""
+    for cls in type(graph).__mro__:
+        method = cls.__dict__.get("replay")
+        if method is not None and not isinstance(method, types.FunctionType) and hasattr(method, "__get__"):
+            bound = method.__get__(graph, type(graph))
+            if callable(bound):
+                return bound
+    return graph.replay
+
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One capture stream per device (captures are rare and hold it only while capturing)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
