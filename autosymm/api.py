@@ -25,6 +25,7 @@ from .agreement import AgreementError, Exchange, problems
 from .backends import FALLBACK, Capabilities, RunContext, get_backend
 from .dispatch import Decision
 from .logs import configure_from_env
+from .replay import wrap_eager
 from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
 
 log = logging.getLogger("autosymm")
@@ -96,7 +97,7 @@ class _GroupState:
                     f"autosymm: {problem.describe()} cannot be captured in a CUDA graph: only {decision.backend} "
                     f"can serve it ({decision.reason}; passed over: {skipped}). A larger workspace "
                     f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
-            launcher = backend.prepare(problem, decision.config, self.ctx)
+            launcher = wrap_eager(backend.prepare(problem, decision.config, self.ctx), decision)
         return _Entry(decision, launcher)
 
     def agreed_entry(self, call: str, build: Callable[[], _Entry]) -> _Entry:
