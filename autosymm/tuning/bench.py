@@ -15,14 +15,11 @@ MoE shape, and mode:
    replayed, divided by ``calls`` (bench_baselines.bench_plan). The median over repeats, then
    the MAX over ranks.
 
-The first version of this bench reported torch's two-shot at 39-48 us per eager call where a loop
-of the op costs 7.5-8.5 us, for two reasons: its torch baselines went through the tuner's
-backend launcher, which copies a plain tensor into a staging buffer and (two-shot) back, with
-argument checks, on every call (three launches instead of one); and it timed the tuner's way,
-with a newly created CUDA event per 4 calls (per call from 512 KiB), whose creation and record
-cost ~16 us on that node (autosymm's own eager rows went from 15 to 27.5 us between 256 and
-512 KiB for that reason alone). Now the ops are called directly, with and without the copy,
-and 8-40 calls share one pair of pre-created events.
+An eager sample is cheap to distort: on a node where a launch costs 5-10 us of host time, a CUDA
+event created and recorded per call (about 15 us) or a wrapper that stages a plain tensor and
+checks it on every call (three launches instead of one) measures the harness, not the op. So
+events are created before the samples and shared by 8-40 calls, and torch's ops are called
+directly on their buffers, not through autosymm's torch_symm backend launcher.
 """
 
 from __future__ import annotations
@@ -108,10 +105,10 @@ def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: in
     import autosymm
 
     world_size = dist.get_world_size(setup.group)
-    first = impl.inputs[0]
-    first[0].copy_(pristine)
+    checked = impl.inputs[-1]  # the last rotating input: at an offset in a symmetric buffer
+    checked[0].copy_(pristine)
     try:
-        wrong = check_output(impl.launch(*first), reference, world_size)
+        wrong = check_output(impl.launch(*checked), reference, world_size)
     except Exception as exc:  # host-side argument checks: the same shapes raise on every rank
         wrong = f"{type(exc).__name__}: {exc}"
     ok = _agree(wrong is None, setup.group, setup.device)
@@ -120,9 +117,9 @@ def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: in
         args[0].normal_(generator=gen)
     rows = []
     for mode in modes:
-        backend = impl.backend or autosymm.explain(first[0], mode=mode).backend
+        backend = impl.backend or autosymm.explain(checked[0], mode=mode).backend
         us = _measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
-        note = "" if ok else f"wrong output, not timed: {wrong or 'wrong on another rank'}"
+        note = "" if ok else f"failed, not timed: {wrong or 'failed on another rank'}"
         rows.append(BenchRow("all_reduce", size_label(nbytes), nbytes, mode, impl.name, us, backend, note))
     return rows
 
@@ -196,7 +193,7 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
             backend = autosymm.api._state(None).decide(problem, mode).backend if impl == "autosymm" else baseline.name
             us = _measure(fn, [args], bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
             rows.append(BenchRow(problem.op, label, nbytes, mode, impl, us, backend,
-                                 "" if ok else "wrong output, not timed"))
+                                 "" if ok else "failed, not timed: output differs from the NCCL path's"))
     return rows
 
 

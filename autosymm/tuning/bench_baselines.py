@@ -92,10 +92,13 @@ def check_output(out: torch.Tensor, reference: torch.Tensor, world_size: int) ->
 
 
 class EventClock:
-    """A timing.Clock on CUDA events created up front: a mark is one ``record``, nothing else."""
+    """A timing.Clock on CUDA events created up front: a mark is one ``record``, nothing else
+    (torch creates an event's CUDA object at its first record: that happens here, untimed)."""
 
     def __init__(self, marks: int) -> None:
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(marks)]
+        for event in self.events:
+            event.record()
         self.used = 0
 
     def mark(self) -> Any:
