@@ -113,10 +113,10 @@ def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: in
         wrong = f"{type(exc).__name__}: {exc}"
     ok = _agree(wrong is None, setup.group, setup.device)
     gen = torch.Generator(device=setup.device).manual_seed(4321 + dist.get_rank(setup.group))
-    for args in impl.inputs:  # fresh random data for the timed calls
-        args[0].normal_(generator=gen)
     rows = []
     for mode in modes:
+        for args in impl.inputs:  # fresh random data (in-place sums double it every call)
+            args[0].normal_(generator=gen)
         backend = impl.backend or autosymm.explain(checked[0], mode=mode).backend
         us = _measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
         note = "" if ok else f"failed, not timed: {wrong or 'failed on another rank'}"
