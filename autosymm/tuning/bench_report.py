@@ -133,19 +133,57 @@ def compare(cell: dict[str, BenchRow], op: str, impl: str = "autosymm") -> Compa
 
 
 def losses(rows: list[BenchRow]) -> list[str]:
-    """One line per (call, mode, autosymm implementation, baseline kind) where autosymm is slower
-    than the best other, e.g. '6kB eager: autosymm 8.20 us = 1.09x torch_two_shot (7.50 us, no copy)'."""
+    """One line per (call, mode, autosymm implementation, best other) where autosymm is slower,
+    e.g. '6kB eager: autosymm 8.20 us = 1.09x torch_two_shot (7.50 us, no copy)'. A zero-copy
+    call is compared with the no-copy baselines only (both sides own symmetric buffers)."""
     lines = []
     for op in dict.fromkeys(r.op for r in rows):
         for (label, mode), cell in cells(rows, op).items():
             for impl in AUTOSYMM_IMPLS:
                 c = compare(cell, op, impl)
-                kinds = (("no copy", c.vs_no_copy, c.best_no_copy), ("with copy", c.vs_copy, c.best_copy))
+                kinds = [("no copy", c.vs_no_copy, c.best_no_copy)]
+                if impl == "autosymm":
+                    kinds.append(("with copy", c.vs_copy, c.best_copy))
+                lost: dict[tuple[str, float], list[str]] = {}
                 for kind, ratio, best in kinds:
                     if ratio is not None and ratio > 1.0 and best is not None:
-                        lines.append(f"{op} {label} {mode}: {impl} {c.us:.2f} us = {ratio:.2f}x {best[0]} "
-                                     f"({best[1]:.2f} us, {kind})")
-    return list(dict.fromkeys(lines))
+                        lost.setdefault(best, []).append(kind)
+                for (other, us), which in lost.items():
+                    lines.append(f"{op} {label} {mode}: {impl} {c.us:.2f} us = {c.us / us:.2f}x {other} "
+                                 f"({us:.2f} us, {' and '.join(which)})")
+    return lines
+
+
+#: The range of the issue's strictest all-reduce target (autosymm / best other <= 0.90), bytes.
+MID_RANGE = (512 << 10, 8 << 20)
+
+
+def worst_ratios(rows: list[BenchRow], impl: str = "autosymm") -> list[str]:
+    """Per mode, ``impl``'s largest all-reduce ratio against each kind of best other, over every
+    size and over :data:`MID_RANGE`, e.g. 'graph: autosymm / best no-copy <= 1.093 (6kB);
+    512KiB-8MiB <= 0.912 (3MB)'."""
+    lines = []
+    by_cell = cells(rows, "all_reduce")
+    for mode in dict.fromkeys(m for _, m in by_cell):
+        parts = []
+        for kind in ("no-copy", "with-copy") if impl == "autosymm" else ("no-copy",):  # as in losses()
+            ratios = []
+            for (label, m), cell in by_cell.items():
+                c = compare(cell, "all_reduce", impl)
+                ratio = c.vs_no_copy if kind == "no-copy" else c.vs_copy
+                if m == mode and ratio is not None:
+                    ratios.append((ratio, label, cell[impl].nbytes))
+            if not ratios:
+                continue
+            worst = max(ratios)
+            mid = [r for r in ratios if MID_RANGE[0] <= r[2] <= MID_RANGE[1]]
+            text = f"{impl} / best {kind} <= {worst[0]:.3f} ({worst[1]})"
+            if mid:
+                text += f", {size_label(MID_RANGE[0])}-{size_label(MID_RANGE[1])} <= {max(mid)[0]:.3f} ({max(mid)[1]})"
+            parts.append(text)
+        if parts:
+            lines.append(f"{mode}: " + "; ".join(parts))
+    return lines
 
 
 def failures(rows: list[BenchRow]) -> list[str]:
@@ -178,8 +216,8 @@ def _all_reduce_table(result: BenchResult):
 
     table = Table(title="all_reduce: median us per call (MAX over ranks); ratios < 1: autosymm faster")
     ratio_columns = ["autosymm / best no-copy", "autosymm / best with-copy", "zero-copy / best no-copy"]
-    for column in ["size", "mode", *ALL_REDUCE_IMPLS, "chosen", *ratio_columns]:
-        table.add_column(column)
+    for column in ["size", "mode", *[i.replace("_", " ") for i in ALL_REDUCE_IMPLS], "chosen", *ratio_columns]:
+        table.add_column(column, overflow="fold")  # long names wrap, never end in an ellipsis
     for (label, mode), cell in cells(result.rows, "all_reduce").items():
         plain, zero = compare(cell, "all_reduce"), compare(cell, "all_reduce", "autosymm_zero_copy")
         chosen = cell["autosymm"].backend if "autosymm" in cell else "-"
@@ -194,7 +232,7 @@ def _moe_table(result: BenchResult, op: str):
     table = Table(title=f"{op}: median us per call (MAX over ranks); link GB/s = rows leaving the rank / time")
     for column in ["shape/tokens", "mode", *MOE_IMPLS, "chosen", "autosymm / nccl", "link GB/s autosymm",
                    "link GB/s nccl", "autosymm % peer write"]:
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for (label, mode), cell in cells(result.rows, op).items():
         gbps = {i: moe_link_gbps(r.nbytes, r.us, result.world_size) for i, r in cell.items() if r.us}
         auto = gbps.get("autosymm")
@@ -215,6 +253,8 @@ def print_bench(result: BenchResult, console) -> None:
     for op in ("dp_to_ep", "ep_to_dp"):
         if any(r.op == op for r in result.rows):
             console.print(_moe_table(result, op))
+    for line in worst_ratios(result.rows) + worst_ratios(result.rows, "autosymm_zero_copy"):
+        console.print(line)
     lost = losses(result.rows)
     console.print(f"autosymm loses in {len(lost)} comparison(s)" + (":" if lost else "."))
     for line in lost:

@@ -12,7 +12,8 @@ from autosymm.problem import MoEShape
 from autosymm.tuning import bench_baselines as bb
 from autosymm.tuning.bench import BenchOptions, BenchResult, BenchRow, moe_link_gbps, print_bench, write_bench_csv
 from autosymm.tuning.bench_report import (ALL_REDUCE_IMPLS, COPY_OTHERS, DEFAULT_SIZES, NO_COPY_OTHERS, best_of,
-                                          cells, compare, csv_rows, failures, losses, parse_bench_sizes, size_label)
+                                          cells, compare, csv_rows, failures, losses, parse_bench_sizes, size_label,
+                                          worst_ratios)
 
 
 def _bench(rank, world_size, options):
@@ -59,7 +60,7 @@ def test_table_and_csv(result, tmp_path):
     console = Console(record=True, width=250)
     print_bench(result, console)
     text = console.export_text()
-    assert "all_reduce: median us" in text and "4KiB" in text and "6kB" in text
+    assert "all_reduce: median us" in text and "4KiB" in text and "6kB" in text and "…" not in text
     assert "autosymm / best no-copy" in text and "autosymm / best with-copy" in text
     assert "dp_to_ep: median us" in text and "link GB/s nccl" in text and result.comm_env in text
     assert "all_reduce torch_two_shot (4KiB eager, 6kB eager): no torch symmetric memory" in text
@@ -120,11 +121,29 @@ def test_ratios_per_call_and_mode():
 def test_losses_name_the_winner_and_the_baseline_kind():
     assert losses(ROWS) == [
         "all_reduce 6kB eager: autosymm 8.25 us = 1.10x torch_two_shot (7.50 us, no copy)",
-        "dp_to_ep 4 tok eager: autosymm 50.00 us = 1.25x nccl (40.00 us, no copy)",
-        "dp_to_ep 4 tok eager: autosymm 50.00 us = 1.25x nccl (40.00 us, with copy)",
+        "dp_to_ep 4 tok eager: autosymm 50.00 us = 1.25x nccl (40.00 us, no copy and with copy)",
+    ]
+    slow_zero_copy = [BenchRow("all_reduce", "4KiB", 4096, "graph", impl, us) for impl, us in
+                      (("nccl", 9.0), ("torch_two_shot", 5.0), ("torch_two_shot_copy", 6.0),
+                       ("autosymm", 5.5), ("autosymm_zero_copy", 6.5))]
+    assert losses(slow_zero_copy) == [  # zero-copy against the no-copy baselines only
+        "all_reduce 4KiB graph: autosymm 5.50 us = 1.10x torch_two_shot (5.00 us, no copy)",
+        "all_reduce 4KiB graph: autosymm_zero_copy 6.50 us = 1.30x torch_two_shot (5.00 us, no copy)",
     ]
     rows = ROWS + [BenchRow("all_reduce", "6kB", 6000, "graph", "torch_one_shot", None, note="wrong output")]
     assert failures(rows) == ["all_reduce torch_one_shot (6kB graph): wrong output"]
+
+
+def test_worst_ratios_per_mode_and_in_the_mid_range():
+    rows = list(ROWS) + _cell("1MiB", "eager", nccl=20.0, torch_two_shot=10.0, torch_two_shot_copy=15.0, autosymm=9.0)
+    for r in rows[-4:]:
+        r.nbytes = 1 << 20
+    assert worst_ratios(rows) == [
+        "eager: autosymm / best no-copy <= 1.100 (6kB), 512KiB-8MiB <= 0.900 (1MiB); "
+        "autosymm / best with-copy <= 0.688 (6kB), 512KiB-8MiB <= 0.600 (1MiB)",
+        "graph: autosymm / best no-copy <= 0.500 (6kB); autosymm / best with-copy <= 0.364 (6kB)"]
+    assert worst_ratios(rows, "autosymm_zero_copy") == [
+        "eager: autosymm_zero_copy / best no-copy <= 0.933 (6kB)"]
 
 
 def test_csv_ratios_only_on_autosymm_rows():
