@@ -16,6 +16,7 @@ from . import __version__
 from .cli_errors import OneLineErrorGroup
 from .cli_plans import DEFAULT_SIZES, DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
 from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, parse_size_range
+from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
 
 def _console():
@@ -182,7 +183,8 @@ def _print_summary(rows: list[dict]) -> None:
 # -------------------------------------------------------------------------------------- bench
 @main.command()
 @click.option("--nproc", type=int, default=None, help="GPUs (worker processes); default: all local GPUs")
-@click.option("--sizes", default=DEFAULT_SIZES, show_default=True)
+@click.option("--sizes", default=DEFAULT_BENCH_SIZES, show_default=True,
+              help="all-reduce bytes: ranges low:high of powers of two and single sizes, comma-separated")
 @click.option("--modes", default="eager,graph", show_default=True)
 @click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True)
 @click.option("--tokens", default="128,1024,4096", show_default=True)
@@ -196,7 +198,7 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
     from .tuning.bench import BenchOptions, bench_job, print_bench, write_bench_csv
     from .tuning.workers import run_workers
 
-    options = BenchOptions(sizes=_parsed(parse_size_range, sizes, "--sizes"), modes=[m.strip() for m in modes.split(",")],
+    options = BenchOptions(sizes=_parsed(parse_bench_sizes, sizes, "--sizes"), modes=[m.strip() for m in modes.split(",")],
                            shapes=_parsed(_parse_shapes, shapes, "--shapes"), tokens=_parse_tokens(tokens),
                            ops=[o.strip() for o in ops.split(",") if o.strip()])
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

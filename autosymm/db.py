@@ -1,6 +1,6 @@
 """The tuning database: measured winners in one SQLite file, read by the dispatcher.
 
-Schema version 1 (open any file with the ``sqlite3`` CLI)::
+Schema version 2 (open any file with the ``sqlite3`` CLI)::
 
     CREATE TABLE results (          -- one row per key and backend: that backend's best config
       hardware TEXT NOT NULL,       -- hardware slug, e.g. 'nvidia-h200-nvlink'
@@ -21,6 +21,7 @@ Schema version 1 (open any file with the ``sqlite3`` CLI)::
       autosymm_version TEXT, torch_version TEXT, triton_version TEXT,
       cuda_version TEXT, driver_version TEXT,
       created TEXT NOT NULL,        -- ISO 8601 date-time, UTC
+      comm_env TEXT,                -- multicast/NVLS variables as the tune saw them (NULL: not recorded)
       PRIMARY KEY (hardware, world_size, op, dtype, bucket, shape, mode, backend));
     CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);  -- 'schema_version' and notes
     CREATE VIEW winners AS ...      -- results' fastest row per key (ties: backend name)

@@ -25,19 +25,23 @@ from .configs import AllReduceConfig, AnyConfig, MoEConfig, as_int, config_from_
 if not hasattr(sqlite_utils.Database, "atomic"):  # 3.x commits an open transaction on every write
     raise ImportError("autosymm.db needs sqlite-utils >= 4.0 (nested transactions): pip install -U sqlite-utils")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_S = 30.0
 KEY_COLUMNS = ("hardware", "world_size", "op", "dtype", "bucket", "shape", "mode")
 PK_COLUMNS = KEY_COLUMNS + ("backend",)
 FILTER_COLUMNS = PK_COLUMNS + ("gpu",)
 _VERSION_COLUMNS = ("autosymm_version", "torch_version", "triton_version", "cuda_version", "driver_version")
+#: Where a row was measured (autosymm.hardware.provenance): the versions, and ``comm_env``, the
+#: multicast/NVLS environment variables as the tune saw them (e.g. 'NCCL_NVLS_ENABLE=0 ...'),
+#: which decide whether NCCL's baseline in that row could use NVLink SHARP.
+PROVENANCE_COLUMNS = _VERSION_COLUMNS + ("comm_env",)
 
 #: The results table, in on-disk column order (sqlite-utils types: str TEXT, int INTEGER, float REAL).
 RESULTS_COLUMNS: dict[str, type] = {
     "hardware": str, "gpu": str, "world_size": int, "op": str, "dtype": str, "bucket": int, "shape": str,
     "mode": str, "backend": str, "config": str, "median_us": float, "p10_us": float, "p90_us": float,
     "nccl_us": float, "speedup": float, "trials": int, "autosymm_version": str, "torch_version": str,
-    "triton_version": str, "cuda_version": str, "driver_version": str, "created": str,
+    "triton_version": str, "cuda_version": str, "driver_version": str, "created": str, "comm_env": str,
 }
 RESULTS_NOT_NULL = PK_COLUMNS + ("gpu", "config", "median_us", "created")
 RESULTS_DEFAULTS = {"gpu": "", "shape": "", "config": "{}"}
@@ -157,6 +161,7 @@ class Row:
     cuda_version: Optional[str] = None
     driver_version: Optional[str] = None
     created: str = field(default_factory=_utc_now)
+    comm_env: Optional[str] = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:  # the dataclass is frozen
@@ -174,7 +179,7 @@ class Row:
             put(name, _opt(_positive, name, getattr(self, name)))
         if self.speedup is None and self.nccl_us is not None:
             put("speedup", self.nccl_us / self.median_us)
-        for name in _VERSION_COLUMNS:
+        for name in PROVENANCE_COLUMNS:
             value = getattr(self, name)
             put(name, None if value is None else str(value))
         if self.config is None or isinstance(self.config, (AllReduceConfig, MoEConfig)):
@@ -364,6 +369,15 @@ def _migrate_0_to_1(db: sqlite_utils.Database) -> None:
     _create_meta_and_winners(db)
 
 
+def _migrate_1_to_2(db: sqlite_utils.Database) -> None:
+    """Version 1 had no ``comm_env`` (its rows read it as NULL: environment not recorded)."""
+    if "results" not in db.table_names():
+        raise CorruptDatabaseError("a version-1 tuning database without its results table")
+    results = db.table("results")
+    if "comm_env" not in results.columns_dict:
+        results.add_column("comm_env", RESULTS_COLUMNS["comm_env"])
+
+
 #: MIGRATIONS[n] turns a version-n database into version n + 1 (inside one transaction).
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_0_to_1]
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_0_to_1, _migrate_1_to_2]
 assert len(MIGRATIONS) == SCHEMA_VERSION

@@ -340,11 +340,16 @@ def fingerprint() -> Fingerprint:
 
 
 def provenance(fp: Optional[Fingerprint] = None) -> dict:
-    """Version columns recorded with every tuning result."""
+    """Provenance columns recorded with every tuning result: versions, GPU, and ``comm_env``,
+    the variables that turn NVLink multicast / NVLS off for torch, NCCL and NVSHMEM as this
+    process sees them (``unset`` where absent), e.g. 'TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1': NCCL's baseline depends on them."""
     from . import __version__
 
     fp = fp or fingerprint()
+    names = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS")
     return {
+        "comm_env": " ".join(f"{name}={os.environ.get(name, 'unset')}" for name in names),
         "autosymm_version": __version__,
         "torch_version": fp.torch_version,
         "triton_version": fp.triton_version,

@@ -39,6 +39,10 @@ CREATE VIEW winners AS SELECT * FROM (
                                        ORDER BY median_us, backend) AS place
   FROM results) WHERE place = 1;
 INSERT INTO meta VALUES ('schema_version', '1');"""
+#: Version 2 = version 1 plus a nullable ``comm_env`` column at the end of results.
+RELEASED_V2 = RELEASED_V1.replace("INSERT INTO meta VALUES ('schema_version', '1');", """
+ALTER TABLE results ADD COLUMN comm_env TEXT;
+INSERT INTO meta VALUES ('schema_version', '2');""")
 
 
 def shape_of(conn: sqlite3.Connection) -> dict:
@@ -65,7 +69,7 @@ def test_new_files_have_the_released_schema(tmp_path):
     with TuningDB(path) as tdb:
         tdb.record(make_row())
     released = sqlite3.connect(":memory:")
-    released.executescript(RELEASED_V1)
+    released.executescript(RELEASED_V2)
     with sqlite3.connect(path) as conn:
         assert shape_of(conn) == shape_of(released)
         # what the released code ran against its files runs against this one
@@ -84,17 +88,59 @@ def test_released_files_read_and_write(tmp_path):
         assert tdb.rows() == [make_row(), make_row(backend="nccl", median_us=20.0, config=None)]
 
 
+def test_version_1_files_migrate_to_comm_env(tmp_path):
+    path = tmp_path / "v1.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(RELEASED_V1)
+        conn.execute("INSERT INTO results (hardware, gpu, world_size, op, dtype, bucket, mode, backend, config, "
+                     "median_us, created) VALUES (?, 'NVIDIA H200', 2, 'all_reduce', 'bf16', 4096, 'graph', 'nccl', "
+                     "'{}', 11.0, '2026-11-30T00:00:00+00:00')", [HW])
+    conn.close()
+    before = file_sha(path)
+    with TuningDB(path, readonly=True) as tdb:  # a shipped file: migrated in memory, never written
+        assert tdb.schema_version == SCHEMA_VERSION == 2
+        (old,) = tdb.rows()
+        assert old.comm_env is None and old.median_us == 11.0
+    assert file_sha(path) == before
+    with TuningDB(path) as tdb:  # a user's file: migrated in place, then takes the new column
+        tdb.record(make_row(comm_env="TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1"))
+    released = sqlite3.connect(":memory:")
+    released.executescript(RELEASED_V2)
+    with sqlite3.connect(path) as conn:
+        assert shape_of(conn) == shape_of(released)
+    with TuningDB(path, readonly=True) as tdb:
+        assert {r.backend: r.comm_env for r in tdb.rows()} == {
+            "nccl": None, "triton_one_shot": "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1"}
+        assert "comm_env" in {c for c, *_ in tdb.db.execute("SELECT * FROM winners").description}
+
+
+def test_provenance_fills_the_comm_env_column(monkeypatch):
+    from autosymm import hardware
+    from autosymm.db_schema import PROVENANCE_COLUMNS
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    prov = hardware.provenance(hardware.cpu_fingerprint())
+    assert prov["comm_env"] == "TORCH_SYMM_MEM_DISABLE_MULTICAST=0 NCCL_NVLS_ENABLE=1 NVSHMEM_DISABLE_NVLS=unset"
+    assert set(PROVENANCE_COLUMNS) <= set(prov)  # the tuner copies these into every row
+    row = make_row(**{k: prov[k] for k in PROVENANCE_COLUMNS})
+    with TuningDB() as tdb:
+        tdb.record(row)
+        assert tdb.rows()[0].comm_env == prov["comm_env"]
+
+
 def test_migrates_v0_in_place(tmp_path):
     path = tmp_path / "old.sqlite"
     build_v0(path)
     with TuningDB(path) as tdb:
-        assert tdb.schema_version == 1
+        assert tdb.schema_version == SCHEMA_VERSION
         (row,) = tdb.rows()
         assert (row.backend, row.median_us, row.p10_us, row.trials) == ("nccl", 8.0, None, None)
         assert [r.backend for r in tdb.winners()] == ["nccl"]
         tdb.record(make_row())
     with TuningDB(path) as again:  # reopening does not migrate twice
-        assert again.schema_version == 1 and len(again) == 2
+        assert again.schema_version == SCHEMA_VERSION and len(again) == 2
 
 
 def test_migrates_v0_read_only_in_memory(tmp_path):
@@ -102,7 +148,8 @@ def test_migrates_v0_read_only_in_memory(tmp_path):
     build_v0(path)
     before = file_sha(path)
     with TuningDB(path, readonly=True) as tdb:
-        assert tdb.schema_version == 1 and tdb.best(Key(HW, 2, "all_reduce", "bf16", 4096)).backend == "nccl"
+        assert tdb.schema_version == SCHEMA_VERSION
+        assert tdb.best(Key(HW, 2, "all_reduce", "bf16", 4096)).backend == "nccl"
         with pytest.raises(ReadOnlyDatabaseError):
             tdb.record(make_row())
     assert file_sha(path) == before

@@ -1,24 +1,42 @@
-"""`autosymm bench`: autosymm through its dispatcher against NCCL and torch's built-ins.
+"""`autosymm bench`: autosymm against NCCL and torch's symmetric-memory ops, each run the way its
+users run it at its best (autosymm.tuning.bench_baselines), reported by
+autosymm.tuning.bench_report.
 
-Runs in every worker (autosymm.tuning.workers). For each size and mode, every implementation is first
-checked against NCCL's result on random data, then timed the way the tuner times (timing.py:
-warm-up, CUDA events or graph replay, median of repeats on rotating inputs, MAX over ranks).
-Also measures the peer-read bandwidth once, for the link floor of the report.
+Runs in every worker (autosymm.tuning.workers, which leaves the environment as the caller set
+it: NCCL may use NVLS where the user lets it; the result records the variables). Per size or
+MoE shape, and mode:
+
+1. Every implementation reduces the same random data once and its output is compared with
+   NCCL's (bench_baselines.check_output: bit-equal on 2 ranks, a tolerance beyond). One that is
+   wrong on any rank is reported as failed and not timed.
+2. Each one that passed is timed on rotating inputs of fresh random data, every rank starting
+   together after a barrier. eager: ``calls`` back-to-back calls between two CUDA events, nothing
+   synchronising in between, divided by ``calls``; graph: a CUDA graph of ``calls`` calls,
+   replayed, divided by ``calls`` (bench_baselines.bench_plan). The median over repeats, then
+   the MAX over ranks.
+
+An eager sample is cheap to distort: on a node where a launch costs 5-10 us of host time, a CUDA
+event created and recorded per call (about 15 us) or a wrapper that stages a plain tensor and
+checks it on every call (three launches instead of one) measures the harness, not the op. So
+events are created before the samples and shared by 8-40 calls, and torch's ops are called
+directly on their buffers, not through autosymm's torch_symm backend launcher.
 """
 
 from __future__ import annotations
 
-import csv
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..problem import MoEShape, Problem, format_bytes
+from ..problem import MoEShape, Problem
+from .bench_baselines import (BenchPlan, EventClock, Setup, SymmetricPool, bench_plan, build, check_output,
+                              pool_bytes, torch_ops_why_not, zero_copy_why_not)
+from .bench_report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, moe_link_gbps, print_bench, size_label,
+                           write_bench_csv)
 
-ALL_REDUCE_IMPLS = ("autosymm", "nccl", "torch_one_shot", "torch_two_shot")
+__all__ = ["BenchOptions", "BenchResult", "BenchRow", "bench_job", "moe_link_gbps", "print_bench", "write_bench_csv"]
 
 
 @dataclass
@@ -31,40 +49,28 @@ class BenchOptions:
     dtype: str = "bf16"
 
 
-@dataclass
-class BenchRow:
-    op: str
-    label: str  # size or shape/tokens
-    nbytes: int  # all-reduce bytes, or bytes each rank sends for MoE
-    mode: str
-    impl: str
-    us: Optional[float]  # None: not applicable / failed validation
-    backend: str = ""  # what the dispatcher chose (autosymm rows)
-    note: str = ""
-
-
-@dataclass
-class BenchResult:
-    hardware: dict
-    world_size: int
-    peer_read_gbps: float
-    peer_write_gbps: float
-    rows: list[BenchRow] = field(default_factory=list)
-
-
-def _measure(fn, inputs, problem: Problem, mode: str, group) -> float:
-    """Median us, MAX over ranks, timed exactly as the tuner times ``problem`` (sweep.timing_plan)."""
-    from .sweep import timing_plan
+def _measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device: torch.device) -> float:
+    """Median us per call of ``fn`` in ``mode`` under ``plan``, MAX over the ranks of ``group``."""
     from .timing import max_over_ranks, time_eager, time_graph
 
-    plan = timing_plan(problem, mode)
+    if device.type != "cuda":  # gloo (the CPU tests): a token measurement of the same code path
+        plan = replace(plan, calls=2, repeats=3, warmup_calls=1)
+    clock = EventClock(plan.repeats + 1) if device.type == "cuda" else None
     if mode == "graph":
-        timing = time_graph(fn, inputs, warmup=plan.warmup, repeats=plan.repeats,
-                            calls_per_graph=plan.calls_per_graph, group=group)
+        timing = time_graph(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
+                            calls_per_graph=plan.calls, group=group, clock=clock)
     else:
-        timing = time_eager(fn, inputs, warmup=plan.warmup, repeats=plan.repeats,
-                            calls_per_sample=plan.calls_per_sample, group=group)
+        timing = time_eager(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
+                            calls_per_sample=plan.calls, group=group, clock=clock)
     return max_over_ranks(timing, group).median_us
+
+
+def _agree(ok: bool, group, device) -> bool:
+    """True on every rank iff ``ok`` on every rank: measuring starts with a host barrier, so all
+    ranks must make the same choice (or the ones that measure wait forever)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
@@ -81,201 +87,193 @@ def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float
     return nbytes / read / 1e3, nbytes / write / 1e3
 
 
-def _all_reduce_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
+# ------------------------------------------------------------------------------------ all-reduce
+
+
+def _why_not(name: str, setup: Setup, nbytes: int, count: int, world_size: int) -> Optional[str]:
+    if name.startswith("torch_"):
+        return torch_ops_why_not(setup, nbytes)
+    if name == "autosymm_zero_copy":
+        return zero_copy_why_not(setup, nbytes, count, world_size)
+    return None
+
+
+def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: int, modes: list[str],
+               setup: Setup) -> list[BenchRow]:
+    """Rows of one implementation at one size: its output on ``pristine`` checked against NCCL's
+    ``reference`` on every rank, then (if right everywhere) one measurement per mode."""
     import autosymm
 
-    from ..backends import RunContext, get_backend
-    from ..problem import DTYPES
-
+    world_size = dist.get_world_size(setup.group)
+    checked = impl.inputs[-1]  # the last rotating input: at an offset in a symmetric buffer
+    checked[0].copy_(pristine)
+    try:
+        wrong = check_output(impl.launch(*checked), reference, world_size)
+    except Exception as exc:  # host-side argument checks: the same shapes raise on every rank
+        wrong = f"{type(exc).__name__}: {exc}"
+    ok = _agree(wrong is None, setup.group, setup.device)
+    gen = torch.Generator(device=setup.device).manual_seed(4321 + dist.get_rank(setup.group))
     rows = []
-    world_size = dist.get_world_size(group)
-    dtype = DTYPES[options.dtype]
-    ctx = RunContext(group=group, workspace=workspace)
-    state = autosymm.api._state(group)
-    caps, device = state.caps, state.device
-    for nbytes in options.sizes:
-        problem = Problem.all_reduce(nbytes, options.dtype, world_size)
-        numel = problem.numel
-        from .sweep import timing_plan
-
-        gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank(group))
-        n_inputs = timing_plan(problem, "eager").n_inputs  # rotating inputs, as the tuner uses
-        inputs = [(torch.randn(numel, generator=gen, device=device, dtype=torch.float32).to(dtype),)
-                  for _ in range(n_inputs)]
-        pristine = inputs[0][0].clone()  # timing reduces the inputs in place: validate on a copy
-        reference = pristine.clone()
-        dist.all_reduce(reference, group=group)
-        for impl in ALL_REDUCE_IMPLS:
-            if impl == "autosymm":
-                launch, backend = autosymm.all_reduce, ""
-            else:
-                why_not = get_backend(impl).why_not(problem, caps)
-                if why_not is not None:
-                    rows += [BenchRow("all_reduce", format_bytes(nbytes), nbytes, m, impl, None, note=why_not)
-                             for m in options.modes]
-                    continue
-                launch, backend = get_backend(impl).prepare(problem, None, ctx), impl
-            out = pristine.clone()
-            launch(out)
-            error = _relative_error(out, reference)
-            ok = _agree(error < 2e-2, group, device)
-            for mode in options.modes:
-                if impl == "autosymm":
-                    backend = autosymm.explain(out, group=group, mode=mode).backend
-                us = _measure(launch, inputs, problem, mode, group) if ok else None
-                rows.append(BenchRow("all_reduce", format_bytes(nbytes), nbytes, mode, impl, us, backend,
-                                     "" if ok else f"wrong result (rel. error {error:.3g})"))
-        del inputs, reference
+    for mode in modes:
+        for args in impl.inputs:  # fresh random data (in-place sums double it every call)
+            args[0].normal_(generator=gen)
+        backend = impl.backend or autosymm.explain(checked[0], mode=mode).backend
+        us = _measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
+        note = "" if ok else f"failed, not timed: {wrong or 'failed on another rank'}"
+        rows.append(BenchRow("all_reduce", size_label(nbytes), nbytes, mode, impl.name, us, backend, note))
     return rows
 
 
-def _agree(ok: bool, group, device) -> bool:
-    """True on every rank iff ``ok`` on every rank: measuring starts with a host barrier, so all
-    ranks must make the same choice (or the ones that measure wait forever)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref64 = ref.double()
-    diff = (out.double() - ref64).norm() / ref64.norm().clamp_min(1e-30)
-    value = float(diff)
-    return value if value == value else float("inf")  # NaN never passes
-
-
-def _moe_rows(options: BenchOptions, group, workspace) -> list[BenchRow]:
-    import autosymm
-
-    from ..backends import RunContext, get_backend
-    from ..routing import make_expt_assignment, make_expt_dict_uniform, route
-    from ..problem import DTYPES
-
+def _all_reduce_size(nbytes: int, modes: list[str], setup: Setup) -> list[BenchRow]:
+    """Every implementation's rows at one size (NCCL's result on the same data is the reference)."""
+    world_size = dist.get_world_size(setup.group)
+    elem = torch.empty((), dtype=setup.dtype).element_size()
+    label = size_label(nbytes)
+    if nbytes % elem:
+        return [BenchRow("all_reduce", label, nbytes, m, name, None, note=f"not a multiple of {elem} bytes")
+                for name in ALL_REDUCE_IMPLS for m in modes]
+    numel = nbytes // elem
+    gen = torch.Generator(device=setup.device).manual_seed(1234 + dist.get_rank(setup.group))
+    pristine = torch.randn(numel, generator=gen, device=setup.device, dtype=torch.float32).to(setup.dtype)
+    reference = pristine.clone()
+    dist.all_reduce(reference, group=setup.group)
+    count = bench_plan(nbytes, "eager").n_inputs
     rows = []
-    world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    dtype = DTYPES[options.dtype]
-    device = autosymm.api._state(group).device
-    ctx = RunContext(group=group, workspace=workspace)
-    for name, shape in options.shapes.items():
-        assignment = make_expt_assignment(world_size, shape.n_expts_tot,
-                                          make_expt_dict_uniform(world_size, shape.n_expts_tot), device)
-        for tokens in options.tokens:
-            gen = torch.Generator(device=device).manual_seed(99 + tokens)
-            n_global = tokens * world_size
-            scores = torch.rand(n_global, shape.n_expts_tot, generator=gen, device=device)
-            expt_indx = scores.topk(shape.n_expts_act, dim=1).indices.to(torch.int32)
-            gate_indx, topk_indx = route(expt_indx)
-            src = torch.randn(tokens, shape.d_model, device=device, dtype=torch.float32).to(dtype)
-            label = f"{name} {tokens} tok"
-            nbytes = tokens * shape.n_expts_act * shape.d_model * src.element_size()
-            for op in ("dp_to_ep", "ep_to_dp"):
-                if op not in options.ops:
-                    continue
-                problem = Problem.moe(op, shape, tokens, options.dtype, world_size)
-                if op == "dp_to_ep":
-                    args = (src, assignment, expt_indx, gate_indx)
-                    auto = autosymm.convert_dp_to_ep
-                else:
-                    ep_src = torch.randn(n_global * shape.n_expts_act, shape.d_model, device=device,
-                                         dtype=torch.float32).to(dtype)
-                    args = (ep_src, assignment, expt_indx, topk_indx)
-                    auto = autosymm.convert_ep_to_dp
-                nccl = get_backend("nccl_all_to_all").prepare(problem, None, ctx)
-                expected = nccl(*args).clone()
-                for impl, fn in (("autosymm", auto), ("nccl_all_to_all", nccl)):
-                    got = fn(*args)
-                    ok = _agree(_moe_equal(got, expected, op, expt_indx, assignment, rank, shape), group, device)
-                    for mode in options.modes:
-                        if impl == "nccl_all_to_all" and mode == "graph":
-                            rows.append(BenchRow(op, label, nbytes, mode, impl, None, note="not capturable"))
-                            continue
-                        backend = impl
-                        if impl == "autosymm":
-                            backend = autosymm.api._state(group).decide(problem, mode).backend
-                        us = _measure(fn, [args], problem, mode, group) if ok else None
-                        rows.append(BenchRow(op, label, nbytes, mode, impl, us, backend, "" if ok else "wrong result"))
+    for name in ALL_REDUCE_IMPLS:
+        why_not = _why_not(name, setup, nbytes, count, world_size)
+        if why_not is not None:
+            rows += [BenchRow("all_reduce", label, nbytes, m, name, None, note=why_not) for m in modes]
+            continue
+        try:
+            rows += _time_impl(build(name, setup, numel, count), pristine, reference, nbytes, modes, setup)
+        finally:
+            if name == "autosymm_zero_copy":
+                setup.workspace.reset_empty()  # the region's bottom is free for the next size
     return rows
 
 
-def _moe_equal(got, expected, op, expt_indx, assignment, rank, shape) -> bool:
+# ------------------------------------------------------------------------------------ MoE
+
+
+def _moe_equal(got, expected, op, expt_indx, assignment, rank) -> bool:
     """Compare only rows that the conversion defines (the rest of the buffer is don't-care)."""
     if op == "dp_to_ep":
-        owner = assignment.expt_boolmask[rank][expt_indx.long().flatten()]
         from ..routing import route
 
+        owner = assignment.expt_boolmask[rank][expt_indx.long().flatten()]
         gate_indx, _ = route(expt_indx)
         rows = gate_indx.long().flatten()[owner]
         return torch.equal(got[rows], expected[rows])
     return torch.equal(got, expected)
 
 
-def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[BenchResult]:
-    """Worker body of `autosymm bench`; rank 0 returns the result."""
+def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
+    """autosymm's and the NCCL all_to_all path's rows for one MoE problem: both outputs checked
+    against the NCCL path's (it is the reference), then timed in every mode it can run in."""
     import autosymm
 
-    from ..hardware import fingerprint
-    from .session import TuneSession, TuneSettings, sweep_problems
+    from ..backends import RunContext, get_backend
+
+    rank = dist.get_rank(setup.group)
+    nbytes = problem.nbytes * problem.shape.n_expts_act  # the rows each rank sends
+    baseline = get_backend("nccl_all_to_all")
+    nccl = baseline.prepare(problem, None, RunContext(group=setup.group, workspace=setup.workspace))
+    auto = autosymm.convert_dp_to_ep if problem.op == "dp_to_ep" else autosymm.convert_ep_to_dp
+    expected = nccl(*args).clone()
+    expt_indx, assignment = args[2], args[1]
+    rows = []
+    for impl, fn in (("autosymm", auto), ("nccl", nccl)):
+        got = fn(*args)
+        ok = _agree(_moe_equal(got, expected, problem.op, expt_indx, assignment, rank), setup.group, setup.device)
+        for mode in modes:
+            why_not = baseline.why_not(problem, caps, mode) if impl == "nccl" else None
+            if why_not is not None:
+                rows.append(BenchRow(problem.op, label, nbytes, mode, impl, None, baseline.name, why_not))
+                continue
+            backend = autosymm.api._state(None).decide(problem, mode).backend if impl == "autosymm" else baseline.name
+            us = _measure(fn, [args], bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
+            rows.append(BenchRow(problem.op, label, nbytes, mode, impl, us, backend,
+                                 "" if ok else "failed, not timed: output differs from the NCCL path's"))
+    return rows
+
+
+def _moe_args(op: str, shape: MoEShape, tokens: int, setup: Setup, assignment) -> tuple:
+    """Random routing and rows for ``tokens`` tokens per rank: the arguments of ``op``."""
+    from ..routing import route
+
+    world_size = dist.get_world_size(setup.group)
+    gen = torch.Generator(device=setup.device).manual_seed(99 + tokens)  # the same routing on every rank
+    n_global = tokens * world_size
+    scores = torch.rand(n_global, shape.n_expts_tot, generator=gen, device=setup.device)
+    expt_indx = scores.topk(shape.n_expts_act, dim=1).indices.to(torch.int32)
+    gate_indx, topk_indx = route(expt_indx)
+    rows = tokens if op == "dp_to_ep" else n_global * shape.n_expts_act
+    src = torch.randn(rows, shape.d_model, device=setup.device, dtype=torch.float32).to(setup.dtype)
+    return (src, assignment, expt_indx, gate_indx if op == "dp_to_ep" else topk_indx)
+
+
+def _moe_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
+    from ..routing import make_expt_assignment, make_expt_dict_uniform
+
+    world_size = dist.get_world_size(setup.group)
+    rows = []
+    for name, shape in options.shapes.items():
+        assignment = make_expt_assignment(world_size, shape.n_expts_tot,
+                                          make_expt_dict_uniform(world_size, shape.n_expts_tot), setup.device)
+        for tokens in options.tokens:
+            for op in (o for o in ("dp_to_ep", "ep_to_dp") if o in options.ops):
+                problem = Problem.moe(op, shape, tokens, options.dtype, world_size)
+                args = _moe_args(op, shape, tokens, setup, assignment)
+                rows += _moe_op_rows(problem, args, f"{name} {tokens} tok", options.modes, setup, caps)
+    return rows
+
+
+# ------------------------------------------------------------------------------------ worker
+
+
+def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
+    """Collective: the workspace sized for every measured call (zero-copy inputs and stages
+    included, as a user would size it), autosymm initialised on the default group, torch's
+    symmetric pool. Returns the Setup and autosymm's Capabilities."""
+    import autosymm
+
+    from ..problem import DTYPES
+    from ..symm import get_workspace
+    from .session import sweep_problems, workspace_bytes
+    from .timing import comm_device
 
     group = dist.group.WORLD
-    # a workspace large enough for every measured call (as a user would size it), else the
-    # largest MoE calls fall back to NCCL, which a CUDA graph cannot capture; autosymm.init finds it
-    problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens, world_size)
-    TuneSession.open(TuneSettings(), problems, group=group)
-    autosymm.init(group)
-    state = autosymm.api._state(group)
-    workspace = state.workspace
-    if state.device.type != "cuda":  # gloo (tests): no CUDA graphs
+    device = comm_device(group)
+    if world_size > 1 and device.type == "cuda":
+        problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens,
+                                  world_size)
+        ar_bytes, moe_bytes = workspace_bytes(problems)
+        if "all_reduce" in options.ops:
+            ar_bytes = max(ar_bytes, pool_bytes(options.sizes, world_size))
+        get_workspace(group, device, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
+    autosymm.init()  # the default group, as `autosymm.all_reduce(x)` finds it
+    state = autosymm.api._state(None)
+    pool = None
+    if state.caps.torch_symm_ops and "all_reduce" in options.ops:
+        pool = SymmetricPool(pool_bytes(options.sizes, world_size), device, group.group_name)
+    setup = Setup(group, group.group_name, device, DTYPES[options.dtype], pool=pool, workspace=state.workspace)
+    return setup, state.caps
+
+
+def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[BenchResult]:
+    """Worker body of `autosymm bench`; rank 0 returns the result."""
+    from ..hardware import fingerprint, provenance
+
+    setup, caps = _setup(options, world_size)
+    if setup.device.type != "cuda":  # gloo (tests): no CUDA graphs
         options = replace(options, modes=[m for m in options.modes if m == "eager"])
-    read_gbps, write_gbps = peer_bandwidth(workspace, group) if workspace is not None else (0.0, 0.0)
-    result = BenchResult(fingerprint().as_dict(), world_size, read_gbps, write_gbps)
+    workspace = setup.workspace
+    read_gbps, write_gbps = peer_bandwidth(workspace, setup.group) if workspace is not None else (0.0, 0.0)
+    result = BenchResult(fingerprint().as_dict(), world_size, read_gbps, write_gbps,
+                         comm_env=provenance()["comm_env"])
     if "all_reduce" in options.ops:
-        result.rows += _all_reduce_rows(options, group, workspace)
+        for nbytes in options.sizes:
+            result.rows += _all_reduce_size(nbytes, options.modes, setup)
     if any(op in options.ops for op in ("dp_to_ep", "ep_to_dp")):
-        result.rows += _moe_rows(options, group, workspace)
+        result.rows += _moe_rows(options, setup, caps)
     return result if rank == 0 else None
-
-
-def moe_link_gbps(nbytes: int, us: float, world_size: int) -> float:
-    """GB/s over NVLink of a MoE conversion moving ``nbytes`` of rows per rank in ``us``: with
-    uniformly spread experts a fraction (W-1)/W of the rows goes to peers, the rest stays local."""
-    return nbytes * (world_size - 1) / world_size / us / 1e3
-
-
-def print_bench(result: BenchResult, console) -> None:
-    from rich.table import Table
-
-    console.print(f"{result.hardware.get('topology')}: peer read {result.peer_read_gbps:.1f} GB/s, "
-                  f"peer write {result.peer_write_gbps:.1f} GB/s")
-    for op in ("all_reduce", "dp_to_ep", "ep_to_dp"):
-        rows = [r for r in result.rows if r.op == op]
-        if not rows:
-            continue
-        impls = list(dict.fromkeys(r.impl for r in rows))
-        table = Table(title=f"{op}: median us (MAX over ranks)")
-        moe = op != "all_reduce"
-        link = ["link GB/s", "% peer write"] if moe else []
-        for column in ["shape/tokens" if moe else "size", "mode", *impls, "chosen", "autosymm/best other", *link]:
-            table.add_column(column)
-        for label, mode in dict.fromkeys((r.label, r.mode) for r in rows):
-            cells = {r.impl: r for r in rows if r.label == label and r.mode == mode}
-            others = [c.us for i, c in cells.items() if i != "autosymm" and c.us]
-            auto = cells.get("autosymm")
-            ratio = f"{auto.us / min(others):.3f}" if auto and auto.us and others else "-"
-            extra = []
-            if moe:
-                gbps = moe_link_gbps(auto.nbytes, auto.us, result.world_size) if auto and auto.us else None
-                extra = [f"{gbps:.1f}" if gbps else "-",
-                         f"{gbps / result.peer_write_gbps:.0%}" if gbps and result.peer_write_gbps else "-"]
-            table.add_row(label, mode, *[f"{cells[i].us:.2f}" if i in cells and cells[i].us else "-" for i in impls],
-                          auto.backend if auto else "-", ratio, *extra)
-        console.print(table)
-
-
-def write_bench_csv(result: BenchResult, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(result.rows[0]).keys()) + ["world_size", "gpu"])
-        writer.writeheader()
-        for row in result.rows:
-            writer.writerow({**asdict(row), "world_size": result.world_size, "gpu": result.hardware.get("gpu_name")})

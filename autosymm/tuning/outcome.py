@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..configs import AnyConfig, config_fields, config_to_json
+from ..db_schema import PROVENANCE_COLUMNS
 from ..problem import Problem
 from .timing import Timing
 
@@ -103,7 +104,7 @@ class TuneOutcome:
                 nccl_us=nccl_us, speedup=(nccl_us / timing.median_us) if nccl_us and timing.median_us > 0 else None,
                 trials=trials[backend],
             )
-            for key in ("autosymm_version", "torch_version", "triton_version", "cuda_version", "driver_version"):
+            for key in PROVENANCE_COLUMNS:
                 row[key] = prov.get(key, "")
             if created is not None:
                 row["created"] = created

@@ -2,8 +2,10 @@
 
 ``run_workers(fn, nproc, *args)`` calls ``fn(rank, world_size, *args)`` in every worker after
 ``init_process_group('nccl')`` with the worker's GPU selected, and returns rank 0's return value.
-Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) the current process is the worker. NVLink
-multicast stays off in every worker: the variables below are forced, not defaulted.
+Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) the current process is the worker. Workers
+inherit the caller's environment unchanged: NCCL, torch and NVSHMEM run as the user runs them
+(NVLS / multicast as the user's variables say; the node scripts, scripts/_node_env.sh, turn it
+off explicitly). Tuned rows and bench output record that state (hardware.provenance's comm_env).
 """
 
 from __future__ import annotations
@@ -14,14 +16,6 @@ import traceback
 from typing import Any, Callable
 
 import torch
-
-#: Forced in every worker: NVLink multicast must stay off on shared hosts.
-SAFE_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def apply_safe_env() -> None:
-    os.environ.update(SAFE_ENV)
-
 
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (for MASTER_PORT)."""
@@ -44,7 +38,6 @@ def _init(rank: int, world_size: int, local_rank: int) -> None:
 
 
 def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
-    apply_safe_env()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch.distributed as dist
@@ -70,7 +63,6 @@ def run_workers(fn: Callable, nproc: int | None, *args: Any) -> Any:
 
     ``fn`` must be importable (module level) since workers are spawned.
     """
-    apply_safe_env()
     if under_torchrun():
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _init(rank, world_size, int(os.environ["LOCAL_RANK"]))
