@@ -146,7 +146,6 @@ def _rows_for(problem: Problem, dtype: str, row_mode: str, nearest: bool, source
         size = problem.bucket
         points = points_around(size, sorted({r.bucket for _, rows in families for r in rows}))
         wanted = [(shape, p) for p in points]
-        texts = [_size_text(problem.op, p) for p in points]
         how = _between(problem, points)
     chosen: list[tuple[str, Row]] = []
     for key in wanted:  # each point's rows from the first source that has it (user DB first)
@@ -199,8 +198,9 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
 
 def _decision(problem: Problem, mode: str, candidate: Candidate, ranked: list[Candidate], notes: tuple[str, str],
               skipped: list[str]) -> Decision:
-    """The Decision for the winning ``candidate``; NCCL's time is the modelled time of the op's
-    baseline row among ``ranked`` (else the row's own ``nccl_us`` when tuned at the call's size)."""
+    """The Decision for the winning ``candidate``. NCCL's time: the row's ``nccl_us`` at the call's
+    own size, else the modelled time of the op's baseline row among ``ranked``, else the row's
+    ``nccl_us`` (measured at its point)."""
     row = candidate.row
     exact = row.bucket == problem.bucket and row.shape == problem.shape_key
     reason = f"tuned {row.mode} row at {_size_text(problem.op, row.bucket)}"
@@ -212,7 +212,7 @@ def _decision(problem: Problem, mode: str, candidate: Candidate, ranked: list[Ca
         if remark:
             reason += f" ({remark})"
     baseline = next((c.modelled_us for c in ranked if c.row.backend == FALLBACK[problem.op]), None)
-    nccl_us = row.nccl_us if exact and row.nccl_us else baseline
+    nccl_us = row.nccl_us if (exact and row.nccl_us) or baseline is None else baseline
     return Decision(row.backend, row.config_obj, reason, source=candidate.source, expected_us=candidate.modelled_us,
                     nccl_us=nccl_us, bucket=row.bucket, mode=mode, skipped=tuple(skipped))
 

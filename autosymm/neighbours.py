@@ -9,6 +9,7 @@ any size its ``why_not`` accepts with any of its configs, so a row tuned at anot
 valid candidate (the dispatcher still asks ``why_not`` for the call itself); only its time at n
 is unknown, and is modelled:
 
+* a call below the smallest tuned size: the times measured there (they bound a smaller call);
 * a (backend, config) tuned at both L and U (config-less backends such as NCCL always are, Triton
   configs often at large sizes): the two measured times, interpolated linearly in n;
 * else, from its one row (time t at size s): ``f + (t - f) * growth``, where f is the
@@ -103,11 +104,16 @@ def _interpolated(low: Row, high: Row, size: int) -> float:
 def candidates(problem: Problem, rows: Iterable[tuple[str, Row]], floors: dict[str, float]) -> list[Candidate]:
     """Every (source label, row) as a :class:`Candidate` at ``problem``, fastest modelled first
     (ties: the row tuned nearest, then backend name); a (backend, config) with rows on both sides
-    of the call is one candidate, its times interpolated. ``floors``: backend -> its fastest us."""
+    of the call is one candidate, its times interpolated. A call below the smallest tuned size
+    (of its own shape) keeps the times measured there, which bound it. ``floors``: backend -> its
+    floor (:func:`floors_of`)."""
     size = problem.bucket
+    rows = list(rows)
     by_config: dict[tuple[str, str], list[tuple[str, Row]]] = {}
     for label, row in rows:
         by_config.setdefault((row.backend, row.config), []).append((label, row))
+    # below the smallest tuned size of the call's own shape: the times measured there bound it
+    below_range = all(row.bucket > size and row.shape == problem.shape_key for _, row in rows)
     out = []
     for (backend, _), found in by_config.items():
         below = [item for item in found if item[1].bucket < size]
@@ -118,7 +124,8 @@ def candidates(problem: Problem, rows: Iterable[tuple[str, Row]], floors: dict[s
             out.append(Candidate(low, label, _interpolated(low, high, size), interpolated=True))
             continue
         for label, row in found:
-            out.append(Candidate(row, label, modelled_us(row, problem, floors.get(backend, row.median_us))))
+            modelled = row.median_us if below_range else modelled_us(row, problem, floors.get(backend, row.median_us))
+            out.append(Candidate(row, label, modelled))
     out.sort(key=lambda c: (c.modelled_us, abs(math.log(c.row.bucket / size)), c.row.backend, c.row.bucket))
     return out
 
