@@ -39,7 +39,7 @@ from .backends import FALLBACK, FALLBACK_ORDER, Capabilities, get_backend
 from .configs import AnyConfig, config_fields
 from .db_schema import Row, version_mismatch
 from .hardware import running_versions
-from .neighbours import Candidate, candidates, floors_of, moe_ratios, nearest_moe_point, points_around
+from .neighbours import RowCandidate, candidates, floors_of, moe_ratios, nearest_moe_point, points_around
 from .problem import MOE_OPS, Problem, format_bytes
 
 
@@ -196,8 +196,8 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
     return replace(decision, skipped=tuple(skipped))
 
 
-def _decision(problem: Problem, mode: str, candidate: Candidate, ranked: list[Candidate], notes: tuple[str, str],
-              skipped: list[str]) -> Decision:
+def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list[RowCandidate],
+              notes: tuple[str, str], skipped: list[str]) -> Decision:
     """The Decision for the winning ``candidate``. NCCL's time: the row's ``nccl_us`` at the call's
     own size, else the modelled time of the op's baseline row among ``ranked``, else the row's
     ``nccl_us`` (measured at its point)."""

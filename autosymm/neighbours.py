@@ -41,7 +41,7 @@ assert set(_ELEM_BYTES) == set(DTYPES)
 
 
 @dataclass(frozen=True)
-class Candidate:
+class RowCandidate:
     """A tuned row that may serve a call: its source (database label) and modelled time (us)."""
 
     row: Row
@@ -101,8 +101,8 @@ def _interpolated(low: Row, high: Row, size: int) -> float:
     return low.median_us + (high.median_us - low.median_us) * share
 
 
-def candidates(problem: Problem, rows: Iterable[tuple[str, Row]], floors: dict[str, float]) -> list[Candidate]:
-    """Every (source label, row) as a :class:`Candidate` at ``problem``, fastest modelled first
+def candidates(problem: Problem, rows: Iterable[tuple[str, Row]], floors: dict[str, float]) -> list[RowCandidate]:
+    """Every (source label, row) as a :class:`RowCandidate` at ``problem``, fastest modelled first
     (ties: the row tuned nearest, then backend name); a (backend, config) with rows on both sides
     of the call is one candidate, its times interpolated. A call below the smallest tuned size
     (of its own shape) keeps the times measured there, which bound it. ``floors``: backend -> its
@@ -121,11 +121,11 @@ def candidates(problem: Problem, rows: Iterable[tuple[str, Row]], floors: dict[s
         if below and above:
             label, low = max(below, key=lambda item: item[1].bucket)
             high = min(above, key=lambda item: item[1].bucket)[1]
-            out.append(Candidate(low, label, _interpolated(low, high, size), interpolated=True))
+            out.append(RowCandidate(low, label, _interpolated(low, high, size), interpolated=True))
             continue
         for label, row in found:
             modelled = row.median_us if below_range else modelled_us(row, problem, floors.get(backend, row.median_us))
-            out.append(Candidate(row, label, modelled))
+            out.append(RowCandidate(row, label, modelled))
     out.sort(key=lambda c: (c.modelled_us, abs(math.log(c.row.bucket / size)), c.row.backend, c.row.bucket))
     return out
 

@@ -104,7 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="all-reduce sizes in bytes (a list or low:high:N)")
     parser.add_argument("--modes", default="graph,eager")
-    parser.add_argument("--db", action="append", default=[], help="database(s) dispatch reads (default: user + shipped)")
+    parser.add_argument("--db", action="append", default=[],
+                        help="database(s) dispatch reads, in order (default: the user DB, then the shipped ones)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating timings of the two picks")
     parser.add_argument("--nproc", type=int, default=None)
     args = parser.parse_args()

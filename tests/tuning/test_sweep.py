@@ -1,5 +1,6 @@
 """What a sweep tries (autosymm.tuning.sweep): default problems and modes, timing plans, the
-candidates each backend offers, and how an item reports a failure."""
+candidates each backend offers, how an item reports a failure or a skip (and `tune` lists the
+skips), and the `tune` options (--shapes, --tokens, --sizes) that make the sweep."""
 
 from __future__ import annotations
 
@@ -103,3 +104,30 @@ def test_an_item_reports_a_failed_or_aborted_search_and_a_failed_database_write(
     assert written_badly.failure().endswith("tuned database write failed: OperationalError: locked")
     assert SweepItem(problem, "eager", "tuned", "", outcome).failure() is None
     assert SweepItem(problem, "eager", "skipped", "no backend but the fallback serves it").failure() is None
+
+
+def _tune_graph_moe_where_nothing_can_capture(rank, world_size):
+    import contextlib
+    import io
+
+    from autosymm.tuning import session as session_module
+    from autosymm.tuning.session import TuneOptions
+
+    backends = {"nccl_all_to_all": _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None], graph_capturable=False),
+                "triton_moe": _FakeBackend("triton_moe", ("dp_to_ep",), [None], reason="needs 9 bytes, has 0")}
+    session_module._load_backends = lambda names: (backends, {})
+    options = TuneOptions(ops=["dp_to_ep"], sizes=[], dtypes=["bf16"], modes=["graph"],
+                          shapes={"d7168_e256_k8": MoEShape(7168, 256, 8)}, tokens=[3000], db_path="")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = session_module.tune_job(rank, world_size, options)
+    return result.failures, out.getvalue()
+
+
+def test_tune_lists_what_it_was_asked_for_and_skipped():
+    from _gloo import run_gloo
+
+    failures, printed = run_gloo(_tune_graph_moe_where_nothing_can_capture, 1)[0]
+    assert failures == []  # a skip is not a failure
+    assert ("dp_to_ep bf16 ws=1 d7168_e256_k8 tokens/rank=3000 [graph]: skipped, no backend but the fallback serves "
+            "it (nccl_all_to_all: not CUDA-graph capturable; triton_moe: needs 9 bytes, has 0)") in printed
