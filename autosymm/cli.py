@@ -15,8 +15,11 @@ import click
 from . import __version__
 from .cli_errors import OneLineErrorGroup
 from .cli_plans import DEFAULT_SIZES, DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
-from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, parse_size_range
+from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
+
+#: `autosymm tune --sizes` by default (autosymm.tuning.sweep.ALL_REDUCE_SIZES_SPEC, checked by a test).
+TUNE_SIZES = "4KiB:256MiB:2"
 
 
 def _console():
@@ -26,32 +29,34 @@ def _console():
 
 
 def _parse_shapes(text: str) -> dict[str, MoEShape]:
-    """'deepseek-v3,d4096_e8_k2' -> shapes (model names or MoEShape keys)."""
+    """'deepseek-v3,d5120_e160_k6' -> shapes: model names (any case) or any d{D}_e{E}_k{K} key;
+    a bad item is a usage error naming it."""
     out = {}
+    models = {name.lower(): shape for name, shape in MODEL_SHAPES.items()}
     for item in (t.strip() for t in text.split(",") if t.strip()):
-        out[item] = MODEL_SHAPES[item] if item in MODEL_SHAPES else MoEShape.from_key(item)
+        try:
+            out[item] = models[item.lower()] if item.lower() in models else MoEShape.from_key(item)
+        except ValueError as exc:
+            raise click.BadParameter(f"{item!r}: {exc} (model names: {', '.join(MODEL_SHAPES)})",
+                                     param_hint="--shapes") from None
+    if not out:
+        raise click.BadParameter(f"no MoE shape in {text!r}", param_hint="--shapes")
     return out
 
 
 def _parse_tokens(text: str) -> list[int]:
-    """'1,4,16' -> those token counts; '1:8192' -> every power of two from low to high."""
+    """'1,3000,8192' -> those token counts per rank; '1:8192' -> every power of two from low to
+    high; '1:8192:2' -> two per octave (autosymm.problem.octave_points)."""
     try:
         if ":" in text:
-            low, high = (int(t) for t in text.split(":", 1))
+            tokens = octave_points(*parse_range(text))
         else:
-            tokens = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a token list like 1,4,16 or a range like 1:8192") from None
-    if ":" not in text:
-        if not tokens or min(tokens) < 1:
-            raise click.BadParameter(f"token counts must be >= 1, got {text!r}")
-        return tokens
-    if low < 1 or high < low:
-        raise click.BadParameter(f"token range {text!r} must be low:high with 1 <= low <= high")
-    tokens, t = [], low
-    while t <= high:
-        tokens.append(t)
-        t *= 2
+            tokens = list(dict.fromkeys(int(t) for t in text.split(",") if t.strip()))
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a token list like 1,4,3000 or a range like 1:8192 or 1:8192:2 "
+                                 f"({exc})", param_hint="--tokens") from None
+    if not tokens or min(tokens) < 1:
+        raise click.BadParameter(f"token counts must be >= 1, got {text!r}", param_hint="--tokens")
     return tokens
 
 
@@ -101,11 +106,13 @@ def run(ctx: click.Context) -> None:
 @main.command()
 @click.option("--nproc", type=int, default=None, help="GPUs (worker processes); default: all local GPUs")
 @click.option("--ops", default="all_reduce,dp_to_ep,ep_to_dp", show_default=True)
-@click.option("--sizes", default=DEFAULT_SIZES, show_default=True, help="all-reduce sizes: low:high (powers of two) or a list")
+@click.option("--sizes", default=TUNE_SIZES, show_default=True,
+              help="all-reduce sizes: a list of bytes, low:high (powers of two) or low:high:N (N per octave)")
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--modes", default="eager,graph", show_default=True)
 @click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True, help="MoE shapes: model names or d{D}_e{E}_k{K}")
-@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True, help="MoE tokens per rank: a list, or low:high (every power of two)")
+@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True,
+              help="MoE tokens per rank: any list, low:high (powers of two) or low:high:N (N per octave)")
 @click.option("--strategy", type=click.Choice(["auto", "grid", "optuna"]), default="auto", show_default=True)
 @click.option("--trials", type=click.IntRange(min=1), default=None, help="Optuna trials per problem and backend (default: 30 % of the space, 16..24)")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")

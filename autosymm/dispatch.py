@@ -2,19 +2,28 @@
 
 The decision is a pure function of (problem, mode, capabilities, database rows), so every rank
 that sees the same databases decides the same (api.py checks the databases' digest across ranks
-once per group). Rules, in order:
+once per group, and caches each decision per (op, dtype, size, mode)). Rules, in order:
 
 1. ``AUTOSYMM_DISABLE=1`` -> the fallback backend (NCCL) everywhere.
 2. all-reduce over world size 1 -> ``noop`` (the identity).
 3. a group spanning nodes -> NCCL, the engine for that scale.
-4. the user database, then the shipped ones: the rows of (hardware, world size, op, dtype,
-   bucket, shape, mode), fastest first; the first whose backend can serve the call wins
-   (a faster backend that cannot — dtype, alignment, size over the workspace, no multicast, not
-   capturable in graph mode — is skipped for the next). NCCL's own row takes part, so where
-   NCCL measured faster it wins.
-   Bucket: the smallest tuned bucket >= the call's bucket, else the largest tuned one.
-   No row for the mode: the other mode's rows. No row for the dtype: the bf16 rows of the
-   same byte bucket (kernels are byte-bound), said in the reason.
+4. the user database, then the shipped ones, under the lookups (dtype, mode, shape) in order:
+   the call's own; the other mode's rows; for all-reduce in fp16/fp32 the bf16 rows of the same
+   byte size (the kernels are byte-bound); for a MoE shape without rows, the nearest tuned
+   shape (below); each fallback said in the reason.
+   Points: rows are stored at the size they were tuned at (autosymm.problem: bytes, or tokens
+   per rank). A call tuned at its exact size uses those rows; any other uses the rows of its
+   neighbouring tuned sizes below and above (one when it lies outside the tuned range), each
+   point's rows from the first database that has it. Every candidate row's time at the call is
+   modelled from the rows (autosymm.neighbours: interpolated when the same backend and config
+   was tuned on both sides, else its floor plus its work scaled to the call, in rounds per
+   program for the Triton all-reduce configs), the candidates ranked by it, and the first whose
+   backend can serve the call wins (a faster one that cannot — dtype, alignment, size over the
+   workspace, no multicast, not capturable in graph mode — is skipped, said in ``skipped``).
+   NCCL's own row takes part, so where NCCL measured faster it wins. ``expected_us`` is the
+   modelled time; the reason names the tuned point and, off it, the neighbours.
+   MoE shapes: the shape (d_model, experts, top-k) is matched exactly; without rows for it, the
+   nearest tuned (shape, tokens per rank) by bytes per row and rows per rank.
 5. nothing usable -> the fallback: NCCL for all-reduce; for MoE the Triton conversion with its
    default config where it can serve (no NCCL path is graph-capturable), else NCCL all_to_all.
 """
@@ -28,9 +37,10 @@ from typing import Optional, Sequence
 
 from .backends import FALLBACK, FALLBACK_ORDER, Capabilities, get_backend
 from .configs import AnyConfig, config_fields
-from .db_schema import Key, version_mismatch
+from .db_schema import Row, version_mismatch
 from .hardware import running_versions
-from .problem import Problem
+from .neighbours import RowCandidate, candidates, floors_of, moe_ratios, nearest_moe_point, points_around
+from .problem import MOE_OPS, Problem, format_bytes
 
 
 @dataclass(frozen=True)
@@ -64,10 +74,21 @@ class Decision:
 
 @dataclass
 class DBSource:
-    """An opened tuning database and the label (path) used in decisions."""
+    """An opened tuning database and the label (path) used in decisions. Its rows are read once
+    per lookup and kept: a source is opened read-only and its digest agreed on at that time."""
 
     db: object  # autosymm.db.TuningDB
     label: str
+    _families: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def family(self, hardware: str, world_size: int, op: str, dtype: str, shape: Optional[str], mode: str) -> list[Row]:
+        """Valid rows of one lookup, every bucket (``shape`` None: every shape)."""
+        key = (hardware, world_size, op, dtype, shape, mode)
+        rows = self._families.get(key)
+        if rows is None:
+            rows = self._families[key] = self.db.rows(hardware=hardware, world_size=world_size, op=op, dtype=dtype,
+                                                      shape=shape, mode=mode)
+        return rows
 
 
 def disabled_by_env() -> bool:
@@ -86,29 +107,67 @@ def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: s
     return Decision(FALLBACK[problem.op], None, reason, bucket=problem.bucket, mode=mode)
 
 
-def _pick_bucket(tuned: Sequence[int], bucket: int) -> Optional[int]:
-    if not tuned:
-        return None
-    larger = [b for b in tuned if b >= bucket]
-    return min(larger) if larger else max(tuned)
-
-
-def _candidate_keys(problem: Problem, mode: str):
-    """(dtype, mode, note) lookups in order of preference."""
+def _lookups(problem: Problem, mode: str):
+    """(dtype, row mode, nearest shape?, note) lookups in order of preference."""
     other = "graph" if mode == "eager" else "eager"
-    yield problem.dtype, mode, ""
-    yield problem.dtype, other, f"no {mode}-mode row, using the {other}-mode row"
+    yield problem.dtype, mode, False, ""
+    yield problem.dtype, other, False, f"no {mode}-mode row, using the {other}-mode row"
     if problem.dtype != "bf16" and problem.op == "all_reduce":
-        yield "bf16", mode, f"no {problem.dtype} row, using the bf16 row of the same byte size"
-        yield "bf16", other, f"no {problem.dtype} row, using the bf16 {other}-mode row"
+        yield "bf16", mode, False, f"no {problem.dtype} row, using the bf16 row of the same byte size"
+        yield "bf16", other, False, f"no {problem.dtype} row, using the bf16 {other}-mode row"
+    if problem.op in MOE_OPS:
+        yield problem.dtype, mode, True, ""
+        yield problem.dtype, other, True, f"no {mode}-mode row, using the {other}-mode row"
 
 
-def _lookup_problem(problem: Problem, dtype: str) -> tuple[Problem, int]:
-    """(problem as keyed in the DB, its bucket) for a lookup under ``dtype``."""
-    if dtype == problem.dtype:
-        return problem, problem.bucket
-    keyed = replace(problem, dtype=dtype)
-    return keyed, keyed.bucket
+def _size_text(op: str, size: int) -> str:
+    if op != "all_reduce":
+        return f"{size} tokens/rank"
+    return format_bytes(size) if size % 1024 == 0 else f"{size} B"
+
+
+def _rows_for(problem: Problem, dtype: str, row_mode: str, nearest: bool, sources: Sequence[DBSource],
+              hardware: str) -> tuple[list[tuple[str, Row]], list[Row], str]:
+    """(source label, row) pairs of the tuned point(s) a call uses under one lookup, all rows of
+    the lookup (for the backends' floors), and how the point(s) relate to the call."""
+    shape = None if nearest else problem.shape_key
+    families = [(s.label, s.family(hardware, problem.world_size, problem.op, dtype, shape, row_mode))
+                for s in sources]
+    if nearest:
+        families = [(label, [r for r in rows if r.shape]) for label, rows in families]
+        point = nearest_moe_point(problem, sorted({(r.shape, r.bucket) for _, rows in families for r in rows}))
+        if point is None:
+            return [], [], ""
+        wanted = [point]
+        bpr, rpr = moe_ratios(problem, *point)
+        how = (f"no row for shape {problem.shape_key}: nearest tuned problem {point[0]} at {point[1]} tokens/rank "
+               f"(bytes per row x{bpr:.2f}, rows per rank x{rpr:.2f}), time scaled by the bytes moved")
+    else:
+        size = problem.bucket
+        points = points_around(size, sorted({r.bucket for _, rows in families for r in rows}))
+        wanted = [(shape, p) for p in points]
+        how = _between(problem, points)
+    chosen: list[tuple[str, Row]] = []
+    for key in wanted:  # each point's rows from the first source that has it (user DB first)
+        for label, rows in families:
+            at = [r for r in rows if (r.shape, r.bucket) == key]
+            if at:
+                chosen += [(label, r) for r in at]
+                break
+    shapes = {key[0] for key in wanted}
+    return chosen, [r for _, rows in families for r in rows if r.shape in shapes], how
+
+
+def _between(problem: Problem, points: tuple[int, ...]) -> str:
+    """How the tuned ``points`` relate to the call ('' when it was tuned at its size)."""
+    size = problem.bucket
+    call = f"call of {_size_text(problem.op, size)}"
+    if len(points) == 2:
+        return f"{call} between tuned {_size_text(problem.op, points[0])} and {_size_text(problem.op, points[1])}"
+    if not points or points[0] == size:
+        return ""
+    side = "below the smallest" if points[0] > size else "above the largest"
+    return f"{call} {side} tuned size"
 
 
 def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str) -> Decision:
@@ -120,31 +179,42 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
     if not caps.intra_node:
         return Decision(FALLBACK[problem.op], None, "group spans nodes: NCCL", bucket=problem.bucket, mode=mode)
     skipped: list[str] = []
-    for dtype, row_mode, note in _candidate_keys(problem, mode):
-        keyed, call_bucket = _lookup_problem(problem, dtype)
-        for source in sources:
-            buckets = source.db.buckets(hardware, problem.world_size, problem.op, dtype, keyed.shape_key, row_mode)
-            bucket = _pick_bucket(buckets, call_bucket)
-            if bucket is None:
+    for dtype, row_mode, nearest, note in _lookups(problem, mode):
+        chosen, family, how = _rows_for(problem, dtype, row_mode, nearest, sources, hardware)
+        ranked = candidates(problem, chosen, floors_of(family))
+        for candidate in ranked:
+            row = candidate.row
+            why_not = _why_not(row.backend, problem, caps, mode)
+            if why_not is not None:
+                text = f"{row.backend}: {why_not}"
+                if text not in skipped:
+                    skipped.append(text)
                 continue
-            rows = source.db.ranked(Key(hardware, problem.world_size, problem.op, dtype, bucket, keyed.shape_key,
-                                        row_mode))
-            nccl_us = next((r.nccl_us for r in rows if r.nccl_us), None)
-            for row in rows:
-                why_not = _why_not(row.backend, problem, caps, mode)
-                if why_not is not None:
-                    skipped.append(f"{row.backend}: {why_not}")
-                    continue
-                reason = f"tuned {bucket}-bucket {row_mode} row"
-                for remark in (note, version_mismatch(row, *running_versions())):
-                    if remark:
-                        reason += f" ({remark})"
-                return Decision(row.backend, row.config_obj, reason, source=source.label,
-                                expected_us=row.median_us, nccl_us=nccl_us or row.nccl_us, bucket=bucket,
-                                mode=mode, skipped=tuple(skipped))
+            return _decision(problem, mode, candidate, ranked, (how, note), skipped)
     reason = "no tuned row for this hardware/world size/shape" if not skipped else "no tuned backend can serve the call"
     decision = fallback_decision(problem, mode, caps, reason)
     return replace(decision, skipped=tuple(skipped))
+
+
+def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list[RowCandidate],
+              notes: tuple[str, str], skipped: list[str]) -> Decision:
+    """The Decision for the winning ``candidate``. NCCL's time: the row's ``nccl_us`` at the call's
+    own size, else the modelled time of the op's baseline row among ``ranked``, else the row's
+    ``nccl_us`` (measured at its point)."""
+    row = candidate.row
+    exact = row.bucket == problem.bucket and row.shape == problem.shape_key
+    reason = f"tuned {row.mode} row at {_size_text(problem.op, row.bucket)}"
+    how, note = notes
+    if how:
+        estimate = "interpolated" if candidate.interpolated else "modelled"
+        reason += f" ({how}; {estimate} {candidate.modelled_us:.2f} us)"
+    for remark in (note, version_mismatch(row, *running_versions())):
+        if remark:
+            reason += f" ({remark})"
+    baseline = next((c.modelled_us for c in ranked if c.row.backend == FALLBACK[problem.op]), None)
+    nccl_us = row.nccl_us if (exact and row.nccl_us) or baseline is None else baseline
+    return Decision(row.backend, row.config_obj, reason, source=candidate.source, expected_us=candidate.modelled_us,
+                    nccl_us=nccl_us, bucket=row.bucket, mode=mode, skipped=tuple(skipped))
 
 
 def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str) -> Optional[str]:

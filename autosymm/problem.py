@@ -1,13 +1,12 @@
-"""What a collective call is (`Problem`) and the tuning-database bucket it maps to.
+"""What a collective call is (`Problem`), the size the tuning database keys it under, and the
+parsing of sizes and size ranges.
 
-Bucket rules (documented in the README, relied on by dispatch and the tuner):
-
-* all-reduce: the bucket of ``nbytes`` is the next power of two >= ``nbytes`` (at least
-  :data:`MIN_BUCKET_BYTES`). A call between two tuned sizes therefore uses the decision of the
-  next larger tuned size: every kernel serves any element count, and the larger size's launch
-  shape never starves a smaller call of programs.
-* MoE conversions: the bucket of ``n_tokens_local`` is the next power of two >= it; the shape
-  (d_model, n_expts_tot, n_expts_act) must match exactly.
+Bucket rule (the database's ``bucket`` column; relied on by the tuner and by autosymm.dispatch):
+a problem's bucket is its exact size, bytes for all-reduce (at least 1) and tokens per rank for
+the MoE conversions (whose shape, d_model x experts x top-k, is a column of its own). The tuner
+stores each row under the size it tuned, so a bucket is a tuned point, not a range: databases
+tuned at powers of two (the shipped ones before half-octave sweeps) hold exactly those points.
+A call between tuned points is served from its neighbouring points (autosymm.dispatch).
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ import torch
 OPS = ("all_reduce", "dp_to_ep", "ep_to_dp")
 MOE_OPS = ("dp_to_ep", "ep_to_dp")
 MODES = ("eager", "graph")
-
-MIN_BUCKET_BYTES = 4096
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -44,20 +41,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def next_pow2(value: int) -> int:
     """Smallest power of two >= value (1 for value <= 1)."""
     return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()
-
-
-def size_bucket(nbytes: int) -> int:
-    """Database bucket (bytes) of an all-reduce of ``nbytes`` bytes."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes={nbytes} must be >= 0")
-    return max(MIN_BUCKET_BYTES, next_pow2(nbytes))
-
-
-def token_bucket(n_tokens_local: int) -> int:
-    """Database bucket of a MoE conversion with ``n_tokens_local`` tokens per rank."""
-    if n_tokens_local < 1:
-        raise ValueError(f"n_tokens_local={n_tokens_local} must be >= 1")
-    return next_pow2(n_tokens_local)
 
 
 @dataclass(frozen=True)
@@ -136,10 +119,11 @@ class Problem:
 
     @property
     def bucket(self) -> int:
-        """size_bucket(nbytes) for all-reduce, token_bucket(n_tokens_local) for MoE."""
+        """The database bucket: the exact size, tokens per rank for MoE, bytes (at least 1) for
+        all-reduce (see the module docstring)."""
         if self.op in MOE_OPS:
-            return token_bucket(self.n_tokens_local)
-        return size_bucket(self.nbytes)
+            return self.n_tokens_local
+        return max(1, self.nbytes)
 
     @property
     def shape_key(self) -> str:
@@ -184,20 +168,47 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+#: Points per octave a range may ask for (``low:high:N``): N evenly spaced in each octave.
+POINTS_PER_OCTAVE = (1, 2, 4, 8)
+
+
+def octave_points(low: int, high: int, per_octave: int = 1) -> list[int]:
+    """Sizes from ``low`` to ``high`` (inclusive): each power of two p >= next_pow2(low) and, with
+    ``per_octave`` = N > 1, also p * (1 + j / N) for j = 1..N-1 (N = 2: p and 1.5 p), rounded down
+    to integers, ascending and distinct. ValueError naming the bad bound or N."""
+    if low < 1 or high < low:
+        raise ValueError(f"size range {low}:{high} must be low:high with 1 <= low <= high")
+    if per_octave not in POINTS_PER_OCTAVE:
+        raise ValueError(f"{per_octave} points per octave: choose one of {POINTS_PER_OCTAVE}")
+    points, base = [], next_pow2(low)
+    while base <= high:
+        points += [base * (per_octave + j) // per_octave for j in range(per_octave)]
+        base *= 2
+    return sorted({p for p in points if low <= p <= high})
+
+
+def parse_range(text: str, parse=int) -> tuple[int, int, int]:
+    """'low:high' or 'low:high:N' -> (low, high, N) with ``parse`` reading the bounds (N = 1 when
+    absent). ValueError naming ``text``."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"{text!r} is not a range low:high or low:high:N (N points per octave)")
+    try:
+        low, high = parse(parts[0]), parse(parts[1])
+        per_octave = int(parts[2]) if len(parts) == 3 else 1
+    except ValueError as exc:
+        raise ValueError(f"cannot read range {text!r}: {exc}") from None
+    return low, high, per_octave
+
+
 def parse_size_range(text: str) -> list[int]:
-    """'4KiB:256MiB' -> powers of two from 4 KiB to 256 MiB; '1MiB,4MiB' -> those sizes."""
+    """'4KiB:256MiB' -> powers of two from 4 KiB to 256 MiB; '4KiB:256MiB:2' -> two points per
+    octave (2^k and 1.5 * 2^k, :func:`octave_points`); '1MiB,3000000' -> those sizes."""
     if ":" in text:
-        low, high = (parse_bytes(t) for t in text.split(":", 1))
-        if low < 1 or high < low:
-            raise ValueError(f"size range {text!r} must be low:high with 1 <= low <= high")
-        sizes, size = [], next_pow2(low)
-        while size <= high:
-            sizes.append(size)
-            size *= 2
-        return sizes
+        return octave_points(*parse_range(text, parse_bytes))
     sizes = [parse_bytes(t) for t in text.split(",") if t.strip()]
     if not sizes:
-        raise ValueError(f"no sizes in {text!r} (examples: 4KiB:256MiB, 1MiB,4MiB)")
+        raise ValueError(f"no sizes in {text!r} (examples: 4KiB:256MiB, 4KiB:256MiB:2, 1MiB,3000000)")
     return sizes
 
 

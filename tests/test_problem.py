@@ -7,16 +7,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from autosymm.problem import (
-    MIN_BUCKET_BYTES,
     MODEL_SHAPES,
     MoEShape,
     Problem,
     format_bytes,
     next_pow2,
     parse_bytes,
+    octave_points,
+    parse_range,
     parse_size_range,
-    size_bucket,
-    token_bucket,
 )
 
 _BIG = 1 << 50  # 1 PiB: beyond any all-reduce
@@ -35,54 +34,24 @@ def test_next_pow2(n):
     assert is_pow2(p) and n <= p < 2 * n
 
 
-@given(st.integers(0, _BIG))
-def test_size_bucket_is_the_smallest_power_of_two_covering_the_size(nbytes):
-    bucket = size_bucket(nbytes)
-    assert is_pow2(bucket) and bucket >= nbytes and bucket >= MIN_BUCKET_BYTES
-    assert bucket == MIN_BUCKET_BYTES or bucket // 2 < nbytes  # minimal
-    assert size_bucket(bucket) == bucket  # idempotent: a tuned size is its own bucket
-
-
-@given(st.integers(0, _BIG), st.integers(0, _BIG))
-def test_size_bucket_is_monotone(a, b):
-    low, high = sorted((a, b))
-    assert size_bucket(low) <= size_bucket(high)
-
-
-@given(st.integers(1, 1 << 30))
-def test_token_bucket_is_the_smallest_power_of_two_covering_the_tokens(n_tokens):
-    bucket = token_bucket(n_tokens)
-    assert is_pow2(bucket) and n_tokens <= bucket < 2 * n_tokens
-    assert token_bucket(bucket) == bucket
-
-
-@given(st.integers(1, 1 << 30), st.integers(1, 1 << 30))
-def test_token_bucket_is_monotone(a, b):
-    low, high = sorted((a, b))
-    assert token_bucket(low) <= token_bucket(high)
-
-
-def test_bucket_edges():
-    assert size_bucket(0) == size_bucket(1) == size_bucket(MIN_BUCKET_BYTES) == MIN_BUCKET_BYTES
-    assert size_bucket(MIN_BUCKET_BYTES + 1) == 2 * MIN_BUCKET_BYTES
-    assert token_bucket(1) == 1 and token_bucket(3) == 4
-    with pytest.raises(ValueError, match="-1"):
-        size_bucket(-1)
-    with pytest.raises(ValueError, match="n_tokens_local=0"):
-        token_bucket(0)
-
-
 @given(st.integers(0, 1 << 40), st.sampled_from(["bf16", "fp16", "fp32"]), st.integers(1, 8))
-def test_problem_bucket_is_the_size_bucket(nbytes, dtype, world_size):
+def test_problem_bucket_is_the_exact_size(nbytes, dtype, world_size):
     problem = Problem.all_reduce(nbytes, dtype, world_size)
-    assert problem.bucket == size_bucket(nbytes) and problem.shape_key == ""
+    assert problem.bucket == max(1, nbytes) and problem.shape_key == ""
+
+
+def test_sizes_between_powers_of_two_are_their_own_buckets():
+    """A tune at 3 MB and one at 4 MiB are two rows, not one bucket's (autosymm.dispatch reads them)."""
+    assert Problem.all_reduce(3_000_000).bucket == 3_000_000 and Problem.all_reduce(6146).bucket == 6146
+    assert Problem.all_reduce(0).bucket == 1  # a database bucket is >= 1
+    assert Problem.moe("dp_to_ep", MODEL_SHAPES["deepseek-v3"], 3000).bucket == 3000
 
 
 @given(st.sampled_from(sorted(MODEL_SHAPES.values(), key=lambda s: s.key)), st.integers(1, 1 << 16),
        st.sampled_from(["dp_to_ep", "ep_to_dp"]))
 def test_moe_problem_bucket_and_bytes(shape, n_tokens, op):
     problem = Problem.moe(op, shape, n_tokens, dtype="fp32", world_size=4)
-    assert problem.bucket == token_bucket(n_tokens)
+    assert problem.bucket == n_tokens
     assert problem.shape_key == shape.key
     assert problem.nbytes == n_tokens * shape.d_model * 4
 
@@ -151,10 +120,28 @@ def test_parse_size_list_keeps_order(sizes):
     assert parse_size_range(",".join(map(str, sizes))) == sizes
 
 
+@given(st.integers(1, 1 << 40), st.integers(1, 1 << 40), st.sampled_from([1, 2, 4, 8]))
+def test_octave_points_refine_the_powers_of_two(a, b, per_octave):
+    low, high = sorted((a, b))
+    points = octave_points(low, high, per_octave)
+    assert points == sorted(set(points)) and all(low <= p <= high for p in points)
+    assert set(octave_points(low, high, 1)) <= set(points)  # the powers of two stay
+    for p in points:  # each point is p2 * (1 + j / N), rounded down, for its octave's power of two p2
+        base = next_pow2(p + 1) // 2
+        assert (p - base) * per_octave % base == 0
+
+
 def test_parse_size_range_examples():
     assert parse_size_range("4KiB:64KiB") == [4096, 8192, 16384, 32768, 65536]
+    assert parse_size_range("4KiB:32KiB:2") == [4096, 6144, 8192, 12288, 16384, 24576, 32768]
+    assert parse_size_range("4KiB:8KiB:4") == [4096, 5120, 6144, 7168, 8192]
+    assert len(parse_size_range("4KiB:256MiB:2")) == 33
     assert parse_size_range("1MiB,4MiB") == [1 << 20, 4 << 20]
-    for bad in ("64KiB:4KiB", "0:4KiB", "4KiB:zz"):
+    assert parse_size_range("6146,3000000") == [6146, 3_000_000]
+    assert parse_range("1:8192:2") == (1, 8192, 2) and parse_range("4KiB:1MiB", parse_bytes) == (4096, 1 << 20, 1)
+    with pytest.raises(ValueError, match="points per octave"):
+        parse_size_range("4KiB:64KiB:3")
+    for bad in ("64KiB:4KiB", "0:4KiB", "4KiB:zz", "1:2:3:4", "4KiB:8KiB:x"):
         with pytest.raises(ValueError):
             parse_size_range(bad)
 

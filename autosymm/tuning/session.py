@@ -306,7 +306,7 @@ def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[TuneR
                         failures=[f for f in (item.failure() for item in items) if f])
     print(f"autosymm tune: {len(items)} (problem, mode) pairs in {time.time() - started:.1f} s on {world_size} "
           f"GPU(s); {sum(i.rows_written for i in items)} rows written to {options.db_path or 'no database'}")
-    for line in result.failures:
+    for line in result.failures + [s for s in (item.skip_line() for item in items) if s]:
         print("  " + line)
     return result
 

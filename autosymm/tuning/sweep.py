@@ -3,15 +3,22 @@ and the record of each (problem, mode) (:class:`SweepItem`). The driver is
 :class:`autosymm.tuning.session.TuneSession`: every rank calls its ``sweep`` in lock-step; per
 problem and mode it asks each backend whether it serves the problem and for its space
 (:func:`candidates_for`), builds the inputs and a reference (autosymm.tuning.reference), and
-searches with the evaluator of autosymm.tuning.evaluator; rank 0 writes each backend's best row.
+searches with the evaluator of autosymm.tuning.evaluator; rank 0 writes each backend's best row
+under the problem's exact size (autosymm.problem).
 
-Default modes (:func:`default_modes`): all-reduce in ``eager`` and ``graph`` at every size. MoE
-conversions in ``eager`` at every token count and in ``graph`` up to :data:`GRAPH_TOKENS_MAX`
-tokens per rank: serving engines capture CUDA graphs for decode steps (small batches), where
-launch overhead is a large share of the time and the two modes rank kernels differently;
-prefill and training run large batches eagerly, where launch overhead is noise, and the
-dispatcher serves a graph-mode call there from the eager row. NCCL's all_to_all is not
-capturable (its split sizes go through the host), so graph-mode MoE rows carry no ``nccl_us``.
+Default sizes: all-reduce at two points per octave, 2^k and 1.5 * 2^k bytes from 4 KiB to
+256 MiB (:data:`ALL_REDUCE_SIZES`, 33 sizes; `autosymm tune --sizes` default
+:data:`ALL_REDUCE_SIZES_SPEC`): the dispatcher serves a call between tuned sizes from its two
+neighbours (autosymm.dispatch), and at most 1.5x apart the neighbours' configs stay close to what
+a tune at the call's own size finds; at one point per octave the 4 MiB config served 3 MB 15 %
+slower than a 3 MB tune (2x H200). MoE at :data:`MOE_TOKENS` tokens per rank.
+
+Default modes (:func:`default_modes`): ``eager`` and ``graph`` for every problem: all-reduce at
+every size, the MoE conversions at every token count (decode batches are captured, and so are
+prefill batches where users capture them; the tune's workspace is sized to fit the sweep). A
+(problem, mode) that no tuned backend can serve (e.g. graph mode where only NCCL's host-split
+all_to_all would) is skipped and reported (:meth:`SweepItem.skip_line`). NCCL's all_to_all is
+not capturable, so graph-mode MoE rows carry no ``nccl_us``.
 """
 from __future__ import annotations
 
@@ -20,15 +27,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..configs import config_to_json
-from ..problem import MODEL_SHAPES, MOE_OPS, Problem, format_bytes
+from ..problem import MODEL_SHAPES, MODES, MOE_OPS, Problem, format_bytes, octave_points
 from .outcome import TuneOutcome
 
-ALL_REDUCE_SIZES = [1 << p for p in range(12, 29)]  # 4 KiB .. 256 MiB
+#: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
+ALL_REDUCE_SIZES_SPEC = "4KiB:256MiB:2"
+ALL_REDUCE_SIZES = octave_points(4 << 10, 256 << 20, 2)
 #: MoE tokens per rank of the default sweep: powers of four from 1 to 4096, and 8192. The
-#: dispatcher serves a count in between from the next larger tuned one (its bucket), so the
-#: range 1..8192 is covered with 8 points instead of 14 (a sweep of minutes, not tens).
+#: dispatcher serves a count in between from its tuned neighbours, so the range 1..8192 is
+#: covered with 8 points instead of 14 (a sweep of minutes, not tens).
 MOE_TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
-GRAPH_TOKENS_MAX = 256
 MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
 
 
@@ -41,7 +49,7 @@ def measure_timeout_s() -> float:
 
 
 def default_sweep(world_size: int, dtype: str = "bf16") -> list[Problem]:
-    """All-reduce of 4 KiB..256 MiB (powers of two), then dp->ep and ep->dp of every
+    """All-reduce at :data:`ALL_REDUCE_SIZES`, then dp->ep and ep->dp of every
     problem.MODEL_SHAPES shape at :data:`MOE_TOKENS` tokens per rank."""
     problems = [Problem.all_reduce(n, dtype, world_size) for n in ALL_REDUCE_SIZES]
     for shape in MODEL_SHAPES.values():
@@ -51,10 +59,9 @@ def default_sweep(world_size: int, dtype: str = "bf16") -> list[Problem]:
 
 
 def default_modes(problem: Problem) -> tuple[str, ...]:
-    """Modes tuned by default for ``problem`` (see the module docstring for why)."""
-    if problem.op in MOE_OPS and problem.n_tokens_local > GRAPH_TOKENS_MAX:
-        return ("eager",)
-    return ("eager", "graph")
+    """Modes tuned by default for ``problem``: both, at every size and token count (module
+    docstring)."""
+    return MODES
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,14 @@ class SweepItem:
         if self.status in ("failed", "aborted") or (self.status == "tuned" and self.reason):
             return f"{self.problem.describe()} [{self.mode}]: {self.status} {self.reason}"
         return None
+
+    def skip_line(self) -> Optional[str]:
+        """The line saying that this (problem, mode), which the tune was asked for, was skipped
+        and why, with each backend's reason; None when it was not skipped."""
+        if self.status != "skipped":
+            return None
+        why = "; ".join(f"{name}: {reason}" for name, reason in sorted(self.unsupported.items()))
+        return f"{self.problem.describe()} [{self.mode}]: skipped, {self.reason}" + (f" ({why})" if why else "")
 
     def summary(self) -> Optional[dict]:
         """The CLI's summary row of the winner (None when nothing won)."""

@@ -1,33 +1,70 @@
 """What a sweep tries (autosymm.tuning.sweep): default problems and modes, timing plans, the
-candidates each backend offers, and how an item reports a failure."""
+candidates each backend offers, how an item reports a failure or a skip (and `tune` lists the
+skips), and the `tune` options (--shapes, --tokens, --sizes) that make the sweep."""
 
 from __future__ import annotations
 
 from autosymm.backends.base import Backend, Needs
 from autosymm.backends import Capabilities
 from autosymm.configs import moe_space
-from autosymm.problem import MoEShape, Problem
+import pytest
+
+from autosymm.problem import MODEL_SHAPES, MoEShape, Problem, parse_size_range
 from autosymm.tuning.outcome import TuneOutcome
-from autosymm.tuning.sweep import MOE_TOKENS, SweepItem, candidates_for, default_modes, default_sweep, timing_plan
+from autosymm.tuning.sweep import (ALL_REDUCE_SIZES, ALL_REDUCE_SIZES_SPEC, MOE_TOKENS, SweepItem, candidates_for,
+                                   default_modes, default_sweep, timing_plan)
 
 
 def test_default_sweep_and_modes():
     problems = default_sweep(8)
     ar = [p for p in problems if p.op == "all_reduce"]
-    assert [p.nbytes for p in ar] == [4096 << i for i in range(17)] and ar[-1].nbytes == 256 << 20
+    powers = [4096 << i for i in range(17)]
+    assert [p.nbytes for p in ar] == sorted(powers + [3 * p // 2 for p in powers[:-1]]) and ar[-1].nbytes == 256 << 20
+    assert len({p.bucket for p in ar}) == len(ar) == 33  # each size its own rows
     moe = [p for p in problems if p.op != "all_reduce"]
     assert len(moe) == 4 * 2 * 8 and {p.n_tokens_local for p in moe} == {1, 4, 16, 64, 256, 1024, 4096, 8192}
-    from autosymm.cli import DEFAULT_TOKENS, _parse_tokens
+    from autosymm.cli import DEFAULT_TOKENS, TUNE_SIZES, _parse_tokens
 
     assert _parse_tokens(DEFAULT_TOKENS) == MOE_TOKENS, "`autosymm tune`'s default is the default sweep's"
+    assert TUNE_SIZES == ALL_REDUCE_SIZES_SPEC and parse_size_range(TUNE_SIZES) == ALL_REDUCE_SIZES
     assert all(p.world_size == 8 and p.dtype == "bf16" for p in problems)
-    assert default_modes(ar[0]) == ("eager", "graph") == default_modes(ar[-1])
-    small = next(p for p in moe if p.n_tokens_local == 256)
-    large = next(p for p in moe if p.n_tokens_local == 1024)
-    assert default_modes(small) == ("eager", "graph") and default_modes(large) == ("eager",)
+    # graph mode at every size and token count: decode and prefill batches alike
+    assert {default_modes(p) for p in problems} == {("eager", "graph")}
     tiny, huge = timing_plan(ar[0], "eager"), timing_plan(ar[-1], "eager")
     assert tiny.calls_per_sample > 1 and huge.calls_per_sample == 1 and huge.n_inputs == 2 and tiny.n_inputs == 8
     assert timing_plan(ar[0], "graph").calls_per_graph >= 8
+
+
+def test_any_shape_and_token_list_parse_for_tune():
+    import click
+
+    from autosymm.cli import _parse_shapes, _parse_tokens
+
+    shapes = _parse_shapes("DeepSeek-V3, d5120_e160_k6,d4096_e8_k2")
+    assert shapes == {"DeepSeek-V3": MODEL_SHAPES["deepseek-v3"], "d5120_e160_k6": MoEShape(5120, 160, 6),
+                      "d4096_e8_k2": MoEShape(4096, 8, 2)}
+    for bad, match in (("d5120_e160", "not a MoE shape key"), ("d64_e4_k8", "top-k"), ("llama", "model names"),
+                       (",", "no MoE shape")):
+        with pytest.raises(click.BadParameter, match=match):
+            _parse_shapes(bad)
+    assert _parse_tokens("3000,1,3000,700") == [3000, 1, 700]
+    assert _parse_tokens("1:16") == [1, 2, 4, 8, 16] and _parse_tokens("16:64:2") == [16, 24, 32, 48, 64]
+    for bad in ("0,4", "a,b", "8:1", "1:8:3", ""):
+        with pytest.raises(click.BadParameter):
+            _parse_tokens(bad)
+
+
+def test_a_skipped_item_says_so_with_each_backends_reason():
+    problem = Problem.moe("dp_to_ep", MoEShape(7168, 256, 8), 3000, world_size=2)
+    item = SweepItem(problem, "graph", "skipped", "no backend but the fallback serves it",
+                     unsupported={"triton_moe": "needs 688128000 bytes, the MoE workspace buffer has 1024",
+                                  "nccl_all_to_all": "not CUDA-graph capturable"})
+    assert item.skip_line() == (
+        "dp_to_ep bf16 ws=2 d7168_e256_k8 tokens/rank=3000 [graph]: skipped, no backend but the fallback serves it "
+        "(nccl_all_to_all: not CUDA-graph capturable; triton_moe: needs 688128000 bytes, the MoE workspace buffer "
+        "has 1024)")
+    assert item.failure() is None
+    assert SweepItem(problem, "graph", "tuned", "", TuneOutcome(problem, None, [], None)).skip_line() is None
 
 
 class _FakeBackend(Backend):
@@ -67,3 +104,30 @@ def test_an_item_reports_a_failed_or_aborted_search_and_a_failed_database_write(
     assert written_badly.failure().endswith("tuned database write failed: OperationalError: locked")
     assert SweepItem(problem, "eager", "tuned", "", outcome).failure() is None
     assert SweepItem(problem, "eager", "skipped", "no backend but the fallback serves it").failure() is None
+
+
+def _tune_graph_moe_where_nothing_can_capture(rank, world_size):
+    import contextlib
+    import io
+
+    from autosymm.tuning import session as session_module
+    from autosymm.tuning.session import TuneOptions
+
+    backends = {"nccl_all_to_all": _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None], graph_capturable=False),
+                "triton_moe": _FakeBackend("triton_moe", ("dp_to_ep",), [None], reason="needs 9 bytes, has 0")}
+    session_module._load_backends = lambda names: (backends, {})
+    options = TuneOptions(ops=["dp_to_ep"], sizes=[], dtypes=["bf16"], modes=["graph"],
+                          shapes={"d7168_e256_k8": MoEShape(7168, 256, 8)}, tokens=[3000], db_path="")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = session_module.tune_job(rank, world_size, options)
+    return result.failures, out.getvalue()
+
+
+def test_tune_lists_what_it_was_asked_for_and_skipped():
+    from _gloo import run_gloo
+
+    failures, printed = run_gloo(_tune_graph_moe_where_nothing_can_capture, 1)[0]
+    assert failures == []  # a skip is not a failure
+    assert ("dp_to_ep bf16 ws=1 d7168_e256_k8 tokens/rank=3000 [graph]: skipped, no backend but the fallback serves "
+            "it (nccl_all_to_all: not CUDA-graph capturable; triton_moe: needs 9 bytes, has 0)") in printed
