@@ -14,7 +14,7 @@ import click
 
 from . import __version__
 from .cli_errors import OneLineErrorGroup
-from .cli_plans import DEFAULT_SIZES, DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
+from .cli_plans import DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
 from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
