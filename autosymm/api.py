@@ -16,7 +16,7 @@ import socket
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,9 +131,25 @@ def _state(group) -> _GroupState:
     return state
 
 
-def init(group=None) -> None:
-    """Set up autosymm on ``group`` now (collective): workspace, databases, rank agreement."""
-    _state(group)
+def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None) -> None:
+    """Set up autosymm on ``group`` now (collective): workspace, databases, rank agreement.
+
+    ``moe``: the MoE conversions to come, a list of ``autosymm.MoEPlan(shape, max_tokens_per_rank,
+    dtype)``: the workspace's MoE region is sized for the largest (grown now, collectively, if
+    the group is set up already), so those calls run the Triton conversion, CUDA-graph capture
+    included. ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (bytes; default
+    geometry.DEFAULT_MOE_MAX_BYTES; 0: never grow). Every rank must pass the same values.
+    """
+    from . import moe_room
+
+    if not dist.is_initialized():
+        raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
+    region_bytes, max_bytes = moe_room.agree(group if group is not None else dist.group.WORLD, moe, moe_max_bytes)
+    if region_bytes and group not in _STATES:
+        from .symm import reserve_moe_bytes
+
+        reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
+    moe_room.configure(_state(group), region_bytes, max_bytes, _moe_problem)
 
 
 _HAS_CUDA = torch.cuda.is_available()  # checked once: is_available() is a driver query per call
@@ -199,22 +215,29 @@ def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, key: tuple
 def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
     state = _STATES.get(group) or _state(group)
     mode = _mode()
-    n_expts_tot = int(expt_assignment.expt_map.shape[1])
-    key = (op, src.dtype, src.shape, n_expts_tot, expt_indx.shape, mode)
+    key = (op, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, mode)
     entry = state.cache.get(key)
     if entry is None:
+        from . import moe_room
+
         _check_tensor(src, state, op)
-        n_expts_act = int(expt_indx.shape[1])
-        if op == "dp_to_ep":
-            n_tokens_local, d_model = int(src.shape[0]), int(src.shape[1])
-        else:
-            n_tokens_local, d_model = int(src.shape[0]) // (n_expts_act * state.world_size), int(src.shape[1])
-        problem = Problem.moe(op, MoEShape(d_model, n_expts_tot, n_expts_act), max(1, n_tokens_local),
-                              dtype_name(src.dtype), state.world_size)
-        entry = state.cache[key] = state.prepare(problem, mode)
+        if src.dim() != 2 or expt_indx.dim() != 2:
+            raise ValueError(f"autosymm.{op}: src {tuple(src.shape)} and expt_indx {tuple(expt_indx.shape)} "
+                             f"must be 2-D ([rows, d_model], [n_tokens_global, k])")
+        entry = moe_room.prepare(state, _moe_problem(key, state.world_size), mode, _moe_problem)
         entry.bytes_per_call = src.numel() * src.element_size()
+        state.cache[key] = entry
     entry.calls += 1
     return entry.launcher(src, expt_assignment, expt_indx, indx)
+
+
+def _moe_problem(key: tuple, world_size: int) -> Problem:
+    """The Problem of a MoE call from its cache key (op, dtype, src shape, n_expts_tot, expt_indx shape, mode)."""
+    op, dtype, src_shape, n_expts_tot, indx_shape = key[:5]
+    n_expts_act = int(indx_shape[1])
+    n_tokens_local = int(src_shape[0]) if op == "dp_to_ep" else int(src_shape[0]) // (n_expts_act * world_size)
+    return Problem.moe(op, MoEShape(int(src_shape[1]), n_expts_tot, n_expts_act), max(1, n_tokens_local),
+                       dtype_name(dtype), world_size)
 
 
 def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, gate_indx: torch.Tensor,
