@@ -13,8 +13,8 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests (CUDA present, TRITON_INTERPRET unset)", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
-from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, _dp_to_ep_items, _ep_to_dp_items,  # noqa: E402
-                                               _words, splits, Plan)
+from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, _words, dp_to_ep_splits,  # noqa: E402
+                                               ep_to_dp_splits, owner_table)
 from autosymm.configs import MoEConfig  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,  # noqa: E402
                               random_expt_indx, reference_dp_to_ep, reference_ep_to_dp, route, rows_written)
@@ -46,13 +46,18 @@ def _routing(world_size, n_tokens_local, k, placement, seed, corrupt=False):
     return assignment, expt_indx, gate, topk
 
 
+def _splits(op, assignment, expt_indx, indx, world_size):
+    """Every rank's Splits of a call."""
+    plan = dp_to_ep_splits if op == "dp_to_ep" else ep_to_dp_splits
+    table = owner_table(assignment, world_size, {})
+    n_tokens_local = expt_indx.shape[0] // world_size
+    return [plan(table, expt_indx, indx, n_tokens_local, rank, world_size) for rank in range(world_size)]
+
+
 def _simulated_nccl(op, srcs, outs, assignment, expt_indx, indx):
     """Every rank's output of the NCCL path, the all-to-all done by hand (one process)."""
     world_size = len(srcs)
-    n_tokens_local = expt_indx.shape[0] // world_size
-    items = _dp_to_ep_items if op == "dp_to_ep" else _ep_to_dp_items
-    plan = Plan(*items(assignment, expt_indx, indx, n_tokens_local, world_size))
-    rank_splits = [splits(plan, rank, world_size) for rank in range(world_size)]
+    rank_splits = _splits(op, assignment, expt_indx, indx, world_size)
     sent = [list(srcs[r].index_select(0, s.send_rows).split(s.send_counts)) for r, s in enumerate(rank_splits)]
     for rank, split in enumerate(rank_splits):
         recv = torch.cat([sent[sender][rank] for sender in range(world_size)])
@@ -61,13 +66,15 @@ def _simulated_nccl(op, srcs, outs, assignment, expt_indx, indx):
     return outs
 
 
-@pytest.mark.parametrize("world_size,k,placement,corrupt", [
-    (2, 4, "random", False), (3, 2, "contiguous", False), (4, 3, "random", True), (3, 6, "contiguous", True),
+@pytest.mark.parametrize("world_size,k,placement,corrupt,index_dtype", [
+    (2, 4, "random", False, torch.int32), (3, 2, "contiguous", False, torch.int64),
+    (4, 3, "random", True, torch.int32), (3, 6, "contiguous", True, torch.int16),
 ])
-def test_exchange_plan_writes_exactly_what_the_triton_kernels_write(world_size, k, placement, corrupt):
+def test_exchange_plan_writes_exactly_what_the_triton_kernels_write(world_size, k, placement, corrupt, index_dtype):
     """Same rows written, same rows left alone (poisoned before), bit for bit, for both ops."""
     n_tokens_local, dtype = 3, torch.bfloat16
-    assignment, expt_indx, gate, topk = _routing(world_size, n_tokens_local, k, placement, seed=k, corrupt=corrupt)
+    routing = _routing(world_size, n_tokens_local, k, placement, seed=k, corrupt=corrupt)
+    assignment, expt_indx, gate, topk = routing[0], *(t.to(index_dtype) for t in routing[1:])
     gen = torch.Generator().manual_seed(7)
     srcs = {"dp_to_ep": [torch.randn(n_tokens_local, D_MODEL, generator=gen).to(dtype) for _ in range(world_size)],
             "ep_to_dp": [torch.randn(world_size * n_tokens_local * k, D_MODEL, generator=gen).to(dtype)
@@ -91,6 +98,15 @@ def test_exchange_plan_writes_exactly_what_the_triton_kernels_write(world_size, 
             assert all(torch.equal(bits(a), bits(b)) for a, b in zip(nccl_out, want)), op
 
 
+def test_the_owner_table_is_made_once_per_assignment_and_maps_bad_ids_to_skip():
+    assignment = make_expt_assignment(3, 5, make_expt_dict_uniform(3, 5))
+    cache = {}
+    table = owner_table(assignment, 3, cache)
+    assert table.tolist() == [3, 0, 0, 1, 1, 2, 3] and owner_table(assignment, 3, cache) is table
+    assignment.expt_owner[4] = 7  # changed in place (a new version): made again; an owner outside the group skips
+    assert owner_table(assignment, 3, cache).tolist() == [3, 0, 0, 1, 1, 3, 3] and len(cache) == 1
+
+
 def test_rows_travel_as_the_widest_words_that_tile_them():
     x = torch.zeros(3, 12, dtype=torch.bfloat16)
     assert _words(x).dtype == torch.int64 and _words(x).shape == (3, 3)
@@ -105,9 +121,7 @@ def test_no_row_is_sent_for_dropped_or_out_of_range_items():
     world_size, k = 3, 4
     assignment, expt_indx, gate, topk = _routing(world_size, 5, k, "random", seed=1, corrupt=True)
     for op, indx in (("dp_to_ep", gate), ("ep_to_dp", topk)):
-        items = _dp_to_ep_items if op == "dp_to_ep" else _ep_to_dp_items
-        plan = Plan(*items(assignment, expt_indx, indx, 5, world_size))
-        rank_splits = [splits(plan, rank, world_size) for rank in range(world_size)]
+        rank_splits = _splits(op, assignment, expt_indx, indx, world_size)
         n_sent = sum(sum(s.send_counts) for s in rank_splits)
         assert n_sent == sum(sum(s.recv_counts) for s in rank_splits) == _kernel_rows_written(op, expt_indx, indx)
         assert n_sent < expt_indx.numel()

@@ -15,7 +15,8 @@ skip rules of the Triton kernels (autosymm.kernels.moe_conversion):
 
 Every rank sorts (stable, 1-byte keys) the items it sends by receiver and the items it receives
 by sender: both sides then agree on the order of the rows within each split without talking.
-The split sizes come from the sorted keys on the device; their one host copy (``tolist``) is
+Owners come from a 1-byte table per assignment (out-of-range ids map to "skip" by clamping). The
+split sizes come from the sorted keys on the device; their one host copy (``tolist``) is
 the only sync, so the path is eager only, not CUDA-graph capturable. Rows travel as 8- or 4-byte
 words where the row size allows (bit copies; index kernels move fewer, wider elements). Rows of
 skipped items are written by neither op: the output buffer (one per shape, reused call after
@@ -50,59 +51,20 @@ class NcclAllToAll(Backend):
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         if world_size != problem.world_size:
             raise BackendError(f"group has world size {world_size}, the problem {problem.world_size}")
-        items = _dp_to_ep_items if problem.op == "dp_to_ep" else _ep_to_dp_items
+        plan = dp_to_ep_splits if problem.op == "dp_to_ep" else ep_to_dp_splits
         outputs: dict[tuple, torch.Tensor] = {}
+        tables: dict[tuple, torch.Tensor] = {}
 
         def launcher(src, assignment, expt_indx, indx):
             n_tokens_local = check_inputs(problem, src.device, world_size, src, assignment, expt_indx, indx)
-            sender, receiver, src_row, dst_row = items(assignment, expt_indx, indx, n_tokens_local, world_size)
+            split = plan(owner_table(assignment, world_size, tables), expt_indx, indx, n_tokens_local, rank,
+                         world_size)
             n_out = expt_indx.numel() // (1 if problem.op == "dp_to_ep" else world_size)
             out = _output(outputs, (n_out, src.shape[1]), src)
-            exchange(src, out, Plan(sender, receiver, src_row, dst_row), rank, world_size, group)
+            exchange(src, out, split, world_size, group)
             return out
 
         return launcher
-
-
-class Plan:
-    """int64 [n_items] tensors of an exchange: sender and receiver rank (``world_size`` for a
-    skipped item), source row on the sender, destination row on the receiver."""
-
-    __slots__ = ("sender", "receiver", "src_row", "dst_row")
-
-    def __init__(self, sender, receiver, src_row, dst_row) -> None:
-        self.sender, self.receiver, self.src_row, self.dst_row = sender, receiver, src_row, dst_row
-
-
-def _owner(assignment, expt: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(owner rank per expert id, validity): ids outside [0, n_expts_tot) are invalid."""
-    n_expts_tot = assignment.n_expts_tot
-    valid = valid & (expt >= 0) & (expt < n_expts_tot)
-    owner = assignment.expt_owner.long()[expt.clamp(0, n_expts_tot - 1)]
-    return owner, valid & (owner >= 0) & (owner < assignment.n_expt_shard)
-
-
-def _dp_to_ep_items(assignment, expt_indx, gate_indx, n_tokens_local: int, world_size: int):
-    k = expt_indx.shape[1]
-    n_pairs_local = n_tokens_local * k
-    n_pairs = n_pairs_local * world_size
-    pair = torch.arange(n_pairs, device=expt_indx.device)
-    gate = gate_indx.reshape(-1).long()
-    owner, valid = _owner(assignment, expt_indx.reshape(-1).long(), (gate >= 0) & (gate < n_pairs))
-    sender = torch.div(pair, n_pairs_local, rounding_mode="floor")
-    return sender, torch.where(valid, owner, world_size), (pair - sender * n_pairs_local) // k, gate
-
-
-def _ep_to_dp_items(assignment, expt_indx, topk_indx, n_tokens_local: int, world_size: int):
-    n_pairs_local = n_tokens_local * expt_indx.shape[1]
-    n_pairs = n_pairs_local * world_size
-    pair = topk_indx.reshape(-1).long()
-    in_range = (pair >= 0) & (pair < n_pairs)
-    pair = torch.where(in_range, pair, 0)
-    owner, valid = _owner(assignment, expt_indx.reshape(-1).long()[pair], in_range)
-    home = torch.div(pair, n_pairs_local, rounding_mode="floor")
-    row = torch.arange(n_pairs, device=pair.device)
-    return torch.where(valid, owner, world_size), torch.where(valid, home, world_size), row, pair - home * n_pairs_local
 
 
 class Splits:
@@ -117,28 +79,85 @@ class Splits:
         self.recv_rows, self.recv_counts = recv_rows, recv_counts
 
 
-def splits(plan: Plan, rank: int, world_size: int) -> Splits:
-    """Rank ``rank``'s :class:`Splits` of ``plan``: two stable sorts of 1-byte keys, the split
-    sizes from the sorted keys, one host copy of them (the only sync)."""
-    skip = world_size  # key of the items this rank neither sends nor receives: sorted last
-    send_key = torch.where(plan.sender == rank, plan.receiver, skip).to(torch.uint8)
-    recv_key = torch.where(plan.receiver == rank, plan.sender, skip).to(torch.uint8)
+def owner_table(assignment, world_size: int, cache: dict) -> torch.Tensor:
+    """uint8 [n_expts_tot + 2]: entry ``e + 1`` is expert e's owner, entries 0 and -1 (ids < 0 and
+    >= n_expts_tot, clamped there by :func:`_slots`) and owners outside the group are
+    ``world_size`` (skipped). Made once per assignment (its owner tensor and version)."""
+    owner = assignment.expt_owner
+    key = (owner.data_ptr(), owner._version, owner.numel(), world_size)
+    table = cache.get(key)
+    if table is None:
+        cache.clear()
+        valid = (owner >= 0) & (owner < world_size)
+        table = torch.full((owner.numel() + 2,), world_size, dtype=torch.uint8, device=owner.device)
+        table[1:-1] = torch.where(valid, owner, world_size).to(torch.uint8)
+        table = cache[key] = table
+    return table
+
+
+def _slots(expt: torch.Tensor, n_expts_tot: int) -> torch.Tensor:
+    """Index of each expert id into :func:`owner_table` (out-of-range ids land on its skip ends)."""
+    expt = expt.to(torch.int32) if expt.dtype == torch.int16 else expt  # index_select takes int32/int64
+    return expt.clamp(-1, n_expts_tot).add_(1)
+
+
+def _ranks(world_size: int, device) -> torch.Tensor:
+    return torch.arange(world_size + 1, dtype=torch.uint8, device=device)
+
+
+def dp_to_ep_splits(table, expt_indx, gate_indx, n_tokens_local: int, rank: int, world_size: int) -> Splits:
+    """Items are pairs ``p``; this rank sends its own pairs ``[rank * n_pairs_local, ...)`` grouped
+    by receiver (the owner), and receives the pairs it owns in pair order (= grouped by sender)."""
+    n_pairs_local = n_tokens_local * expt_indx.shape[1]
+    n_pairs = n_pairs_local * world_size
+    gate = gate_indx.reshape(-1).long()
+    receiver = table.index_select(0, _slots(expt_indx.reshape(-1), table.numel() - 2))
+    receiver = torch.where(gate.clamp(0, n_pairs - 1) == gate, receiver, world_size)  # gate row out of range: skip
+    send_sorted, send_items = torch.sort(receiver[rank * n_pairs_local:(rank + 1) * n_pairs_local], stable=True)
+    others = receiver.ne(rank)
+    _, recv_items = torch.sort(others.view(torch.uint8), stable=True)  # stable: this rank's pairs first, in order
+    counts = torch.cat([torch.searchsorted(send_sorted, _ranks(world_size, gate.device)),
+                        others.logical_not().view(world_size, n_pairs_local).sum(1)])
+    send_rows = torch.div(send_items, expt_indx.shape[1], rounding_mode="floor")
+    recv_rows = gate.index_select(0, recv_items)
+    counts = counts.tolist()  # the one host sync
+    starts, recv_counts = counts[:world_size + 1], counts[world_size + 1:]
+    return Splits(send_rows[:starts[-1]], _diffs(starts), recv_rows[:sum(recv_counts)], recv_counts)
+
+
+def ep_to_dp_splits(table, expt_indx, topk_indx, n_tokens_local: int, rank: int, world_size: int) -> Splits:
+    """Items are expert-sorted rows ``s`` (pair ``topk_indx[s]``); this rank sends the rows of its
+    experts grouped by receiver (the pair's home rank) and receives its pairs' rows grouped by
+    sender (the owner), each in row order."""
+    n_pairs_local = n_tokens_local * expt_indx.shape[1]
+    n_pairs = n_pairs_local * world_size
+    topk = topk_indx.reshape(-1).long()
+    pair = topk.clamp(0, n_pairs - 1)
+    sender = table.index_select(0, _slots(expt_indx.reshape(-1).index_select(0, pair), table.numel() - 2))
+    sender = torch.where(pair == topk, sender, world_size)  # topk entry out of range: skip
+    home = torch.div(pair, n_pairs_local, rounding_mode="floor")
+    send_key = torch.where(sender == rank, home.to(torch.uint8), world_size)
+    recv_key = torch.where(home == rank, sender, world_size)  # a skipped item's sender is world_size
     send_sorted, send_items = torch.sort(send_key, stable=True)
     recv_sorted, recv_items = torch.sort(recv_key, stable=True)
-    ranks = torch.arange(world_size + 1, dtype=torch.uint8, device=send_key.device)
-    starts = torch.searchsorted(torch.stack([send_sorted, recv_sorted]), ranks.expand(2, -1).contiguous())
-    send_rows, recv_rows = plan.src_row[send_items], plan.dst_row[recv_items]  # queued before the sync
-    send_starts, recv_starts = starts.tolist()
-    return Splits(send_rows[:send_starts[-1]], [b - a for a, b in zip(send_starts, send_starts[1:])],
-                  recv_rows[:recv_starts[-1]], [b - a for a, b in zip(recv_starts, recv_starts[1:])])
+    ranks = _ranks(world_size, topk.device)
+    starts = torch.cat([torch.searchsorted(send_sorted, ranks), torch.searchsorted(recv_sorted, ranks)])
+    recv_rows = pair.index_select(0, recv_items) - rank * n_pairs_local
+    starts = starts.tolist()  # the one host sync
+    send_starts, recv_starts = starts[:world_size + 1], starts[world_size + 1:]
+    return Splits(send_items[:send_starts[-1]], _diffs(send_starts), recv_rows[:recv_starts[-1]],
+                  _diffs(recv_starts))
 
 
-def exchange(src: torch.Tensor, out: torch.Tensor, plan: Plan, rank: int, world_size: int, group) -> None:
-    """Send ``src``'s rows of this rank's items, write the received rows into ``out``: one
-    index_select, one ``all_to_all_single``, one index_copy_."""
+def _diffs(starts: list[int]) -> list[int]:
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def exchange(src: torch.Tensor, out: torch.Tensor, split: Splits, world_size: int, group) -> None:
+    """Send ``src``'s rows ``split.send_rows``, write the received rows into ``out``'s rows
+    ``split.recv_rows``: one index_select, one ``all_to_all_single``, one index_copy_."""
     import torch.distributed as dist
 
-    split = splits(plan, rank, world_size)
     src_w, out_w = _words(src), _words(out)
     send = src_w.index_select(0, split.send_rows)
     if world_size == 1:
