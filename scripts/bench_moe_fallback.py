@@ -199,8 +199,8 @@ def _plain_ep_to_dp(rank: int, world_size: int):
         home = pair // n_pairs_local
         key = torch.where(owner == rank, home, world_size)
         order = torch.argsort(key, stable=True)
-        counts = torch.cat([(key[:, None] == ranks).sum(0), ((home == rank)[:, None] & (owner[:, None] == ranks)).sum(0)])
-        counts = counts.tolist()
+        arriving = (home == rank)[:, None] & (owner[:, None] == ranks)
+        counts = torch.cat([(key[:, None] == ranks).sum(0), arriving.sum(0)]).tolist()
         send = src.index_select(0, order[:sum(counts[:world_size])])
         recv = src.new_empty((sum(counts[world_size:]), src.shape[1]))
         dist.all_to_all_single(recv, send, counts[world_size:], counts[:world_size])
