@@ -371,7 +371,7 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     default_ar, default_moe = default_region_bytes()
     all_reduce_bytes = default_ar if all_reduce_bytes is None else all_reduce_bytes
-    moe_bytes = max(default_moe if moe_bytes is None else moe_bytes, _MOE_RESERVED.get(_group_name(group), 0))
+    moe_bytes = default_moe if moe_bytes is None else moe_bytes
     key = (_group_name(group), str(device))
     with _LOCK:
         ws = _WORKSPACES.get(key)
@@ -383,7 +383,7 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
                     f"Create it with the larger sizes first (autosymm.init) or set AUTOSYMM_WORKSPACE_BYTES."
                 )
             return ws
-        ws = _rendezvous(group, device, all_reduce_bytes, moe_bytes)
+        ws = _rendezvous(group, device, all_reduce_bytes, max(moe_bytes, _MOE_RESERVED.get(key[0], 0)))
         _WORKSPACES[key] = ws
         return ws
 

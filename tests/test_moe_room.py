@@ -174,7 +174,16 @@ def test_reserved_room_sizes_the_workspace_made_later(monkeypatch):
     from autosymm import symm
 
     made = []
-    monkeypatch.setattr(symm, "_rendezvous", lambda group, device, ar, moe: made.append(moe) or "ws")
+
+    class Made:
+        def __init__(self, ar, moe):
+            self.bytes = {"all_reduce": ar, "moe": moe}
+            made.append(moe)
+
+        def capacity(self, name):
+            return self.bytes[name]
+
+    monkeypatch.setattr(symm, "_rendezvous", lambda group, device, ar, moe: Made(ar, moe))
     monkeypatch.setattr(symm, "_WORKSPACES", {})
     monkeypatch.setattr(symm, "_MOE_RESERVED", {})
     monkeypatch.delenv("AUTOSYMM_WORKSPACE_BYTES", raising=False)
@@ -183,8 +192,10 @@ def test_reserved_room_sizes_the_workspace_made_later(monkeypatch):
         group_name = "test-moe-room"
 
     symm.reserve_moe_bytes(Group(), 3 << 30)
-    symm.get_workspace(Group(), torch.device("cuda", 0))
+    ws = symm.get_workspace(Group(), torch.device("cuda", 0))
     assert made == [3 << 30]
+    symm.reserve_moe_bytes(Group(), 5 << 30)  # made already: the cached one is returned (init grows it instead)
+    assert symm.get_workspace(Group(), torch.device("cuda", 0)) is ws and made == [3 << 30]
     symm.reserve_moe_bytes(Group(), 1 << 20)  # never shrinks a reservation
     assert symm._MOE_RESERVED["test-moe-room"] == 3 << 30
 
