@@ -197,7 +197,7 @@ def test_reserved_room_sizes_the_workspace_made_later(monkeypatch):
     symm.reserve_moe_bytes(Group(), 5 << 30)  # made already: the cached one is returned (init grows it instead)
     assert symm.get_workspace(Group(), torch.device("cuda", 0)) is ws and made == [3 << 30]
     symm.reserve_moe_bytes(Group(), 1 << 20)  # never shrinks a reservation
-    assert symm._MOE_RESERVED["test-moe-room"] == 3 << 30
+    assert symm._MOE_RESERVED["test-moe-room"] == 5 << 30
 
 
 # -- init(moe=...) over gloo ----------------------------------------------------------------------
