@@ -31,9 +31,10 @@ from .routing import (  # noqa: E402
     route,
 )
 from .problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
+from .moe_room import MoEPlan  # noqa: E402
 
 __all__ = [
-    "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEShape", "Problem", "__version__", "all_reduce", "barrier_errors",
-    "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
+    "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEPlan", "MoEShape", "Problem", "__version__", "all_reduce",
+    "barrier_errors", "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
     "make_expt_dict_random", "make_expt_dict_uniform", "reset", "reset_barriers", "route", "stats",
 ]

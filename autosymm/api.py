@@ -15,12 +15,12 @@ import socket
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import dispatch
+from . import dispatch, moe_room
 from .agreement import AgreementError, Exchange, problems
 from .backends import FALLBACK, Capabilities, RunContext, get_backend
 from .dispatch import Decision
@@ -100,13 +100,14 @@ class _GroupState:
             launcher = wrap_eager(backend.prepare(problem, decision.config, self.ctx), decision)
         return _Entry(decision, launcher)
 
-    def agreed_entry(self, call: str, build: Callable[[], _Entry]) -> _Entry:
-        """``build()`` the prepared call, then check with every rank that each built the same
-        ``call`` (a description of op, dtype, size, mode) without error. A failure or mismatch
-        raises on every rank: the failing rank its own error, the others an AgreementError."""
-        entry, error = None, None
+    def agreed_check(self, call: str, check: Callable[[], Any]) -> Any:
+        """``check()`` this rank's part of a new call (local work only: no collective), then make
+        sure with every rank that each checked the same ``call`` (op, dtype, size, mode) without
+        error; returns what ``check`` returned. A failure or mismatch raises on every rank: the
+        failing rank its own error, the others an AgreementError naming it."""
+        result, error = None, None
         try:
-            entry = build()
+            result = check()
         except Exception as exc:  # reported to the peers before it propagates
             error = exc
         self.prepared_calls += 1
@@ -117,7 +118,7 @@ class _GroupState:
             raise error
         if trouble is not None:
             raise AgreementError(f"autosymm: ranks disagree on or failed at {call}: {trouble}")
-        return entry
+        return result
 
 
 class _LocalSetup:
@@ -193,9 +194,23 @@ def _state(group) -> _GroupState:
     return state
 
 
-def init(group=None) -> None:
-    """Set up autosymm on ``group`` now (collective): workspace, databases, rank agreement."""
-    _state(group)
+def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None) -> None:
+    """Set up autosymm on ``group`` now (collective): workspace, databases, rank agreement.
+
+    ``moe``: the MoE conversions to come, a list of ``autosymm.MoEPlan(shape, max_tokens_per_rank,
+    dtype)``: the workspace's MoE region is sized for the largest (grown now, collectively, if
+    the group is set up already), so those calls run the Triton conversion, CUDA-graph capture
+    included. ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (bytes; default
+    geometry.DEFAULT_MOE_MAX_BYTES; 0: never grow). Every rank must pass the same values.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
+    region_bytes, max_bytes = moe_room.agree(group if group is not None else dist.group.WORLD, moe, moe_max_bytes)
+    if region_bytes and group not in _STATES:
+        from .symm import reserve_moe_bytes
+
+        reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
+    moe_room.configure(_state(group), region_bytes, max_bytes, _moe_problem)
 
 
 _HAS_CUDA = torch.cuda.is_available()  # checked once: is_available() is a driver query per call
@@ -231,7 +246,7 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
 def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, key: tuple) -> _Entry:
     mode = "graph" if key[-1] else "eager"
     call = f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
-    entry = state.agreed_entry(call, lambda: _build_all_reduce(state, x, op, mode))
+    entry = state.agreed_check(call, lambda: _build_all_reduce(state, x, op, mode))
     entry.bytes_per_call = x.numel() * x.element_size()
     state.cache[key] = entry
     return entry
@@ -261,34 +276,42 @@ def _build_all_reduce(state: _GroupState, x: torch.Tensor, op: str, mode: str) -
 def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
     state = _STATES.get(group) or _state(group)
     mode = _mode()
-    n_expts_tot = int(expt_assignment.expt_map.shape[1])
-    key = (op, src.dtype, src.shape, n_expts_tot, expt_indx.shape, mode)
+    key = (op, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, mode)
     entry = state.cache.get(key)
     if entry is None:
-        call = (f"{op} of {src.dtype} {tuple(src.shape)} with {n_expts_tot} experts, expt_indx "
+        call = (f"{op} of {src.dtype} {tuple(src.shape)} with {key[3]} experts, expt_indx "
                 f"{tuple(expt_indx.shape)}, in {mode} mode")
-        entry = state.agreed_entry(call, lambda: _build_moe(state, op, src, expt_assignment, expt_indx, indx, mode))
+        problem = state.agreed_check(call, lambda: _check_moe(state, key, src, expt_assignment, expt_indx, indx))
+        entry = moe_room.prepare(state, problem, mode, _moe_problem)  # may grow the region: collective
         entry.bytes_per_call = src.numel() * src.element_size()
         state.cache[key] = entry
     entry.calls += 1
     return entry.launcher(src, expt_assignment, expt_indx, indx)
 
 
-def _build_moe(state: _GroupState, op: str, src, assignment, expt_indx, indx, mode: str) -> _Entry:
+def _check_moe(state: _GroupState, key: tuple, src, assignment, expt_indx, indx) -> Problem:
+    """The Problem of a MoE call after this rank's checks of its inputs (local: no collective)."""
     from .backends.moe_inputs import check_index_ranges, check_inputs
 
+    op, mode = key[0], key[-1]
     _check_tensor(src, state, op)
-    n_expts_act = int(expt_indx.shape[1])
-    if op == "dp_to_ep":
-        n_tokens_local, d_model = int(src.shape[0]), int(src.shape[1])
-    else:
-        n_tokens_local, d_model = int(src.shape[0]) // (n_expts_act * state.world_size), int(src.shape[1])
-    problem = Problem.moe(op, MoEShape(d_model, int(assignment.expt_map.shape[1]), n_expts_act),
-                          max(1, n_tokens_local), dtype_name(src.dtype), state.world_size)
+    if src.dim() != 2 or expt_indx.dim() != 2:
+        raise ValueError(f"autosymm.{op}: src {tuple(src.shape)} and expt_indx {tuple(expt_indx.shape)} "
+                         f"must be 2-D ([rows, d_model], [n_tokens_global, k])")
+    problem = _moe_problem(key, state.world_size)
     check_inputs(problem, state.device, state.world_size, src, assignment, expt_indx, indx)
     if mode == "eager":  # a range check reads the indices back: not inside a capture
         check_index_ranges(op, expt_indx, indx)
-    return state.prepare(problem, mode)
+    return problem
+
+
+def _moe_problem(key: tuple, world_size: int) -> Problem:
+    """The Problem of a MoE call from its cache key (op, dtype, src shape, n_expts_tot, expt_indx shape, mode)."""
+    op, dtype, src_shape, n_expts_tot, indx_shape = key[:5]
+    n_expts_act = int(indx_shape[1])
+    n_tokens_local = int(src_shape[0]) if op == "dp_to_ep" else int(src_shape[0]) // (n_expts_act * world_size)
+    return Problem.moe(op, MoEShape(int(src_shape[1]), n_expts_tot, n_expts_act), max(1, n_tokens_local),
+                       dtype_name(dtype), world_size)
 
 
 def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, gate_indx: torch.Tensor,

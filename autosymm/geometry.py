@@ -55,6 +55,9 @@ DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
 DEFAULT_MOE_BYTES = 256 * 1024**2
 #: Slack added to the MoE region a sweep or a declared call needs (bytes).
 MOE_REGION_SLACK = 1 << 20
+#: Largest MoE region (bytes) an eager MoE call may grow the workspace to by default
+#: (``autosymm.init(moe_max_bytes=...)`` sets a group's own; autosymm.moe_room).
+DEFAULT_MOE_MAX_BYTES = 16 << 30
 
 
 def align(value: int, alignment: int = ALIGN) -> int:
@@ -160,3 +163,10 @@ def moe_region_bytes(n_tokens_local: int, n_expts_act: int, row_bytes: int, worl
     rows = (dst_rows("dp_to_ep", n_tokens_local, n_expts_act, world_size)
             + dst_rows("ep_to_dp", n_tokens_local, n_expts_act, world_size))
     return rows * row_bytes + MOE_REGION_SLACK
+
+
+def grown_moe_bytes(current: int, need: int, limit: int) -> int:
+    """MoE region (bytes) to grow a region of ``current`` bytes to when a call needs ``need``:
+    at least ``need``, at least double (so a growing token count regrows rarely), at most
+    ``limit`` (which the caller has checked serves the call)."""
+    return align(min(limit, max(need, 2 * current)))

@@ -31,7 +31,8 @@ peer's base address plus the same offset)::
     rest of the pads on every rank together.
 * all-reduce region: the staging copy of the tensor being reduced (or, for tensors from
   :meth:`Workspace.empty`, the tensor itself: zero-copy).
-* MoE region: the dp->ep and ep->dp destination buffers (peers write into them).
+* MoE region: the dp->ep and ep->dp destination buffers (peers write into them). It may move to
+  a larger symmetric allocation of its own (:meth:`Workspace.move_region`, autosymm.moe_room).
 * all-reduce double buffer (``DOUBLE_BUFFER_REGION``, 2 halves of ``double_buffer_bytes`` each,
   absent when that is 0): the staging halves of the double-buffered one-shot. A region of its
   own, at fixed offsets, because a half may still be read by a peer after this rank's kernel has
@@ -54,9 +55,9 @@ from typing import Optional, Sequence
 import torch
 
 from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES,
-                       DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, Layout,
-                       MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
-                       SIGNAL_SLOTS_PER_RANK, align, workspace_layout)
+                       DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION,
+                       Layout, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL,
+                       SIGNAL_SLOTS_PER_RANK, align, moe_buffer, workspace_layout)
 
 
 def multicast_disabled_by_env() -> bool:
@@ -134,27 +135,52 @@ class Workspace:
             raise ValueError(f"workspace buffer has {self.buffer.numel()} bytes, layout needs {layout.total_bytes}")
         self._ptr_cache: dict[tuple[str, int], torch.Tensor] = {}
         self._empty_offset = 0  # bump allocator of empty() inside the all-reduce region
+        #: regions moved to allocations of their own (move_region): name -> (peer buffers, Region)
+        self._moved: dict[str, tuple[tuple[torch.Tensor, ...], Region]] = {}
+        self._keep_alive: list = []  # allocations a region moved away from, and their handles
         # Made now, not per call: a host-to-device copy is not allowed inside CUDA-graph capture.
         # Kernels take these plus byte offsets as scalars.
         for region_name in self.regions:
             self.region_ptrs(region_name)
+        self._moe_buffer_ptrs()
         for family in SIGNAL_CHANNEL:
             self.signal_ptrs(family)
 
     # -- addresses -----------------------------------------------------------------------
-    def _ptrs_at(self, offset: int) -> torch.Tensor:
-        key = ("at", offset)
-        cached = self._ptr_cache.get(key)
-        if cached is None:
-            addrs = [int(b.data_ptr()) + offset for b in self.peer_buffers]
-            cached = torch.tensor(addrs, dtype=torch.int64, device=self.device)
-            self._ptr_cache[key] = cached
-        return cached
+    def _where(self, name: str) -> tuple[Sequence[torch.Tensor], Region]:
+        """(every rank's buffer holding region ``name``, the region's place in it)."""
+        moved = self._moved.get(name)
+        return moved if moved is not None else (self.peer_buffers, self.regions[name])
 
     def region_ptrs(self, name: str, offset: int = 0) -> torch.Tensor:
         """int64 tensor [world_size]: each rank's address of ``region`` + ``offset`` bytes."""
-        region = self.regions[name]
-        return self._ptrs_at(region.offset + offset)
+        buffers, region = self._where(name)
+        key = ("at", int(buffers[self.rank].data_ptr()) + region.offset + offset)  # one per address
+        cached = self._ptr_cache.get(key)
+        if cached is None:
+            addrs = [int(b.data_ptr()) + region.offset + offset for b in buffers]
+            cached = self._ptr_cache[key] = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        return cached
+
+    def _moe_buffer_ptrs(self) -> None:
+        """Make the address tables of both MoE ops' buffers now (a launcher prepared inside a
+        CUDA-graph capture cannot copy them to the device)."""
+        if MOE_REGION in self.regions:
+            for op in ("dp_to_ep", "ep_to_dp"):
+                self.region_ptrs(MOE_REGION, moe_buffer(op, self.capacity(MOE_REGION), self.world_size)[0])
+
+    def move_region(self, name: str, peer_buffers: Sequence[torch.Tensor], keep: Sequence = ()) -> None:
+        """Region ``name`` lives from now on at offset 0 of ``peer_buffers`` (rank r's uint8 buffer
+        as this rank addresses it). The old allocation stays alive, with ``keep`` (handles):
+        tensors and CUDA graphs made before may address it; launchers must be prepared again."""
+        if len(peer_buffers) != self.world_size:
+            raise ValueError(f"move_region({name!r}): {len(peer_buffers)} buffers for world size {self.world_size}")
+        nbytes = min(b.numel() for b in peer_buffers) // ALIGN * ALIGN
+        self._keep_alive.append(self._moved.get(name))
+        self._keep_alive.extend(keep)
+        self._moved[name] = (tuple(peer_buffers), Region(0, nbytes))
+        self.region_ptrs(name)
+        self._moe_buffer_ptrs()
 
     def signal_ptrs(self, family: str, program: int = 0) -> torch.Tensor:
         """int64 tensor [world_size + 1]: each rank's signal channel of ``family`` (uint32 slots),
@@ -182,7 +208,7 @@ class Workspace:
 
     def capacity(self, name: str) -> int:
         """Bytes of region ``name``."""
-        return self.regions[name].nbytes
+        return self._where(name)[1].nbytes
 
     @property
     def double_buffer_half_bytes(self) -> int:
@@ -205,7 +231,7 @@ class Workspace:
     # -- tensors -------------------------------------------------------------------------
     def peer_view(self, rank: int, name: str, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         """A tensor of ``shape``/``dtype`` in ``rank``'s region ``name`` at ``offset`` bytes."""
-        region = self.regions[name]
+        buffers, region = self._where(name)
         elem = torch.empty((), dtype=dtype).element_size()
         nbytes = prod(shape) * elem
         if offset % ALIGN or offset < 0 or offset + nbytes > region.nbytes:
@@ -214,7 +240,7 @@ class Workspace:
                 f"{region.nbytes} bytes (or offset is not {ALIGN}-byte aligned)"
             )
         start = region.offset + offset
-        return self.peer_buffers[rank][start:start + nbytes].view(dtype).view(tuple(shape))
+        return buffers[rank][start:start + nbytes].view(dtype).view(tuple(shape))
 
     def local_view(self, name: str, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         return self.peer_view(self.rank, name, shape, dtype, offset)
@@ -249,8 +275,8 @@ class Workspace:
 
     def offset_in_region(self, tensor: torch.Tensor, name: str = "all_reduce") -> Optional[int]:
         """Byte offset of ``tensor`` inside this rank's region ``name``, or None if outside."""
-        region = self.regions[name]
-        start = int(self.buffer.data_ptr()) + region.offset
+        buffers, region = self._where(name)
+        start = int(buffers[self.rank].data_ptr()) + region.offset
         addr = int(tensor.data_ptr())
         end = addr + tensor.numel() * tensor.element_size()
         if start <= addr and end <= start + region.nbytes and tensor.device == self.device:
@@ -334,6 +360,14 @@ class Workspace:
 
 _WORKSPACES: dict[tuple[str, str], Workspace] = {}
 _LOCK = threading.Lock()
+_MOE_RESERVED: dict[str, int] = {}  # group name -> MoE bytes its workspace is made with, at least
+
+
+def reserve_moe_bytes(group, nbytes: int) -> None:
+    """Make ``group``'s workspace, when it is created, with a MoE region of at least ``nbytes``
+    (every rank must reserve the same; autosymm.init(moe=...) agrees on it first)."""
+    name = _group_name(group)
+    _MOE_RESERVED[name] = max(_MOE_RESERVED.get(name, 0), int(nbytes))
 
 
 def _group_name(group) -> str:
@@ -345,8 +379,9 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
                   moe_bytes: Optional[int] = None) -> Workspace:
     """The workspace of (group, device), created by a collective rendezvous on first use.
 
-    Every rank of ``group`` must make the first call together. Later calls return the cached
-    workspace; asking for more bytes than it has raises (workspaces never silently grow).
+    Every rank of ``group`` must make the first call together; its MoE region is at least what
+    :func:`reserve_moe_bytes` reserved. Later calls return the cached workspace; asking for more
+    bytes than it has raises (only autosymm.moe_room grows the MoE region, collectively).
     Besides the requested regions it holds the all-reduce double buffer (2 x
     :data:`DOUBLE_BUFFER_HALF_BYTES`, not counted in AUTOSYMM_WORKSPACE_BYTES).
     """
@@ -368,7 +403,7 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
                     f"Create it with the larger sizes first (autosymm.init) or set AUTOSYMM_WORKSPACE_BYTES."
                 )
             return ws
-        ws = _rendezvous(group, device, all_reduce_bytes, moe_bytes)
+        ws = _rendezvous(group, device, all_reduce_bytes, max(moe_bytes, _MOE_RESERVED.get(key[0], 0)))
         _WORKSPACES[key] = ws
         return ws
 
@@ -381,28 +416,32 @@ def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: i
     if device.type != "cuda":
         raise ValueError(f"symmetric memory needs a CUDA device, got {device}")
     layout = workspace_layout(all_reduce_bytes, moe_bytes, double_buffer_bytes)
-    total = layout.total_bytes
-    buffer = symm_mem.empty((total,), dtype=torch.uint8, device=device)
+    buffer = symm_mem.empty((layout.total_bytes,), dtype=torch.uint8, device=device)
     buffer[:SIGNAL_BYTES].zero_()  # signal pads start at zero: no signal pending
     torch.cuda.synchronize(device)
-    handle = symm_mem.rendezvous(buffer, group=_group_name(group))
-    rank, world_size = handle.rank, handle.world_size
-    # The tensor may start inside a larger symmetric allocation: address peers by the same offset.
-    base_offset = int(buffer.data_ptr()) - int(handle.buffer_ptrs[rank])
-    peers = []
-    for peer in range(world_size):
-        if peer == rank:
-            peers.append(buffer)
-        else:
-            peers.append(handle.get_buffer(peer, (total + base_offset,), torch.uint8)[base_offset:])
+    peers, handle, base_offset = peer_buffers(buffer, group)
     multicast = int(getattr(handle, "multicast_ptr", 0) or 0)
     if multicast:
         multicast += base_offset
     if multicast_disabled_by_env():
         multicast = 0
-    ws = Workspace(rank, peers, layout, multicast_ptr=multicast, group=group, handle=handle)
+    ws = Workspace(handle.rank, peers, layout, multicast_ptr=multicast, group=group, handle=handle)
     dist.barrier(group=group)  # every rank's signal pads are zero before anyone signals
     return ws
+
+
+def peer_buffers(buffer: torch.Tensor, group) -> tuple[list[torch.Tensor], object, int]:
+    """Rendezvous (collective) of this rank's symmetric uint8 ``buffer``: (every rank's buffer as
+    this rank addresses it, the handle, the buffer's byte offset in its symmetric allocation)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    handle = symm_mem.rendezvous(buffer, group=_group_name(group))
+    rank, total = handle.rank, buffer.numel()
+    # The tensor may start inside a larger symmetric allocation: address peers by the same offset.
+    base_offset = int(buffer.data_ptr()) - int(handle.buffer_ptrs[rank])
+    peers = [buffer if peer == rank else handle.get_buffer(peer, (total + base_offset,), torch.uint8)[base_offset:]
+             for peer in range(handle.world_size)]
+    return peers, handle, base_offset
 
 
 def simulated_workspaces(world_size: int, *, all_reduce_bytes: int = 1 << 20, moe_bytes: int = 1 << 20,
@@ -414,3 +453,4 @@ def simulated_workspaces(world_size: int, *, all_reduce_bytes: int = 1 << 20, mo
     layout = workspace_layout(all_reduce_bytes, moe_bytes, double_buffer_bytes)
     buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
     return [Workspace(rank, buffers, layout) for rank in range(world_size)]
+

@@ -1,5 +1,5 @@
 """The MoE backends: capability answers, search spaces, triton_moe launchers on simulated ranks
-(interpreter), and nccl_all_to_all over 2 gloo processes on CPU tensors."""
+(interpreter); nccl_all_to_all's exchange in tests/test_backends_nccl_all_to_all.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 from autosymm.geometry import ALIGN, moe_buffer  # noqa: E402
 from autosymm.symm import simulated_workspaces  # noqa: E402
 
-from _gloo import run_gloo  # noqa: E402
 from _moe_sim import check_and_clear, presatisfy  # noqa: E402
 
 CAPS = Capabilities(world_size=8, moe_bytes=256 << 20)
@@ -123,45 +122,3 @@ def test_triton_moe_launchers_round_trip(world_size, k, dtype, config):
         mask = written[rank]
         assert torch.equal(dp[rank][mask], want[rank][mask])
         assert torch.equal(dp[rank][mask], srcs[rank].repeat_interleave(k, 0)[mask])
-
-
-# -- nccl_all_to_all over gloo -------------------------------------------------------------------
-
-NCCL_CASES = [(6, torch.bfloat16, 0.1, 5), (2, torch.float32, 0.0, 4), (8, torch.float16, 0.2, 1)]
-
-
-def _nccl_all_to_all_body(rank, world_size):
-    import torch.distributed as dist
-
-    ctx = RunContext(group=dist.group.WORLD)
-    for k, dtype, drop, n_tokens_local in NCCL_CASES:
-        d_model, n_experts = 24, 9
-        dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
-        assignment = make_expt_assignment(world_size, n_experts,
-                                          make_expt_dict_random(world_size, n_experts, seed=k))
-        expt_indx = random_expt_indx(world_size * n_tokens_local, n_experts, k, seed=k, drop_fraction=drop)
-        gate, topk = route(expt_indx)
-        gen = torch.Generator().manual_seed(100 + k)
-        srcs = [torch.randn(n_tokens_local, d_model, generator=gen).to(dtype) for _ in range(world_size)]
-        shape = MoEShape(d_model, n_experts, k)
-        to_ep = NCCL_ALL_TO_ALL.prepare(Problem.moe("dp_to_ep", shape, n_tokens_local, dtype_name, world_size),
-                                        None, ctx)
-        to_dp = NCCL_ALL_TO_ALL.prepare(Problem.moe("ep_to_dp", shape, n_tokens_local, dtype_name, world_size),
-                                        None, ctx)
-        ep = to_ep(srcs[rank], assignment, expt_indx, gate)
-        mask = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)[rank]
-        want = reference_dp_to_ep(srcs, assignment, expt_indx, gate)[rank]
-        assert torch.equal(ep[mask], want[mask]), f"dp->ep k={k}"
-        # ep->dp from fully random expert-sorted rows: only this rank's experts' rows travel.
-        ep_srcs = [torch.randn(ep.shape, generator=gen).to(dtype) for _ in range(world_size)]
-        dp = to_dp(ep_srcs[rank], assignment, expt_indx, topk)
-        mask = rows_written("ep_to_dp", assignment, expt_indx, topk, world_size)[rank]
-        want = reference_ep_to_dp(ep_srcs, assignment, expt_indx, topk)[rank]
-        assert torch.equal(dp[mask], want[mask]), f"ep->dp k={k}"
-        # round trip
-        dp = to_dp(ep.clone(), assignment, expt_indx, topk)
-        assert torch.equal(dp[mask], srcs[rank].repeat_interleave(k, 0)[mask]), f"round trip k={k}"
-
-
-def test_nccl_all_to_all_over_gloo_matches_the_reference():
-    run_gloo(_nccl_all_to_all_body, 2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autosymm.geometry import (ERROR_SLOTS_OFFSET, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
-                               SIGNAL_SLOTS_PER_RANK, align)
+                               SIGNAL_SLOTS_PER_RANK, align, moe_buffer)
 from autosymm.geometry import DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
 from autosymm.symm import MAX_WORKSPACE_BYTES, Workspace, default_region_bytes, simulated_workspaces
 
@@ -124,3 +124,61 @@ def test_bad_workspace_bytes_name_the_variable_and_value(monkeypatch, text):
         default_region_bytes()
     assert f"AUTOSYMM_WORKSPACE_BYTES={text!r}" in str(info.value) and "64GiB" in str(info.value)
     assert MAX_WORKSPACE_BYTES == 64 << 30
+
+# -- the MoE region moved to a larger allocation (autosymm.moe_room's growth) ---------------------
+
+def test_move_region_readdresses_the_region_and_keeps_everything_made_before():
+    wss = simulated_workspaces(2, all_reduce_bytes=1024, moe_bytes=1024)
+    ws = wss[0]
+    kept = ws.empty((16,), torch.float32)
+    kept.fill_(3)
+    old_view = ws.local_view("moe", (4,), torch.float32)
+    old_view.fill_(5)
+    new = [torch.zeros(5000, dtype=torch.uint8) for _ in wss]
+    for w in wss:
+        w.move_region("moe", new)
+    assert ws.capacity("moe") == 5000 // 256 * 256 and ws.capacity("all_reduce") == 1024
+    assert ws.region_ptrs("moe").tolist() == [b.data_ptr() for b in new]
+    for op in ("dp_to_ep", "ep_to_dp"):  # both buffers' address tables made at the move, not inside a capture
+        offset = moe_buffer(op, ws.capacity("moe"), 2)[0]
+        assert ("at", new[0].data_ptr() + offset) in ws._ptr_cache
+    assert ws.peer_view(1, "moe", (2,), torch.float32).data_ptr() == new[1].data_ptr()
+    assert ws.offset_in_region(ws.local_view("moe", (8,), torch.float32, 256), "moe") == 256
+    assert ws.offset_in_region(old_view, "moe") is None
+    assert bool((old_view == 5).all()) and bool((kept == 3).all()) and ws.offset_in_region(kept) == 0
+    with pytest.raises(ValueError, match="1 buffers for world size 2"):
+        ws.move_region("moe", new[:1])
+
+
+@requires_interpreter
+def test_a_moe_conversion_prepared_after_the_move_writes_the_new_region():
+    from autosymm.backends.base import RunContext
+    from autosymm.backends.triton_moe import TRITON_MOE, buffer_bytes
+    from autosymm.configs import MoEConfig
+    from autosymm.problem import MoEShape, Problem
+    from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx,
+                                  reference_dp_to_ep, route)
+
+    from _moe_sim import check_and_clear, presatisfy
+
+    world_size, n_tokens_local, shape = 2, 24, MoEShape(40, 6, 3)
+    problem = Problem.moe("dp_to_ep", shape, n_tokens_local, "fp32", world_size)
+    wss = simulated_workspaces(world_size, moe_bytes=1024)
+    assert buffer_bytes(problem) > moe_buffer("dp_to_ep", 1024, world_size)[1]
+    new = [torch.zeros(4 * buffer_bytes(problem), dtype=torch.uint8) for _ in wss]
+    for ws in wss:
+        ws.move_region("moe", new)
+    assignment = make_expt_assignment(world_size, 6, make_expt_dict_random(world_size, 6, seed=2))
+    expt_indx = random_expt_indx(world_size * n_tokens_local, 6, 3, seed=3, drop_fraction=0.1)
+    gate, _ = route(expt_indx)
+    srcs = [torch.randn(n_tokens_local, 40) for _ in wss]
+    launchers = [TRITON_MOE.prepare(problem, MoEConfig(64, 1, rows_per_program=4), RunContext(workspace=ws))
+                 for ws in wss]
+    presatisfy(wss, "dp_to_ep")
+    outs = [launch(src, assignment, expt_indx, gate) for launch, src in zip(launchers, srcs)]
+    check_and_clear(wss, "dp_to_ep")
+    want = reference_dp_to_ep(srcs, assignment, expt_indx, gate, out=[o.clone() for o in outs])
+    for rank, (ws, out) in enumerate(zip(wss, outs)):
+        assert ws.offset_in_region(out, "moe") == moe_buffer("dp_to_ep", ws.capacity("moe"), world_size)[0]
+        assert out.data_ptr() >= new[rank].data_ptr()
+        assert torch.equal(out, want[rank])

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..configs import AnyConfig
-from ..geometry import ALL_REDUCE_REGION, MAX_WORLD_SIZE, MOE_REGION
+from ..geometry import ALL_REDUCE_REGION, DEFAULT_MOE_MAX_BYTES, MAX_WORLD_SIZE, MOE_REGION
 from ..problem import DTYPES, MODES, Problem
 
 
@@ -42,23 +42,33 @@ class Capabilities:
     intra_node: bool = True  # False when the group spans nodes
     torch_symm_ops: bool = False  # torch.ops.symm_mem one/two-shot available
     compute_capability: tuple[int, int] = (0, 0)
+    moe_max_bytes: int = 0  # MoE region (bytes) an eager call may grow the workspace to (<= moe_bytes: none)
 
     @classmethod
     def of(cls, world_size: int, *, workspace=None, region_bytes: Optional[tuple[int, int]] = None,
-           intra_node: bool = True, compute_capability: tuple[int, int] = (0, 0)) -> "Capabilities":
+           intra_node: bool = True, compute_capability: tuple[int, int] = (0, 0),
+           moe_max_bytes: int = DEFAULT_MOE_MAX_BYTES) -> "Capabilities":
         """The one builder. ``workspace``: the group's autosymm.symm.Workspace (regions, multicast
         and torch's ops as this process has them). ``region_bytes``: (all-reduce, MoE) bytes of
         a workspace on another machine (``autosymm explain``): no multicast (autosymm never
-        enables it), torch's symm_mem ops assumed present. Neither: a group without a workspace."""
+        enables it), torch's symm_mem ops assumed present. Neither: a group without a workspace.
+        ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (autosymm.moe_room)."""
         if workspace is not None:
             from .torch_symm import ops_available
 
-            return cls(world_size, workspace.capacity(ALL_REDUCE_REGION), workspace.capacity(MOE_REGION),
-                       bool(workspace.has_multicast), intra_node, ops_available(), tuple(compute_capability))
+            moe_bytes = workspace.capacity(MOE_REGION)
+            return cls(world_size, workspace.capacity(ALL_REDUCE_REGION), moe_bytes, bool(workspace.has_multicast),
+                       intra_node, ops_available(), tuple(compute_capability), max(moe_bytes, moe_max_bytes))
         if region_bytes is not None:
             return cls(world_size, region_bytes[0], region_bytes[1], False, intra_node, True,
-                       tuple(compute_capability))
+                       tuple(compute_capability), max(region_bytes[1], moe_max_bytes))
         return cls(world_size, intra_node=intra_node, compute_capability=tuple(compute_capability))
+
+    def moe_room(self, mode: str) -> int:
+        """Bytes of MoE region a call in ``mode`` can have: in eager mode the region may grow
+        (collectively, autosymm.moe_room) up to ``moe_max_bytes``; inside a CUDA-graph capture
+        nothing may be allocated, so only what the region has."""
+        return max(self.moe_bytes, self.moe_max_bytes) if mode == "eager" and self.moe_bytes > 0 else self.moe_bytes
 
     def region_bytes(self, region: str) -> int:
         """Bytes of workspace region ``region`` ('all_reduce' | 'moe'); 0 without a workspace."""

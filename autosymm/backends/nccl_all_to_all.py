@@ -1,9 +1,26 @@
-"""MoE dp->ep / ep->dp backend ``nccl_all_to_all``: what a user would write without autosymm.
+"""MoE dp->ep / ep->dp backend ``nccl_all_to_all``: one gather, ONE ``all_to_all_single``, one scatter.
 
-Split sizes computed locally from the global expt_indx, rows gathered, ``dist.all_to_all_single``,
-rows scattered into the layout of autosymm.routing. The split sizes go through the host
-(``.tolist()``), so it is eager only, not CUDA-graph capturable (the dispatcher never picks it in
-graph mode).
+Both ops are an exchange of *items* (rows), each with a sender, a receiver, a source row on the
+sender and a destination row on the receiver, all computable on every rank from the global
+routing tensors (identical on all ranks), with the meaning of autosymm.routing and the exact
+skip rules of the Triton kernels (autosymm.kernels.moe_conversion):
+
+* dp->ep, item = pair ``p`` (``n_pairs_local = n_tokens_local * k``): sender ``p // n_pairs_local``,
+  receiver ``expt_owner[expt_indx[p]]``, source row ``(p % n_pairs_local) // k``, destination row
+  ``gate_indx[p]``; skipped when the expert id is outside ``[0, n_expts_tot)`` or the gate row
+  outside ``[0, n_pairs)``.
+* ep->dp, item = expert-sorted row ``s``, ``p = topk_indx[s]``: sender ``expt_owner[expt_indx[p]]``,
+  receiver ``p // n_pairs_local``, source row ``s``, destination row ``p % n_pairs_local``; skipped
+  when ``p`` is outside ``[0, n_pairs)`` or its expert id outside ``[0, n_expts_tot)``.
+
+Every rank sorts (stable, 1-byte keys) the items it sends by receiver and the items it receives
+by sender: both sides then agree on the order of the rows within each split without talking.
+Owners come from a 1-byte table per assignment (out-of-range ids map to "skip" by clamping). The
+split sizes come from the sorted keys on the device; their one host copy (``tolist``) is
+the only sync, so the path is eager only, not CUDA-graph capturable. Rows travel as 8- or 4-byte
+words where the row size allows (bit copies; index kernels move fewer, wider elements). Rows of
+skipped items are written by neither op: the output buffer (one per shape, reused call after
+call, like triton_moe's workspace view) keeps what it held.
 """
 
 from __future__ import annotations
@@ -13,13 +30,12 @@ from typing import Optional
 import torch
 
 from ..problem import MOE_OPS, Problem
-from ..routing import ExptAssignment
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .moe_inputs import check_inputs, shape_reason
 
 
 class NcclAllToAll(Backend):
-    """``dist.all_to_all_single`` with locally computed split sizes (eager only)."""
+    """``dist.all_to_all_single`` with device-computed split sizes (eager only)."""
 
     name = "nccl_all_to_all"
     # split sizes go through the host (.tolist()): no CUDA-graph capture
@@ -35,21 +51,132 @@ class NcclAllToAll(Backend):
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         if world_size != problem.world_size:
             raise BackendError(f"group has world size {world_size}, the problem {problem.world_size}")
-        exchange = _nccl_dp_to_ep if problem.op == "dp_to_ep" else _nccl_ep_to_dp
+        plan = dp_to_ep_splits if problem.op == "dp_to_ep" else ep_to_dp_splits
         outputs: dict[tuple, torch.Tensor] = {}
+        tables: dict[tuple, torch.Tensor] = {}
 
         def launcher(src, assignment, expt_indx, indx):
-            check_inputs(problem, src.device, world_size, src, assignment, expt_indx, indx)
-            return exchange(src, assignment, expt_indx, indx, rank, world_size, group, outputs)
+            n_tokens_local = check_inputs(problem, src.device, world_size, src, assignment, expt_indx, indx)
+            split = plan(owner_table(assignment, world_size, tables), expt_indx, indx, n_tokens_local, rank,
+                         world_size)
+            n_out = expt_indx.numel() // (1 if problem.op == "dp_to_ep" else world_size)
+            out = _output(outputs, (n_out, src.shape[1]), src)
+            exchange(src, out, split, world_size, group)
+            return out
 
         return launcher
 
 
-def _pair_owner(assignment: ExptAssignment, expt_indx: torch.Tensor) -> torch.Tensor:
-    """int64 [n_pairs] on expt_indx's device: owning rank per pair, -1 for a dropped pair."""
-    e = expt_indx.reshape(-1).long()
-    n = assignment.n_expts_tot
-    return torch.where((e >= 0) & (e < n), assignment.expt_owner.long()[e.clamp(0, n - 1)], -1)
+class Splits:
+    """This rank's side of an exchange: rows to send (source rows, grouped by receiver) and
+    their split sizes; where the received rows go (destination rows, grouped by sender) and
+    theirs."""
+
+    __slots__ = ("send_rows", "send_counts", "recv_rows", "recv_counts")
+
+    def __init__(self, send_rows, send_counts, recv_rows, recv_counts) -> None:
+        self.send_rows, self.send_counts = send_rows, send_counts
+        self.recv_rows, self.recv_counts = recv_rows, recv_counts
+
+
+def owner_table(assignment, world_size: int, cache: dict) -> torch.Tensor:
+    """uint8 [n_expts_tot + 2]: entry ``e + 1`` is expert e's owner, entries 0 and -1 (ids < 0 and
+    >= n_expts_tot, clamped there by :func:`_slots`) and owners outside the group are
+    ``world_size`` (skipped). Made once per assignment (its owner tensor and version)."""
+    owner = assignment.expt_owner
+    key = (owner.data_ptr(), owner._version, owner.numel(), world_size)
+    table = cache.get(key)
+    if table is None:
+        cache.clear()
+        valid = (owner >= 0) & (owner < world_size)
+        table = torch.full((owner.numel() + 2,), world_size, dtype=torch.uint8, device=owner.device)
+        table[1:-1] = torch.where(valid, owner, world_size).to(torch.uint8)
+        table = cache[key] = table
+    return table
+
+
+def _slots(expt: torch.Tensor, n_expts_tot: int) -> torch.Tensor:
+    """Index of each expert id into :func:`owner_table` (out-of-range ids land on its skip ends)."""
+    expt = expt.to(torch.int32) if expt.dtype == torch.int16 else expt  # index_select takes int32/int64
+    return expt.clamp(-1, n_expts_tot).add_(1)
+
+
+def _ranks(world_size: int, device) -> torch.Tensor:
+    return torch.arange(world_size + 1, dtype=torch.uint8, device=device)
+
+
+def dp_to_ep_splits(table, expt_indx, gate_indx, n_tokens_local: int, rank: int, world_size: int) -> Splits:
+    """Items are pairs ``p``; this rank sends its own pairs ``[rank * n_pairs_local, ...)`` grouped
+    by receiver (the owner), and receives the pairs it owns in pair order (= grouped by sender)."""
+    n_pairs_local = n_tokens_local * expt_indx.shape[1]
+    n_pairs = n_pairs_local * world_size
+    gate = gate_indx.reshape(-1).long()
+    receiver = table.index_select(0, _slots(expt_indx.reshape(-1), table.numel() - 2))
+    receiver = torch.where(gate.clamp(0, n_pairs - 1) == gate, receiver, world_size)  # gate row out of range: skip
+    send_sorted, send_items = torch.sort(receiver[rank * n_pairs_local:(rank + 1) * n_pairs_local], stable=True)
+    others = receiver.ne(rank)
+    _, recv_items = torch.sort(others.view(torch.uint8), stable=True)  # stable: this rank's pairs first, in order
+    counts = torch.cat([torch.searchsorted(send_sorted, _ranks(world_size, gate.device)),
+                        others.logical_not().view(world_size, n_pairs_local).sum(1)])
+    send_rows = torch.div(send_items, expt_indx.shape[1], rounding_mode="floor")
+    recv_rows = gate.index_select(0, recv_items)
+    counts = counts.tolist()  # the one host sync
+    starts, recv_counts = counts[:world_size + 1], counts[world_size + 1:]
+    return Splits(send_rows[:starts[-1]], _diffs(starts), recv_rows[:sum(recv_counts)], recv_counts)
+
+
+def ep_to_dp_splits(table, expt_indx, topk_indx, n_tokens_local: int, rank: int, world_size: int) -> Splits:
+    """Items are expert-sorted rows ``s`` (pair ``topk_indx[s]``); this rank sends the rows of its
+    experts grouped by receiver (the pair's home rank) and receives its pairs' rows grouped by
+    sender (the owner), each in row order."""
+    n_pairs_local = n_tokens_local * expt_indx.shape[1]
+    n_pairs = n_pairs_local * world_size
+    topk = topk_indx.reshape(-1).long()
+    pair = topk.clamp(0, n_pairs - 1)
+    sender = table.index_select(0, _slots(expt_indx.reshape(-1).index_select(0, pair), table.numel() - 2))
+    sender = torch.where(pair == topk, sender, world_size)  # topk entry out of range: skip
+    home = torch.div(pair, n_pairs_local, rounding_mode="floor")
+    send_key = torch.where(sender == rank, home.to(torch.uint8), world_size)
+    recv_key = torch.where(home == rank, sender, world_size)  # a skipped item's sender is world_size
+    send_sorted, send_items = torch.sort(send_key, stable=True)
+    recv_sorted, recv_items = torch.sort(recv_key, stable=True)
+    ranks = _ranks(world_size, topk.device)
+    starts = torch.cat([torch.searchsorted(send_sorted, ranks), torch.searchsorted(recv_sorted, ranks)])
+    recv_rows = pair.index_select(0, recv_items) - rank * n_pairs_local
+    starts = starts.tolist()  # the one host sync
+    send_starts, recv_starts = starts[:world_size + 1], starts[world_size + 1:]
+    return Splits(send_items[:send_starts[-1]], _diffs(send_starts), recv_rows[:recv_starts[-1]],
+                  _diffs(recv_starts))
+
+
+def _diffs(starts: list[int]) -> list[int]:
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def exchange(src: torch.Tensor, out: torch.Tensor, split: Splits, world_size: int, group) -> None:
+    """Send ``src``'s rows ``split.send_rows``, write the received rows into ``out``'s rows
+    ``split.recv_rows``: one index_select, one ``all_to_all_single``, one index_copy_."""
+    import torch.distributed as dist
+
+    src_w, out_w = _words(src), _words(out)
+    send = src_w.index_select(0, split.send_rows)
+    if world_size == 1:
+        recv = send
+    else:
+        recv = out_w.new_empty((split.recv_rows.numel(), out_w.shape[1]))
+        dist.all_to_all_single(recv, send, split.recv_counts, split.send_counts, group=group)
+    out_w.index_copy_(0, split.recv_rows, recv)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [rows, cols] viewed as rows of the widest of 8-/4-byte words that tiles them (bits)."""
+    row_bytes = t.shape[1] * t.element_size()
+    offset_bytes = t.storage_offset() * t.element_size()
+    for word in (torch.int64, torch.int32):
+        size = word.itemsize
+        if size > t.element_size() and row_bytes % size == 0 and offset_bytes % size == 0:
+            return t.view(word)
+    return t
 
 
 def _output(outputs: dict, shape: tuple[int, int], src: torch.Tensor) -> torch.Tensor:
@@ -57,64 +184,6 @@ def _output(outputs: dict, shape: tuple[int, int], src: torch.Tensor) -> torch.T
     out = outputs.get(key)
     if out is None:
         out = outputs[key] = torch.empty(shape, dtype=src.dtype, device=src.device)
-    return out
-
-
-def _rank_counts(ranks: torch.Tensor, world_size: int) -> torch.Tensor:
-    """int64 [world_size]: how many entries of ``ranks`` equal each rank (-1 counts nowhere)."""
-    return (ranks[:, None] == torch.arange(world_size, device=ranks.device)).sum(0)
-
-
-def _grouped(ranks: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Positions of ``ranks`` stably sorted by rank, entries of -1 last (cut them off by count)."""
-    return torch.argsort(torch.where(ranks >= 0, ranks, world_size), stable=True)
-
-
-def _exchange(send, n_recv_rows, send_counts, recv_counts, group):
-    import torch.distributed as dist
-
-    recv = send.new_empty((n_recv_rows, send.shape[1]))
-    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
-    return recv
-
-
-def _nccl_dp_to_ep(src, assignment, expt_indx, gate_indx, rank, world_size, group, outputs):
-    k = expt_indx.shape[1]
-    n_pairs_local = src.shape[0] * k
-    owner = _pair_owner(assignment, expt_indx)
-    mine = owner[rank * n_pairs_local:(rank + 1) * n_pairs_local]
-    here = (owner == rank).to(torch.int8)
-    # The only host sync: every split size in one transfer.
-    counts = torch.cat([_rank_counts(mine, world_size), here.view(world_size, -1).sum(1)]).tolist()
-    send_counts, recv_counts = counts[:world_size], counts[world_size:]
-    # Send: this rank's pairs grouped by owner, in pair order within a group.
-    send_pairs = _grouped(mine, world_size)[:sum(send_counts)]
-    # Receive: every pair owned here, in pair order = grouped by sender, pair order within.
-    recv_pairs = torch.argsort(1 - here, stable=True)[:sum(recv_counts)]
-    recv = _exchange(src[send_pairs // k], len(recv_pairs), send_counts, recv_counts, group)
-    out = _output(outputs, (owner.numel(), src.shape[1]), src)
-    out[gate_indx.reshape(-1).long()[recv_pairs]] = recv
-    return out
-
-
-def _nccl_ep_to_dp(src, assignment, expt_indx, topk_indx, rank, world_size, group, outputs):
-    n_pairs = src.shape[0]
-    n_pairs_local = n_pairs // world_size
-    owner = _pair_owner(assignment, expt_indx)
-    mine = owner[rank * n_pairs_local:(rank + 1) * n_pairs_local]
-    here = (owner == rank).to(torch.int8)
-    counts = torch.cat([here.view(world_size, -1).sum(1), _rank_counts(mine, world_size)]).tolist()
-    send_counts, recv_counts = counts[:world_size], counts[world_size:]
-    topk = topk_indx.reshape(-1).long()
-    gate = torch.empty_like(topk)
-    gate[topk] = torch.arange(n_pairs, device=topk.device)
-    # Send: the pairs of this rank's experts in pair order (= grouped by home rank).
-    send_pairs = torch.argsort(1 - here, stable=True)[:sum(send_counts)]
-    # Receive: this rank's pairs grouped by owner (sender), pair order within.
-    recv_pairs = _grouped(mine, world_size)[:sum(recv_counts)]
-    recv = _exchange(src[gate[send_pairs]], len(recv_pairs), send_counts, recv_counts, group)
-    out = _output(outputs, (n_pairs_local, src.shape[1]), src)
-    out[recv_pairs] = recv
     return out
 
 

@@ -33,7 +33,7 @@ from ..configs import MoEConfig, moe_space
 from ..kernels.barrier import _barrier_kernel
 from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
 from ..problem import DTYPES, MOE_OPS, Problem, next_pow2
-from ..geometry import MOE_REGION, MOE_SIGNAL_SLOT, dst_rows, grid_rows, moe_buffer
+from ..geometry import MOE_REGION, MOE_SIGNAL_SLOT, dst_rows, grid_rows, moe_buffer, moe_region_bytes
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
 from .moe_inputs import check_inputs, shape_reason
@@ -125,16 +125,20 @@ class TritonMoE(Backend):
     name = "triton_moe"
     needs = Needs(ops=MOE_OPS, compiles_kernels=True, workspace_region=MOE_REGION, intra_node=True)
 
+    def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
+        """The contract of Backend.why_not, then room: the output must fit this op's buffer of
+        the MoE region the call can have (eager: the region may grow, Capabilities.moe_room)."""
+        reason = super().why_not(problem, caps, mode)
+        if reason is None:
+            need, room = buffer_bytes(problem), caps.moe_room(mode)
+            have = moe_buffer(problem.op, room, problem.world_size)[1]
+            if need > have:
+                grown = " (after growing the region to its limit)" if room > caps.moe_bytes else ""
+                reason = f"needs {need} bytes, the MoE workspace buffer has {have}{grown}"
+        return reason
+
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        reason = shape_reason(problem)
-        if reason:
-            return reason
-        need = dst_rows(problem.op, problem.n_tokens_local, problem.shape.n_expts_act, problem.world_size) \
-            * problem.shape.d_model * problem.elem_bytes
-        have = moe_buffer(problem.op, caps.moe_bytes, problem.world_size)[1]
-        if need > have:
-            return f"needs {need} bytes, the MoE workspace buffer has {have}"
-        return None
+        return shape_reason(problem)
 
     def fallback_config(self, problem: Problem) -> MoEConfig:
         """Used where no database row serves a conversion: wide rows, two per program."""
@@ -167,12 +171,29 @@ class TritonMoE(Backend):
                 if rows * row_bytes > capacity:
                     raise BackendError(f"{op}: the [{rows}, {shape.d_model}] {dtype} output needs "
                                        f"{rows * row_bytes} bytes, the MoE workspace buffer has {capacity} "
-                                       f"(raise AUTOSYMM_WORKSPACE_BYTES)")
+                                       f"(declare the call: autosymm.init(moe=[autosymm.MoEPlan(...)]))")
                 dst = views[rows] = ws.local_view(MOE_REGION, (rows, shape.d_model), dtype, offset)
             conversion(src, assignment.expt_owner, expt_indx, indx)
             return dst
 
         return launcher
+
+
+def buffer_bytes(problem: Problem) -> int:
+    """Bytes of ``problem``'s output buffer in the MoE region."""
+    return dst_rows(problem.op, problem.n_tokens_local, problem.shape.n_expts_act, problem.world_size) \
+        * problem.shape.d_model * problem.elem_bytes
+
+
+def region_bytes_for(problem: Problem) -> int:
+    """Bytes of a MoE region in which both ops of ``problem``'s size fit (geometry.moe_region_bytes)."""
+    return moe_region_bytes(problem.n_tokens_local, problem.shape.n_expts_act,
+                            problem.shape.d_model * problem.elem_bytes, problem.world_size)
+
+
+def fits(problem: Problem, moe_bytes: int) -> bool:
+    """Does ``problem``'s output fit its op's buffer of a MoE region of ``moe_bytes``?"""
+    return buffer_bytes(problem) <= moe_buffer(problem.op, moe_bytes, problem.world_size)[1]
 
 
 TRITON_MOE = TritonMoE()

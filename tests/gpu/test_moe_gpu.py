@@ -1,5 +1,7 @@
 """MoE conversions on real GPUs: triton_moe and nccl_all_to_all against the reference, the round
-trip, back-to-back calls read by a kernel right after each barrier, and CUDA-graph capture.
+trip, back-to-back calls read by a kernel right after each barrier, CUDA-graph capture, the NCCL
+path bit for bit against the kernels (bad indices included), and the MoE workspace room (eager
+growth, the graph-capture error, declared plans).
 
 Runs on every local GPU (one process each) through tests/gpu/_dist.run_on_gpus.
 """
@@ -166,3 +168,140 @@ def test_back_to_back_calls_and_cuda_graphs():
 
 def test_one_rank():
     run_on_gpus(_backends_match_reference, world_size=1)
+
+
+# -- the NCCL path against the kernels, bad indices included -------------------------------------
+
+def _poison(t, seed):
+    """Fill ``t`` with the same random bytes on every call with ``seed`` (NaNs included)."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = t.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _corrupt(expt_indx, gate, topk, n_expts_tot):
+    """Out-of-range expert ids and gate/topk entries, as a buggy router might make them."""
+    flat, n_pairs = expt_indx.view(-1), expt_indx.numel()
+    flat[0], flat[5], flat[9] = n_expts_tot, n_expts_tot + 3, -2
+    gate.view(-1)[3], gate.view(-1)[11] = n_pairs, -5
+    topk[2], topk[7] = n_pairs + 2, -1
+
+
+def _nccl_path_matches_the_kernels(rank, world_size):
+    """Every row of nccl_all_to_all's output equals triton_moe's, bit for bit, from the same
+    poisoned start: the same rows written, the same (dropped, out-of-range) rows left alone."""
+    import torch.distributed as dist
+
+    from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
+    from autosymm.backends.triton_moe import TRITON_MOE
+
+    ctx, caps = _ctx(rank, world_size)
+    device = torch.device("cuda", rank)
+    shape, n_tokens_local, dtype = MoEShape(200, 12, 6), 50, torch.bfloat16
+    assignment, expt_indx, gate, topk, srcs, ep_srcs = _setup(rank, world_size, shape, n_tokens_local, dtype, 0.1,
+                                                              device, seed=5)
+    _corrupt(expt_indx, gate, topk, shape.n_expts_tot)
+    for op, src, indx in (("dp_to_ep", srcs[rank], gate), ("ep_to_dp", ep_srcs[rank], topk)):
+        triton, nccl = (_prepare(backend, op, shape, n_tokens_local, dtype, world_size, config, ctx, caps)
+                        for backend, config in ((TRITON_MOE, CONFIGS[1]), (NCCL_ALL_TO_ALL, None)))
+        src = src.to(device)
+        outs = [triton(src, assignment, expt_indx, indx), nccl(src, assignment, expt_indx, indx)]
+        torch.cuda.synchronize()
+        dist.barrier()
+        for out in outs:
+            _poison(out, seed=rank)
+        torch.cuda.synchronize()
+        dist.barrier()  # every rank's buffers are poisoned before any peer writes again
+        assert triton(src, assignment, expt_indx, indx) is outs[0]
+        assert nccl(src, assignment, expt_indx, indx) is outs[1]
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(outs[0]), _bits(outs[1])), f"{op}: nccl_all_to_all differs from triton_moe"
+        dist.barrier()
+
+
+# -- MoE room: eager growth, graph capture, declared plans ----------------------------------------
+
+def _api_calls(rank, world_size, shape, n_tokens_local, device):
+    """dp->ep and ep->dp through the public API, checked against the references; the dp->ep output."""
+    import torch.distributed as dist
+
+    import autosymm
+
+    assignment, expt_indx, gate, topk, srcs, ep_srcs = _setup(rank, world_size, shape, n_tokens_local,
+                                                              torch.bfloat16, 0.05, device, seed=n_tokens_local)
+    ep = autosymm.convert_dp_to_ep(srcs[rank].to(device), assignment, expt_indx, gate)
+    mask = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)[rank]
+    assert torch.equal(ep[mask].cpu(), reference_dp_to_ep(srcs, assignment, expt_indx, gate)[rank][mask])
+    dp = autosymm.convert_ep_to_dp(ep_srcs[rank].to(device), assignment, expt_indx, topk)
+    mask = rows_written("ep_to_dp", assignment, expt_indx, topk, world_size)[rank]
+    assert torch.equal(dp[mask].cpu(), reference_ep_to_dp(ep_srcs, assignment, expt_indx, topk)[rank][mask])
+    dist.barrier()  # no peer's next call writes into this rank's buffers before its checks are done
+    return ep
+
+
+def _room_grows_in_eager_and_is_declared_for_graphs(rank, world_size):
+    import os
+
+    import torch.distributed as dist
+
+    import autosymm
+    from autosymm import api
+    from autosymm.backends.triton_moe import region_bytes_for
+    from autosymm.problem import Problem
+
+    os.environ["AUTOSYMM_WORKSPACE_BYTES"] = "16MiB"  # an 8 MiB MoE region: the calls below outgrow it
+    autosymm.init()
+    device = torch.device("cuda", rank)
+    state = api._STATES[None]
+    ws, first = state.workspace, state.workspace.capacity("moe")
+    kept = autosymm.empty((4096,), torch.float32)
+    kept.fill_(rank + 1)
+    shape = MoEShape(1024, 32, 4)
+    small = _api_calls(rank, world_size, shape, 64, device)  # 1 MiB of dp->ep rows: fits
+    small_before = small.clone()
+    _api_calls(rank, world_size, shape, 600, device)  # ~10 MB of dp->ep rows: the region grows
+    assert ws.capacity("moe") > first and state.caps.moe_bytes == ws.capacity("moe")
+    assert torch.equal(small, small_before), "the old region stays alive, untouched"
+    again = _api_calls(rank, world_size, shape, 64, device)  # the cached launcher, prepared again
+    assert ws.offset_in_region(again, "moe") is not None and ws.offset_in_region(small, "moe") is None
+    assert set(autosymm.stats()) == {"triton_moe"}
+    autosymm.all_reduce(kept)  # autosymm.empty tensors still live in the (unmoved) all-reduce region
+    assert torch.equal(kept, torch.full_like(kept, world_size * (world_size + 1) / 2))
+
+    n_big = 2000
+    problem = Problem.moe("dp_to_ep", shape, n_big, "bf16", world_size)
+    assignment, expt_indx, gate, topk, srcs, _ = _setup(rank, world_size, shape, n_big, torch.bfloat16, 0.05, device)
+    static_src = srcs[rank].to(device)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=rf"region of {region_bytes_for(problem)} bytes.*autosymm.init\(group, "
+                                           rf"moe=\[autosymm.MoEPlan\('d1024_e32_k4', max_tokens_per_rank={n_big}"):
+        with torch.cuda.graph(graph):
+            autosymm.convert_dp_to_ep(static_src, assignment, expt_indx, gate)
+    torch.cuda.synchronize()
+
+    autosymm.init(moe=[autosymm.MoEPlan(shape, n_big, torch.bfloat16)])  # declared: grows now, on every rank
+    assert ws.capacity("moe") >= region_bytes_for(problem)
+    _api_calls(rank, world_size, shape, n_big, device)  # eager warm-up (compiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ep = autosymm.convert_dp_to_ep(static_src, assignment, expt_indx, gate)
+    mask = rows_written("dp_to_ep", assignment, expt_indx, gate, world_size)[rank]
+    for i in range(3):
+        new = [s + i for s in srcs]
+        static_src.copy_(new[rank].to(device))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ep[mask].cpu(), reference_dp_to_ep(new, assignment, expt_indx, gate)[rank][mask])
+        dist.barrier()
+
+
+def test_nccl_path_matches_the_kernels_bit_for_bit():
+    run_on_gpus(_nccl_path_matches_the_kernels)
+
+
+def test_moe_room_grows_in_eager_and_is_declared_for_graphs():
+    run_on_gpus(_room_grows_in_eager_and_is_declared_for_graphs)
