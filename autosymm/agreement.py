@@ -59,11 +59,14 @@ class Exchange:
         import torch.distributed as dist
 
         self.rank, self.world_size = rank, world_size
-        name = group_name(group)
-        generation = _GENERATIONS[name] = _GENERATIONS.get(name, 0) + 1
-        self.prefix = f"autosymm/{name}/{generation}/"
-        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
         self.timeout = timedelta(seconds=timeout_s())
+        self.prefix, self.store = "", store
+        if world_size > 1:  # one rank exchanges nothing
+            name = group_name(group)
+            generation = _GENERATIONS[name] = _GENERATIONS.get(name, 0) + 1
+            self.prefix = f"autosymm/{name}/{generation}/"
+            if store is None:
+                self.store = dist.distributed_c10d._get_default_store()
 
     def exchange(self, tag: str, report: dict[str, Any]) -> list[dict[str, Any]]:
         """Publish this rank's ``report`` under ``tag``; return all ranks' reports in rank order.

@@ -151,7 +151,7 @@ class _LocalSetup:
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
         if world_size > 1:  # what the kernels would be built with, compared even where none run
             from .kernels.barrier import MAX_POLLS, MAX_POLLS_ERROR
-            from .symm import default_region_bytes, multicast_disabled_by_env
+            from .settings import default_region_bytes, multicast_disabled_by_env
 
             if MAX_POLLS_ERROR:
                 raise ValueError(MAX_POLLS_ERROR)

@@ -51,7 +51,7 @@ def offline_caps(target: Target):
     """Capabilities assumed when explaining for another machine: the default workspace (or
     AUTOSYMM_WORKSPACE_BYTES), intra-node (autosymm.backends.Capabilities.of)."""
     from .backends import Capabilities
-    from .symm import default_region_bytes
+    from .settings import default_region_bytes
 
     cc = (9, 0) if any(name in target.gpu.upper() for name in ("H100", "H200", "H800", "H20", "GH200")) else (8, 0)
     return Capabilities.of(target.world_size, region_bytes=default_region_bytes(), compute_capability=cc)

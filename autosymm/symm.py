@@ -47,56 +47,17 @@ when it is non-zero.
 
 from __future__ import annotations
 
-import os
 import threading
 from math import prod
 from typing import Optional, Sequence
 
 import torch
 
-from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES,
+from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION,
                        DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION,
                        Layout, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL,
                        SIGNAL_SLOTS_PER_RANK, align, moe_buffer, workspace_layout)
-
-
-def multicast_disabled_by_env() -> bool:
-    """True when TORCH_SYMM_MEM_DISABLE_MULTICAST asks torch not to use multicast."""
-    return os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0") not in ("", "0", "false", "False")
-
-
-#: Largest AUTOSYMM_WORKSPACE_BYTES accepted (bytes): every rank allocates it as symmetric memory
-#: on its GPU, and no supported GPU has room for more next to a model.
-MAX_WORKSPACE_BYTES = 64 << 30
-
-
-def env_bytes(name: str, low: int, high: int) -> Optional[int]:
-    """The size in ``$name`` (bytes, e.g. 1073741824, 512MiB, 2GiB; autosymm.problem.parse_bytes),
-    None when unset or empty; a value that does not read as a size in [low, high] is a
-    ValueError naming the variable and the value."""
-    from .problem import format_bytes, parse_bytes
-
-    text = os.environ.get(name, "")
-    if not text.strip():
-        return None
-    try:
-        nbytes = parse_bytes(text)
-    except ValueError:
-        nbytes = None
-    if nbytes is None or not low <= nbytes <= high:
-        raise ValueError(f"{name}={text!r} is not a size from {format_bytes(low)} to {format_bytes(high)} "
-                         f"(examples: 1073741824, 512MiB, 2GiB)")
-    return nbytes
-
-
-def default_region_bytes() -> tuple[int, int]:
-    """(all-reduce bytes, MoE bytes): AUTOSYMM_WORKSPACE_BYTES split in halves (at most
-    MAX_WORKSPACE_BYTES), or the defaults when it is unset."""
-    nbytes = env_bytes("AUTOSYMM_WORKSPACE_BYTES", 2 * ALIGN, MAX_WORKSPACE_BYTES)
-    if nbytes is None:
-        return DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
-    half = align(nbytes // 2)
-    return half, max(ALIGN, nbytes - half)
+from .settings import default_region_bytes, multicast_disabled_by_env
 
 
 class Workspace:

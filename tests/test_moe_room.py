@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from autosymm.agreement import Exchange
+
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests (CUDA present, TRITON_INTERPRET unset)", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
@@ -90,7 +92,8 @@ def _one_rank_state(monkeypatch, moe_bytes):
     (ws,) = simulated_workspaces(1, all_reduce_bytes=4096, moe_bytes=moe_bytes)
     state = object.__new__(api._GroupState)
     state.group, state.world_size, state.rank, state.device = None, 1, 0, torch.device("cpu")
-    state.workspace, state.sources, state.db_agreed, state.hardware = ws, [], True, "cpu"
+    state.workspace, state.sources, state.safe_reason, state.hardware = ws, [], None, "cpu"
+    state.channel, state.prepared_calls = Exchange(None, 0, 1, store=object()), 0  # one rank: no store traffic
     state.caps = Capabilities.of(1, workspace=ws, compute_capability=(9, 0))
     state.ctx, state.cache = RunContext(workspace=ws), {}
     monkeypatch.setitem(api._STATES, None, state)
@@ -233,4 +236,4 @@ def _init_body(rank):
 
 def test_init_agrees_on_the_declared_room_or_fails_on_every_rank():
     reports = run_with_deadline(_init_rank, 2, deadline_s=90)
-    assert all("ranks declared different MoE room" in r for r in reports.values()), reports
+    assert all("ranks must pass the same moe=" in r and "moe_region_bytes: rank 0" in r for r in reports.values()), reports

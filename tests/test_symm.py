@@ -6,7 +6,8 @@ import torch
 from autosymm.geometry import (ERROR_SLOTS_OFFSET, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
                                SIGNAL_SLOTS_PER_RANK, align, moe_buffer)
 from autosymm.geometry import DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
-from autosymm.symm import MAX_WORKSPACE_BYTES, Workspace, default_region_bytes, simulated_workspaces
+from autosymm.settings import MAX_WORKSPACE_BYTES, default_region_bytes
+from autosymm.symm import Workspace, simulated_workspaces
 
 from _all_reduce_sim import requires_interpreter
 

@@ -71,7 +71,7 @@ def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
     """(all-reduce, MoE) region bytes the sweep needs (at least the defaults): the largest stage
     any all-reduce backend needs (the push one-shot's slot per peer), both MoE buffers."""
     from ..geometry import moe_region_bytes, stage_bytes
-    from ..symm import default_region_bytes
+    from ..settings import default_region_bytes
 
     ar, moe = default_region_bytes()
     for p in problems:
