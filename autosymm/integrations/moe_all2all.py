@@ -129,8 +129,9 @@ class AutosymmAll2AllManager:
         """Return processed rows to their tokens' ranks; weighted sum per token when ``reduce``."""
         n_pairs = handle.expt_indx.numel()
         if expert_output.dim() != 2 or expert_output.shape[0] != n_pairs or expert_output.device != self.device:
-            raise ValueError(f"combine: expert_output has shape {tuple(expert_output.shape)} on {expert_output.device}; "
-                             f"expected [n_tokens_global * k = {n_pairs}, d_model] on {self.device}")
+            raise ValueError(f"combine: expert_output has shape {tuple(expert_output.shape)} on "
+                             f"{expert_output.device}; expected [n_tokens_global * k = {n_pairs}, d_model] "
+                             f"on {self.device}")
         rows = autosymm.convert_ep_to_dp(expert_output.contiguous(), self.assignment, handle.expt_indx,
                                          handle.topk_indx, group=self.group)
         n_tokens_local, k = handle.valid.shape
@@ -158,8 +159,8 @@ class AutosymmAll2AllManager:
         if self.destroyed:
             raise RuntimeError("AutosymmAll2AllManager.dispatch after destroy()")
         if hidden_states.dim() != 2 or hidden_states.device != self.device:
-            raise ValueError(f"dispatch: hidden_states has shape {tuple(hidden_states.shape)} on {hidden_states.device}; "
-                             f"expected [n_tokens_local, d_model] on {self.device}")
+            raise ValueError(f"dispatch: hidden_states has shape {tuple(hidden_states.shape)} on "
+                             f"{hidden_states.device}; expected [n_tokens_local, d_model] on {self.device}")
         if (topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0] or topk_ids.dtype not in _ID_DTYPES
                 or topk_ids.device != self.device):
             raise ValueError(f"dispatch: topk_ids has shape {tuple(topk_ids.shape)}, dtype {topk_ids.dtype} on "
