@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,7 +200,8 @@ def _init(rank: int, world_size: int, tiny: bool) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl", rank=rank, world_size=world_size,
+        # a rank that fails leaves the others in a collective: time out instead of hanging
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timedelta(minutes=5),
                                 device_id=torch.device("cuda", torch.cuda.current_device()))
 
 
