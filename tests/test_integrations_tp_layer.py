@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,13 +28,11 @@ def bench():
     return _load("bench_tp_layer", ROOT / "scripts" / "bench_tp_layer.py")
 
 
-def test_tiny_bench_runs_on_two_gloo_ranks(tmp_path):
+def test_tiny_bench_runs_on_two_gloo_ranks(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "absent.sqlite"))  # no user DB: the fallbacks
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # the spawned ranks import bench_tp_layer
     out = tmp_path / "tp.md"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "AUTOSYMM_DB": str(tmp_path / "absent.sqlite")}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tp_layer.py"), "--tiny", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert bench.main(["--tiny", "--out", str(out)]) == 0
     rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
     assert {(r["phase"], r["n_tokens"], r["backend"]) for r in rows} == {
         (phase, n, backend) for phase, n in (("decode", "1"), ("decode", "2"), ("prefill", "8"))
