@@ -120,7 +120,12 @@ def _moe(rank, world_size):
     torch.testing.assert_close(combined, want, rtol=1e-6, atol=1e-6)
 
     # Round trip without weights, per pair: each valid pair gets its token back, dropped pairs zero.
+    kept = out.hidden_states.clone()
     plain = manager.dispatch(x[rank], ids[rank])
+    manager.dispatch(x[rank] * 2, ids[rank])  # the caller owns dispatch's rows: a later dispatch leaves them
+    # bit patterns: rows no one wrote may hold NaN
+    assert torch.equal(out.hidden_states.view(torch.int32), kept.view(torch.int32))
+    assert torch.equal(plain.hidden_states[mine], kept[mine])
     pairs = manager.combine(plain.hidden_states, plain.handle, reduce=False)
     assert torch.equal(pairs, torch.where(valid[..., None], x[rank][:, None, :], 0.0))
     manager.destroy()
