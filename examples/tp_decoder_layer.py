@@ -118,6 +118,8 @@ class TPDecoderLayer(torch.nn.Module):
         """One decode step: ``x`` [n_sequences, hidden], one new token per sequence."""
         w, d = self.w, self.w.cfg.head_dim
         n = x.shape[0]
+        if n > w.cfg.max_batch:
+            raise ValueError(f"decode of {n} sequences: the KV cache holds max_batch={w.cfg.max_batch}")
         q, k, v = self._qkv(x)
         group = w.n_heads // w.n_kv_heads
         q = q.view(n, w.n_kv_heads, group, d)

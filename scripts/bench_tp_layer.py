@@ -25,7 +25,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,7 +65,8 @@ class Result:
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+    """'1,8,32' -> [1, 8, 32]; 'none' -> []."""
+    return [] if text == "none" else [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,16 +74,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="markdown report (CSV next to it, same stem)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny layer, fp32, 2 gloo ranks, eager")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: all local GPUs; 2 with --tiny)")
-    p.add_argument("--decode", type=_ints, default=None, help="decode batch sizes (default 1,8,32,128)")
-    p.add_argument("--prefill", type=_ints, default=None, help="prefill lengths (default 2048,8192)")
+    p.add_argument("--decode", type=_ints, default=None, help="decode batch sizes, or none (default 1,8,32,128)")
+    p.add_argument("--prefill", type=_ints, default=None, help="prefill lengths, or none (default 2048,8192)")
     p.add_argument("--modes", default=None, help="eager,compiled (default both; eager with --tiny)")
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
     p.add_argument("--warmup", type=int, default=None, help="steps before timing (default 5; 1 with --tiny)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps (default 30; 3 with --tiny)")
     p.add_argument("--static-shapes", action="store_true", help="compile per size (default: dynamic token dim)")
     args = p.parse_args(argv)
-    args.decode = args.decode or ([1, 2] if args.tiny else [1, 8, 32, 128])
-    args.prefill = args.prefill or ([8] if args.tiny else [2048, 8192])
+    if args.decode is None:
+        args.decode = [1, 2] if args.tiny else [1, 8, 32, 128]
+    if args.prefill is None:
+        args.prefill = [8] if args.tiny else [2048, 8192]
+    if not args.decode + args.prefill:
+        p.error("nothing to run: --decode and --prefill are both none")
     args.modes = (args.modes or ("eager" if args.tiny else ",".join(MODES))).split(",")
     args.backends = args.backends.split(",")
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
@@ -130,7 +135,7 @@ def _agreement(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _layers(args, rank, world_size, device):
-    cfg = TINY if args.tiny else LLAMA_70B
+    cfg = replace(TINY if args.tiny else LLAMA_70B, max_batch=max(args.decode, default=1))
     dtype = torch.float32 if args.tiny else torch.bfloat16
     weights = ShardWeights(cfg, rank, world_size, dtype, device, seed=0)
     max_bytes = max(args.decode + args.prefill) * cfg.hidden * torch.finfo(dtype).bits // 8
