@@ -23,6 +23,7 @@ from .api import (  # noqa: E402
     stats,
 )
 from .dispatch import Decision  # noqa: E402
+from .fused import all_reduce_rmsnorm  # noqa: E402
 from .routing import (  # noqa: E402
     ExptAssignment,
     make_expt_assignment,
