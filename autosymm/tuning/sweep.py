@@ -29,6 +29,10 @@ ALL_REDUCE_SIZES = [1 << p for p in range(12, 29)]  # 4 KiB .. 256 MiB
 #: range 1..8192 is covered with 8 points instead of 14 (a sweep of minutes, not tens).
 MOE_TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
 GRAPH_TOKENS_MAX = 256
+#: Hidden sizes of the fused all-reduce + RMSNorm sweep (``--ops all_reduce_rmsnorm``: the hidden
+#: sizes of common tensor-parallel models), at the ``--tokens`` counts (default MOE_TOKENS), eager
+#: and graph: 4 x 8 x 2 = 64 (problem, mode) pairs.
+FUSED_HIDDEN = (4096, 5120, 7168, 8192)
 MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
 
 
@@ -114,7 +118,7 @@ class SweepItem:
         best, base = self.outcome.best, self.outcome.baseline
         p = self.problem
         nccl_us = base.score if base is not None and base.ok else None
-        label = format_bytes(p.nbytes) if p.op == "all_reduce" else f"{p.shape_key} t={p.n_tokens_local}"
+        label = format_bytes(p.nbytes) if p.op == "all_reduce" else f"{p.shape_key} t={p.n_tokens_local}"  # MoE, fused
         return {"op": p.op, "label": label, "mode": self.mode, "backend": best.candidate.backend,
                 "config": config_to_json(best.candidate.config), "us": best.score, "nccl_us": nccl_us,
                 "speedup": (nccl_us / best.score) if nccl_us else None, "world_size": p.world_size,
