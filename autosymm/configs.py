@@ -336,8 +336,8 @@ FUSED_NUM_BLOCKS = (8, 16, 32, 64, 132)
 
 def fused_block_size(hidden: int) -> int:
     """The BLOCK of a fused kernel for rows of ``hidden`` elements: a row group is held in
-    registers, so the next power of two >= hidden (at least 16)."""
-    return max(16, 1 << max(0, hidden - 1).bit_length())
+    registers, so the next power of two >= hidden (at least the 128 threads of 4 warps)."""
+    return max(128, 1 << max(0, hidden - 1).bit_length())
 
 
 def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, elem_bytes: int) -> list[FusedConfig]:

@@ -166,9 +166,11 @@ class TritonFused(Backend):
         return fused_space(self.algorithm, problem.n_tokens_local, problem.hidden, problem.world_size,
                            problem.elem_bytes)
 
-    def fallback_config(self, problem: Problem) -> FusedConfig:
-        """An untuned config (the tests' and GPU tests'; dispatch falls back to NCCL, see
-        autosymm.backends.FALLBACK_ORDER): whole rows in registers, one row per program."""
+    def fallback_config(self, problem: Problem) -> Optional[FusedConfig]:
+        """An untuned config (dispatch falls back to NCCL, see autosymm.backends.FALLBACK_ORDER;
+        for callers of the backend itself): whole rows in registers, one row per program."""
+        if problem.op != OP:
+            return None
         block = fused_block_size(problem.hidden)
         warps = max(4, min(32, block * problem.elem_bytes // (16 * 32)))  # 16 bytes a thread
         return FusedConfig(self.algorithm, block, warps, min(132, problem.n_tokens_local), 1)
