@@ -332,6 +332,12 @@ def moe_space(d_model: int, n_rows: int) -> list[MoEConfig]:
 FUSED_NUM_WARPS = (4, 8, 16, 32)
 FUSED_ROWS_PER_PROGRAM = (1, 2, 4)
 FUSED_NUM_BLOCKS = (8, 16, 32, 64, 132)
+#: Bytes of a row each thread holds, for the warps of the space (fewer: too few loads in flight
+#: per thread to hide NVLink latency; more: registers spill).
+FUSED_ROW_BYTES_PER_THREAD = (16, 64)
+#: Grids per (warps, rows) point: the largest useful ones (a fused call is latency-bound where it
+#: has few rows, and then one of them covers the rows; with many rows the widest grids win).
+FUSED_GRIDS_PER_POINT = 3
 
 
 def fused_block_size(hidden: int) -> int:
@@ -343,26 +349,26 @@ def fused_block_size(hidden: int) -> int:
 def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, elem_bytes: int) -> list[FusedConfig]:
     """Valid, non-redundant configs of the fused ``algorithm`` for [n_tokens, hidden] per rank.
 
-    BLOCK is :func:`fused_block_size` (whole rows in registers); warps with at least 16 bytes of
-    a row a thread (the fewest always); rows per program that fit
-    :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; grids up to the first one covering
-    the row groups (two-shot: of a rank's ``n_tokens / world_size`` rows). One-shots whose stage
-    fits a double-buffer half get every config again with ``double_buffer=True``. Never empty.
+    BLOCK is :func:`fused_block_size` (whole rows in registers); warps holding
+    :data:`FUSED_ROW_BYTES_PER_THREAD` bytes of a row a thread (else 4); rows per program that fit
+    :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; the :data:`FUSED_GRIDS_PER_POINT`
+    largest grids up to the first one covering the row groups (two-shot: of a rank's
+    ``n_tokens / world_size`` rows). One-shots whose stage fits a double-buffer half get every
+    config again with ``double_buffer=True``. Never empty.
     """
     block_size = fused_block_size(hidden)
     rows = -(-n_tokens // world_size) if algorithm == "two_shot" else n_tokens
+    low, high = FUSED_ROW_BYTES_PER_THREAD
+    warps = [w for w in FUSED_NUM_WARPS if low <= block_size * elem_bytes // (w * WARP_SIZE) <= high
+             and w * WARP_SIZE <= block_size] or [FUSED_NUM_WARPS[0]]
     space: list[FusedConfig] = []
-    for num_warps in FUSED_NUM_WARPS:
-        threads = num_warps * WARP_SIZE
-        if threads > block_size or (block_size * elem_bytes // threads < 16 and num_warps != FUSED_NUM_WARPS[0]):
-            continue
+    for num_warps in warps:
         for rows_per_program in FUSED_ROWS_PER_PROGRAM:
-            if rows_per_program * block_size > FUSED_MAX_TILE_PER_THREAD * threads and rows_per_program > 1:
-                continue
-            if rows_per_program > 1 and rows_per_program >= 2 * rows:
-                continue  # only masked rows
+            if rows_per_program > 1 and (rows_per_program * block_size > FUSED_MAX_TILE_PER_THREAD * num_warps * WARP_SIZE
+                                         or rows_per_program >= 2 * rows):
+                continue  # spills, or only masked rows
             groups = -(-rows // rows_per_program)
-            for num_blocks in _useful_counts(FUSED_NUM_BLOCKS, groups):
+            for num_blocks in _useful_counts(FUSED_NUM_BLOCKS, groups)[-FUSED_GRIDS_PER_POINT:]:
                 space.append(FusedConfig(algorithm, block_size, num_warps, num_blocks, rows_per_program))
     stage = stage_bytes(algorithm, n_tokens * hidden * elem_bytes, world_size)
     if algorithm in DOUBLE_BUFFER_ALGORITHMS and stage <= DOUBLE_BUFFER_HALF_BYTES:
