@@ -64,17 +64,22 @@ class _FusedLauncher:
                  phase: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """residual += all-reduce(x); returns RMSNorm(residual) * weight. ``phase`` != 0 runs one
         phase of the two-shot kernel into ``out`` (tests: every phase writes the same tensor)."""
-        self._check(x, residual, weight)
-        n_rows = x.shape[0]
+        dtype, device = self.dtype, self.device
+        if not (x.dtype is dtype and residual.dtype is dtype and weight.dtype is dtype and x.device == device
+                and residual.device == device and weight.device == device and x.is_contiguous()
+                and residual.is_contiguous() and weight.is_contiguous() and x.dim() == 2
+                and x.shape[1] == self.hidden and residual.shape == x.shape and weight.shape[0] == self.hidden
+                and weight.dim() == 1 and x.numel() <= MAX_NUMEL):
+            raise self._bad_input(x, residual, weight)
+        n_rows, nbytes = x.shape[0], x.numel() * self.elem_bytes
         out = torch.empty_like(x) if out is None else out
         if n_rows == 0:
             return out
-        stage, stage_end, sizes, double = self._stage(x.numel() * self.elem_bytes)
+        stage, stage_end, sizes, double = self._stage(nbytes)
         ptrs = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr())
-        for addr, what in zip(ptrs[:2], ("x", "residual")):
-            if addr < stage_end and addr + x.numel() * self.elem_bytes > stage:
-                raise BackendError(f"{what} {tuple(x.shape)} overlaps the {self.algorithm} stage of the all-reduce "
-                                   "region, where peers write")
+        if (ptrs[0] < stage_end and ptrs[0] + nbytes > stage) or (ptrs[1] < stage_end and ptrs[1] + nbytes > stage):
+            raise BackendError(f"x or residual {tuple(x.shape)} overlaps the {self.algorithm} stage of the all-reduce "
+                               "region, where peers write")
         key = (double, phase) + tuple(a % 16 == 0 for a in ptrs)
         direct = self._direct.get(key)
         if direct is not None:  # bound: int addresses, no per-pointer driver query
@@ -88,8 +93,8 @@ class _FusedLauncher:
 
     run = __call__
 
-    def _check(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
-        """BackendError naming every bad property of the tensors."""
+    def _bad_input(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> BackendError:
+        """A BackendError naming every bad property of the tensors."""
         problems = []
         for name, t in (("x", x), ("residual", residual), ("weight", weight)):
             if t.dtype is not self.dtype:
@@ -105,11 +110,11 @@ class _FusedLauncher:
             problems.append(f"weight {tuple(weight.shape)} must be [{self.hidden}]")
         if x.numel() > MAX_NUMEL:
             problems.append(f"{x.numel()} elements exceed int32 indexing")
-        if problems:
-            raise BackendError(f"triton_fused_{self.algorithm} cannot serve all_reduce_rmsnorm: " + "; ".join(problems))
+        return BackendError(f"triton_fused_{self.algorithm} cannot serve all_reduce_rmsnorm: " + "; ".join(problems))
 
     def _stage(self, nbytes: int) -> tuple[int, int, tuple, bool]:
-        """(stage start and end addresses, the kernel's integer arguments after eps, double-buffered?)."""
+        """(stage start and end addresses, the kernel's integer arguments after eps, double-buffered?)
+        of an ``nbytes`` tensor (per call: ``Workspace.empty`` may have grown since the last)."""
         need = fused_stage_bytes(self.algorithm, nbytes, self.world_size)
         slot = align(nbytes)
         if need <= self.half_bytes:
