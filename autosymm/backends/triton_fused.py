@@ -71,7 +71,7 @@ class _FusedLauncher:
                 and x.shape[1] == self.hidden and residual.shape == x.shape and weight.shape[0] == self.hidden
                 and weight.dim() == 1 and x.numel() <= MAX_NUMEL):
             raise self._bad_input(x, residual, weight)
-        n_rows, nbytes = x.shape[0], x.numel() * self.elem_bytes
+        n_rows, nbytes, eps = x.shape[0], x.numel() * self.elem_bytes, float(eps)  # an int eps: another signature
         out = torch.empty_like(x) if out is None else out
         if n_rows == 0:
             return out

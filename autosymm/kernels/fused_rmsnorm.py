@@ -129,7 +129,7 @@ def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_
 
 @triton.jit(do_not_specialize=["n_rows", "stage_offset", "slot_bytes", "half_bytes"])
 def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, n_rows: tl.int32,
-                                 eps: tl.float32, stage_offset: tl.int64, slot_bytes: tl.int64, half_bytes: tl.int64,
+                                 eps, stage_offset: tl.int64, slot_bytes: tl.int64, half_bytes: tl.int64,
                                  RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                                  BLOCK: tl.constexpr, ROWS: tl.constexpr, PUSH: tl.constexpr,
                                  DOUBLE_BUFFER: tl.constexpr):
@@ -164,7 +164,7 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
 
 @triton.jit(do_not_specialize=["n_rows", "stage_offset", "out_offset"])
 def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, n_rows: tl.int32,
-                                 eps: tl.float32, stage_offset: tl.int64, out_offset: tl.int64,
+                                 eps, stage_offset: tl.int64, out_offset: tl.int64,
                                  RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                                  BLOCK: tl.constexpr, ROWS: tl.constexpr, PHASE: tl.constexpr):
     """Two-shot by rows (see the module docstring). The stage holds x's rows at ``stage_offset``
