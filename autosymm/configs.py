@@ -331,7 +331,7 @@ def moe_space(d_model: int, n_rows: int) -> list[MoEConfig]:
 
 FUSED_NUM_WARPS = (4, 8, 16, 32)
 FUSED_ROWS_PER_PROGRAM = (1, 2, 4)
-FUSED_NUM_BLOCKS = (8, 16, 32, 64, 132)
+FUSED_NUM_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 132)
 #: Bytes of a row each thread holds, for the warps of the space (fewer: too few loads in flight
 #: per thread to hide NVLink latency; more: registers spill).
 FUSED_ROW_BYTES_PER_THREAD = (16, 64)
