@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from ..configs import FusedConfig, fused_block_size, fused_space
-from ..geometry import ALIGN, ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, align, stage_bytes
+from ..geometry import ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, align, stage_bytes
 from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
