@@ -118,7 +118,7 @@ class SweepItem:
         best, base = self.outcome.best, self.outcome.baseline
         p = self.problem
         nccl_us = base.score if base is not None and base.ok else None
-        label = format_bytes(p.nbytes) if p.op == "all_reduce" else f"{p.shape_key} t={p.n_tokens_local}"  # MoE, fused
+        label = format_bytes(p.nbytes) if p.op == "all_reduce" else f"{p.shape_key} t={p.n_tokens_local}"
         return {"op": p.op, "label": label, "mode": self.mode, "backend": best.candidate.backend,
                 "config": config_to_json(best.candidate.config), "us": best.score, "nccl_us": nccl_us,
                 "speedup": (nccl_us / best.score) if nccl_us else None, "world_size": p.world_size,
