@@ -23,6 +23,7 @@ from .api import (  # noqa: E402
     stats,
 )
 from .dispatch import Decision  # noqa: E402
+from .fused import all_reduce_rmsnorm  # noqa: E402
 from .routing import (  # noqa: E402
     ExptAssignment,
     make_expt_assignment,
@@ -35,6 +36,6 @@ from .moe_room import MoEPlan  # noqa: E402
 
 __all__ = [
     "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEPlan", "MoEShape", "Problem", "__version__", "all_reduce",
-    "barrier_errors", "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
+    "all_reduce_rmsnorm", "barrier_errors", "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
     "make_expt_dict_random", "make_expt_dict_uniform", "reset", "reset_barriers", "route", "stats",
 ]

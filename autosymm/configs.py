@@ -150,8 +150,56 @@ class MoEConfig:
             raise ValueError(f"num_blocks={self.num_blocks} must be 0 (one program per row group) or 1..4096")
 
 
-AnyConfig = AllReduceConfig | MoEConfig
-_CONFIG_TYPES = {"AllReduceConfig": AllReduceConfig, "MoEConfig": MoEConfig}
+FUSED_ALGORITHMS = ("one_shot", "one_shot_push", "two_shot")
+#: Most fp32 values of a [rows_per_program, block_size] tile one thread holds (more spill).
+FUSED_MAX_TILE_PER_THREAD = 64
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """One launch of a fused all-reduce + residual add + RMSNorm kernel
+    (autosymm.kernels.fused_rmsnorm).
+
+    A program owns whole rows: groups of ``rows_per_program`` rows held in registers as one
+    [rows_per_program, block_size] tile (``block_size`` >= the hidden size: :func:`fused_block_size`;
+    more than :data:`FUSED_MAX_TILE_PER_THREAD` values a thread only with one row);
+    ``num_blocks`` programs stride over the row groups. ``double_buffer`` (one-shots): staged in the halves of
+    the all-reduce double buffer without an end barrier, as AllReduceConfig's.
+    """
+
+    algorithm: str
+    block_size: int
+    num_warps: int
+    num_blocks: int
+    rows_per_program: int = 1
+    double_buffer: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.algorithm, str) or self.algorithm not in FUSED_ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r} is not one of {FUSED_ALGORITHMS}")
+        _check_ints(self, "block_size", "num_warps", "num_blocks", "rows_per_program")
+        _check_num_warps(self.num_warps)
+        _check_block("block_size", self.block_size, 16)
+        threads = self.num_warps * WARP_SIZE
+        if self.block_size < threads:
+            raise ValueError(f"block_size={self.block_size} is smaller than the {threads} threads of "
+                             f"num_warps={self.num_warps}")
+        if not 1 <= self.num_blocks <= MAX_PROGRAMS:
+            raise ValueError(f"num_blocks={self.num_blocks} must be in 1..{MAX_PROGRAMS}")
+        if not _is_pow2(self.rows_per_program) or self.rows_per_program > 16:
+            raise ValueError(f"rows_per_program={self.rows_per_program} must be a power of two in 1..16")
+        if self.rows_per_program > 1 and self.rows_per_program * self.block_size > FUSED_MAX_TILE_PER_THREAD * threads:
+            raise ValueError(f"rows_per_program={self.rows_per_program} x block_size={self.block_size} is more than "
+                             f"{FUSED_MAX_TILE_PER_THREAD} values per thread of num_warps={self.num_warps}")
+        if not isinstance(self.double_buffer, bool):
+            raise ValueError(f"double_buffer={self.double_buffer!r} must be a bool")
+        if self.double_buffer and self.algorithm not in DOUBLE_BUFFER_ALGORITHMS:
+            raise ValueError(f"double_buffer=True is only for algorithm in {DOUBLE_BUFFER_ALGORITHMS}, "
+                             f"not {self.algorithm!r}")
+
+
+AnyConfig = AllReduceConfig | MoEConfig | FusedConfig
+_CONFIG_TYPES = {"AllReduceConfig": AllReduceConfig, "MoEConfig": MoEConfig, "FusedConfig": FusedConfig}
 
 
 def config_to_json(config: AnyConfig | None) -> str:
@@ -278,6 +326,53 @@ def moe_space(d_model: int, n_rows: int) -> list[MoEConfig]:
                     if num_blocks and num_blocks >= groups:
                         continue  # a persistent grid wider than the row groups is the plain grid
                     space.append(MoEConfig(block_n, num_warps, rows, num_blocks))
+    return space
+
+
+FUSED_NUM_WARPS = (4, 8, 16, 32)
+FUSED_ROWS_PER_PROGRAM = (1, 2, 4)
+FUSED_NUM_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 132)
+#: Bytes of a row each thread holds, for the warps of the space (fewer: too few loads in flight
+#: per thread to hide NVLink latency; more: registers spill).
+FUSED_ROW_BYTES_PER_THREAD = (16, 64)
+#: Grids per (warps, rows) point: the largest useful ones (a fused call is latency-bound where it
+#: has few rows, and then one of them covers the rows; with many rows the widest grids win).
+FUSED_GRIDS_PER_POINT = 3
+
+
+def fused_block_size(hidden: int) -> int:
+    """The BLOCK of a fused kernel for rows of ``hidden`` elements: a row group is held in
+    registers, so the next power of two >= hidden (at least the 128 threads of 4 warps)."""
+    return max(128, 1 << max(0, hidden - 1).bit_length())
+
+
+def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, elem_bytes: int) -> list[FusedConfig]:
+    """Valid, non-redundant configs of the fused ``algorithm`` for [n_tokens, hidden] per rank.
+
+    BLOCK is :func:`fused_block_size` (whole rows in registers); warps holding
+    :data:`FUSED_ROW_BYTES_PER_THREAD` bytes of a row a thread (else 4); rows per program that fit
+    :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; the :data:`FUSED_GRIDS_PER_POINT`
+    largest grids up to the first one covering the row groups (two-shot: of a rank's
+    ``n_tokens / world_size`` rows). One-shots whose stage fits a double-buffer half get every
+    config again with ``double_buffer=True``. Never empty.
+    """
+    block_size = fused_block_size(hidden)
+    rows = -(-n_tokens // world_size) if algorithm == "two_shot" else n_tokens
+    low, high = FUSED_ROW_BYTES_PER_THREAD
+    warps = [w for w in FUSED_NUM_WARPS if low <= block_size * elem_bytes // (w * WARP_SIZE) <= high
+             and w * WARP_SIZE <= block_size] or [FUSED_NUM_WARPS[0]]
+    space: list[FusedConfig] = []
+    for num_warps in warps:
+        for rows_per_program in FUSED_ROWS_PER_PROGRAM:
+            if rows_per_program > 1 and (rows_per_program * block_size > FUSED_MAX_TILE_PER_THREAD * num_warps * WARP_SIZE
+                                         or rows_per_program >= 2 * rows):
+                continue  # spills, or only masked rows
+            groups = -(-rows // rows_per_program)
+            for num_blocks in _useful_counts(FUSED_NUM_BLOCKS, groups)[-FUSED_GRIDS_PER_POINT:]:
+                space.append(FusedConfig(algorithm, block_size, num_warps, num_blocks, rows_per_program))
+    stage = stage_bytes(algorithm, n_tokens * hidden * elem_bytes, world_size)
+    if algorithm in DOUBLE_BUFFER_ALGORITHMS and stage <= DOUBLE_BUFFER_HALF_BYTES:
+        space += [dataclasses.replace(config, double_buffer=True) for config in space]
     return space
 
 

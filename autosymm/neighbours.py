@@ -34,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 
 from .configs import AllReduceConfig
 from .db_schema import Row
-from .problem import DTYPES, MoEShape, Problem
+from .problem import DTYPES, MOE_OPS, MoEShape, Problem
 
 _ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 assert set(_ELEM_BYTES) == set(DTYPES)
@@ -78,9 +78,12 @@ def _rounds(config: AllReduceConfig, nbytes: int, elem_bytes: int, world_size: i
 def growth(row: Row, problem: Problem) -> float:
     """How the work on the critical path grows from ``row``'s tuned point to the call ``problem``
     (1.0 at the same point; see the module docstring)."""
-    row_shape = MoEShape.from_key(row.shape) if row.shape else None
-    moved = (_moved_bytes(problem.op, problem.dtype, problem.bucket, problem.shape)
-             / _moved_bytes(row.op, row.dtype, row.bucket, row_shape))
+    if problem.op in MOE_OPS:
+        row_shape = MoEShape.from_key(row.shape)
+        moved = (_moved_bytes(problem.op, problem.dtype, problem.bucket, problem.shape)
+                 / _moved_bytes(row.op, row.dtype, row.bucket, row_shape))
+    else:  # all-reduce: bytes; the fused op: tokens per rank of the same hidden size
+        moved = problem.bucket / row.bucket
     config = row.config_obj
     if not isinstance(config, AllReduceConfig):
         return moved

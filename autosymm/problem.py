@@ -7,6 +7,8 @@ the MoE conversions (whose shape, d_model x experts x top-k, is a column of its 
 stores each row under the size it tuned, so a bucket is a tuned point, not a range: databases
 tuned at powers of two (the shipped ones before half-octave sweeps) hold exactly those points.
 A call between tuned points is served from its neighbouring points (autosymm.dispatch).
+The fused all-reduce + residual add + RMSNorm (``all_reduce_rmsnorm``) is keyed like MoE: tokens per
+rank, and its shape is the hidden size ('h8192').
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Optional
 
 import torch
 
-OPS = ("all_reduce", "dp_to_ep", "ep_to_dp")
+OPS = ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm")
 MOE_OPS = ("dp_to_ep", "ep_to_dp")
+#: Ops keyed by tokens per rank (bucket) and a shape (MoE: MoEShape.key; fused: 'h{hidden}').
+TOKEN_OPS = MOE_OPS + ("all_reduce_rmsnorm",)
 MODES = ("eager", "graph")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -86,6 +90,8 @@ class Problem:
 
     For ``all_reduce``: ``nbytes`` is the tensor's size in bytes. For the MoE ops: ``shape`` and
     ``n_tokens_local`` (tokens per rank) describe it and ``nbytes`` is the bytes of local tokens.
+    For ``all_reduce_rmsnorm``: ``n_tokens_local`` rows of ``hidden`` elements (``nbytes`` = their
+    bytes, the all-reduced tensor's).
     """
 
     op: str
@@ -94,6 +100,7 @@ class Problem:
     nbytes: int = 0
     shape: Optional[MoEShape] = None
     n_tokens_local: int = 0
+    hidden: int = 0  # all_reduce_rmsnorm only: elements per row
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -105,6 +112,10 @@ class Problem:
         if self.op in MOE_OPS:
             if self.shape is None or self.n_tokens_local < 1:
                 raise ValueError(f"{self.op} needs a MoEShape and n_tokens_local >= 1")
+        elif self.op == "all_reduce_rmsnorm":
+            if self.hidden < 1 or self.n_tokens_local < 1:
+                raise ValueError(f"all_reduce_rmsnorm needs hidden >= 1 and n_tokens_local >= 1, got "
+                                 f"hidden={self.hidden}, n_tokens_local={self.n_tokens_local}")
         elif self.nbytes < 0:
             raise ValueError(f"nbytes={self.nbytes} must be >= 0")
 
@@ -121,13 +132,16 @@ class Problem:
     def bucket(self) -> int:
         """The database bucket: the exact size, tokens per rank for MoE, bytes (at least 1) for
         all-reduce (see the module docstring)."""
-        if self.op in MOE_OPS:
+        if self.op in TOKEN_OPS:
             return self.n_tokens_local
         return max(1, self.nbytes)
 
     @property
     def shape_key(self) -> str:
-        """The database `shape` column: '' for all-reduce, MoEShape.key for MoE."""
+        """The database `shape` column: '' for all-reduce, MoEShape.key for MoE, 'h{hidden}' for
+        all_reduce_rmsnorm."""
+        if self.op == "all_reduce_rmsnorm":
+            return f"h{self.hidden}"
         return self.shape.key if self.shape is not None else ""
 
     @classmethod
@@ -142,7 +156,19 @@ class Problem:
         return cls(op, dtype, world_size, nbytes=n_tokens_local * shape.d_model * elem, shape=shape,
                    n_tokens_local=n_tokens_local)
 
+    @classmethod
+    def all_reduce_rmsnorm(cls, n_tokens_local: int, hidden: int, dtype: str = "bf16",
+                           world_size: int = 2) -> "Problem":
+        """The fused all-reduce + residual add + RMSNorm of [n_tokens_local, hidden] per rank."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        return cls("all_reduce_rmsnorm", dtype, world_size, nbytes=n_tokens_local * hidden * elem,
+                   n_tokens_local=n_tokens_local, hidden=hidden)
+
     def describe(self) -> str:
+        if self.op == "all_reduce_rmsnorm":
+            return f"{self.op} {self.dtype} ws={self.world_size} {self.shape_key} tokens/rank={self.n_tokens_local}"
         if self.op in MOE_OPS:
             return f"{self.op} {self.dtype} ws={self.world_size} {self.shape_key} tokens/rank={self.n_tokens_local}"
         return f"all_reduce {self.dtype} ws={self.world_size} {format_bytes(self.nbytes)}"

@@ -21,14 +21,19 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "triton_multimem": ("autosymm.backends.triton_all_reduce", "triton_multimem"),
     "triton_moe": ("autosymm.backends.triton_moe", "TRITON_MOE"),
     "nccl_all_to_all": ("autosymm.backends.nccl_all_to_all", "NCCL_ALL_TO_ALL"),
+    "nccl_fused": ("autosymm.backends.nccl_fused", "nccl_fused"),
+    "triton_fused_one_shot": ("autosymm.backends.triton_fused", "triton_fused_one_shot"),
+    "triton_fused_one_shot_push": ("autosymm.backends.triton_fused", "triton_fused_one_shot_push"),
+    "triton_fused_two_shot": ("autosymm.backends.triton_fused", "triton_fused_two_shot"),
 }
 
 #: The backend that can always serve an op (the tuner's baseline; the dispatcher's last resort).
-FALLBACK = {"all_reduce": "nccl", "dp_to_ep": "nccl_all_to_all", "ep_to_dp": "nccl_all_to_all"}
+FALLBACK = {"all_reduce": "nccl", "dp_to_ep": "nccl_all_to_all", "ep_to_dp": "nccl_all_to_all",
+            "all_reduce_rmsnorm": "nccl_fused"}
 #: Where no database row serves a call, the first of these that can serve it runs it with its
 #: ``fallback_config`` (the MoE kernels before NCCL: no NCCL path is graph-capturable).
 FALLBACK_ORDER = {"all_reduce": ("nccl",), "dp_to_ep": ("triton_moe", "nccl_all_to_all"),
-                  "ep_to_dp": ("triton_moe", "nccl_all_to_all")}
+                  "ep_to_dp": ("triton_moe", "nccl_all_to_all"), "all_reduce_rmsnorm": ("nccl_fused",)}
 
 _LOADED: dict[str, Backend] = {}
 

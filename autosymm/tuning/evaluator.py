@@ -54,7 +54,8 @@ class SweepEvaluator:
     def measure(self, launcher):
         ws = self.ctx.workspace
         try:
-            out = launcher(*self.data.validation_args())
+            args = self.data.validation_args()
+            out = self.data.result(launcher(*args), args)
             if ws is not None:
                 if _inside(ws, out):
                     out = out.clone()  # stream-ordered: before this rank signals the barrier below

@@ -3,7 +3,9 @@ candidate against it before timing it).
 
 All-reduce: small multiples of 1/4 as the validation input, so every partial sum of <= 8 ranks
 is exact in bf16/fp16/fp32 and the reference (NCCL's all_reduce of the same input) does not
-depend on the summation order. MoE: random rows routed by the same expert indices on every
+depend on the summation order. Fused all-reduce + RMSNorm: the same for x and the residual (the
+updated residual is exact too); the expected result is that residual stacked on its RMSNorm *
+weight computed in fp32 (a launcher's result is stacked the same way by :meth:`ProblemData.result`). MoE: random rows routed by the same expert indices on every
 rank; the reference is computed by plain torch from a gathered copy of every rank's input.
 """
 
@@ -16,6 +18,7 @@ import torch
 from ..problem import DTYPES, MOE_OPS, Problem
 
 _SEED = 1234
+FUSED_EPS = 1e-6
 
 
 def moe_reference_for_rank(op: str, gathered: torch.Tensor, owner_of_pair: torch.Tensor, indx: torch.Tensor,
@@ -93,7 +96,16 @@ class ProblemData:
     def allocate(self) -> None:
         p, dev = self.problem, self.device
         gen = torch.Generator(device=dev).manual_seed(_SEED * 1009 + self.rank)
-        if p.op == "all_reduce":
+        if p.op == "all_reduce_rmsnorm":
+            shape = (p.n_tokens_local, p.hidden)
+            self.val_input = _quarters(shape, gen, dev, self.dtype)
+            same = torch.Generator(device=dev).manual_seed(_SEED)  # residual and weight: replicated
+            self.residual, self.weight = _quarters(shape, same, dev, self.dtype), _quarters((p.hidden,), same, dev,
+                                                                                            self.dtype)
+            self.timing = [torch.empty(shape, dtype=self.dtype, device=dev) for _ in range(self.n_inputs)]
+            self.timing_residuals = [torch.empty_like(t) for t in self.timing]
+            self.extra = ()
+        elif p.op == "all_reduce":
             # small multiples of 1/4: every partial sum of <= 8 ranks is exact in bf16/fp16/fp32,
             # so the reference does not depend on the summation order
             self.val_input = torch.randint(-8, 9, (p.numel,), generator=gen, device=dev, dtype=torch.int8
@@ -119,14 +131,20 @@ class ProblemData:
 
     def refresh(self) -> None:
         """Fresh random timing inputs (in-place all-reduces grow them call after call)."""
-        for t in self.timing:
+        for t in self.timing + getattr(self, "timing_residuals", []):
             t.normal_()
 
     def build_reference(self) -> None:
         import torch.distributed as dist
 
         p = self.problem
-        if p.op == "all_reduce":
+        if p.op == "all_reduce_rmsnorm":
+            total = self.val_input.clone()
+            dist.all_reduce(total, group=self.group)  # exact: small multiples of 1/4
+            new = self.residual.float() + total.float()
+            out = new * torch.rsqrt(new.pow(2).mean(-1, keepdim=True) + FUSED_EPS) * self.weight.float()
+            self.expected = torch.stack((new.to(self.dtype), out.to(self.dtype)))
+        elif p.op == "all_reduce":
             self.expected = self.val_input.clone()
             dist.all_reduce(self.expected, group=self.group)
         else:
@@ -142,8 +160,24 @@ class ProblemData:
             torch.cuda.synchronize(self.device)
 
     def validation_args(self) -> tuple:
+        if self.problem.op == "all_reduce_rmsnorm":  # residual updated in place; x may be (NCCL)
+            return (self.val_input.clone(), self.residual.clone(), self.weight, FUSED_EPS)
         x = self.val_input.clone() if self.problem.op == "all_reduce" else self.val_input  # all-reduce is in place
         return (x, *self.extra)
 
+    def result(self, out: Any, args: tuple) -> Any:
+        """What is checked of a launcher's return value ``out`` for ``args``: the fused op's updated
+        residual stacked on its output (the expected value's layout), else ``out`` itself."""
+        if self.problem.op == "all_reduce_rmsnorm" and isinstance(out, torch.Tensor):
+            return torch.stack((args[1], out))
+        return out
+
     def timing_args(self) -> list[tuple]:
+        if self.problem.op == "all_reduce_rmsnorm":
+            return [(t, r, self.weight, FUSED_EPS) for t, r in zip(self.timing, self.timing_residuals)]
         return [(t, *self.extra) for t in self.timing]
+
+
+def _quarters(shape: tuple, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Random multiples of 1/4 in [-2, 2]: sums of a few of them are exact in every float dtype."""
+    return torch.randint(-8, 9, shape, generator=gen, device=device, dtype=torch.int8).to(dtype).mul_(0.25)

@@ -22,7 +22,7 @@ from .outcome import TuneOutcome
 from .precompile import precompile
 from .rank_comm import RankComm
 from .reference import ProblemData
-from .sweep import (SweepItem, TimingPlan, candidates_for, control_group_for, default_modes,
+from .sweep import (FUSED_HIDDEN, SweepItem, TimingPlan, candidates_for, control_group_for, default_modes,
                     measure_timeout_s, timing_plan)
 from .timing import comm_device
 from .tuner import SearchSettings, tune
@@ -57,25 +57,32 @@ def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
 
 def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: dict[str, MoEShape],
                    tokens: list[int], world_size: int) -> list[Problem]:
-    """All-reduce sizes x dtypes, then MoE shapes x token counts x ops (of those in ``ops``)."""
+    """All-reduce sizes x dtypes, then MoE shapes x token counts x ops, then the fused all-reduce
+    + RMSNorm at sweep.FUSED_HIDDEN x token counts (of the ops in ``ops``)."""
     problems = []
     if "all_reduce" in ops:
         problems += [Problem.all_reduce(n, d, world_size) for d in dtypes for n in sizes]
     for op in (o for o in ops if o in MOE_OPS):
         problems += [Problem.moe(op, shape, t, d, world_size)
                      for d in dtypes for shape in shapes.values() for t in tokens]
+    if "all_reduce_rmsnorm" in ops:
+        problems += [Problem.all_reduce_rmsnorm(t, h, d, world_size) for d in dtypes for h in FUSED_HIDDEN for t in tokens]
     return problems
 
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
     """(all-reduce, MoE) region bytes the sweep needs (at least the defaults): the largest stage
-    any all-reduce backend needs (the push one-shot's slot per peer), both MoE buffers."""
+    any all-reduce backend needs (the push one-shot's slot per peer; the fused two-shot's x and out
+    rows), both MoE buffers."""
+    from ..backends.triton_fused import fused_stage_bytes
     from ..geometry import moe_region_bytes, stage_bytes
     from ..settings import default_region_bytes
 
     ar, moe = default_region_bytes()
     for p in problems:
-        if p.op in MOE_OPS:
+        if p.op == "all_reduce_rmsnorm":
+            ar = max(ar, *(fused_stage_bytes(a, p.nbytes, p.world_size) for a in ("one_shot_push", "two_shot")))
+        elif p.op in MOE_OPS:
             moe = max(moe, moe_region_bytes(p.n_tokens_local, p.shape.n_expts_act, p.shape.d_model * p.elem_bytes,
                                             p.world_size))
         else:

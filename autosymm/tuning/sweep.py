@@ -37,6 +37,10 @@ ALL_REDUCE_SIZES = octave_points(4 << 10, 256 << 20, 2)
 #: dispatcher serves a count in between from its tuned neighbours, so the range 1..8192 is
 #: covered with 8 points instead of 14 (a sweep of minutes, not tens).
 MOE_TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
+#: Hidden sizes of the fused all-reduce + RMSNorm sweep (``--ops all_reduce_rmsnorm``: the hidden
+#: sizes of common tensor-parallel models), at the ``--tokens`` counts (default MOE_TOKENS), eager
+#: and graph: 4 x 8 x 2 = 64 (problem, mode) pairs.
+FUSED_HIDDEN = (4096, 5120, 7168, 8192)
 MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
 
 

@@ -63,6 +63,9 @@ class FakeData:
     def validation_args(self):
         return (torch.zeros(16),)
 
+    def result(self, out, args):
+        return out
+
     def timing_args(self):
         return [(torch.zeros(16),)] * 2
 

@@ -1,0 +1,34 @@
+"""Backend ``nccl_fused``: NCCL all-reduce, torch add, torch ``rms_norm`` (the fallback and the
+baseline of ``all_reduce_rmsnorm``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..problem import Problem
+from .base import Backend, Needs, RunContext
+
+
+class NcclFused(Backend):
+    """``dist.all_reduce(x)``, ``residual += x``, ``rms_norm(residual, weight, eps)``: serves every
+    call, no config. x ends holding the sum (the Triton backends leave it unchanged)."""
+
+    name = "nccl_fused"
+    needs = Needs(ops=("all_reduce_rmsnorm",))
+
+    def prepare(self, problem: Problem, config: None, ctx: RunContext):
+        import torch.distributed as dist
+
+        group, all_reduce, rms_norm = ctx.group, dist.all_reduce, torch.nn.functional.rms_norm
+        hidden = (problem.hidden,)
+
+        def launcher(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+            all_reduce(x, group=group)
+            residual.add_(x)
+            return rms_norm(residual, hidden, weight, eps)
+
+        return launcher
+
+
+nccl_fused = NcclFused()
+BACKENDS = (nccl_fused,)

@@ -1,0 +1,90 @@
+"""``all_reduce_rmsnorm``: the all-reduce of a tensor-parallel layer fused with the residual add
+and the RMSNorm that follow it, and its torch custom op ``torch.ops.autosymm.all_reduce_rmsnorm``.
+
+Calls are decided and prepared through the group state of autosymm.api (the same databases,
+rank agreement, workspace and cache of prepared calls as ``all_reduce``), keyed by
+(dtype, tokens, hidden, capturing): a repeated call is a dict lookup and the launcher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import _HAS_CUDA, _STATES, _check_tensor, _Entry, _GroupState, _state
+from .dispatch import Decision
+from .problem import Problem, dtype_name
+
+OP = "all_reduce_rmsnorm"
+
+
+def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       group=None) -> torch.Tensor:
+    """On every rank of ``group``: ``residual += all_reduce(x)`` (in place) and return
+    ``rmsnorm(residual) * weight`` as a new tensor.
+
+    ``x`` and ``residual``: [tokens, hidden], contiguous, one dtype (bf16, fp16 or fp32) and
+    ``residual`` the same on every rank (tensor parallelism); ``weight``: [hidden], same dtype.
+    Sums and the norm are taken in fp32 (the norm of the unrounded sum) and rounded once; every
+    rank ends with bit-identical ``residual`` and output. ``x`` is scratch: the Triton kernels
+    leave it unchanged, the NCCL path leaves the sum in it.
+    """
+    state = _STATES.get(group) or _state(group)
+    key = (OP, x.dtype, x.shape, _HAS_CUDA and torch.cuda.is_current_stream_capturing())
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = _prepare(state, x, residual, weight, key)
+    entry.calls += 1
+    return entry.launcher(x, residual, weight, eps)
+
+
+def _prepare(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, key: tuple) -> _Entry:
+    """Check the first call of a key (ValueError naming the bad tensor), decide and prepare it."""
+    for tensor in (x, residual, weight):
+        _check_tensor(tensor, state, OP)
+    if x.dim() != 2 or residual.shape != x.shape:
+        raise ValueError(f"autosymm.{OP}: x {tuple(x.shape)} and residual {tuple(residual.shape)} must both be "
+                         "[tokens, hidden]")
+    if tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"autosymm.{OP}: weight {tuple(weight.shape)} must be [hidden] = [{x.shape[1]}]")
+    if residual.dtype != x.dtype or weight.dtype != x.dtype:
+        raise ValueError(f"autosymm.{OP}: x {x.dtype}, residual {residual.dtype} and weight {weight.dtype} must "
+                         "share one dtype")
+    dtype = dtype_name(x.dtype)  # ValueError naming an unsupported dtype
+    n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
+    if n_tokens == 0 or hidden == 0:  # the same on every rank (x's shape is replicated)
+        entry = _Entry(Decision("noop", None, "no rows: nothing to exchange", mode="graph" if key[-1] else "eager"),
+                       _empty_call)
+    else:
+        problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size)
+        entry = state.prepare(problem, "graph" if key[-1] else "eager")
+    entry.bytes_per_call = x.numel() * x.element_size()
+    state.cache[key] = entry
+    return entry
+
+
+def _empty_call(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """No rows (on every rank alike): nothing to exchange."""
+    return torch.empty_like(x)
+
+
+def _group_of(group_name: str):
+    """The process group named ``group_name`` (None for the default group: autosymm.api's key)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if dist.group.WORLD is not None and group_name == dist.group.WORLD.group_name:
+        return None
+    return _resolve_process_group(group_name)
+
+
+@torch.library.custom_op("autosymm::all_reduce_rmsnorm", mutates_args=("x", "residual"))
+def _all_reduce_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           group_name: str) -> torch.Tensor:
+    """``torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, group_name)``: the custom
+    op of :func:`all_reduce_rmsnorm` (x is declared mutated: the NCCL path sums into it)."""
+    return all_reduce_rmsnorm(x, residual, weight, eps, _group_of(group_name))
+
+
+@_all_reduce_rmsnorm_op.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -1,0 +1,207 @@
+"""Fused all-reduce + residual add + RMSNorm kernels (Triton, device side only).
+
+Every rank holds ``x`` and ``residual`` of [n_rows, HIDDEN] (contiguous, bf16/fp16/fp32) and
+``weight`` [HIDDEN]. Each kernel leaves on every rank::
+
+    s        = residual + sum over ranks of x                   (fp32, ranks 0..W-1 in order)
+    residual = ELEM(s)
+    out      = ELEM(s * rsqrt(mean(s^2) + eps) * weight)          (fp32)
+
+``x`` is left unchanged. ``residual`` is replicated (tensor parallelism): the one-shots compute
+every row on every rank from the same inputs with the same code, so all ranks end bit-identical;
+the two-shot computes each row on one rank and copies the results to the others.
+
+Rows: a program owns whole rows, in groups of ROWS held in registers as one [ROWS, BLOCK] tile
+(BLOCK >= HIDDEN, a power of two): the norm is taken of the unrounded fp32 sum, so both results
+are rounded exactly once. Program ``b`` of a grid of ``G`` owns groups ``b, b+G, ...`` on every
+rank (the two-shot numbers the groups inside each rank's segment). HIDDEN is a constexpr (one
+compile per hidden size): row offsets then carry its divisibility, so rows of a multiple of 16
+bytes are loaded and stored with 128-bit accesses.
+
+The stage layout, barriers and double-buffer epoch are those of autosymm.kernels.all_reduce and
+autosymm.kernels.push_all_reduce (their docstrings hold the memory-ordering arguments, which
+apply unchanged: a peer's rows are only read or written by the same program index that produced
+them, and every staged kernel ends with a barrier, or advances the epoch):
+
+* ``_one_shot_all_reduce_rmsnorm``: copy-in, barrier, every rank sums every stage and
+  normalises all rows, end barrier (none with DOUBLE_BUFFER). Per rank: N in from each peer.
+* ``_push_one_shot_all_reduce_rmsnorm``: every rank stores its x into its slot of every peer's
+  stage (posted writes), barrier, sums its own stage's slots and x locally, end barrier (none
+  with DOUBLE_BUFFER). Per rank: N out to each peer.
+* ``_two_shot_all_reduce_rmsnorm``: rows split into W segments of ceil(n_rows / W) rows; copy-in,
+  barrier, rank r reduces and normalises segment r and stores its residual and out rows into
+  every peer's stage (residual over the x rows it read, out in a second area at
+  ``out_offset``), barrier, copy the other segments' rows out. Per rank: N (W-1)/W in and
+  2 N (W-1)/W out over NVLink.
+"""
+
+import triton
+import triton.language as tl
+
+from .all_reduce import _advance_epoch, _epoch_stage, _stage_ptr
+from .barrier import barrier
+from .push_all_reduce import _slot_ptr
+
+
+@triton.jit
+def _tile(row0, row_end, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """(element offsets [ROWS, BLOCK], mask, columns [BLOCK]) of rows row0 .. row0 + ROWS - 1
+    (rows >= row_end and columns >= HIDDEN masked)."""
+    rows = row0 + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    offs = rows[:, None] * HIDDEN + cols[None, :]
+    if HIDDEN == BLOCK:  # row-constant mask: 128-bit accesses stay possible
+        mask = tl.broadcast_to((rows < row_end)[:, None], (ROWS, BLOCK))
+    else:
+        mask = (rows < row_end)[:, None] & (cols < HIDDEN)[None, :]
+    return offs, mask, cols
+
+
+@triton.jit
+def _copy_rows(dst, src, row0, row_end, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """dst[rows] = src[rows] for one row group."""
+    offs, mask, cols = _tile(row0, row_end, HIDDEN, BLOCK, ROWS)
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, row0, row_end, RANK: tl.constexpr,
+               WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Store one row group of x into this rank's slot of every peer's stage (posted writes)."""
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    offs, mask, cols = _tile(row0, row_end, HIDDEN, BLOCK, ROWS)
+    val = tl.load(x_ptr + offs, mask=mask)
+    for step in tl.static_range(1, WORLD_SIZE):
+        peer = (RANK + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
+        dst = _slot_ptr(region_ptrs, peer, RANK, stage_offset, slot_bytes, True, WORLD_SIZE, ELEM)
+        tl.store(dst + offs, val, mask=mask)
+
+
+@triton.jit
+def _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK: tl.constexpr,
+               WORLD_SIZE: tl.constexpr, PUSH: tl.constexpr):
+    """fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order) of their x at ``offs``: from every
+    rank's stage, or (PUSH) from x itself and the peers' slots of this rank's stage."""
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros(offs.shape, tl.float32)
+    for peer in tl.static_range(WORLD_SIZE):
+        if PUSH:
+            if peer == RANK:
+                src = x_ptr + offs
+            else:
+                src = _slot_ptr(region_ptrs, RANK, peer, stage_offset, slot_bytes, True, WORLD_SIZE, ELEM) + offs
+        else:
+            src = _stage_ptr(region_ptrs, peer, stage_offset, True, ELEM) + offs
+        # .cg: stages are written by peers during this kernel, never serve them from L1.
+        acc += tl.load(src, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _scatter(region_ptrs, offset, offs, mask, val, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """Store ``val`` at ``offs`` of every peer's stage area at ``offset`` bytes (two-shot)."""
+    for step in tl.static_range(1, WORLD_SIZE):
+        peer = (RANK + step) % WORLD_SIZE
+        tl.store(_stage_ptr(region_ptrs, peer, offset, True, val.dtype) + offs, val, mask=mask)
+
+
+@triton.jit
+def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, out_offset, row0, row_end,
+                eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                ROWS: tl.constexpr, PUSH: tl.constexpr, SCATTER: tl.constexpr):
+    """For one row group: residual += sum of x (rounded once) and out = RMSNorm * weight of the
+    unrounded fp32 sum (rounded once). SCATTER (two-shot): both also go to every peer's stage,
+    the residual over the x rows just read there, out at ``out_offset``."""
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    offs, mask, cols = _tile(row0, row_end, HIDDEN, BLOCK, ROWS)
+    acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
+    acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    new_residual = acc.to(ELEM)
+    tl.store(res_ptr + offs, new_residual, mask=mask)
+    inv_rms = tl.math.rsqrt(tl.sum(acc * acc, axis=1) / HIDDEN + eps)
+    w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    out = (acc * inv_rms[:, None] * w[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, out, mask=mask)
+    if SCATTER:
+        _scatter(region_ptrs, stage_offset, offs, mask, new_residual, RANK, WORLD_SIZE)
+        _scatter(region_ptrs, out_offset, offs, mask, out, RANK, WORLD_SIZE)
+
+
+@triton.jit(do_not_specialize=["n_rows", "stage_offset", "slot_bytes", "half_bytes"])
+def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, n_rows: tl.int32,
+                                 eps, stage_offset: tl.int64, slot_bytes: tl.int64, half_bytes: tl.int64,
+                                 RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, PUSH: tl.constexpr,
+                                 DOUBLE_BUFFER: tl.constexpr):
+    """One-shot, pull (every rank reads every stage) or PUSH (every rank writes its x into its
+    slot, ``slot_bytes`` apart, of every peer's stage). DOUBLE_BUFFER: the stage alternates
+    between the halves at ``stage_offset`` and ``stage_offset + half_bytes`` by the epoch of
+    autosymm.kernels.all_reduce (shared with its double-buffered kernels) and there is no end
+    barrier (the argument of ``_one_shot_all_reduce`` / ``_push_one_shot_all_reduce``)."""
+    tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_groups = tl.cdiv(n_rows, ROWS)
+    if DOUBLE_BUFFER:
+        epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
+    if PUSH:
+        for group in range(pid, n_groups, n_programs):
+            _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, group * ROWS, n_rows, RANK, WORLD_SIZE, HIDDEN,
+                       BLOCK, ROWS)
+    else:
+        stage = _stage_ptr(region_ptrs, RANK, stage_offset, True, x_ptr.dtype.element_ty)
+        for group in range(pid, n_groups, n_programs):
+            _copy_rows(stage, x_ptr, group * ROWS, n_rows, HIDDEN, BLOCK, ROWS)
+    barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every rank's x is staged (pull: own stage; push: ours)
+    for group in range(pid, n_groups, n_programs):
+        _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, 0, group * ROWS, n_rows,
+                    eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False)
+    if DOUBLE_BUFFER:
+        _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK)
+    else:
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads our stage
+
+
+@triton.jit(do_not_specialize=["n_rows", "stage_offset", "out_offset"])
+def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, n_rows: tl.int32,
+                                 eps, stage_offset: tl.int64, out_offset: tl.int64,
+                                 RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, PHASE: tl.constexpr):
+    """Two-shot by rows (see the module docstring). The stage holds x's rows at ``stage_offset``
+    and the out rows at ``out_offset`` (bytes into the region). PHASE 0 runs everything; 1, 2, 3
+    run copy-in + barrier, reduce + normalise + scatter, barrier + copy-out + end barrier alone
+    (tests).
+
+    In-place invariant (as the all-reduce two-shot's): in phase 2 rank r reads and writes only
+    segment r's rows of every stage, each element read and then overwritten (with the new
+    residual) by the same thread of the same program; no other rank touches segment r of any
+    stage between the two barriers, and after the second every rank reads only its own stage.
+    """
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    seg = tl.cdiv(n_rows, WORLD_SIZE)
+    seg_groups = tl.cdiv(seg, ROWS)
+    stage = _stage_ptr(region_ptrs, RANK, stage_offset, True, ELEM)
+    if PHASE == 0 or PHASE == 1:
+        for s in tl.static_range(WORLD_SIZE):
+            seg_end = tl.minimum(s * seg + seg, n_rows)
+            for group in range(pid, seg_groups, n_programs):
+                _copy_rows(stage, x_ptr, s * seg + group * ROWS, seg_end, HIDDEN, BLOCK, ROWS)
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every stage holds its rank's x
+    if PHASE == 0 or PHASE == 2:
+        seg_end = tl.minimum(RANK * seg + seg, n_rows)
+        for group in range(pid, seg_groups, n_programs):
+            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, 0, out_offset,
+                        RANK * seg + group * ROWS, seg_end, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, False, True)
+    if PHASE == 0 or PHASE == 3:
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every segment's rows are in every stage
+        out_stage = _stage_ptr(region_ptrs, RANK, out_offset, True, ELEM)
+        for s in tl.static_range(WORLD_SIZE):
+            if s != RANK:
+                seg_end = tl.minimum(s * seg + seg, n_rows)
+                for group in range(pid, seg_groups, n_programs):
+                    _copy_rows(res_ptr, stage, s * seg + group * ROWS, seg_end, HIDDEN, BLOCK, ROWS)
+                    _copy_rows(out_ptr, out_stage, s * seg + group * ROWS, seg_end, HIDDEN, BLOCK, ROWS)
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads its stage (module docstring)

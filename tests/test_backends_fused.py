@@ -1,0 +1,135 @@
+"""The fused all-reduce + RMSNorm backends: configs and their space, the Problem, eligibility,
+dispatch from database rows, and the launcher's staging and checks (interpreter, simulated ranks)."""
+
+import pytest
+import torch
+
+from autosymm.backends import Capabilities, RunContext, get_backend
+from autosymm.backends.base import BackendError
+from autosymm.backends.triton_fused import BACKENDS, fused_stage_bytes
+from autosymm.configs import FusedConfig, config_from_json, config_to_json, fused_block_size, fused_space
+from autosymm.db import Row, TuningDB
+from autosymm.dispatch import DBSource, decide
+from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES, align
+from autosymm.problem import Problem
+from autosymm.symm import simulated_workspaces
+
+from _all_reduce_sim import preset, requires_interpreter
+from _fused_ref import check
+
+HW = "nvidia-h200-nvlink"
+CAPS = Capabilities(world_size=2, all_reduce_bytes=256 << 20, intra_node=True, compute_capability=(9, 0))
+
+
+def test_config_validation_names_the_field():
+    FusedConfig("two_shot", 8192, 16, 132, 4)
+    for kwargs, field in [(dict(algorithm="multimem"), "algorithm"), (dict(block_size=3000), "block_size"),
+                          (dict(num_warps=3), "num_warps"), (dict(num_blocks=0), "num_blocks"),
+                          (dict(rows_per_program=3), "rows_per_program"), (dict(num_warps=4, rows_per_program=2),
+                                                                          "rows_per_program"),
+                          (dict(algorithm="two_shot", double_buffer=True), "double_buffer"),
+                          (dict(num_blocks=True), "num_blocks"), (dict(block_size=256, num_warps=16), "block_size")]:
+        with pytest.raises(ValueError, match=field):
+            FusedConfig(**{**dict(algorithm="one_shot", block_size=8192, num_warps=8, num_blocks=8), **kwargs})
+    config = FusedConfig("one_shot_push", 8192, 8, 16, 2, True)
+    assert config_from_json(config_to_json(config)) == config
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_push", "two_shot"])
+@pytest.mark.parametrize("n_tokens, hidden", [(1, 8192), (3, 5120), (128, 4104), (8192, 7168)])
+def test_space_whole_rows_useful_grids_double_buffer_where_it_fits(algorithm, n_tokens, hidden):
+    space = fused_space(algorithm, n_tokens, hidden, 2, 2)
+    assert space and len(space) == len(set(space)) and len(space) <= 200
+    assert {c.block_size for c in space} == {fused_block_size(hidden)} and fused_block_size(hidden) >= hidden
+    rows = -(-n_tokens // 2) if algorithm == "two_shot" else n_tokens
+    assert all(c.num_blocks <= 8 or c.num_blocks // 2 < -(-rows // c.rows_per_program) for c in space)
+    fits = fused_stage_bytes(algorithm, n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
+    assert any(c.double_buffer for c in space) == (fits and algorithm != "two_shot")
+
+
+def test_problem_keys_by_hidden_and_token_bucket():
+    p = Problem.all_reduce_rmsnorm(300, 8192, "bf16", 2)
+    assert (p.bucket, p.shape_key, p.nbytes, p.numel) == (300, "h8192", 300 * 8192 * 2, 300 * 8192)
+    assert p.describe() == "all_reduce_rmsnorm bf16 ws=2 h8192 tokens/rank=300"
+    with pytest.raises(ValueError, match="hidden"):
+        Problem("all_reduce_rmsnorm", "bf16", 2, n_tokens_local=4)
+    with pytest.raises(ValueError, match="dtype"):
+        Problem.all_reduce_rmsnorm(4, 8192, "int8")
+
+
+def test_eligibility():
+    p = Problem.all_reduce_rmsnorm(4096, 8192, "bf16", 2)
+    assert all(b.why_not(p, CAPS) is None for b in BACKENDS)
+    assert get_backend("nccl_fused").why_not(p, Capabilities(world_size=2)) is None
+    assert BACKENDS[0].why_not(p, Capabilities(world_size=2)) == "no symmetric workspace"
+    small = Capabilities(world_size=2, all_reduce_bytes=96 << 20)
+    assert "exceeds" in BACKENDS[2].why_not(p, small) and BACKENDS[0].why_not(p, small) is None
+    assert BACKENDS[0].why_not(Problem.all_reduce(4096), CAPS) == "does not serve all_reduce"
+
+
+def test_dispatch_takes_the_fastest_servable_row_and_falls_back_to_nccl():
+    db = TuningDB(":memory:")
+    config = FusedConfig("one_shot", 8192, 16, 8)
+    for backend, us, cfg in (("nccl_fused", 30.0, None), ("triton_fused_one_shot", 8.0, config)):
+        db.record(Row(hardware=HW, world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=8, shape="h8192",
+                      backend=backend, median_us=us, config=config_to_json(cfg), nccl_us=30.0))
+    source = [DBSource(db, "x.sqlite")]
+    decision = decide(Problem.all_reduce_rmsnorm(5, 8192), "graph", CAPS, source, HW)
+    assert (decision.backend, decision.config, decision.bucket) == ("triton_fused_one_shot", config, 8)
+    assert decide(Problem.all_reduce_rmsnorm(5, 8192), "eager", Capabilities(world_size=2), source,
+                  HW).backend == "nccl_fused"
+    assert decide(Problem.all_reduce_rmsnorm(5, 4096), "eager", CAPS, source, HW).backend == "nccl_fused"
+
+
+def _launch_two_shot(n_tokens, hidden):
+    """Both simulated ranks' two-shot launchers, run phase by phase."""
+    wss = simulated_workspaces(2, all_reduce_bytes=1 << 18, moe_bytes=256, double_buffer_bytes=1 << 17)
+    problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, "bf16", 2)
+    config = FusedConfig("two_shot", fused_block_size(hidden), 4, 2, 1)
+    gen = torch.Generator().manual_seed(hidden)
+    xs = [torch.randn(n_tokens, hidden, generator=gen).bfloat16() for _ in range(2)]
+    residual_in, weight = torch.randn(n_tokens, hidden, generator=gen).bfloat16(), torch.ones(hidden).bfloat16()
+    launchers = [BACKENDS[2].prepare(problem, config, RunContext(workspace=ws)) for ws in wss]
+    residuals = [residual_in.clone() for _ in wss]
+    preset([ws.buffer for ws in wss], 2, 3)
+    outs = [torch.full_like(x, float("nan")) for x in xs]
+    for phase in (1, 2, 3):
+        for rank in (0, 1):
+            assert launchers[rank](xs[rank], residuals[rank], weight, 1e-6, phase=phase, out=outs[rank]) is outs[rank]
+    return launchers, xs, residuals, residual_in, weight, outs
+
+
+@requires_interpreter
+def test_two_shot_launcher_stages_at_the_top_of_the_region():
+    launchers, xs, residuals, residual_in, weight, outs = _launch_two_shot(3, 200)
+    for rank in (0, 1):
+        check(residuals[rank], outs[rank], xs, residual_in, weight, 1e-6)
+    capacity = launchers[0].capacity
+    assert launchers[0]._stage(3 * 200 * 2)[2] == (capacity - 2 * align(1200), capacity - align(1200))
+
+
+@requires_interpreter
+def test_one_rank_one_shot_launchers_and_bad_input():
+    """World size 1 (no peer to wait for): the pull and push one-shots, single and double
+    buffered, end to end through the launcher; bad tensors are BackendErrors naming them."""
+    (ws,) = simulated_workspaces(1, all_reduce_bytes=1 << 16, moe_bytes=256, double_buffer_bytes=1 << 15)
+    problem = Problem.all_reduce_rmsnorm(5, 136, "bf16", 1)
+    gen = torch.Generator().manual_seed(0)
+    x, residual_in = torch.randn(5, 136, generator=gen).bfloat16(), torch.randn(5, 136, generator=gen).bfloat16()
+    weight = torch.randn(136, generator=gen).bfloat16()
+    for backend in BACKENDS[:2]:
+        for double in (False, True):
+            launcher = backend.prepare(problem, FusedConfig(backend.algorithm, 256, 4, 3, 2, double),
+                                       RunContext(workspace=ws))
+            residual = residual_in.clone()
+            check(residual, launcher(x, residual, weight, 1e-6), [x], residual_in, weight, 1e-6)
+    for bad, match in [((x.float(), residual_in, weight), "x dtype"), ((x, residual_in[:, :128], weight), "residual"),
+                       ((x, residual_in, weight[:8]), "weight"), ((x.t(), residual_in.t(), weight), "strides")]:
+        with pytest.raises(BackendError, match=match):
+            launcher(*bad)
+    inside = ws.local_view("all_reduce", (5, 136), torch.bfloat16, ws.capacity("all_reduce") - align(5 * 136 * 2))
+    with pytest.raises(BackendError, match="overlaps"):
+        BACKENDS[0].prepare(problem, FusedConfig("one_shot", 256, 4, 3), RunContext(workspace=ws))(
+            inside, residual_in.clone(), weight)
+    with pytest.raises(BackendError, match="block_size=128 must be >= hidden=136"):
+        BACKENDS[0].prepare(problem, FusedConfig("one_shot", 128, 4, 3), RunContext(workspace=ws))

@@ -1,0 +1,95 @@
+"""The fused all-reduce + RMSNorm kernels compile for Hopper (sm_90) on the CPU, with 128-bit
+peer loads and stores, their barriers, bounded waits and (double buffer) epoch arrivals.
+
+Compiled in a subprocess without TRITON_INTERPRET (see tests/test_compile_all_reduce.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_compile_all_reduce import REPO, _features
+
+# (kernel, dtype, world_size, hidden, block, warps, rows, double_buffer, x/residual/weight/out 16-byte
+# aligned): rows equal to BLOCK and shorter (masked columns), every world size, each variant.
+CASES = [
+    ("one_shot", "bf16", 2, 8192, 8192, 16, 1, False, True),
+    ("one_shot", "bf16", 2, 8192, 8192, 16, 1, True, True),
+    ("one_shot", "fp16", 4, 5120, 8192, 8, 2, False, True),
+    ("one_shot_push", "bf16", 2, 4096, 4096, 4, 1, False, True),
+    ("one_shot_push", "bf16", 8, 7168, 8192, 32, 4, True, True),
+    ("two_shot", "bf16", 2, 8192, 8192, 16, 2, False, True),
+    ("two_shot", "fp32", 4, 4104, 8192, 16, 1, False, False),
+]
+
+
+def _compile_cases(indices: list[int]) -> dict:
+    """Runs in a subprocess: compile CASES[i] for sm_90, return {i: features}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from autosymm.kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
+
+    out = {}
+    for i in indices:
+        kernel, dtype, world_size, hidden, block, warps, rows, double, aligned = CASES[i]
+        signature = {"x_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                     "region_ptrs": "*i64", "signal_ptrs": "*i64", "n_rows": "i32", "eps": "fp32",
+                     "stage_offset": "i64"}
+        constexprs = dict(RANK=world_size - 1, WORLD_SIZE=world_size, HIDDEN=hidden, BLOCK=block, ROWS=rows)
+        if kernel == "two_shot":
+            fn = _two_shot_all_reduce_rmsnorm
+            signature.update(out_offset="i64")
+            constexprs.update(PHASE=0)
+        else:
+            fn = _one_shot_all_reduce_rmsnorm
+            signature.update(slot_bytes="i64", half_bytes="i64")
+            constexprs.update(PUSH=kernel == "one_shot_push", DOUBLE_BUFFER=double)
+        signature.update({name: "constexpr" for name in constexprs})
+        attrs = {(j,): [["tt.divisibility", 16]] for j in ((0, 1, 2, 3, 4, 5) if aligned else (4, 5))}
+        src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+        assert compiled.asm.get("cubin"), "ptxas produced no cubin"
+        out[i] = _features(compiled.asm["ptx"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def features():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    code = ("import json, sys; from test_compile_fused_rmsnorm import _compile_cases; "
+            "print('@@' + json.dumps(_compile_cases(json.loads(sys.argv[1]))))")
+    halves = [list(range(len(CASES)))[k::2] for k in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(h)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in halves]
+    result = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            pytest.fail(f"compiling for sm_90 failed:\n{stderr[-4000:]}")
+        line = next(l for l in stdout.splitlines() if l.startswith("@@"))
+        result.update({int(k): v for k, v in json.loads(line[2:]).items()})
+    return result
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c[:7])) + ("-db" if c[7] else "")
+                                                         for c in CASES])
+def test_compiles_for_sm90(features, case):
+    kernel, dtype, world_size, hidden, block, warps, rows, double, aligned = CASES[case]
+    got = features[case]
+    peers = world_size - 1
+    n_barriers = {"two_shot": 3}.get(kernel, 1 if double else 2)
+    assert got["signals"] == n_barriers * peers, "one release signal per peer per barrier"
+    assert got["poll_limit"] and got["error_adds"] == n_barriers * peers, "every wait is bounded"
+    assert (got["arrivals"], got["counter_resets"]) == ((1, 1) if double else (0, 0))
+    assert not got["ld_reduce"] and got["proxy_fences"] == 0
+    if kernel != "one_shot_push":  # stages are aligned whatever the tensors are
+        assert got["peer_v4_loads"] >= world_size, "128-bit loads from every rank's stage"
+    if aligned:
+        assert got["v4_stores"] >= 1
