@@ -38,7 +38,18 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def _prepare(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, key: tuple) -> _Entry:
-    """Check the first call of a key (ValueError naming the bad tensor), decide and prepare it."""
+    """The first call of a key: checked, decided and prepared on every rank alike (a bad tensor on
+    one rank raises on all of them: autosymm.api's agreed_check)."""
+    mode = "graph" if key[-1] else "eager"
+    call = f"{OP} of {x.dtype} {tuple(x.shape)} in {mode} mode"
+    entry = state.agreed_check(call, lambda: _build(state, x, residual, weight, mode))
+    entry.bytes_per_call = x.numel() * x.element_size()
+    state.cache[key] = entry
+    return entry
+
+
+def _build(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, mode: str) -> _Entry:
+    """This rank's checks (ValueError naming the bad tensor), decision and launcher."""
     for tensor in (x, residual, weight):
         _check_tensor(tensor, state, OP)
     if x.dim() != 2 or residual.shape != x.shape:
@@ -52,14 +63,8 @@ def _prepare(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight
     dtype = dtype_name(x.dtype)  # ValueError naming an unsupported dtype
     n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
     if n_tokens == 0 or hidden == 0:  # the same on every rank (x's shape is replicated)
-        entry = _Entry(Decision("noop", None, "no rows: nothing to exchange", mode="graph" if key[-1] else "eager"),
-                       _empty_call)
-    else:
-        problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size)
-        entry = state.prepare(problem, "graph" if key[-1] else "eager")
-    entry.bytes_per_call = x.numel() * x.element_size()
-    state.cache[key] = entry
-    return entry
+        return _Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), _empty_call)
+    return state.prepare(Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size), mode)
 
 
 def _empty_call(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -47,3 +47,8 @@ def default_region_bytes() -> tuple[int, int]:
         return DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
     half = align(nbytes // 2)
     return half, max(ALIGN, nbytes - half)
+
+
+#: NVLink multicast / NVLS off, as the GPU tests and node scripts set it on shared hosts
+#: (scripts/_node_env.sh). autosymm itself never applies it: it inherits the user's environment.
+MULTICAST_OFF_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}

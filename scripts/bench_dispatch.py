@@ -47,9 +47,10 @@ def main() -> None:
         return
     import torch.multiprocessing as mp
 
-    from autosymm.tuning.workers import SAFE_ENV, free_port
+    from autosymm.settings import MULTICAST_OFF_ENV
+    from autosymm.tuning.workers import free_port
 
-    os.environ.update(SAFE_ENV)
+    os.environ.update(MULTICAST_OFF_ENV)  # a shared host: multicast stays off
     world_size = min(args.world_size, torch.cuda.device_count())
     mp.start_processes(_rank, args=(world_size, free_port(), args), nprocs=world_size, start_method="spawn")
 

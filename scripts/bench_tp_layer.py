@@ -35,7 +35,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from autosymm.tuning.workers import apply_safe_env, free_port, under_torchrun  # noqa: E402
+from autosymm.settings import MULTICAST_OFF_ENV  # noqa: E402
+from autosymm.tuning.workers import free_port, under_torchrun  # noqa: E402
 from tp_decoder_layer import BACKENDS, LLAMA_70B, TINY, ShardWeights, TPDecoderLayer, make_all_reduce  # noqa: E402
 
 MODES = ("eager", "compiled")
@@ -211,7 +212,7 @@ def _init(rank: int, world_size: int, tiny: bool) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, args, results) -> None:
-    apply_safe_env()
+    os.environ.update(MULTICAST_OFF_ENV)  # a shared host: multicast stays off
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     try:
@@ -283,7 +284,7 @@ def write_report(out: Path, results: list[Result], skipped: dict, facts: dict) -
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    apply_safe_env()
+    os.environ.update(MULTICAST_OFF_ENV)  # a shared host: multicast stays off
     if under_torchrun():
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _init(rank, world_size, args.tiny)

@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from autosymm.settings import MULTICAST_OFF_ENV
 from autosymm.tuning.workers import free_port
 
 #: The GPU tests keep NVLink multicast off on shared hosts (as scripts/run_gpu_tests.sh does).
-SAFE_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+SAFE_ENV = MULTICAST_OFF_ENV
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 
 
