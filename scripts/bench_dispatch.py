@@ -5,6 +5,10 @@ timed is the per-call work autosymm adds in front of any backend's launcher (cac
 lookup, mode check, counters). On a GPU the mode check also asks CUDA whether the stream is
 capturing; there the script also times that query alone and the host side of one Triton kernel
 launch through LeanLauncher (an empty one-program kernel), the two other parts of an eager call.
+It also times the drop-in forms (``op=dist.ReduceOp.SUM``, ``op="sum"``) and the same call
+through the op dispatcher (``torch.ops.autosymm.all_reduce_``, what a compiled graph runs), which
+eager calls skip. Per call: the minimum over repeats of this thread's CPU time (robust on a
+loaded machine, where wall-clock medians vary by 2x).
 
     PYTHONPATH=$PWD python3 scripts/bench_dispatch.py [--calls 200000]
 """
@@ -13,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -23,7 +26,7 @@ import torch.distributed as dist
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=200_000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -38,18 +41,24 @@ def main() -> None:
     def per_call_ns(fn) -> float:
         samples = []
         for _ in range(args.repeats):
-            start = time.perf_counter_ns()
+            start = time.thread_time_ns()
             for _ in range(args.calls):
                 fn(x)
-            samples.append((time.perf_counter_ns() - start) / args.calls)
-        return statistics.median(samples)
+            samples.append((time.thread_time_ns() - start) / args.calls)
+        return min(samples)
 
     baseline = per_call_ns(lambda t: t)  # the Python call itself
     cached = per_call_ns(autosymm.all_reduce)
-    print(f"torch {torch.__version__}, {device}, {args.calls} calls x {args.repeats} repeats (median)")
+    print(f"torch {torch.__version__}, {device}, {args.calls} calls x {args.repeats} repeats (min thread CPU time)")
     print(f"empty Python call:            {baseline / 1e3:.3f} us")
     print(f"autosymm.all_reduce (cached): {cached / 1e3:.3f} us")
     print(f"dispatch overhead:            {(cached - baseline) / 1e3:.3f} us per call")
+    op_sum, name_sum = dist.ReduceOp.SUM, "sum"
+    print(f"  op=dist.ReduceOp.SUM:       {per_call_ns(lambda t: autosymm.all_reduce(t, op_sum)) / 1e3:.3f} us")
+    print(f"  op='sum':                   {per_call_ns(lambda t: autosymm.all_reduce(t, name_sum)) / 1e3:.3f} us")
+    group_name, op = autosymm.dist_compat.group_name(), torch.ops.autosymm.all_reduce_
+    print(f"torch.ops.autosymm.all_reduce_: {per_call_ns(lambda t: op(t, name_sum, group_name)) / 1e3:.3f} us "
+          f"(the op dispatcher, as a compiled graph calls it)")
     if device == "cuda":
         capturing = per_call_ns(lambda t: torch.cuda.is_current_stream_capturing())
         print(f"is_current_stream_capturing:  {(capturing - baseline) / 1e3:.3f} us per call")
