@@ -6,6 +6,8 @@
   already queued on the current CUDA stream (where NCCL serves, torch's own Work is returned).
 * A DTensor with ``Partial`` placements: its local tensor is reduced over the mesh dimensions
   that are partial and a DTensor with ``Replicate`` there is returned.
+* Groups by name: ``group.group_name``, what ``torch.ops.autosymm.*`` (and torch's ``symm_mem``
+  ops) take, and back.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def reduce_op_name(op) -> str:
         name = _BY_ENUM.get(getattr(op, "op", op))  # a ReduceOp instance wraps its RedOpType in .op
         if name is not None:
             return name
+    if isinstance(op, dist.ProcessGroup):
+        raise TypeError("autosymm.all_reduce: the second argument is op, as in dist.all_reduce(tensor, op, group); "
+                        "pass the group as group=")
     raise ValueError(f"autosymm.all_reduce: op={op!r} is not a dist.ReduceOp of "
                      f"{', '.join(n.upper() for n in REDUCE_OP_NAMES)} nor one of the names {list(REDUCE_OP_NAMES)}")
 
@@ -110,8 +115,11 @@ def group_name(group=None) -> str:
 
 
 def resolve_group(name: str):
-    """The group named ``name``, as autosymm.api keys its state: None for the world group."""
+    """The group named ``name``, as autosymm.api keys its state: None for the world group (so
+    compiled and eager calls on the default group share one state and its prepared calls)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    group = _resolve_process_group(name)
-    return None if group is dist.group.WORLD else group
+    world = dist.group.WORLD
+    if world is not None and world.group_name == name:
+        return None
+    return _resolve_process_group(name)

@@ -69,6 +69,8 @@ def _drop_in(rank, world_size, alone):
         assert torch.equal(x, torch.full_like(x, want)), (op, x)
     with pytest.raises(ValueError, match="PREMUL_SUM"):
         autosymm.all_reduce(x, dist.ReduceOp.PREMUL_SUM)
+    with pytest.raises(TypeError, match="pass the group as group="):
+        autosymm.all_reduce(x, dist.group.WORLD)  # the signature before dist.all_reduce's
     param = torch.nn.Parameter(torch.full((8,), float(rank + 1)), requires_grad=False)
     assert autosymm.all_reduce(param) is param and torch.equal(param.data, torch.full((8,), 3.0))
     x = torch.full((64,), float(rank + 1), dtype=torch.bfloat16)
@@ -126,12 +128,28 @@ def _compiled(rank, world_size, alone):
     assert torch.equal(y, torch.full_like(x, 6.0)) and torch.equal(x, torch.full_like(x, float(rank + 1)))
     assert autosymm.stats()["nccl"]["calls"] == calls + 2  # the compiled calls went through the runtime
     keys = set(autosymm.api._STATES[None].cache)
+    torch.compile(g, fullgraph=True, backend="inductor")(x)
+    assert set(autosymm.api._STATES[None].cache) == keys  # decided once per (op, dtype, size, mode)
+    _captured_calls_take_graph_rows(torch.compile(g, fullgraph=True, backend="aot_eager"), x)
     from torch.fx.experimental.proxy_tensor import make_fx
 
     traced = make_fx(lambda t: autosymm.all_reduce(t * 1), tracing_mode="fake")(x)  # FakeTensors: the op
     assert "torch.ops.autosymm.all_reduce_.default" in traced.code
-    torch.compile(g, fullgraph=True, backend="inductor")(x)
-    assert set(autosymm.api._STATES[None].cache) == keys  # decided once per (op, dtype, size, mode)
+
+
+def _captured_calls_take_graph_rows(compiled, x):
+    """The op reads the mode when it runs, not when it is traced: a compiled call made while the
+    stream "captures" (stubbed: no CUDA here) is prepared with the graph-mode rows."""
+    from autosymm import api
+
+    has_cuda, capturing = api._HAS_CUDA, torch.cuda.is_current_stream_capturing
+    api._HAS_CUDA, torch.cuda.is_current_stream_capturing = True, lambda: True
+    try:
+        compiled(x)
+    finally:
+        api._HAS_CUDA, torch.cuda.is_current_stream_capturing = has_cuda, capturing
+    entry = api._STATES[None].cache[(x.dtype, x.numel(), True, "sum", True)]
+    assert entry.decision.mode == "graph" and entry.calls == 2  # g's two reductions of x's size
 
 
 def _compiled_moe(rank, world_size, alone):
