@@ -15,7 +15,7 @@ from _gloo import run_with_deadline
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autosymm  # noqa: F401  (registers the ops)
-from autosymm.dist_compat import Work, reduce_op_name
+from autosymm.dist_compat import Work
 from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
 
 N_EXPTS, TOP_K, TOKENS, D_MODEL = 8, 2, 4, 16
@@ -36,22 +36,6 @@ def test_fake_impls_give_the_shapes_dtypes_and_devices():
         dp = torch.ops.autosymm.ep_to_dp(ep, tensors, assignment.n_expts_per_shard, expt_indx,
                                          expt_indx.flatten(), "g")
         assert (dp.shape, dp.dtype) == ((TOKENS * TOP_K, D_MODEL), torch.float16)
-
-
-def test_reduce_ops_as_dist_takes_them():
-    assert reduce_op_name(dist.ReduceOp.SUM) == reduce_op_name("sum") == "sum"
-    assert reduce_op_name(dist.ReduceOp(dist.ReduceOp.MAX)) == "max"
-    assert [reduce_op_name(getattr(dist.ReduceOp, n)) for n in ("AVG", "MIN", "PRODUCT")] == ["avg", "min", "product"]
-    with pytest.raises(ValueError, match="op='xor'"):
-        reduce_op_name("xor")
-    with pytest.raises(ValueError, match="PREMUL_SUM"):
-        reduce_op_name(dist.ReduceOp.PREMUL_SUM)
-
-
-def test_work_of_a_cpu_call_is_complete():
-    x = torch.ones(3)
-    work = Work(x)
-    assert work.is_completed() and work.wait() and work.result()[0] is x
 
 
 # -- two gloo ranks ---------------------------------------------------------------------------
