@@ -1,7 +1,7 @@
 """autosymm: tuned symmetric-memory collectives for NVLink GPUs, with an NCCL fallback.
 
     import autosymm
-    autosymm.all_reduce(x)                 # in place, like dist.all_reduce(x)
+    autosymm.all_reduce(x)                 # in place, like dist.all_reduce(x); torch.compile-able
     autosymm.explain(x)                    # which backend/config serves it, and why
     dst = autosymm.convert_dp_to_ep(src, assignment, expt_indx, gate_indx)
 
@@ -24,6 +24,7 @@ from .api import (  # noqa: E402
 )
 from .dispatch import Decision  # noqa: E402
 from .fused import all_reduce_rmsnorm  # noqa: E402
+from . import ops  # noqa: E402,F401  (registers torch.ops.autosymm.*)
 from .routing import (  # noqa: E402
     ExptAssignment,
     make_expt_assignment,

@@ -24,14 +24,23 @@ from . import dispatch, moe_room
 from .agreement import AgreementError, Exchange, problems
 from .backends import FALLBACK, Capabilities, RunContext, get_backend
 from .dispatch import Decision
+from .dist_compat import REDUCE_OP_NAMES, Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
 from .logs import configure_from_env
-from .replay import wrap_eager
 from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
+from .replay import wrap_eager
+from .routing import ExptAssignment
 
 log = logging.getLogger("autosymm")
 configure_from_env()  # AUTOSYMM_LOG; a bad value is warned about, never raised
 
-_NCCL_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+#: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
+_NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
+_SUM = dist.ReduceOp.SUM
+_Tensor = torch.Tensor
+# Bound once: one global lookup and call (~60 ns; torch.compiler.is_compiling costs ~4x more).
+# Dynamo folds it to True while tracing; other tracers (export, make_fx, AOT) hand us tensor
+# subclasses (FakeTensor, FunctionalTensor), which take the op path by their type.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 @dataclass
@@ -229,18 +238,76 @@ def _check_tensor(x: torch.Tensor, state: _GroupState, what: str) -> None:
                          f"is not contiguous")
 
 
-def all_reduce(x: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over ``group`` in place (like dist.all_reduce) and return it."""
-    # The hot path: one key, one dict lookup, one counter. A tensor's bytes follow from (dtype,
-    # numel); a non-contiguous tensor gets its own key, so it meets the checks of the first call
-    # (every launcher also refuses a tensor on another device).
+def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False):
+    """Reduce ``tensor`` over ``group`` in place and return it; a drop-in for ``dist.all_reduce``.
+
+    ``op``: a ``dist.ReduceOp`` (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR) or its lower-case
+    name; only sums of bf16/fp16/fp32 have tuned kernels, NCCL serves the rest. ``async_op=True``
+    returns a work handle (``wait()``, ``is_completed()``): torch's own where NCCL serves, else
+    an autosymm ``Work`` for kernels already queued on the current stream. A DTensor with
+    ``Partial`` placements is reduced over those mesh dimensions; a new ``Replicate`` DTensor
+    sharing its local tensor is returned. Under torch.compile the call is
+    ``torch.ops.autosymm.all_reduce_`` (no graph break); in eager it skips the op dispatcher.
+    """
+    # The hot path (an eager SUM of a plain tensor): one key, one dict lookup, one counter. A
+    # tensor's bytes follow from (dtype, numel); a non-contiguous tensor gets its own key, so it
+    # meets the checks of the first call (every launcher also refuses a tensor on another device).
+    if (op is not _SUM and op != "sum") or async_op or type(tensor) is not _Tensor or _dynamo_compiling():
+        return _all_reduce_general(tensor, op, group, async_op)
     state = _STATES.get(group) or _state(group)
-    key = (x.dtype, x.numel(), x.is_contiguous(), op, _HAS_CUDA and torch.cuda.is_current_stream_capturing())
+    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum",
+           _HAS_CUDA and torch.cuda.is_current_stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
-        entry = _prepare_all_reduce(state, x, op, key)
+        entry = _prepare_all_reduce(state, tensor, "sum", key)
     entry.calls += 1
-    return entry.launcher(x)
+    return entry.launcher(tensor)
+
+
+def _all_reduce_general(tensor, op, group, async_op: bool):
+    """Every all_reduce but an eager SUM of a plain tensor: other ops, async, DTensor, tracing."""
+    name = reduce_op_name(op)
+    if is_dtensor(tensor):
+        if async_op:
+            raise ValueError("autosymm.all_reduce: async_op=True is not supported for a DTensor "
+                             f"(placements {tuple(tensor.placements)}): the result is a new DTensor")
+        return reduce_dtensor(tensor, name, op is not _SUM, all_reduce)
+    if async_op:
+        if _dynamo_compiling():
+            raise RuntimeError("autosymm.all_reduce: async_op=True cannot be traced by torch.compile; the "
+                               "traced op is already ordered on the stream: drop async_op")
+        return _all_reduce_async(tensor, name, group)
+    if (type(tensor) is _Tensor or type(tensor) is torch.nn.Parameter) and not _dynamo_compiling():
+        return _all_reduce_direct(tensor, name, group)
+    # torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor under export or make_fx):
+    # the op dispatcher routes it (fake impl, functionalization, or the real impl)
+    torch.ops.autosymm.all_reduce_(tensor, name, group_name(group))
+    return tensor
+
+
+def _all_reduce_entry(tensor: torch.Tensor, op: str, group) -> tuple[_GroupState, _Entry]:
+    """The prepared call of ``tensor`` (op by name) on ``group`` in the current mode, counted."""
+    state = _STATES.get(group) or _state(group)
+    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), op,
+           _HAS_CUDA and torch.cuda.is_current_stream_capturing())
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = _prepare_all_reduce(state, tensor, op, key)
+    entry.calls += 1
+    return state, entry
+
+
+def _all_reduce_direct(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
+    """The eager path for any op name (``all_reduce``'s hot path, generalised; ops.py's impls)."""
+    return _all_reduce_entry(tensor, op, group)[1].launcher(tensor)
+
+
+def _all_reduce_async(tensor: torch.Tensor, op: str, group):
+    state, entry = _all_reduce_entry(tensor, op, group)
+    if entry.decision.backend == "nccl":
+        return dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _NCCL_OPS[op]), group=state.group, async_op=True)
+    entry.launcher(tensor)
+    return Work(tensor)
 
 
 def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, key: tuple) -> _Entry:
@@ -320,8 +387,12 @@ def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
 
     ``src`` [n_tokens_local, d_model]; ``expt_indx`` [n_tokens_global, k] global expert ids;
     ``gate_indx`` from ``autosymm.route``. Returns this rank's [n_tokens_global * k, d_model]
-    expert-ordered buffer (a workspace view, valid until the next dp->ep call).
+    expert-ordered buffer. Eager: a workspace view, valid until the next dp->ep call (no copy).
+    Under torch.compile: ``torch.ops.autosymm.dp_to_ep``, a tensor the caller owns (one copy).
     """
+    if type(src) is not _Tensor or _dynamo_compiling():
+        tensors, per_shard = _assignment_args(expt_assignment)
+        return torch.ops.autosymm.dp_to_ep(src, tensors, per_shard, expt_indx, gate_indx, group_name(group))
     return _moe_call("dp_to_ep", src, expt_assignment, expt_indx, gate_indx, group)
 
 
@@ -330,9 +401,20 @@ def convert_ep_to_dp(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
     """Send expert outputs back to their tokens' home ranks (inverse of convert_dp_to_ep).
 
     ``src`` [n_tokens_global * k, d_model] in expert order; returns this rank's
-    [n_tokens_local * k, d_model] rows (a workspace view, valid until the next ep->dp call).
+    [n_tokens_local * k, d_model] rows. Eager: a workspace view, valid until the next ep->dp
+    call. Under torch.compile: ``torch.ops.autosymm.ep_to_dp``, a tensor the caller owns.
     """
+    if type(src) is not _Tensor or _dynamo_compiling():
+        tensors, per_shard = _assignment_args(expt_assignment)
+        return torch.ops.autosymm.ep_to_dp(src, tensors, per_shard, expt_indx, topk_indx, group_name(group))
     return _moe_call("ep_to_dp", src, expt_assignment, expt_indx, topk_indx, group)
+
+
+def _assignment_args(a) -> tuple[list[torch.Tensor], list[int]]:
+    """An ExptAssignment as the MoE ops take it (autosymm.ops.assignment_from rebuilds it)."""
+    if not isinstance(a, ExptAssignment):
+        raise TypeError(f"autosymm: the expert assignment must be an ExptAssignment, got {type(a).__name__}")
+    return [a.expt_bitmask, a.expt_boolmask, a.expt_map, a.expt_owner], list(a.n_expts_per_shard)
 
 
 def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_reduce", mode: Optional[str] = None,

@@ -1,0 +1,125 @@
+"""What ``dist.all_reduce`` accepts, mapped onto autosymm: reduce ops, work handles, DTensors.
+
+* Reduce ops: a ``dist.ReduceOp`` (``ReduceOp.SUM`` or an instance ``ReduceOp(ReduceOp.MAX)``) or
+  its lower-case name (``"sum"``); autosymm's ops and cache keys carry the name.
+* ``async_op=True``: :class:`Work`, a handle like torch's ``Work`` for a call whose kernels are
+  already queued on the current CUDA stream (where NCCL serves, torch's own Work is returned).
+* A DTensor with ``Partial`` placements: its local tensor is reduced over the mesh dimensions
+  that are partial and a DTensor with ``Replicate`` there is returned.
+* Groups by name: ``group.group_name``, what ``torch.ops.autosymm.*`` (and torch's ``symm_mem``
+  ops) take, and back.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+#: Reduce ops by the name autosymm's ops take (the ``dist.ReduceOp`` of the same name, upper case).
+REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
+_BY_ENUM = {getattr(dist.ReduceOp, name.upper()): name for name in REDUCE_OP_NAMES}
+
+
+def reduce_op_name(op) -> str:
+    """The name ("sum", "max", ...) of ``op``, a ``dist.ReduceOp`` or a name; ValueError otherwise."""
+    if isinstance(op, str):
+        if op in REDUCE_OP_NAMES:
+            return op
+    else:
+        name = _BY_ENUM.get(getattr(op, "op", op))  # a ReduceOp instance wraps its RedOpType in .op
+        if name is not None:
+            return name
+    if isinstance(op, dist.ProcessGroup):
+        raise TypeError("autosymm.all_reduce: the second argument is op, as in dist.all_reduce(tensor, op, group); "
+                        "pass the group as group=")
+    raise ValueError(f"autosymm.all_reduce: op={op!r} is not a dist.ReduceOp of "
+                     f"{', '.join(n.upper() for n in REDUCE_OP_NAMES)} nor one of the names {list(REDUCE_OP_NAMES)}")
+
+
+class Work:
+    """Handle of an ``async_op=True`` call served by autosymm's kernels (torch's ``Work`` API).
+
+    The kernels are queued on the stream that was current at the call, so later work on that
+    stream already sees the result. ``wait()`` makes the caller's *current* stream wait for
+    them (as NCCL's ``Work.wait()`` does); ``is_completed()`` asks whether the GPU finished.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self._event: Optional[torch.cuda.Event] = None
+        if tensor.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self, timeout=None) -> bool:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return [self._tensor]
+
+
+def is_dtensor(x) -> bool:
+    """True for a DTensor (without importing torch.distributed.tensor: none exists before it is)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
+def reduce_dtensor(x, op: str, op_given: bool, reduce: Callable[..., torch.Tensor]):
+    """``x`` with every ``Partial`` placement reduced (``reduce(local, op, group)`` per partial mesh
+    dimension, in place on the local tensor) and made ``Replicate``; a new DTensor sharing the
+    local tensor (``x`` itself keeps its old placements: use the result).
+
+    ``op_given``: the caller passed an op, which must then match the placements' reduce op.
+    ValueError names the placements when there is nothing partial, or a partial kind autosymm
+    cannot reduce (a subclass of Partial, e.g. a norm's)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    placements = tuple(x.placements)
+    partial_dims = [d for d, p in enumerate(placements) if isinstance(p, Partial)]
+    if not partial_dims:
+        raise ValueError(f"autosymm.all_reduce: DTensor with placements {placements} has no Partial "
+                         f"placement: nothing to reduce")
+    for d in partial_dims:
+        p = placements[d]
+        if type(p) is not Partial or p.reduce_op not in REDUCE_OP_NAMES:
+            raise ValueError(f"autosymm.all_reduce: cannot reduce the placement {p!r} (mesh dim {d}) of a "
+                             f"DTensor with placements {placements}; redistribute it with torch")
+        if op_given and p.reduce_op != op:
+            raise ValueError(f"autosymm.all_reduce: op={op!r} differs from the placement {p!r} (mesh dim {d}) "
+                             f"of a DTensor with placements {placements}")
+    local = x.to_local()
+    for d in partial_dims:
+        local = reduce(local, placements[d].reduce_op, x.device_mesh.get_group(d))
+    new = tuple(Replicate() if d in partial_dims else p for d, p in enumerate(placements))
+    return DTensor.from_local(local, x.device_mesh, new, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def group_name(group=None) -> str:
+    """The name torch.distributed resolves ``group`` by (default: the world group), as the
+    ``group_name`` argument of ``torch.ops.autosymm.*`` and ``torch.ops.symm_mem.*``."""
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
+    return group.group_name
+
+
+def resolve_group(name: str):
+    """The group named ``name``, as autosymm.api keys its state: None for the world group (so
+    compiled and eager calls on the default group share one state and its prepared calls)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    world = dist.group.WORLD
+    if world is not None and world.group_name == name:
+        return None
+    return _resolve_process_group(name)
