@@ -1,33 +1,25 @@
 """The public runtime: ``all_reduce``, the MoE conversions, ``explain``, ``stats``, ``init``.
 
-Per process group a ``_GroupState`` holds what the first call found out (collectively, on every
-rank: hostnames, the workspace rendezvous, the databases' digest) and a dict of prepared calls
-keyed by (op, dtype, size, mode). A repeated call is a dict lookup, one counter increment and
+Per process group a ``GroupState`` (autosymm.group) holds what the first call found out, agreed
+by every rank, and a dict of prepared calls keyed by (op, dtype, size, mode). A repeated call is a dict lookup, one counter increment and
 the backend's launcher. Call ``init(group)`` (or make one eager call) before capturing a CUDA
 graph: the first call on a group runs collectives that must not be captured.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import socket
-import threading
-import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import dispatch, moe_room
-from .agreement import AgreementError, Exchange, problems
-from .backends import FALLBACK, Capabilities, RunContext, get_backend
+from . import moe_room
 from .dispatch import Decision
 from .dist_compat import REDUCE_OP_NAMES, Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
+from .group import HAS_CUDA, STATES, Entry, GroupState, check_tensor, state_of
 from .logs import configure_from_env
 from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
-from .replay import wrap_eager
 from .routing import ExptAssignment
 
 log = logging.getLogger("autosymm")
@@ -43,166 +35,6 @@ _Tensor = torch.Tensor
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-@dataclass
-class _Entry:
-    """A prepared call: its decision, launcher and counters."""
-
-    decision: Decision
-    launcher: Any
-    calls: int = 0
-    bytes_per_call: int = 0  # the key fixes the size: bytes = calls * bytes_per_call
-
-
-class _GroupState:
-    """What the first call on a group found out, agreed by every rank (see autosymm.agreement)."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        backend = str(dist.get_backend(group)).lower()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
-                       else torch.device("cpu"))
-        self.channel = Exchange(group, self.rank, self.world_size)
-        self.prepared_calls = 0
-        local = _LocalSetup(self.device, self.world_size)
-        reports = self.channel.exchange("init", local.report)
-        if any(report["capturing"] for report in reports):
-            raise AgreementError("autosymm: the first call on a group ran inside a CUDA-graph capture; call "
-                                 "autosymm.init(group) (or make one eager call) before capturing")
-        self.intra_node = len({report["host"] for report in reports}) == 1
-        self.fingerprint, self.hardware = local.fingerprint, local.fingerprint.hardware_slug
-        #: why every call takes the fallback (NCCL), when the ranks failed or disagree at set-up
-        self.safe_reason = problems(reports)
-        if self.safe_reason and self.rank == 0:
-            warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
-        self.workspace = None
-        if self.safe_reason is None and local.wants_workspace and self.intra_node:
-            from .symm import get_workspace
-
-            self.workspace = get_workspace(group, self.device)
-        self.caps = Capabilities.of(self.world_size, workspace=self.workspace, intra_node=self.intra_node,
-                                    compute_capability=self.fingerprint.compute_capability)
-        self.sources = local.sources if self.safe_reason is None else []
-        self.ctx = RunContext(group=group, workspace=self.workspace)
-        self.cache: dict[tuple, _Entry] = {}
-
-    def decide(self, problem: Problem, mode: str) -> Decision:
-        if self.safe_reason is not None:
-            return Decision(FALLBACK[problem.op], None, f"ranks failed or disagree at set-up ({self.safe_reason})",
-                            bucket=problem.bucket, mode=mode)
-        return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware)
-
-    def prepare(self, problem: Problem, mode: str) -> _Entry:
-        decision = self.decide(problem, mode)
-        log.info("autosymm: %s %s -> %s", problem.describe(), mode, decision.describe())
-        if decision.backend == "noop":
-            launcher = _identity
-        else:
-            backend = get_backend(decision.backend)
-            if mode == "graph" and not backend.needs.graph_capturable:
-                skipped = "; ".join(decision.skipped) or "none"
-                raise RuntimeError(
-                    f"autosymm: {problem.describe()} cannot be captured in a CUDA graph: only {decision.backend} "
-                    f"can serve it ({decision.reason}; passed over: {skipped}). A larger workspace "
-                    f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
-            launcher = wrap_eager(backend.prepare(problem, decision.config, self.ctx), decision)
-        return _Entry(decision, launcher)
-
-    def agreed_check(self, call: str, check: Callable[[], Any]) -> Any:
-        """``check()`` this rank's part of a new call (local work only: no collective), then make
-        sure with every rank that each checked the same ``call`` (op, dtype, size, mode) without
-        error; returns what ``check`` returned. A failure or mismatch raises on every rank: the
-        failing rank its own error, the others an AgreementError naming it."""
-        result, error = None, None
-        try:
-            result = check()
-        except Exception as exc:  # reported to the peers before it propagates
-            error = exc
-        self.prepared_calls += 1
-        report = {"ok": error is None, "error": f"{type(error).__name__}: {error}" if error else "",
-                  "settings": {"call": call}}
-        trouble = problems(self.channel.exchange(f"call{self.prepared_calls}", report))
-        if error is not None:
-            raise error
-        if trouble is not None:
-            raise AgreementError(f"autosymm: ranks disagree on or failed at {call}: {trouble}")
-        return result
-
-
-class _LocalSetup:
-    """What this rank finds out on its own before the first agreement; never raises: a failure
-    goes into ``report`` (ok False) so that every rank learns it and takes the same path."""
-
-    def __init__(self, device: torch.device, world_size: int) -> None:
-        from .hardware import cpu_fingerprint
-
-        self.fingerprint, self.sources, self.wants_workspace = cpu_fingerprint(), [], False
-        self.report: dict[str, Any] = {"ok": True, "error": "", "host": socket.gethostname(),
-                                       "capturing": _HAS_CUDA and torch.cuda.is_current_stream_capturing(),
-                                       "settings": {}}
-        try:
-            self._find_out(device, world_size)
-        except Exception as exc:  # bad env value, unreadable DB, driver trouble: every rank hears it
-            self.report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-
-    def _find_out(self, device: torch.device, world_size: int) -> None:
-        from .db import shipped_db_paths, user_db_path
-        from .geometry import MAX_WORLD_SIZE
-        from .hardware import fingerprint
-
-        self.fingerprint = fingerprint()
-        disabled = dispatch.disabled_by_env()
-        settings = self.report["settings"]
-        settings.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
-        self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
-        settings["databases"] = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
-        self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
-        if world_size > 1:  # what the kernels would be built with, compared even where none run
-            from .kernels.barrier import MAX_POLLS, MAX_POLLS_ERROR
-            from .settings import default_region_bytes, multicast_disabled_by_env
-
-            if MAX_POLLS_ERROR:
-                raise ValueError(MAX_POLLS_ERROR)
-            region_bytes = default_region_bytes()
-            settings.update(region_bytes=region_bytes, barrier_max_polls=int(MAX_POLLS.value),
-                            multicast_off=multicast_disabled_by_env())
-            if self.wants_workspace:
-                _check_free_memory(device, region_bytes)
-
-
-def _check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> None:
-    """MemoryError naming the bytes when ``device`` cannot hold the workspace: checked before the
-    rendezvous, because a rank whose allocation fails inside it would leave its peers waiting."""
-    from .geometry import DOUBLE_BUFFER_HALF_BYTES, workspace_layout
-
-    needed = workspace_layout(*region_bytes, DOUBLE_BUFFER_HALF_BYTES).total_bytes
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < needed:
-        raise MemoryError(f"{device} has {free} bytes free; the symmetric workspace needs {needed} "
-                          f"(AUTOSYMM_WORKSPACE_BYTES sizes it)")
-
-
-def _identity(x, *args):
-    return x
-
-
-_STATES: dict[Any, _GroupState] = {}
-_STATES_LOCK = threading.Lock()
-
-
-def _state(group) -> _GroupState:
-    state = _STATES.get(group)
-    if state is None:
-        if not dist.is_initialized():
-            raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
-        with _STATES_LOCK:
-            state = _STATES.get(group)
-            if state is None:
-                state = _STATES[group] = _GroupState(group if group is not None else dist.group.WORLD)
-    return state
-
-
 def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None) -> None:
     """Set up autosymm on ``group`` now (collective): workspace, databases, rank agreement.
 
@@ -215,27 +47,16 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None)
     if not dist.is_initialized():
         raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
     region_bytes, max_bytes = moe_room.agree(group if group is not None else dist.group.WORLD, moe, moe_max_bytes)
-    if region_bytes and group not in _STATES:
+    if region_bytes and group not in STATES:
         from .symm import reserve_moe_bytes
 
         reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
-    moe_room.configure(_state(group), region_bytes, max_bytes, _moe_problem)
-
-
-_HAS_CUDA = torch.cuda.is_available()  # checked once: is_available() is a driver query per call
+    moe_room.configure(state_of(group), region_bytes, max_bytes, _moe_problem)
 
 
 def _mode() -> str:
     """'graph' while the current stream is capturing a CUDA graph, else 'eager'."""
-    return "graph" if _HAS_CUDA and torch.cuda.is_current_stream_capturing() else "eager"
-
-
-def _check_tensor(x: torch.Tensor, state: _GroupState, what: str) -> None:
-    if x.device.type != state.device.type or (x.device.type == "cuda" and x.device != state.device):
-        raise ValueError(f"autosymm.{what}: tensor is on {x.device}, the group's device is {state.device}")
-    if not x.is_contiguous():
-        raise ValueError(f"autosymm.{what}: tensor of shape {tuple(x.shape)} with strides {x.stride()} "
-                         f"is not contiguous")
+    return "graph" if HAS_CUDA and torch.cuda.is_current_stream_capturing() else "eager"
 
 
 def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False):
@@ -254,9 +75,9 @@ def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False
     # meets the checks of the first call (every launcher also refuses a tensor on another device).
     if (op is not _SUM and op != "sum") or async_op or type(tensor) is not _Tensor or _dynamo_compiling():
         return _all_reduce_general(tensor, op, group, async_op)
-    state = _STATES.get(group) or _state(group)
+    state = STATES.get(group) or state_of(group)
     key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum",
-           _HAS_CUDA and torch.cuda.is_current_stream_capturing())
+           HAS_CUDA and torch.cuda.is_current_stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = _prepare_all_reduce(state, tensor, "sum", key)
@@ -285,11 +106,11 @@ def _all_reduce_general(tensor, op, group, async_op: bool):
     return tensor
 
 
-def _all_reduce_entry(tensor: torch.Tensor, op: str, group) -> tuple[_GroupState, _Entry]:
+def _all_reduce_entry(tensor: torch.Tensor, op: str, group) -> tuple[GroupState, Entry]:
     """The prepared call of ``tensor`` (op by name) on ``group`` in the current mode, counted."""
-    state = _STATES.get(group) or _state(group)
+    state = STATES.get(group) or state_of(group)
     key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), op,
-           _HAS_CUDA and torch.cuda.is_current_stream_capturing())
+           HAS_CUDA and torch.cuda.is_current_stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = _prepare_all_reduce(state, tensor, op, key)
@@ -310,7 +131,7 @@ def _all_reduce_async(tensor: torch.Tensor, op: str, group):
     return Work(tensor)
 
 
-def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, key: tuple) -> _Entry:
+def _prepare_all_reduce(state: GroupState, x: torch.Tensor, op: str, key: tuple) -> Entry:
     mode = "graph" if key[-1] else "eager"
     call = f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
     entry = state.agreed_check(call, lambda: _build_all_reduce(state, x, op, mode))
@@ -319,8 +140,8 @@ def _prepare_all_reduce(state: _GroupState, x: torch.Tensor, op: str, key: tuple
     return entry
 
 
-def _build_all_reduce(state: _GroupState, x: torch.Tensor, op: str, mode: str) -> _Entry:
-    _check_tensor(x, state, "all_reduce")
+def _build_all_reduce(state: GroupState, x: torch.Tensor, op: str, mode: str) -> Entry:
+    check_tensor(x, state, "all_reduce")
     if op not in _NCCL_OPS:
         raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(_NCCL_OPS)}")
     dtype = DTYPE_NAMES.get(x.dtype)
@@ -337,11 +158,11 @@ def _build_all_reduce(state: _GroupState, x: torch.Tensor, op: str, mode: str) -
         return t
 
     log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
-    return _Entry(decision, launcher)
+    return Entry(decision, launcher)
 
 
 def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
-    state = _STATES.get(group) or _state(group)
+    state = STATES.get(group) or state_of(group)
     mode = _mode()
     key = (op, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, mode)
     entry = state.cache.get(key)
@@ -356,12 +177,12 @@ def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
     return entry.launcher(src, expt_assignment, expt_indx, indx)
 
 
-def _check_moe(state: _GroupState, key: tuple, src, assignment, expt_indx, indx) -> Problem:
+def _check_moe(state: GroupState, key: tuple, src, assignment, expt_indx, indx) -> Problem:
     """The Problem of a MoE call after this rank's checks of its inputs (local: no collective)."""
     from .backends.moe_inputs import check_index_ranges, check_inputs
 
     op, mode = key[0], key[-1]
-    _check_tensor(src, state, op)
+    check_tensor(src, state, op)
     if src.dim() != 2 or expt_indx.dim() != 2:
         raise ValueError(f"autosymm.{op}: src {tuple(src.shape)} and expt_indx {tuple(expt_indx.shape)} "
                          f"must be 2-D ([rows, d_model], [n_tokens_global, k])")
@@ -433,7 +254,7 @@ def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_redu
                              f"problem=autosymm.Problem.moe({op!r}, shape, n_tokens_local, dtype, world_size)")
     elif op != "all_reduce" and problem.op != op:
         raise ValueError(f"explain: op={op!r} but the problem is a {problem.op}")
-    state = _state(group)
+    state = state_of(group)
     mode = mode or _mode()
     if problem is None:
         problem = Problem.all_reduce(x.numel() * x.element_size(), dtype_name(x.dtype), state.world_size)
@@ -443,7 +264,7 @@ def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_redu
 def stats(group=None) -> dict[str, dict[str, int]]:
     """Calls and bytes per backend since start (all groups, or one group)."""
     out: dict[str, dict[str, int]] = {}
-    states = [_STATES[group]] if group in _STATES else list(_STATES.values()) if group is None else []
+    states = [STATES[group]] if group in STATES else list(STATES.values()) if group is None else []
     for state in states:
         for entry in state.cache.values():
             agg = out.setdefault(entry.decision.backend, {"calls": 0, "bytes": 0})
@@ -457,7 +278,7 @@ def empty(shape, dtype: torch.dtype = torch.bfloat16, group=None) -> torch.Tenso
 
     Every rank must call it in the same order with the same shapes.
     """
-    state = _state(group)
+    state = state_of(group)
     if state.workspace is None:
         return torch.empty(shape, dtype=dtype, device=state.device)
     return state.workspace.empty(tuple(shape), dtype)
@@ -467,17 +288,17 @@ def barrier_errors(group=None) -> int:
     """Barrier waits on this rank that gave up (a peer never arrived) since the last
     ``reset_barriers``; 0 when healthy. Non-zero: results since the last clean check are garbage.
     Synchronizes the device: call it after the fact, not per call."""
-    workspace = _state(group).workspace
+    workspace = state_of(group).workspace
     return workspace.barrier_errors() if workspace is not None else 0
 
 
 def reset_barriers(group=None) -> None:
     """Re-arm the signal pads after barrier errors (collective: every rank of ``group`` calls it)."""
-    workspace = _state(group).workspace
+    workspace = state_of(group).workspace
     if workspace is not None:
         workspace.reset_signals()
 
 
 def reset() -> None:
     """Forget every group's state and prepared calls (tests; after destroy_process_group)."""
-    _STATES.clear()
+    STATES.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import _HAS_CUDA, _STATES, _check_tensor, _Entry, _GroupState, _state
+from .group import HAS_CUDA, STATES, Entry, GroupState, check_tensor, state_of
 from .dispatch import Decision
 from .problem import Problem, dtype_name
 
@@ -28,8 +28,8 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rank ends with bit-identical ``residual`` and output. ``x`` is scratch: the Triton kernels
     leave it unchanged, the NCCL path leaves the sum in it.
     """
-    state = _STATES.get(group) or _state(group)
-    key = (OP, x.dtype, x.shape, _HAS_CUDA and torch.cuda.is_current_stream_capturing())
+    state = STATES.get(group) or state_of(group)
+    key = (OP, x.dtype, x.shape, HAS_CUDA and torch.cuda.is_current_stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = _prepare(state, x, residual, weight, key)
@@ -37,7 +37,7 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return entry.launcher(x, residual, weight, eps)
 
 
-def _prepare(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, key: tuple) -> _Entry:
+def _prepare(state: GroupState, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, key: tuple) -> Entry:
     """The first call of a key: checked, decided and prepared on every rank alike (a bad tensor on
     one rank raises on all of them: autosymm.api's agreed_check)."""
     mode = "graph" if key[-1] else "eager"
@@ -48,10 +48,10 @@ def _prepare(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight
     return entry
 
 
-def _build(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, mode: str) -> _Entry:
+def _build(state: GroupState, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, mode: str) -> Entry:
     """This rank's checks (ValueError naming the bad tensor), decision and launcher."""
     for tensor in (x, residual, weight):
-        _check_tensor(tensor, state, OP)
+        check_tensor(tensor, state, OP)
     if x.dim() != 2 or residual.shape != x.shape:
         raise ValueError(f"autosymm.{OP}: x {tuple(x.shape)} and residual {tuple(residual.shape)} must both be "
                          "[tokens, hidden]")
@@ -63,7 +63,7 @@ def _build(state: _GroupState, x: torch.Tensor, residual: torch.Tensor, weight: 
     dtype = dtype_name(x.dtype)  # ValueError naming an unsupported dtype
     n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
     if n_tokens == 0 or hidden == 0:  # the same on every rank (x's shape is replicated)
-        return _Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), _empty_call)
+        return Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), _empty_call)
     return state.prepare(Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size), mode)
 
 

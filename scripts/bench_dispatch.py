@@ -144,7 +144,7 @@ def _all_reduce_loops(numel: int) -> dict:
     x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
     zero_copy = autosymm.empty((numel,), torch.bfloat16).zero_()
     autosymm.all_reduce(x)
-    entry = api._STATES[None].cache[(x.dtype, numel, True, "sum", False)]
+    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", False)]
     wired = isinstance(entry.launcher, EagerReplay)
     raw = entry.launcher.launcher if wired else entry.launcher
     replaying = entry.launcher if wired else wrap_eager(raw, entry.decision)  # what api's prepare makes
@@ -239,7 +239,7 @@ def _stub_report(calls: int, repeats: int) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
     autosymm.all_reduce(x)  # a 1-rank group: the no-op decision; its entry then runs our launcher
-    entry = api._STATES[None].cache[(x.dtype, numel, True, "sum", False)]
+    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", False)]
     entry.launcher = graphed
     print(f"  autosymm.all_reduce -> graph replay (stub):  {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
     entry.launcher = launcher

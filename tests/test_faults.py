@@ -68,7 +68,7 @@ def _bad_calls(rank, world_size, autosymm):
     _moe_faults(rank, world_size, autosymm, AgreementError, BackendError)
     _explain_errors(autosymm)
     # a peer that never makes the call: the waiting rank gives up within the agreement deadline
-    state = autosymm.api._STATES[None]
+    state = autosymm.api.STATES[None]
     state.channel.timeout = timedelta(seconds=2)
     if rank == 0:
         _expect(AgreementError, r"rank\(s\) \[1\] .* did not reach", lambda: autosymm.all_reduce(torch.ones(77)))

@@ -111,9 +111,9 @@ def _compiled(rank, world_size, alone):
     y = torch.compile(g, fullgraph=True, backend="inductor")(x)
     assert torch.equal(y, torch.full_like(x, 6.0)) and torch.equal(x, torch.full_like(x, float(rank + 1)))
     assert autosymm.stats()["nccl"]["calls"] == calls + 2  # the compiled calls went through the runtime
-    keys = set(autosymm.api._STATES[None].cache)
+    keys = set(autosymm.api.STATES[None].cache)
     torch.compile(g, fullgraph=True, backend="inductor")(x)
-    assert set(autosymm.api._STATES[None].cache) == keys  # decided once per (op, dtype, size, mode)
+    assert set(autosymm.api.STATES[None].cache) == keys  # decided once per (op, dtype, size, mode)
     _captured_calls_take_graph_rows(torch.compile(g, fullgraph=True, backend="aot_eager"), x)
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -126,13 +126,13 @@ def _captured_calls_take_graph_rows(compiled, x):
     stream "captures" (stubbed: no CUDA here) is prepared with the graph-mode rows."""
     from autosymm import api
 
-    has_cuda, capturing = api._HAS_CUDA, torch.cuda.is_current_stream_capturing
-    api._HAS_CUDA, torch.cuda.is_current_stream_capturing = True, lambda: True
+    has_cuda, capturing = api.HAS_CUDA, torch.cuda.is_current_stream_capturing
+    api.HAS_CUDA, torch.cuda.is_current_stream_capturing = True, lambda: True
     try:
         compiled(x)
     finally:
-        api._HAS_CUDA, torch.cuda.is_current_stream_capturing = has_cuda, capturing
-    entry = api._STATES[None].cache[(x.dtype, x.numel(), True, "sum", True)]
+        api.HAS_CUDA, torch.cuda.is_current_stream_capturing = has_cuda, capturing
+    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", True)]
     assert entry.decision.mode == "graph" and entry.calls == 2  # g's two reductions of x's size
 
 

@@ -190,7 +190,7 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
             if why_not is not None:
                 rows.append(BenchRow(problem.op, label, nbytes, mode, impl, None, baseline.name, why_not))
                 continue
-            backend = autosymm.api._state(None).decide(problem, mode).backend if impl == "autosymm" else baseline.name
+            backend = autosymm.api.state_of(None).decide(problem, mode).backend if impl == "autosymm" else baseline.name
             us = _measure(fn, [args], bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
             rows.append(BenchRow(problem.op, label, nbytes, mode, impl, us, backend,
                                  "" if ok else "failed, not timed: output differs from the NCCL path's"))
@@ -252,7 +252,7 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
             ar_bytes = max(ar_bytes, pool_bytes(options.sizes, world_size))
         get_workspace(group, device, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
     autosymm.init()  # the default group, as `autosymm.all_reduce(x)` finds it
-    state = autosymm.api._state(None)
+    state = autosymm.api.state_of(None)
     pool = None
     if state.caps.torch_symm_ops and "all_reduce" in options.ops:
         pool = SymmetricPool(pool_bytes(options.sizes, world_size), device, group.group_name)

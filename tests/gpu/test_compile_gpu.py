@@ -130,7 +130,7 @@ def _compile_body(rank, world_size, db_dir):
         _check_moe(torch.compile(round_trip, fullgraph=True, mode=mode), rank, world_size, device, case, mode)
         torch.cuda.synchronize()
     assert not counters["inductor"]["cudagraph_skips"], f"inductor skipped CUDA graphs: {dict(counters['inductor'])}"
-    _check_graph_mode_calls(autosymm.api._STATES[None], rank)
+    _check_graph_mode_calls(autosymm.api.STATES[None], rank)
     assert autosymm.barrier_errors() == 0
 
 

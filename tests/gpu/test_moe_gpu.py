@@ -256,7 +256,7 @@ def _room_grows_in_eager_and_is_declared_for_graphs(rank, world_size):
     os.environ["AUTOSYMM_WORKSPACE_BYTES"] = "16MiB"  # an 8 MiB MoE region: the calls below outgrow it
     autosymm.init()
     device = torch.device("cuda", rank)
-    state = api._STATES[None]
+    state = api.STATES[None]
     ws, first = state.workspace, state.workspace.capacity("moe")
     kept = autosymm.empty((4096,), torch.float32)
     kept.fill_(rank + 1)

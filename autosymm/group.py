@@ -1,0 +1,196 @@
+"""A process group's autosymm state: what the first call found out, agreed by every rank (see
+autosymm.agreement), and the prepared calls keyed by (op, dtype, size, mode). autosymm.api (the
+public functions) and autosymm.fused build on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import dispatch
+from .agreement import AgreementError, Exchange, problems
+from .backends import FALLBACK, Capabilities, RunContext, get_backend
+from .dispatch import Decision
+from .problem import Problem
+from .replay import wrap_eager
+
+log = logging.getLogger("autosymm")
+
+HAS_CUDA = torch.cuda.is_available()  # checked once: is_available() is a driver query per call
+
+
+def check_tensor(x: torch.Tensor, state: GroupState, what: str) -> None:
+    if x.device.type != state.device.type or (x.device.type == "cuda" and x.device != state.device):
+        raise ValueError(f"autosymm.{what}: tensor is on {x.device}, the group's device is {state.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"autosymm.{what}: tensor of shape {tuple(x.shape)} with strides {x.stride()} "
+                         f"is not contiguous")
+
+
+@dataclass
+class Entry:
+    """A prepared call: its decision, launcher and counters."""
+
+    decision: Decision
+    launcher: Any
+    calls: int = 0
+    bytes_per_call: int = 0  # the key fixes the size: bytes = calls * bytes_per_call
+
+
+class GroupState:
+    """What the first call on a group found out, agreed by every rank (see autosymm.agreement)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        backend = str(dist.get_backend(group)).lower()
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+                       else torch.device("cpu"))
+        self.channel = Exchange(group, self.rank, self.world_size)
+        self.prepared_calls = 0
+        local = LocalSetup(self.device, self.world_size)
+        reports = self.channel.exchange("init", local.report)
+        if any(report["capturing"] for report in reports):
+            raise AgreementError("autosymm: the first call on a group ran inside a CUDA-graph capture; call "
+                                 "autosymm.init(group) (or make one eager call) before capturing")
+        self.intra_node = len({report["host"] for report in reports}) == 1
+        self.fingerprint, self.hardware = local.fingerprint, local.fingerprint.hardware_slug
+        #: why every call takes the fallback (NCCL), when the ranks failed or disagree at set-up
+        self.safe_reason = problems(reports)
+        if self.safe_reason and self.rank == 0:
+            warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
+        self.workspace = None
+        if self.safe_reason is None and local.wants_workspace and self.intra_node:
+            from .symm import get_workspace
+
+            self.workspace = get_workspace(group, self.device)
+        self.caps = Capabilities.of(self.world_size, workspace=self.workspace, intra_node=self.intra_node,
+                                    compute_capability=self.fingerprint.compute_capability)
+        self.sources = local.sources if self.safe_reason is None else []
+        self.ctx = RunContext(group=group, workspace=self.workspace)
+        self.cache: dict[tuple, Entry] = {}
+
+    def decide(self, problem: Problem, mode: str) -> Decision:
+        if self.safe_reason is not None:
+            return Decision(FALLBACK[problem.op], None, f"ranks failed or disagree at set-up ({self.safe_reason})",
+                            bucket=problem.bucket, mode=mode)
+        return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware)
+
+    def prepare(self, problem: Problem, mode: str) -> Entry:
+        decision = self.decide(problem, mode)
+        log.info("autosymm: %s %s -> %s", problem.describe(), mode, decision.describe())
+        if decision.backend == "noop":
+            launcher = identity
+        else:
+            backend = get_backend(decision.backend)
+            if mode == "graph" and not backend.needs.graph_capturable:
+                skipped = "; ".join(decision.skipped) or "none"
+                raise RuntimeError(
+                    f"autosymm: {problem.describe()} cannot be captured in a CUDA graph: only {decision.backend} "
+                    f"can serve it ({decision.reason}; passed over: {skipped}). A larger workspace "
+                    f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
+            launcher = wrap_eager(backend.prepare(problem, decision.config, self.ctx), decision)
+        return Entry(decision, launcher)
+
+    def agreed_check(self, call: str, check: Callable[[], Any]) -> Any:
+        """``check()`` this rank's part of a new call (local work only: no collective), then make
+        sure with every rank that each checked the same ``call`` (op, dtype, size, mode) without
+        error; returns what ``check`` returned. A failure or mismatch raises on every rank: the
+        failing rank its own error, the others an AgreementError naming it."""
+        result, error = None, None
+        try:
+            result = check()
+        except Exception as exc:  # reported to the peers before it propagates
+            error = exc
+        self.prepared_calls += 1
+        report = {"ok": error is None, "error": f"{type(error).__name__}: {error}" if error else "",
+                  "settings": {"call": call}}
+        trouble = problems(self.channel.exchange(f"call{self.prepared_calls}", report))
+        if error is not None:
+            raise error
+        if trouble is not None:
+            raise AgreementError(f"autosymm: ranks disagree on or failed at {call}: {trouble}")
+        return result
+
+
+class LocalSetup:
+    """What this rank finds out on its own before the first agreement; never raises: a failure
+    goes into ``report`` (ok False) so that every rank learns it and takes the same path."""
+
+    def __init__(self, device: torch.device, world_size: int) -> None:
+        from .hardware import cpu_fingerprint
+
+        self.fingerprint, self.sources, self.wants_workspace = cpu_fingerprint(), [], False
+        self.report: dict[str, Any] = {"ok": True, "error": "", "host": socket.gethostname(),
+                                       "capturing": HAS_CUDA and torch.cuda.is_current_stream_capturing(),
+                                       "settings": {}}
+        try:
+            self._find_out(device, world_size)
+        except Exception as exc:  # bad env value, unreadable DB, driver trouble: every rank hears it
+            self.report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+
+    def _find_out(self, device: torch.device, world_size: int) -> None:
+        from .db import shipped_db_paths, user_db_path
+        from .geometry import MAX_WORLD_SIZE
+        from .hardware import fingerprint
+
+        self.fingerprint = fingerprint()
+        disabled = dispatch.disabled_by_env()
+        settings = self.report["settings"]
+        settings.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
+        self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
+        settings["databases"] = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
+        self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
+        if world_size > 1:  # what the kernels would be built with, compared even where none run
+            from .kernels.barrier import MAX_POLLS, MAX_POLLS_ERROR
+            from .settings import default_region_bytes, multicast_disabled_by_env
+
+            if MAX_POLLS_ERROR:
+                raise ValueError(MAX_POLLS_ERROR)
+            region_bytes = default_region_bytes()
+            settings.update(region_bytes=region_bytes, barrier_max_polls=int(MAX_POLLS.value),
+                            multicast_off=multicast_disabled_by_env())
+            if self.wants_workspace:
+                check_free_memory(device, region_bytes)
+
+
+def check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> None:
+    """MemoryError naming the bytes when ``device`` cannot hold the workspace: checked before the
+    rendezvous, because a rank whose allocation fails inside it would leave its peers waiting."""
+    from .geometry import DOUBLE_BUFFER_HALF_BYTES, workspace_layout
+
+    needed = workspace_layout(*region_bytes, DOUBLE_BUFFER_HALF_BYTES).total_bytes
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < needed:
+        raise MemoryError(f"{device} has {free} bytes free; the symmetric workspace needs {needed} "
+                          f"(AUTOSYMM_WORKSPACE_BYTES sizes it)")
+
+
+def identity(x, *args):
+    return x
+
+
+STATES: dict[Any, GroupState] = {}
+STATES_LOCK = threading.Lock()
+
+
+def state_of(group) -> GroupState:
+    state = STATES.get(group)
+    if state is None:
+        if not dist.is_initialized():
+            raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
+        with STATES_LOCK:
+            state = STATES.get(group)
+            if state is None:
+                state = STATES[group] = GroupState(group if group is not None else dist.group.WORLD)
+    return state
