@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import moe_room
 from .dispatch import Decision
 from .dist_compat import REDUCE_OP_NAMES, Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import HAS_CUDA, STATES, Entry, GroupState, check_tensor, state_of
+from .group import STATES, Entry, GroupState, check_tensor, state_of, stream_capturing
 from .logs import configure_from_env
 from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
 from .routing import ExptAssignment
@@ -56,7 +56,7 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None)
 
 def _mode() -> str:
     """'graph' while the current stream is capturing a CUDA graph, else 'eager'."""
-    return "graph" if HAS_CUDA and torch.cuda.is_current_stream_capturing() else "eager"
+    return "graph" if stream_capturing() else "eager"
 
 
 def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False):
@@ -77,7 +77,7 @@ def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False
         return _all_reduce_general(tensor, op, group, async_op)
     state = STATES.get(group) or state_of(group)
     key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum",
-           HAS_CUDA and torch.cuda.is_current_stream_capturing())
+           stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = _prepare_all_reduce(state, tensor, "sum", key)
@@ -110,7 +110,7 @@ def _all_reduce_entry(tensor: torch.Tensor, op: str, group) -> tuple[GroupState,
     """The prepared call of ``tensor`` (op by name) on ``group`` in the current mode, counted."""
     state = STATES.get(group) or state_of(group)
     key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), op,
-           HAS_CUDA and torch.cuda.is_current_stream_capturing())
+           stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = _prepare_all_reduce(state, tensor, op, key)

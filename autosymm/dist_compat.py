@@ -20,7 +20,10 @@ import torch.distributed as dist
 
 #: Reduce ops by the name autosymm's ops take (the ``dist.ReduceOp`` of the same name, upper case).
 REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
-_BY_ENUM = {getattr(dist.ReduceOp, name.upper()): name for name in REDUCE_OP_NAMES}
+#: (dist.ReduceOp enum member, name) pairs, compared by identity: torch.compile (2.11) cannot hash
+#: a RedOpType, so the common case must not go through a dict.
+_ENUMS = tuple((getattr(dist.ReduceOp, name.upper()), name) for name in REDUCE_OP_NAMES)
+_BY_ENUM = dict(_ENUMS)
 
 
 def reduce_op_name(op) -> str:
@@ -29,6 +32,9 @@ def reduce_op_name(op) -> str:
         if op in REDUCE_OP_NAMES:
             return op
     else:
+        for enum, name in _ENUMS:
+            if op is enum:
+                return name
         name = _BY_ENUM.get(getattr(op, "op", op))  # a ReduceOp instance wraps its RedOpType in .op
         if name is not None:
             return name

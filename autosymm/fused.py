@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .group import HAS_CUDA, STATES, Entry, GroupState, check_tensor, state_of
+from .group import STATES, Entry, GroupState, check_tensor, state_of, stream_capturing
 from .dispatch import Decision
 from .problem import Problem, dtype_name
 
@@ -29,7 +29,7 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     leave it unchanged, the NCCL path leaves the sum in it.
     """
     state = STATES.get(group) or state_of(group)
-    key = (OP, x.dtype, x.shape, HAS_CUDA and torch.cuda.is_current_stream_capturing())
+    key = (OP, x.dtype, x.shape, stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = _prepare(state, x, residual, weight, key)

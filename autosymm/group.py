@@ -28,6 +28,15 @@ log = logging.getLogger("autosymm")
 HAS_CUDA = torch.cuda.is_available()  # checked once: is_available() is a driver query per call
 
 
+def _not_capturing() -> bool:
+    return False
+
+
+#: Whether the current CUDA stream is capturing a graph: torch's C function itself (what
+#: torch.cuda.is_current_stream_capturing calls, one Python frame less on the hot path).
+stream_capturing = torch._C._cuda_isCurrentStreamCapturing if HAS_CUDA else _not_capturing
+
+
 def check_tensor(x: torch.Tensor, state: GroupState, what: str) -> None:
     if x.device.type != state.device.type or (x.device.type == "cuda" and x.device != state.device):
         raise ValueError(f"autosymm.{what}: tensor is on {x.device}, the group's device is {state.device}")
@@ -132,7 +141,7 @@ class LocalSetup:
 
         self.fingerprint, self.sources, self.wants_workspace = cpu_fingerprint(), [], False
         self.report: dict[str, Any] = {"ok": True, "error": "", "host": socket.gethostname(),
-                                       "capturing": HAS_CUDA and torch.cuda.is_current_stream_capturing(),
+                                       "capturing": stream_capturing(),
                                        "settings": {}}
         try:
             self._find_out(device, world_size)

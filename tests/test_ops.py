@@ -126,12 +126,12 @@ def _captured_calls_take_graph_rows(compiled, x):
     stream "captures" (stubbed: no CUDA here) is prepared with the graph-mode rows."""
     from autosymm import api
 
-    has_cuda, capturing = api.HAS_CUDA, torch.cuda.is_current_stream_capturing
-    api.HAS_CUDA, torch.cuda.is_current_stream_capturing = True, lambda: True
+    capturing = api.stream_capturing
+    api.stream_capturing = lambda: True
     try:
         compiled(x)
     finally:
-        api.HAS_CUDA, torch.cuda.is_current_stream_capturing = has_cuda, capturing
+        api.stream_capturing = capturing
     entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", True)]
     assert entry.decision.mode == "graph" and entry.calls == 2  # g's two reductions of x's size
 
