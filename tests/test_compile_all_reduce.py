@@ -142,9 +142,11 @@ def test_compiles_for_sm90(features, case):
     got = features[case]
     peers = world_size - 1
     # all kernels here signal twice in the code (ZERO_COPY one-shot: once per round), except the
-    # double-buffered ones: no end barrier. The push one-shot waits in two places (in its
-    # pipelined loop and after it) for its one per-chunk signal.
-    n_barriers = 1 if double_buffer else 2
+    # double-buffered ones: no end barrier, and the staged two-shots: a third, end barrier after
+    # the copy-out (a peer's next push one-shot writes our stage before any barrier of its own).
+    # The push one-shot waits in two places (in its pipelined loop and after it) for its one
+    # per-chunk signal.
+    n_barriers = 1 if double_buffer else 3 if kernel in ("two_shot", "multimem") and not zero_copy else 2
     n_waits = n_barriers + (kernel == "one_shot_push")
     assert got["signals"] == n_barriers * peers, "one release signal per peer per barrier"
     assert got["acquire_polls"] >= n_waits * peers

@@ -203,7 +203,7 @@ def _run_two_shot(wss, xs, numel, offset, block, programs, warps, zero_copy):
 def test_two_shot(world_size, dtype, numel, block, programs, warps):
     wss = _poisoned_workspaces(world_size)
     inputs = random_inputs(world_size, numel, dtype, seed=numel + 1)
-    expected_pads = preset([ws.buffer for ws in wss], programs, 2)
+    expected_pads = preset([ws.buffer for ws in wss], programs, 3)  # start, all-gather, end (copy-out)
     xs, backings = zip(*(_x_in_sentinel(v) for v in inputs))
     offset = 1024
     _run_two_shot(wss, xs, numel, offset, block, programs, warps, zero_copy=False)
@@ -269,7 +269,8 @@ def test_a_missing_peer_flags_the_error_and_the_kernel_completes(monkeypatch, ke
                                           seg, 0, RANK=0, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
                                           ALIGNED=True, MULTIMEM=False, PHASE=0, num_warps=4)
     chunks_per_program = -(-numel // block) // programs
-    barriers = {("one_shot", True): 1 + chunks_per_program, ("one_shot_double_buffer", False): 1}.get((kernel, zero_copy), 2)
+    barriers = {("one_shot", True): 1 + chunks_per_program, ("one_shot_double_buffer", False): 1,
+                ("two_shot", False): 3}.get((kernel, zero_copy), 2)
     # every barrier of every program gave up once (the first by spinning, the others fail fast)
     assert error_counts(ws) == {"all_reduce": barriers * programs, "moe": 0, "moe_end": 0, "host": 0}
     if kernel == "one_shot_double_buffer":  # the kernel still ran to its end: the epoch moved on

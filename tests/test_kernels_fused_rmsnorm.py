@@ -15,7 +15,7 @@ from autosymm.geometry import DOUBLE_BUFFER_REGION, align
 from autosymm.kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 
 from _all_reduce_sim import pads, poisoned_workspaces, preset, requires_interpreter, snapshot_workspace
-from _fused_ref import check
+from _fused_ref import check, reference, ulps_off
 
 pytestmark = requires_interpreter
 
@@ -84,12 +84,10 @@ def _double_offset(ws):
     return ws.regions[DOUBLE_BUFFER_REGION].offset - ws.regions["all_reduce"].offset
 
 
-@pytest.mark.parametrize("double", [False, True])
-@pytest.mark.parametrize("case", CASES)
-def test_one_shot_pull(case, double):
+def _run_pull(case, xs, residual, weight, double):
+    """The pull one-shot on every simulated rank; returns (workspaces, runs, expected pads)."""
     world_size, dtype, n_rows, hidden = case[:4]
     wss = poisoned_workspaces(world_size, REGION_BYTES, HALF_BYTES)
-    xs, residual, weight = _inputs(world_size, n_rows, hidden, dtype, seed=n_rows * hidden)
     for ws, x in zip(wss, xs):  # peers' copy-in, ahead of their turn
         base = _double_offset(ws) if double else STAGE
         ws.buffer[ws.regions["all_reduce"].offset + base:][:x.numel() * x.element_size()].view(dtype).copy_(
@@ -100,12 +98,32 @@ def test_one_shot_pull(case, double):
         _launch_one_shot(ws, run, weight, n_rows, hidden, case, push=False, double=double,
                          offset=_double_offset(ws) if double else STAGE, slot_bytes=0)
     _check_all(runs, xs, residual, weight)
+    return wss, runs, expected_pads
+
+
+@pytest.mark.parametrize("double", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_one_shot_pull(case, double):
+    world_size, dtype, n_rows, hidden = case[:4]
+    xs, residual, weight = _inputs(world_size, n_rows, hidden, dtype, seed=n_rows * hidden)
+    wss, runs, expected_pads = _run_pull(case, xs, residual, weight, double)
     for ws, want in zip(wss, expected_pads):
         got = pads(ws.buffer).clone()
         if double:
             got[1, ws.rank] = 0  # the epoch advanced by one
             assert int(pads(ws.buffer)[1, ws.rank]) == 1
         assert torch.equal(got, want)
+
+
+def test_the_check_follows_the_fp32_sum_where_it_is_not_the_exact_one():
+    """x0 + x1 in fp32 drops the low bits of a tiny x1; the residual's cancellation then leaves
+    that loss 3 ulp wide. The kernel's sum is the documented fp32 one, which the check expects
+    (against a float64 reference this correct kernel fails)."""
+    case = (2, torch.bfloat16, 1, 256, 256, 1, 1, 4)
+    xs, residual, weight = _inputs(2, 1, 256, torch.bfloat16, seed=7)
+    xs[0][0, 5], xs[1][0, 5], residual[0, 5] = 1.8984375, -1.981854439e-06, -1.8984375
+    _, runs, _ = _run_pull(case, xs, residual, weight, False)
+    assert ulps_off(runs[0][2], reference(xs, residual, weight, EPS)[0]) == 3.0
 
 
 def _slot_of(receiver, sender, world_size):

@@ -12,8 +12,11 @@ owns chunks ``b, b+G, b+2G, ...`` in every phase and on every rank. A peer's chu
 read or written by the same program index that produced it, so the per-program signal-pad
 barriers of autosymm.kernels.barrier order every cross-rank access. After a kernel returns on a
 rank, every program of it has passed a barrier that each peer's same program entered after its
-last access to this rank's stage; hence the next kernel (whatever its grid or BLOCK) may
-overwrite the stage without an extra barrier. The double-buffered one-shot is the exception: it
+last access to this rank's stage, and after its own last read of the peer's stage (the *end
+barrier*: every single-buffer kernel that reads a stage ends with one after its last read, the
+two-shot after its copy-out included); hence the next kernel (whatever its grid or BLOCK) may
+overwrite its own stage, and write into a peer's stage before any barrier of its own (the push
+one-shots do), without an extra barrier. The double-buffered one-shot is the exception: it
 returns while peers may still read its stage, which is why it alternates between two halves of
 a region nothing else writes (see ``_one_shot_all_reduce``).
 
@@ -33,7 +36,9 @@ Kernels (launch parameters come from autosymm.configs.AllReduceConfig):
   autosymm.kernels.push_all_reduce and shares this module's helpers.
 * ``_two_shot_all_reduce``: copy-in, barrier, rank r reduces segment r (a W-th of the data,
   16-byte aligned) from all stages and pushes the sum into segment r of every peer's stage and
-  its own x, barrier, copy the other segments from the stage into x. 2 barriers. Per rank:
+  its own x, barrier, copy the other segments from the stage into x, end barrier (a peer's next
+  push one-shot writes our stage at once: not before our copy-out is done). 3 barriers; 2 with
+  ZERO_COPY (no copy-out, the stage is x: nothing of the region is read after the second). Per rank:
   N (W-1)/W bytes in and as many out over NVLink (peer loads, then peer stores), plus the local
   copy-in (N) and copy-out (N (W-1)/W). ZERO_COPY skips both copies: the pushes land in the
   peers' x. With MULTIMEM the reduce-and-push is one ``multimem.ld_reduce`` and one
@@ -323,8 +328,8 @@ def _two_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
     ``seg_vecs``: segment length in 16-byte units (segment r = elements [r*seg, (r+1)*seg) with
     seg = seg_vecs * 16 / element size; the last ones may be short or empty). ``mc_base``: the
     multicast address of the stage (MULTIMEM only, else ignored). PHASE 0 runs everything;
-    1, 2, 3 run copy-in + barrier, reduce + push, barrier + copy-out alone (tests run each
-    phase on every simulated rank in turn).
+    1, 2, 3 run copy-in + barrier, reduce + push, barrier + copy-out + end barrier alone (tests
+    run each phase on every simulated rank in turn).
 
     In-place invariant (why x may be the stage): in the reduce phase rank r reads only segment
     r of every stage and writes only segment r of every stage, and each element of segment r is
@@ -379,3 +384,6 @@ def _two_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
             # Multimem stored our own segment into the stage too; peers' loads pushed it to x.
             SKIP: tl.constexpr = -1 if MULTIMEM else RANK
             _copy_segments(x_ptr, stage, numel, seg, pid, n_programs, SKIP, WORLD_SIZE, BLOCK)
+            # End barrier: our copy-out reads our stage, which a peer's next kernel may write
+            # before any barrier of its own (the push one-shots push first; see the module docstring).
+            barrier(signal_ptrs, pid, RANK, WORLD_SIZE)

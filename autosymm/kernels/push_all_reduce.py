@@ -106,7 +106,9 @@ def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, 
 
     Between calls. Single buffer: an end barrier (each program signals after its last read of
     its stage; a peer's kernel returns only after all its programs consumed those signals), so
-    the next kernel's pushes, whatever its grid, land after every read. DOUBLE_BUFFER (all
+    the next kernel's pushes, whatever its grid, land after every read. This kernel's own first
+    pushes, before any barrier, rely on the same of the kernel before it: every single-buffer
+    kernel ends with a barrier after its last read of its stage (autosymm.kernels.all_reduce). DOUBLE_BUFFER (all
     slots fit in ``half_bytes``): the stage alternates between two halves by the device epoch
     shared with the double-buffered pull one-shot (:func:`_read_epoch`, :func:`_advance_epoch`),
     and there is no end barrier: q pushes into rank r's half h in call m only after q's call
