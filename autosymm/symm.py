@@ -56,7 +56,7 @@ import torch
 from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION,
                        DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION,
                        Layout, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL,
-                       SIGNAL_SLOTS_PER_RANK, align, moe_buffer, workspace_layout)
+                       SIGNAL_SLOTS_PER_RANK, MOE_SIGNAL_SLOT, align, moe_buffer, workspace_layout)
 from .settings import default_region_bytes, multicast_disabled_by_env
 
 
@@ -129,6 +129,7 @@ class Workspace:
         if MOE_REGION in self.regions:
             for op in ("dp_to_ep", "ep_to_dp"):
                 self.region_ptrs(MOE_REGION, moe_buffer(op, self.capacity(MOE_REGION), self.world_size)[0])
+                self.signal_ptrs("moe_end", MOE_SIGNAL_SLOT[op])
 
     def move_region(self, name: str, peer_buffers: Sequence[torch.Tensor], keep: Sequence = ()) -> None:
         """Region ``name`` lives from now on at offset 0 of ``peer_buffers`` (rank r's uint8 buffer
@@ -148,24 +149,21 @@ class Workspace:
         shifted by ``program`` programs (so the kernel's program 0 is the channel's ``program``),
         then this rank's error slot of the channel (never shifted).
 
-        ``program`` 0 is made once, at creation. A shifted table is a new tensor per call, made
-        by device ops from it (capturable, so a launcher may be prepared inside CUDA-graph
-        capture; not cached, since a tensor made inside a capture holds its values only once the
-        graph replays): keep it."""
-        key = ("signal:" + family, 0)
-        base = self._ptr_cache.get(key)
-        if base is None:
+        Made once per (family, program) on the host and cached. The tables launchers use are
+        made when the workspace is (program 0 of every family, and the MoE ops' programs of
+        'moe_end'), so a launcher prepared inside a CUDA-graph capture allocates nothing: a
+        tensor made during a capture would belong to the graph's memory pool."""
+        key = ("signal:" + family, program)
+        table = self._ptr_cache.get(key)
+        if table is None:
+            if not 0 <= program < MAX_PROGRAMS:
+                raise ValueError(f"program={program} must be in 0..{MAX_PROGRAMS - 1}")
             channel = SIGNAL_CHANNEL[family]
-            addrs = [int(b.data_ptr()) + channel * SIGNAL_SLOTS_PER_RANK * 4 for b in self.peer_buffers]
+            shift = channel * SIGNAL_SLOTS_PER_RANK * 4 + program * MAX_WORLD_SIZE * 4
+            addrs = [int(b.data_ptr()) + shift for b in self.peer_buffers]
             addrs.append(int(self.buffer.data_ptr()) + ERROR_SLOTS_OFFSET + 4 * channel)
-            base = self._ptr_cache[key] = torch.tensor(addrs, dtype=torch.int64, device=self.device)
-        if program == 0:
-            return base
-        if not 0 < program < MAX_PROGRAMS:
-            raise ValueError(f"program={program} must be in 0..{MAX_PROGRAMS - 1}")
-        shifted = base.clone()
-        shifted[:self.world_size] += program * MAX_WORLD_SIZE * 4
-        return shifted
+            table = self._ptr_cache[key] = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        return table
 
     def capacity(self, name: str) -> int:
         """Bytes of region ``name``."""
