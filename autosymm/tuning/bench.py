@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..problem import MoEShape, Problem
-from .bench_baselines import (BenchPlan, EventClock, Setup, SymmetricPool, bench_plan, build, check_output,
+from .bench_baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output,
                               pool_bytes, torch_ops_why_not, zero_copy_why_not)
 from .bench_report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, moe_link_gbps, print_bench, size_label,
                            write_bench_csv)
@@ -55,13 +55,13 @@ def _measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device:
 
     if device.type != "cuda":  # gloo (the CPU tests): a token measurement of the same code path
         plan = replace(plan, calls=2, repeats=3, warmup_calls=1)
-    clock = EventClock(plan.repeats + 1) if device.type == "cuda" else None
+    # timing's clock: CUDA events created and recorded before the timed loop (CudaClock.reserve)
     if mode == "graph":
         timing = time_graph(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
-                            calls_per_graph=plan.calls, group=group, clock=clock)
+                            calls_per_graph=plan.calls, group=group)
     else:
         timing = time_eager(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
-                            calls_per_sample=plan.calls, group=group, clock=clock)
+                            calls_per_sample=plan.calls, group=group)
     return max_over_ranks(timing, group).median_us
 
 

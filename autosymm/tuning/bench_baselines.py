@@ -91,29 +91,6 @@ def check_output(out: torch.Tensor, reference: torch.Tensor, world_size: int) ->
     return None
 
 
-class EventClock:
-    """A timing.Clock on CUDA events created up front: a mark is one ``record``, nothing else
-    (torch creates an event's CUDA object at its first record: that happens here, untimed)."""
-
-    def __init__(self, marks: int) -> None:
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(marks)]
-        for event in self.events:
-            event.record()
-        self.used = 0
-
-    def mark(self) -> Any:
-        event = self.events[self.used]
-        self.used += 1
-        event.record()
-        return event
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def elapsed_us(self, start: Any, end: Any) -> float:
-        return float(start.elapsed_time(end)) * 1e3
-
-
 class SymmetricPool:
     """One torch symmetric-memory allocation of ``nbytes`` on ``device``, rendezvoused with the
     group ``group_name`` (collective: every rank constructs it together); views of it are
