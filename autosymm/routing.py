@@ -1,4 +1,4 @@
-"""Expert placement, routing indices and pure-torch references of the MoE token conversions.
+"""Expert placement and routing indices of the MoE token conversions.
 
 Terms (as in triton_kernels' distributed MoE): ``R`` ranks each hold ``n_tokens_local`` tokens;
 ``expt_indx`` [n_tokens_global, k] holds every token's top-k global expert ids (identical on
@@ -12,8 +12,8 @@ flattened ``p = t * k + j``; ``topk_indx`` [n_tokens_global * k] lists pairs in 
   ``p = topk_indx[s]``) goes to row ``p % (n_tokens_local * k)`` of the
   [n_tokens_local * k, d_model] buffer of token ``p // k``'s home rank.
 
-Rows of dropped pairs (expert id outside ``[0, n_expts_tot)``) are written by neither op; the
-references leave them as they were (see ``rows_written``).
+Rows of dropped pairs (expert id outside ``[0, n_expts_tot)``) are written by neither op. The
+pure-torch references of both ops live on the tuning side (autosymm.tuning.reference).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "ExptAssignment", "make_expt_assignment", "make_expt_dict_uniform", "make_expt_dict_random", "route",
-    "random_expt_indx", "reference_dp_to_ep", "reference_ep_to_dp", "rows_written",
+    "random_expt_indx",
 ]
 
 
@@ -155,79 +155,3 @@ def random_expt_indx(n_tokens: int, n_expts_tot: int, n_expts_act: int, *, seed:
     if drop_fraction > 0:
         indx[torch.rand(indx.shape, generator=gen) < drop_fraction] = -1
     return indx.to(dtype).to(device)
-
-
-# ------------------------------------------------------------------------------------------
-# References (tests, and the tuner's validation)
-# ------------------------------------------------------------------------------------------
-
-def _pair_owner(assignment: ExptAssignment, expt_indx: torch.Tensor) -> torch.Tensor:
-    """int64 [n_pairs]: owning rank of each pair, -1 for a dropped pair."""
-    e = expt_indx.reshape(-1).long().cpu()
-    owner = assignment.expt_owner.long().cpu()
-    valid = (e >= 0) & (e < owner.numel())
-    return torch.where(valid, owner[e.clamp(0, owner.numel() - 1)], -1)
-
-
-def _outputs(out, world_size: int, shape: tuple[int, int], like: torch.Tensor) -> list[torch.Tensor]:
-    if out is None:
-        return [torch.zeros(shape, dtype=like.dtype) for _ in range(world_size)]
-    if len(out) != world_size or any(tuple(o.shape) != shape for o in out):
-        raise ValueError(f"out must be {world_size} tensors of shape {shape}")
-    return [o.detach().cpu().clone() for o in out]
-
-
-def reference_dp_to_ep(srcs: Sequence[torch.Tensor], assignment: ExptAssignment, expt_indx: torch.Tensor,
-                       gate_indx: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
-    """Every rank's dp->ep buffer [n_tokens_global * k, d_model] (CPU), from every rank's ``src``.
-
-    Rows no pair writes are taken from ``out`` (copied, default zeros).
-    """
-    world_size = len(srcs)
-    n_tokens_local, d_model = srcs[0].shape
-    n_expts_act = expt_indx.shape[1]
-    x = torch.cat([s.detach().cpu() for s in srcs])  # [n_tokens_global, d_model]
-    dsts = _outputs(out, world_size, (x.shape[0] * n_expts_act, d_model), x)
-    owner = _pair_owner(assignment, expt_indx)
-    gate = gate_indx.reshape(-1).long().cpu()
-    for rank in range(world_size):
-        pairs = torch.nonzero(owner == rank).flatten()
-        dsts[rank][gate[pairs]] = x[pairs // n_expts_act]
-    return dsts
-
-
-def reference_ep_to_dp(srcs: Sequence[torch.Tensor], assignment: ExptAssignment, expt_indx: torch.Tensor,
-                       topk_indx: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
-    """Every rank's ep->dp buffer [n_tokens_local * k, d_model] (CPU), from every rank's
-    expert-sorted ``src`` [n_tokens_global * k, d_model] (only its own experts' rows are read)."""
-    world_size = len(srcs)
-    n_rows, d_model = srcs[0].shape
-    n_pairs_local = n_rows // world_size
-    dsts = _outputs(out, world_size, (n_pairs_local, d_model), srcs[0])
-    owner = _pair_owner(assignment, expt_indx)
-    topk = topk_indx.reshape(-1).long().cpu()
-    for rank in range(world_size):
-        rows = torch.nonzero(owner[topk] == rank).flatten()
-        pairs = topk[rows]
-        src = srcs[rank].detach().cpu()
-        for home in range(world_size):
-            mine = (pairs // n_pairs_local) == home
-            dsts[home][pairs[mine] - home * n_pairs_local] = src[rows[mine]]
-    return dsts
-
-
-def rows_written(op: str, assignment: ExptAssignment, expt_indx: torch.Tensor, indx: torch.Tensor,
-                 world_size: int) -> list[torch.Tensor]:
-    """bool mask of the destination rows ``op`` writes on each rank (CPU); ``indx`` is
-    gate_indx for 'dp_to_ep', topk_indx for 'ep_to_dp' (unused there: every valid pair's row)."""
-    owner = _pair_owner(assignment, expt_indx)
-    n_pairs = owner.numel()
-    if op == "dp_to_ep":
-        gate = indx.reshape(-1).long().cpu()
-        masks = [torch.zeros(n_pairs, dtype=torch.bool) for _ in range(world_size)]
-        for rank in range(world_size):
-            masks[rank][gate[owner == rank]] = True
-        return masks
-    if op == "ep_to_dp":
-        return list((owner >= 0).view(world_size, n_pairs // world_size).unbind(0))
-    raise ValueError(f"op={op!r} is not 'dp_to_ep' or 'ep_to_dp'")

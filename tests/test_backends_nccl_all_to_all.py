@@ -16,8 +16,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are importe
 from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, _words, dp_to_ep_splits,  # noqa: E402
                                                ep_to_dp_splits, owner_table)
 from autosymm.configs import MoEConfig  # noqa: E402
-from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,  # noqa: E402
-                              random_expt_indx, reference_dp_to_ep, reference_ep_to_dp, route, rows_written)
+from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
+                              random_expt_indx, route)
+from autosymm.tuning.reference import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_with_deadline  # noqa: E402

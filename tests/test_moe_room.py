@@ -22,8 +22,8 @@ from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
 from autosymm.backends.triton_moe import TRITON_MOE, buffer_bytes, region_bytes_for  # noqa: E402
 from autosymm.geometry import DEFAULT_MOE_MAX_BYTES, MOE_REGION_SLACK, grown_moe_bytes, moe_buffer  # noqa: E402
 from autosymm.problem import MoEShape, Problem  # noqa: E402
-from autosymm.routing import (make_expt_assignment, make_expt_dict_uniform, random_expt_indx,  # noqa: E402
-                              reference_dp_to_ep, route)
+from autosymm.routing import (make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route)
+from autosymm.tuning.reference import reference_dp_to_ep
 from autosymm.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_with_deadline  # noqa: E402

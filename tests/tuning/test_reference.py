@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from autosymm import routing as moe_ref
+from autosymm.tuning import reference as refs
 from autosymm.tuning.reference import check_output, moe_reference_for_rank
 
 
@@ -19,8 +20,8 @@ def test_moe_reference_matches_autosymm_moe(op):
     owner = torch.where((e >= 0) & (e < E), assignment.expt_owner.long()[e.clamp(0, E - 1)], -1)
     rows = n_local if op == "dp_to_ep" else R * n_local * k
     srcs = [torch.randn(rows, d) for _ in range(R)]
-    reference = getattr(moe_ref, f"reference_{op}")(srcs, assignment, expt_indx, indx)
-    written = moe_ref.rows_written(op, assignment, expt_indx, indx, R)
+    reference = getattr(refs, f"reference_{op}")(srcs, assignment, expt_indx, indx)
+    written = refs.rows_written(op, assignment, expt_indx, indx, R)
     for rank in range(R):
         mine, mask = moe_reference_for_rank(op, torch.stack(srcs), owner, indx, rank)
         assert torch.equal(mask, written[rank]) and torch.equal(mine[mask], reference[rank][mask])

@@ -126,7 +126,7 @@ class GatherMoE(Backend):
         import torch
         import torch.distributed as dist
 
-        from autosymm import routing as moe
+        from autosymm.tuning import reference as moe
 
         wrong, rank = config in self.wrong, dist.get_rank(ctx.group)
 
