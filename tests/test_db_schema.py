@@ -118,12 +118,12 @@ def test_provenance_fills_the_comm_env_column(monkeypatch):
     from autosymm import hardware
     from autosymm.db_schema import PROVENANCE_COLUMNS
 
-    # values as seen, whatever they are (only "off" spellings here: this suite never turns multicast on)
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "false")
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "true")
+    # values as seen, and "unset" (only the "off" values here: this suite never turns multicast on)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
     prov = hardware.provenance(hardware.cpu_fingerprint())
-    assert prov["comm_env"] == "TORCH_SYMM_MEM_DISABLE_MULTICAST=true NCCL_NVLS_ENABLE=false NVSHMEM_DISABLE_NVLS=unset"
+    assert prov["comm_env"] == "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=unset"
     assert set(PROVENANCE_COLUMNS) <= set(prov)  # the tuner copies these into every row
     row = make_row(**{k: prov[k] for k in PROVENANCE_COLUMNS})
     with TuningDB() as tdb:
