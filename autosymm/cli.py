@@ -15,7 +15,7 @@ import click
 from . import __version__
 from .cli_errors import OneLineErrorGroup
 from .cli_plans import DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
-from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
+from .problem import DTYPES, MODEL_SHAPES, MODES, MOE_OPS, OPS, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
 #: `autosymm tune --sizes` by default (autosymm.tuning.sweep.ALL_REDUCE_SIZES_SPEC, checked by a test).
@@ -292,15 +292,17 @@ def _short_config(config_json: Optional[str]) -> str:
 
 # ------------------------------------------------------------------------------------ explain
 @main.command()
-@click.option("--op", type=click.Choice(["all_reduce", "dp_to_ep", "ep_to_dp"]), default="all_reduce", show_default=True)
+@click.option("--op", type=click.Choice(list(OPS)), default="all_reduce", show_default=True)
 @click.option("--bytes", "nbytes", default=None, help="all-reduce size, e.g. 1MiB")
+@click.option("--hidden", type=click.IntRange(min=1), default=None,
+              help="all_reduce_rmsnorm: the hidden size (elements per row)")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True)
 @click.option("--world-size", type=click.IntRange(min=1), required=True)
 @click.option("--gpu", default=None, help='GPU name, e.g. "NVIDIA H200" (default: this machine\'s)')
 @click.option("--links", type=click.Choice(["nvlink", "pcie"]), default="nvlink", show_default=True)
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None, help="default: both")
 @click.option("--shape", default=None, help="MoE shape: model name or d{D}_e{E}_k{K}")
-@click.option("--tokens", type=click.IntRange(min=1), default=None, help="MoE tokens per rank")
+@click.option("--tokens", type=click.IntRange(min=1), default=None, help="MoE / all_reduce_rmsnorm tokens per rank")
 @click.option("--all", "all_sizes", is_flag=True, help="plan over all sizes (or token counts)")
 @click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False))
 def explain(**opts) -> None:
@@ -313,14 +315,16 @@ def explain(**opts) -> None:
     target = Target(hardware, gpu, opts["world_size"], opts["dtype"])
     op, shape = opts["op"], opts["shape"]
     moe_shape = _parsed(_one_shape, shape, "--shape") if shape else None
-    if op != "all_reduce" and moe_shape is None:
+    if op in MOE_OPS and moe_shape is None:
         raise click.BadParameter("MoE ops need --shape", param_hint="--shape")
+    if op == "all_reduce_rmsnorm" and opts["hidden"] is None and not opts["all_sizes"]:
+        raise click.BadParameter("all_reduce_rmsnorm needs --hidden", param_hint="--hidden")
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
     sources = _open(opts["db_paths"])
     if opts["all_sizes"]:
-        plan(_console(), target, sources, moe_shape, [op], modes)
+        plan(_console(), target, sources, moe_shape, [op], modes, hidden=opts["hidden"])
         return
-    problem = explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target)
+    problem = explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"])
     from .dispatch import decide
 
     for m in modes:

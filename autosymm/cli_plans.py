@@ -33,7 +33,8 @@ class Target(NamedTuple):
     dtype: str
 
 
-def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: Target) -> Problem:
+def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: Target,
+                      hidden: Optional[int] = None) -> Problem:
     if op == "all_reduce":
         if nbytes is None:
             raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
@@ -44,6 +45,8 @@ def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe
         return Problem.all_reduce(size, target.dtype, target.world_size)
     if tokens is None:
         raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
+    if op == "all_reduce_rmsnorm":
+        return Problem.all_reduce_rmsnorm(tokens, hidden, target.dtype, target.world_size)
     return Problem.moe(op, moe_shape, tokens, target.dtype, target.world_size)
 
 
@@ -57,19 +60,24 @@ def offline_caps(target: Target):
     return Capabilities.of(target.world_size, region_bytes=default_region_bytes(), compute_capability=cc)
 
 
-def plan(console, target: Target, sources, moe_shape, ops, modes=MODES) -> None:
+def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: Optional[int] = None) -> None:
     """One table per op: the decision at every default size (or shape x token count)."""
     from .dispatch import decide
 
     hardware, gpu, world_size, dtype = target
     caps = offline_caps(target)
+    tokens = [int(t) for t in DEFAULT_TOKENS.split(',')]
     for this_op in ops:
         if this_op == "all_reduce":
             problems = [(format_bytes(s), Problem.all_reduce(s, dtype, world_size)) for s in parse_size_range(DEFAULT_SIZES)]
+        elif this_op == "all_reduce_rmsnorm":
+            from .tuning.sweep import FUSED_HIDDEN
+
+            problems = [(f"h{h} {t} tok", Problem.all_reduce_rmsnorm(t, h, dtype, world_size))
+                        for h in ([hidden] if hidden else FUSED_HIDDEN) for t in tokens]
         else:
             shapes = [moe_shape] if moe_shape else _shapes_in(sources, hardware, world_size, this_op)
-            problems = [(f"{s.key} {t} tok", Problem.moe(this_op, s, t, dtype, world_size))
-                        for s in shapes for t in [int(t) for t in DEFAULT_TOKENS.split(',')]]
+            problems = [(f"{s.key} {t} tok", Problem.moe(this_op, s, t, dtype, world_size)) for s in shapes for t in tokens]
         if not problems:
             continue
         body = []

@@ -20,7 +20,11 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import sqlite_utils
 
-from .configs import AllReduceConfig, AnyConfig, MoEConfig, as_int, config_from_json, config_to_json
+from .configs import AllReduceConfig, AnyConfig, FusedConfig, MoEConfig, as_int, config_from_json, config_to_json
+
+#: The config type of each op's rows (a row of another op's type is refused when read).
+_CONFIG_OF_OP = {"all_reduce": AllReduceConfig, "dp_to_ep": MoEConfig, "ep_to_dp": MoEConfig,
+                 "all_reduce_rmsnorm": FusedConfig}
 
 if not hasattr(sqlite_utils.Database, "atomic"):  # 3.x commits an open transaction on every write
     raise ImportError("autosymm.db needs sqlite-utils >= 4.0 (nested transactions): pip install -U sqlite-utils")
@@ -182,7 +186,7 @@ class Row:
         for name in PROVENANCE_COLUMNS:
             value = getattr(self, name)
             put(name, None if value is None else str(value))
-        if self.config is None or isinstance(self.config, (AllReduceConfig, MoEConfig)):
+        if self.config is None or isinstance(self.config, (AllReduceConfig, MoEConfig, FusedConfig)):
             put("config", config_to_json(self.config))
         if not isinstance(self.config, str) or not self.config.strip():
             raise ValueError(f"Row.config={self.config!r} must be a config's JSON text ('{{}}' for none)")
@@ -190,6 +194,10 @@ class Row:
             put("_config_obj", config_from_json(self.config))  # parsed once: validated and cached
         except ValueError as exc:
             raise ValueError(f"Row.config: {exc}") from None
+        kind = _CONFIG_OF_OP.get(self.op)
+        if self._config_obj is not None and kind is not None and not isinstance(self._config_obj, kind):
+            raise ValueError(f"Row.config: a {type(self._config_obj).__name__} for op {self.op!r} "
+                             f"(its rows hold {kind.__name__}s)")
 
     @property
     def key(self) -> Key:
@@ -202,7 +210,7 @@ class Row:
 
     @property
     def config_obj(self) -> Optional[AnyConfig]:
-        """The config as an AllReduceConfig / MoEConfig (None for config-less backends)."""
+        """The config as an AllReduceConfig / MoEConfig / FusedConfig (None for config-less backends)."""
         return self._config_obj
 
     def to_dict(self) -> dict[str, Any]:

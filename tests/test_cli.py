@@ -81,6 +81,32 @@ def test_explain_moe(runner, db_file):
     assert "triton_moe" in result.output and "10.00x" in result.output
 
 
+def test_explain_the_fused_op(runner, tmp_path):
+    from autosymm.configs import FusedConfig, fused_space
+
+    path = tmp_path / "fused.sqlite"
+    config = fused_space("one_shot_push", 64, 8192, 2, 2)[0]
+    assert isinstance(config, FusedConfig)
+    TuningDB(path).record_many([
+        Row(hardware=HW, gpu="NVIDIA H200", world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=64,
+            shape="h8192", backend="triton_fused_one_shot_push", median_us=12.0, config=config,
+            nccl_us=36.0, mode="graph"),
+        Row(hardware=HW, gpu="NVIDIA H200", world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=64,
+            shape="h8192", backend="nccl_fused", median_us=36.0, config=None, nccl_us=36.0, mode="graph")])
+    args = ["explain", "--op", "all_reduce_rmsnorm", "--world-size", "2", "--gpu", "NVIDIA H200", "--db", str(path),
+            "--mode", "graph"]
+    result = runner.invoke(main, args + ["--hidden", "8192", "--tokens", "64"])
+    assert result.exit_code == 0, result.output
+    assert "h8192 tokens/rank=64 [graph]" in result.output and "triton_fused_one_shot_push" in result.output
+    assert "3.00x" in result.output
+    result = runner.invoke(main, args + ["--hidden", "4096", "--tokens", "64"])  # no row for that hidden size
+    assert result.exit_code == 0 and "nccl_fused" in result.output and "no tuned row" in result.output
+    result = runner.invoke(main, args + ["--all"])
+    assert result.exit_code == 0 and "h8192 64 tok" in result.output and "h4096 1 tok" in result.output
+    result = runner.invoke(main, args + ["--tokens", "64"])
+    assert result.exit_code == 2 and "--hidden" in result.output
+
+
 def test_explain_bad_arguments(runner, db_file):
     assert runner.invoke(main, ["explain", "--world-size", "2", "--db", str(db_file)]).exit_code != 0
     result = runner.invoke(main, ["explain", "--op", "dp_to_ep", "--world-size", "2", "--tokens", "4"])

@@ -320,18 +320,25 @@ def test_shipped_databases(monkeypatch, tmp_path):
 
 _text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
 _time = st.floats(min_value=1e-3, max_value=1e7, allow_nan=False, allow_infinity=False)
-_configs = st.one_of(
-    st.none(),
-    st.builds(AllReduceConfig, st.sampled_from(["one_shot", "two_shot", "multimem"]),
-              st.sampled_from([1024, 4096]), st.integers(1, 256), st.sampled_from([4, 8, 32])),
-    st.builds(MoEConfig, st.sampled_from([1024, 2048]), st.sampled_from([1, 4, 16]), st.integers(1, 64),
-              st.integers(0, 4096)),
-)
+_all_reduce_configs = st.none() | st.builds(
+    AllReduceConfig, st.sampled_from(["one_shot", "two_shot", "multimem"]), st.sampled_from([1024, 4096]),
+    st.integers(1, 256), st.sampled_from([4, 8, 32]))
+_moe_configs = st.none() | st.builds(
+    MoEConfig, st.sampled_from([1024, 2048]), st.sampled_from([1, 4, 16]), st.integers(1, 64), st.integers(0, 4096))
+_op_and_config = st.one_of(st.tuples(st.just("all_reduce"), _all_reduce_configs),
+                           st.tuples(st.sampled_from(["dp_to_ep", "ep_to_dp"]), _moe_configs))
+
+
+def _row(op_and_config, **fields):
+    op, config = op_and_config
+    return Row(op=op, config=config, **fields)
+
+
 _rows = st.builds(
-    Row, hardware=_text, gpu=st.text(max_size=8), world_size=st.integers(1, 8),
-    op=st.sampled_from(["all_reduce", "dp_to_ep", "ep_to_dp"]), dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
+    _row, _op_and_config, hardware=_text, gpu=st.text(max_size=8), world_size=st.integers(1, 8),
+    dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
     bucket=st.integers(1, 1 << 40), shape=st.text(max_size=16), mode=st.sampled_from(["eager", "graph"]),
-    backend=_text, config=_configs, median_us=_time, p10_us=st.none() | _time, p90_us=st.none() | _time,
+    backend=_text, median_us=_time, p10_us=st.none() | _time, p90_us=st.none() | _time,
     nccl_us=st.none() | _time, trials=st.none() | st.integers(0, 10**6), torch_version=st.none() | _text,
 )
 

@@ -284,3 +284,13 @@ def test_version_mismatch():
         "measured with torch 2.11.0, triton 3.6.0 (running torch 2.11.0, triton 3.7.0)"
     assert version_mismatch(row, None, "3.7.0") == "measured with triton 3.6.0 (running triton 3.7.0)"
     assert version_mismatch(make_row(torch_version=None, triton_version=""), "2.13.0", "3.9.0") is None  # unknown
+
+
+def test_a_config_of_another_op_is_refused():
+    from autosymm.configs import AllReduceConfig, MoEConfig
+
+    with pytest.raises(ValueError, match="a MoEConfig for op 'all_reduce'"):
+        make_row(op="all_reduce", config=MoEConfig(1024, 4))
+    with pytest.raises(ValueError, match="a AllReduceConfig for op .dp_to_ep."):
+        make_row(op="dp_to_ep", shape="d64_e8_k2", config=AllReduceConfig("one_shot", 1024, 4, 8))
+    assert make_row(op="dp_to_ep", shape="d64_e8_k2", config=MoEConfig(1024, 4)).config_obj == MoEConfig(1024, 4)
