@@ -196,8 +196,8 @@ class Row:
             raise ValueError(f"Row.config: {exc}") from None
         kind = _CONFIG_OF_OP.get(self.op)
         if self._config_obj is not None and kind is not None and not isinstance(self._config_obj, kind):
-            raise ValueError(f"Row.config: a {type(self._config_obj).__name__} for op {self.op!r} "
-                             f"(its rows hold {kind.__name__}s)")
+            raise ValueError(f"Row.config: config type {type(self._config_obj).__name__} does not belong to op "
+                             f"{self.op!r} (its rows hold {kind.__name__})")
 
     @property
     def key(self) -> Key:

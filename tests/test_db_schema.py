@@ -289,8 +289,8 @@ def test_version_mismatch():
 def test_a_config_of_another_op_is_refused():
     from autosymm.configs import AllReduceConfig, MoEConfig
 
-    with pytest.raises(ValueError, match="a MoEConfig for op 'all_reduce'"):
+    with pytest.raises(ValueError, match="config type MoEConfig does not belong to op 'all_reduce'"):
         make_row(op="all_reduce", config=MoEConfig(1024, 4))
-    with pytest.raises(ValueError, match="a AllReduceConfig for op .dp_to_ep."):
+    with pytest.raises(ValueError, match="config type AllReduceConfig does not belong to op .dp_to_ep."):
         make_row(op="dp_to_ep", shape="d64_e8_k2", config=AllReduceConfig("one_shot", 1024, 4, 8))
     assert make_row(op="dp_to_ep", shape="d64_e8_k2", config=MoEConfig(1024, 4)).config_obj == MoEConfig(1024, 4)
