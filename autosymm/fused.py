@@ -12,6 +12,7 @@ import torch
 
 from .group import STATES, Entry, GroupState, check_tensor, state_of, stream_capturing
 from .dispatch import Decision
+from .dist_compat import group_name as name_of_group, resolve_group
 from .problem import Problem, dtype_name
 
 OP = "all_reduce_rmsnorm"
@@ -26,8 +27,11 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     ``residual`` the same on every rank (tensor parallelism); ``weight``: [hidden], same dtype.
     Sums and the norm are taken in fp32 (the norm of the unrounded sum) and rounded once; every
     rank ends with bit-identical ``residual`` and output. ``x`` is scratch: the Triton kernels
-    leave it unchanged, the NCCL path leaves the sum in it.
+    leave it unchanged, the NCCL path leaves the sum in it. Under torch.compile (or another tracer,
+    which hands over tensor subclasses) the call is ``torch.ops.autosymm.all_reduce_rmsnorm``.
     """
+    if type(x) is not torch.Tensor or torch.compiler.is_dynamo_compiling():
+        return torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, name_of_group(group))
     state = STATES.get(group) or state_of(group)
     key = (OP, x.dtype, x.shape, stream_capturing())
     entry = state.cache.get(key)
@@ -72,22 +76,12 @@ def _empty_call(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     return torch.empty_like(x)
 
 
-def _group_of(group_name: str):
-    """The process group named ``group_name`` (None for the default group: autosymm.api's key)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    if dist.group.WORLD is not None and group_name == dist.group.WORLD.group_name:
-        return None
-    return _resolve_process_group(group_name)
-
-
 @torch.library.custom_op("autosymm::all_reduce_rmsnorm", mutates_args=("x", "residual"))
 def _all_reduce_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                            group_name: str) -> torch.Tensor:
     """``torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, group_name)``: the custom
     op of :func:`all_reduce_rmsnorm` (x is declared mutated: the NCCL path sums into it)."""
-    return all_reduce_rmsnorm(x, residual, weight, eps, _group_of(group_name))
+    return all_reduce_rmsnorm(x, residual, weight, eps, resolve_group(group_name))
 
 
 @_all_reduce_rmsnorm_op.register_fake

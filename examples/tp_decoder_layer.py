@@ -15,7 +15,10 @@ Each rank holds 1/world_size of the heads and of the intermediate features; the 
   of a ``context + 1``-token sequence costs.
 * ``prefill(x)``: ``x`` is one sequence of n_tokens, causal attention (scaled_dot_product_attention).
 
-The all-reduce is a callable ``all_reduce(t) -> t`` (in place): see ``make_all_reduce``.
+The all-reduce is a callable ``all_reduce(t) -> t`` (in place): see ``make_all_reduce``. One that
+has a ``fused(y, residual, weight, eps)`` attribute (backend ``autosymm_fused``:
+``autosymm.all_reduce_rmsnorm``) serves the first all-reduce together with the residual add and
+the MLP's RMSNorm in one call.
 Run ``scripts/bench_tp_layer.py`` to time it with each all-reduce.
 """
 
@@ -108,10 +111,18 @@ class TPDecoderLayer(torch.nn.Module):
         return q, k, v
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """O projection + all-reduce + residual, then the MLP + all-reduce + residual."""
+        """O projection + all-reduce + residual (+ the MLP's RMSNorm: one fused call where the
+        all-reduce offers ``fused``), then the MLP + all-reduce + residual."""
         w = self.w
-        x = x + self.all_reduce(attn @ w.wo.t())
-        gate, up = (_rms_norm(x, w.norm2, w.cfg.eps) @ w.w_gate_up.t()).chunk(2, dim=-1)
+        fused = getattr(self.all_reduce, "fused", None)
+        if fused is not None:  # residual += all_reduce(o); h = rmsnorm(residual) * norm2, one kernel
+            residual = x.clone()
+            h = fused(attn @ w.wo.t(), residual, w.norm2, w.cfg.eps)
+            x = residual
+        else:
+            x = x + self.all_reduce(attn @ w.wo.t())
+            h = _rms_norm(x, w.norm2, w.cfg.eps)
+        gate, up = (h @ w.w_gate_up.t()).chunk(2, dim=-1)
         return x + self.all_reduce((F.silu(gate) * up) @ w.w_down.t())
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +193,9 @@ def _torch_symm(algorithm: str, group, max_bytes: int, dtype: torch.dtype) -> Al
     return all_reduce
 
 
-def _autosymm(group) -> AllReduce:
+def _autosymm(group, fused: bool = False) -> AllReduce:
+    """autosymm's all-reduce; ``fused``: with ``.fused``, autosymm.all_reduce_rmsnorm, which the
+    layer then calls for its first all-reduce and the RMSNorm after it."""
     import autosymm
 
     autosymm.init(group)
@@ -196,6 +209,9 @@ def _autosymm(group) -> AllReduce:
         call(t, group=group, op="sum")
         return t
 
+    if fused:
+        all_reduce.fused = lambda y, residual, weight, eps: autosymm.all_reduce_rmsnorm(y, residual, weight, eps,
+                                                                                         group=group)
     return all_reduce
 
 
@@ -207,7 +223,7 @@ def _nccl(group) -> AllReduce:
     return all_reduce
 
 
-BACKENDS = ("nccl", "torch_one_shot", "torch_two_shot", "autosymm")
+BACKENDS = ("nccl", "torch_one_shot", "torch_two_shot", "autosymm", "autosymm_fused")
 
 
 def make_all_reduce(backend: str, group=None, max_bytes: int = 1 << 20,
@@ -216,8 +232,8 @@ def make_all_reduce(backend: str, group=None, max_bytes: int = 1 << 20,
     tensor the torch symm_mem staging buffer must hold. Collective (every rank, same order)."""
     if backend == "nccl":
         return _nccl(group)
-    if backend == "autosymm":
-        return _autosymm(group)
+    if backend in ("autosymm", "autosymm_fused"):
+        return _autosymm(group, fused=backend == "autosymm_fused")
     if backend in ("torch_one_shot", "torch_two_shot"):
         return _torch_symm(backend.removeprefix("torch_"), group, max_bytes, dtype)
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")

@@ -46,6 +46,13 @@ def _calls(rank):
         torch.testing.assert_close(residual.double(), exact_res, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(out.double(), exact_out, rtol=3e-2, atol=3e-2)
         results.append((residual.view(torch.int16).tolist(), out.view(torch.int16).tolist()))  # bits, not tensors
+    # torch.compile(fullgraph=True) traces the call as torch.ops.autosymm.all_reduce_rmsnorm: same bits
+    compiled = torch.compile(lambda x, r, w: autosymm.all_reduce_rmsnorm(x, r, w, EPS), fullgraph=True,
+                             backend="aot_eager")
+    xs, residual_in, weight = _inputs(rank, 3, seed=0)
+    residual = residual_in.clone()
+    out = compiled(xs[rank].clone(), residual, weight)
+    assert (residual.view(torch.int16).tolist(), out.view(torch.int16).tolist()) == results[0]
     empty = autosymm.all_reduce_rmsnorm(torch.empty(0, HIDDEN).bfloat16(), torch.empty(0, HIDDEN).bfloat16(),
                                         torch.ones(HIDDEN).bfloat16())
     assert empty.shape == (0, HIDDEN)
@@ -91,4 +98,4 @@ def test_all_reduce_rmsnorm_on_gloo_ranks(tmp_path, monkeypatch):
         assert r0 == r1 and o0 == o1, "ranks must end bit-identical"
     assert decision0 == decision1
     assert decision0[:2] == ("nccl_fused", str(path)) and "tuned eager row at 4 tokens/rank" in decision0[2]
-    assert stats0["nccl_fused"]["calls"] == 3 and stats0["noop"]["calls"] == 1
+    assert stats0["nccl_fused"]["calls"] == 4 and stats0["noop"]["calls"] == 1

@@ -36,7 +36,7 @@ def test_tiny_bench_runs_on_two_gloo_ranks(bench, tmp_path, monkeypatch):
     rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
     assert {(r["phase"], r["n_tokens"], r["backend"]) for r in rows} == {
         (phase, n, backend) for phase, n in (("decode", "1"), ("decode", "2"), ("prefill", "8"))
-        for backend in ("nccl", "autosymm")}
+        for backend in ("nccl", "autosymm", "autosymm_fused")}
     assert all(r["bit_equal"] == "True" and float(r["step_us"]) > 0 for r in rows)
     assert "| decode | 1 | eager |" in out.read_text()
 
