@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import moe_room
 from .dispatch import Decision
 from .dist_compat import REDUCE_OP_NAMES, Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import STATES, Entry, GroupState, check_tensor, state_of, stream_capturing
+from .group import STATES, Entry, GroupState, check_tensor, identity, state_key, state_of, stream_capturing
 from .logs import configure_from_env
 from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
 from .routing import ExptAssignment
@@ -47,7 +47,7 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None)
     if not dist.is_initialized():
         raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
     region_bytes, max_bytes = moe_room.agree(group if group is not None else dist.group.WORLD, moe, moe_max_bytes)
-    if region_bytes and group not in STATES:
+    if region_bytes and state_key(group) not in STATES:
         from .symm import reserve_moe_bytes
 
         reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
@@ -144,6 +144,8 @@ def _build_all_reduce(state: GroupState, x: torch.Tensor, op: str, mode: str) ->
     check_tensor(x, state, "all_reduce")
     if op not in _NCCL_OPS:
         raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(_NCCL_OPS)}")
+    if state.world_size == 1:  # any reduction over one rank is the identity
+        return Entry(Decision("noop", None, "world size 1: nothing to exchange", mode=mode), identity)
     dtype = DTYPE_NAMES.get(x.dtype)
     if op == "sum" and dtype is not None:
         return state.prepare(Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size), mode)
@@ -264,8 +266,11 @@ def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_redu
 def stats(group=None) -> dict[str, dict[str, int]]:
     """Calls and bytes per backend since start (all groups, or one group)."""
     out: dict[str, dict[str, int]] = {}
-    states = [STATES[group]] if group in STATES else list(STATES.values()) if group is None else []
-    for state in states:
+    if group is None:
+        states = list(STATES.values())
+    else:
+        states = [STATES[group]] if group in STATES else []
+    for state in {id(state): state for state in states}.values():  # a state may sit under two names
         for entry in state.cache.values():
             agg = out.setdefault(entry.decision.backend, {"calls": 0, "bytes": 0})
             agg["calls"] += entry.calls

@@ -193,13 +193,22 @@ STATES: dict[Any, GroupState] = {}
 STATES_LOCK = threading.Lock()
 
 
+def state_key(group):
+    """The key of ``group``'s state: None for the default (world) group however it is named, so
+    ``group=None`` and ``group=dist.group.WORLD`` share one state, its workspace and its cache."""
+    return None if group is None or group is dist.group.WORLD else group
+
+
 def state_of(group) -> GroupState:
+    """``group``'s state, made on first use (collective: every rank of the group together)."""
     state = STATES.get(group)
     if state is None:
         if not dist.is_initialized():
             raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
+        key = state_key(group)
         with STATES_LOCK:
-            state = STATES.get(group)
+            state = STATES.get(key)
             if state is None:
-                state = STATES[group] = GroupState(group if group is not None else dist.group.WORLD)
+                state = STATES[key] = GroupState(key if key is not None else dist.group.WORLD)
+            STATES[group] = state  # the hot path's STATES.get(group) finds it under either name
     return state

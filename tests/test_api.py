@@ -52,9 +52,16 @@ def test_differing_databases_fall_back_on_every_rank(tmp_path):
 
 
 def _world_size_one(rank, world_size, autosymm):
+    import torch.distributed as dist
+
     x = torch.randn(1000).bfloat16()
     before = x.clone()
     assert autosymm.all_reduce(x) is x and torch.equal(x, before)
+    # any op over one rank is the identity; the world group under its own name shares the state
+    ints = torch.arange(7, dtype=torch.int32)
+    assert torch.equal(autosymm.all_reduce(ints, dist.ReduceOp.MAX, group=dist.group.WORLD), torch.arange(7))
+    assert autosymm.api.state_of(dist.group.WORLD) is autosymm.api.state_of(None)
+    assert autosymm.stats() == {"noop": {"calls": 2, "bytes": 2000 + 28}}
     assert autosymm.barrier_errors() == 0  # no workspace on gloo: nothing can have failed
     autosymm.reset_barriers()
     return autosymm.explain(x).backend
