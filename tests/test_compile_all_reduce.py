@@ -7,16 +7,8 @@ compiled), two at a time; each returns the PTX features the tests check.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from _sm90 import compile_in_subprocesses, ptx_features
 
 # (kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned[, double_buffer])
 CASES = [
@@ -54,29 +46,6 @@ def _case(i):
 VEC_TYPE = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "v4.f32"}
 
 
-def _features(ptx: str) -> dict:
-    return {
-        "peer_v4_loads": len(re.findall(r"ld\.global\.cg\.v4\.b32", ptx)),
-        "peer_scalar_loads": len(re.findall(r"ld\.global\.cg\.(?:b16|b32) ", ptx)),
-        "v4_stores": len(re.findall(r"st\.global\.v4\.b32", ptx)),
-        "signals": len(re.findall(r"(?:atom|red)\.global\.sys\.release\.add", ptx)),
-        "acquire_polls": len(re.findall(r"ld\.global\.sys\.acquire|atom\.global\.sys\.acquire", ptx)),
-        "ld_reduce": re.findall(r"multimem\.ld_reduce\.relaxed\.sys\.global\.add\.([\w:.]+)", ptx),
-        "multimem_st": len(re.findall(r"multimem\.st\.relaxed\.sys\.global\.v4\.f32", ptx)),
-        "proxy_fences": ptx.count("fence.proxy.alias"),
-        "poll_limit": bool(re.search(rf"setp\.\w+\.[us]32\s+%p\d+, %r\d+, (?:{_max_polls()}|{_max_polls() - 1});", ptx)),
-        "error_adds": len(re.findall(r"(?:red|atom)\.global\.gpu\.relaxed\.add", ptx)),
-        "arrivals": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
-        "counter_resets": len(re.findall(r"atom\.global\.gpu\.relaxed\.exch", ptx)),
-    }
-
-
-def _max_polls() -> int:
-    from autosymm.kernels.barrier import MAX_POLLS
-
-    return int(MAX_POLLS.value)
-
-
 def _compile_cases(indices: list[int]) -> dict:
     """Runs in a subprocess: compile CASES[i] for sm_90, return {i: features}."""
     import triton
@@ -112,27 +81,13 @@ def _compile_cases(indices: list[int]) -> dict:
         src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
         assert compiled.asm.get("cubin"), "ptxas produced no cubin"
-        out[i] = _features(compiled.asm["ptx"])
+        out[i] = ptx_features(compiled.asm["ptx"])
     return out
 
 
 @pytest.fixture(scope="module")
 def features():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    code = ("import json, sys; from test_compile_all_reduce import _compile_cases; "
-            "print('@@' + json.dumps(_compile_cases(json.loads(sys.argv[1]))))")
-    halves = [list(range(len(CASES)))[k::2] for k in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(h)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in halves]
-    result = {}
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-            pytest.fail(f"compiling for sm_90 failed:\n{stderr[-4000:]}")
-        line = next(l for l in stdout.splitlines() if l.startswith("@@"))
-        result.update({int(k): v for k, v in json.loads(line[2:]).items()})
-    return result
+    return compile_in_subprocesses("test_compile_all_reduce", len(CASES))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c[:5])) + ("-zc" if c[5] else "")

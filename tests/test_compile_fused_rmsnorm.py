@@ -5,14 +5,9 @@ Compiled in a subprocess without TRITON_INTERPRET (see tests/test_compile_all_re
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from test_compile_all_reduce import REPO, _features
+from _sm90 import compile_in_subprocesses, ptx_features
 
 # (kernel, dtype, world_size, hidden, block, warps, rows, double_buffer, x/residual/weight/out 16-byte
 # aligned): rows equal to BLOCK and shorter (masked columns), every world size, each variant.
@@ -55,27 +50,13 @@ def _compile_cases(indices: list[int]) -> dict:
         src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
         assert compiled.asm.get("cubin"), "ptxas produced no cubin"
-        out[i] = _features(compiled.asm["ptx"])
+        out[i] = ptx_features(compiled.asm["ptx"])
     return out
 
 
 @pytest.fixture(scope="module")
 def features():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    code = ("import json, sys; from test_compile_fused_rmsnorm import _compile_cases; "
-            "print('@@' + json.dumps(_compile_cases(json.loads(sys.argv[1]))))")
-    halves = [list(range(len(CASES)))[k::2] for k in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(h)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in halves]
-    result = {}
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-            pytest.fail(f"compiling for sm_90 failed:\n{stderr[-4000:]}")
-        line = next(l for l in stdout.splitlines() if l.startswith("@@"))
-        result.update({int(k): v for k, v in json.loads(line[2:]).items()})
-    return result
+    return compile_in_subprocesses("test_compile_fused_rmsnorm", len(CASES))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c[:7])) + ("-db" if c[7] else "")
