@@ -95,7 +95,9 @@ class Workspace:
         if self.buffer.numel() < layout.total_bytes:
             raise ValueError(f"workspace buffer has {self.buffer.numel()} bytes, layout needs {layout.total_bytes}")
         self._ptr_cache: dict[tuple[str, int], torch.Tensor] = {}
-        self._empty_offset = 0  # bump allocator of empty() inside the all-reduce region
+        #: bytes of the all-reduce region handed out by empty() (a bump allocator from offset 0 up);
+        #: a plain attribute: eager replays read it on every call
+        self.empty_bytes = 0
         #: regions moved to allocations of their own (move_region): name -> (peer buffers, Region)
         self._moved: dict[str, tuple[tuple[torch.Tensor, ...], Region]] = {}
         self._keep_alive: list = []  # allocations a region moved away from, and their handles
@@ -214,23 +216,18 @@ class Workspace:
         elem = torch.empty((), dtype=dtype).element_size()
         nbytes = align(prod(shape) * elem)
         region = self.regions[ALL_REDUCE_REGION]
-        if self._empty_offset + nbytes > region.nbytes:
+        if self.empty_bytes + nbytes > region.nbytes:
             raise ValueError(
                 f"autosymm.empty({tuple(shape)}, {dtype}) needs {nbytes} bytes; the all-reduce region "
-                f"has {region.nbytes - self._empty_offset} of {region.nbytes} left "
+                f"has {region.nbytes - self.empty_bytes} of {region.nbytes} left "
                 f"(raise AUTOSYMM_WORKSPACE_BYTES)"
             )
-        tensor = self.local_view("all_reduce", shape, dtype, self._empty_offset)
-        self._empty_offset += nbytes
+        tensor = self.local_view("all_reduce", shape, dtype, self.empty_bytes)
+        self.empty_bytes += nbytes
         return tensor
 
-    @property
-    def empty_bytes(self) -> int:
-        """Bytes of the all-reduce region handed out by empty() (from offset 0 up)."""
-        return self._empty_offset
-
     def reset_empty(self) -> None:
-        self._empty_offset = 0
+        self.empty_bytes = 0
 
     def offset_in_region(self, tensor: torch.Tensor, name: str = "all_reduce") -> Optional[int]:
         """Byte offset of ``tensor`` inside this rank's region ``name``, or None if outside."""

@@ -1,7 +1,7 @@
 """The fused all-reduce + RMSNorm kernels compile for Hopper (sm_90) on the CPU, with 128-bit
 peer loads and stores, their barriers, bounded waits and (double buffer) epoch arrivals.
 
-Compiled in a subprocess without TRITON_INTERPRET (see tests/test_compile_all_reduce.py)."""
+Compiled in subprocesses without TRITON_INTERPRET (tests/_sm90.py)."""
 
 from __future__ import annotations
 
