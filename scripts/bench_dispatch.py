@@ -102,6 +102,7 @@ def _measure(rank: int, world_size: int, args) -> dict[str, tuple[float, float, 
     autosymm.init()
     measure = _timer(args)
     rows = {f"floor {name}": measure(fn) for name, fn in _floor_launches().items()}
+    rows.update(_host_pieces(args.calls, args.repeats))
     for nbytes in SIZES:
         numel = nbytes // 2
         label = f"{nbytes >> 10} KiB"
@@ -130,6 +131,44 @@ def _floor_launches() -> dict:
             "LeanLauncher.direct": lambda: direct(addr),
             "graph replay": replay_function(graph),
             "x.add_(1)": lambda: x.add_(1)}
+
+
+def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, float]]:
+    """Host us per call of the pieces of autosymm's eager hit path (no GPU work but the replay
+    row): what each costs on this host, beside the whole call above. Device column: 0."""
+    from autosymm import api
+    from autosymm.group import stream_capturing
+
+    x = torch.zeros(HOST_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        api.all_reduce(x)
+    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", False)]
+    state = api.STATES[None]
+    key = (x.dtype, x.numel(), True, "sum", False)
+
+    def nothing():
+        pass
+
+    pieces = {"empty Python call": nothing,
+              "stream_capturing()": stream_capturing,
+              "x.data_ptr()": x.data_ptr,
+              "x.numel()": x.numel,
+              "x.is_contiguous()": x.is_contiguous,
+              "x.dtype": lambda: x.dtype,
+              "cache key + lookup": lambda: state.cache.get((x.dtype, x.numel(), x.is_contiguous(), "sum",
+                                                             stream_capturing())),
+              "entry.launcher(x) (the replay wrapper + replay)": lambda: entry.launcher(x)}
+    rows = {}
+    for name, fn in pieces.items():
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+        rows[f"piece {name}"] = (min(samples), statistics.median(samples), 0.0)
+    return rows
 
 
 def _all_reduce_loops(numel: int) -> dict:
