@@ -17,9 +17,11 @@ import torch.distributed as dist
 from . import moe_room
 from .dispatch import Decision
 from .dist_compat import REDUCE_OP_NAMES, Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import STATES, Entry, GroupState, check_tensor, identity, state_key, state_of, stream_capturing
+from .group import (STATES, Entry, GroupState, check_tensor, current_raw_stream, identity, state_key, state_of,
+                    stream_capturing)
 from .logs import configure_from_env
 from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
+from .replay import HOT, EagerReplay, HotCall, forget_all
 from .routing import ExptAssignment
 
 log = logging.getLogger("autosymm")
@@ -70,19 +72,38 @@ def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False
     sharing its local tensor is returned. Under torch.compile the call is
     ``torch.ops.autosymm.all_reduce_`` (no graph break); in eager it skips the op dispatcher.
     """
-    # The hot path (an eager SUM of a plain tensor): one key, one dict lookup, one counter. A
-    # tensor's bytes follow from (dtype, numel); a non-contiguous tensor gets its own key, so it
-    # meets the checks of the first call (every launcher also refuses a tensor on another device).
-    if (op is not _SUM and op != "sum") or async_op or type(tensor) is not _Tensor or _dynamo_compiling():
-        return _all_reduce_general(tensor, op, group, async_op)
+    # The hot path: an eager SUM of a plain tensor at an address that has a plan (replay.HOT).
+    # The address fixes the device (unified addressing); dtype, numel and contiguity fix the
+    # prepared call (its key below) with the group; on torch's default stream nothing captures.
+    if op is _SUM and not async_op and type(tensor) is _Tensor and not _dynamo_compiling():
+        hot = HOT.get(tensor.data_ptr())
+        if (hot is not None and hot.group is group and hot.dtype is tensor.dtype and hot.numel == tensor.numel()
+                and tensor.is_contiguous()
+                and (current_raw_stream(hot.device_index) == 0 or not stream_capturing())):
+            hot.entry.calls += 1
+            hot.plan()
+            return tensor
+        return _all_reduce_sum(tensor, group)
+    return _all_reduce_general(tensor, op, group, async_op)
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """An eager or captured SUM of a plain tensor without a hot plan: one key, one dict lookup,
+    one counter; an eager call whose launcher then has a plan for the address makes it hot."""
     state = STATES.get(group) or state_of(group)
-    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum",
-           stream_capturing())
+    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum", stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = _prepare_all_reduce(state, tensor, "sum", key)
     entry.calls += 1
-    return entry.launcher(tensor)
+    launcher = entry.launcher
+    launcher(tensor)
+    if not key[-1] and key[2] and type(launcher) is EagerReplay:
+        addr = tensor.data_ptr()
+        plan = launcher.plan_for(addr)
+        if plan is not None:
+            HOT[addr] = HotCall(group, tensor.dtype, key[1], launcher.device_index, entry, plan)
+    return tensor
 
 
 def _all_reduce_general(tensor, op, group, async_op: bool):
@@ -306,4 +327,5 @@ def reset_barriers(group=None) -> None:
 
 def reset() -> None:
     """Forget every group's state and prepared calls (tests; after destroy_process_group)."""
+    forget_all()
     STATES.clear()

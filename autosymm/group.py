@@ -37,6 +37,16 @@ def _not_capturing() -> bool:
 stream_capturing = torch._C._cuda_isCurrentStreamCapturing if HAS_CUDA else _not_capturing
 
 
+def _no_stream(device_index: int) -> int:
+    return 0
+
+
+#: The raw handle of a device's current stream (0: torch's default stream, on which no capture
+#: can run: torch refuses to capture there, CUDA refuses the legacy stream). A C call that
+#: does not ask the driver, as :data:`stream_capturing` does (0.55 us a call on the 2x H200 node).
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_stream) if HAS_CUDA else _no_stream
+
+
 def check_tensor(x: torch.Tensor, state: GroupState, what: str) -> None:
     if x.device.type != state.device.type or (x.device.type == "cuda" and x.device != state.device):
         raise ValueError(f"autosymm.{what}: tensor is on {x.device}, the group's device is {state.device}")

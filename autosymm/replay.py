@@ -41,6 +41,13 @@ eager calls' addresses up first, capture with ``capture_error_mode="thread_local
 current stream captures apart), so a user's own capture never records a replay, and a warmed-up
 loop captures nothing. The hit path reads a dict under the GIL; the cold path holds a lock.
 
+The hot table. ``HOT`` maps a tensor address to the plan that serves an eager SUM of exactly
+that tensor (:class:`HotCall`: group, dtype, numel, the api entry and the plan), so that
+autosymm.api's hit path checks a handful of attributes and calls the plan, skipping the cache
+key and this wrapper. autosymm.api registers a plan after the wrapper made it; the wrapper
+forgets an evicted address (:func:`forget`); a change of the staging limits (a workspace's
+``empty_bytes``: autosymm.symm) or ``autosymm.reset`` forgets them all (:func:`forget_all`).
+
 Memory. A captured graph's node is the kernel launch on existing buffers. Capture uses the
 graph's own private pool, which torch releases with the graph: whatever is allocated while it
 captures (on the 2x H200 node a first capture once saw 1 KiB appear, from this thread's launch or
@@ -66,6 +73,35 @@ log = logging.getLogger("autosymm")
 MAX_GRAPHS = 32
 #: The call at an address that captures its graph (earlier ones launch directly).
 CAPTURE_AFTER = 2
+
+
+class HotCall:
+    """A plan autosymm.api may call for an eager SUM of a tensor at one address: valid for the
+    ``group`` argument, dtype and numel it was made for (and a contiguous tensor)."""
+
+    __slots__ = ("group", "dtype", "numel", "device_index", "entry", "plan")
+
+    def __init__(self, group: Any, dtype: torch.dtype, numel: int, device_index: int, entry: Any,
+                 plan: Callable[[], None]) -> None:
+        self.group, self.dtype, self.numel, self.device_index = group, dtype, numel, device_index
+        self.entry, self.plan = entry, plan
+
+
+#: Tensor address -> its HotCall. Device addresses are unique per process (unified addressing),
+#: so the address also fixes the device.
+HOT: dict[int, HotCall] = {}
+
+
+def forget(addr: int, plan: Callable[[], None]) -> None:
+    """Drop the hot call of ``addr`` if it runs ``plan`` (an evicted or replaced plan)."""
+    hot = HOT.get(addr)
+    if hot is not None and hot.plan is plan:
+        HOT.pop(addr, None)
+
+
+def forget_all() -> None:
+    """Drop every hot call (staging limits moved, or autosymm.reset)."""
+    HOT.clear()
 
 
 def replay_enabled() -> bool:
@@ -112,7 +148,7 @@ class EagerReplay:
         self.device = device
         # Tensor.get_device() of tensors on the launcher's device (-1: CPU, simulated ranks); an int
         # compare, no torch.device per call. The launcher's own checks tell CPU from CUDA.
-        self._device_index = device.index if device.type == "cuda" else -1
+        self.device_index = device.index if device.type == "cuda" else -1
         self._empty_bytes = self._workspace.empty_bytes  # host state the plans depend on
         self._plans: "OrderedDict[int, Callable[[], None]]" = OrderedDict()  # address -> replay or launch
         self._seen: dict[int, int] = {}  # address -> calls so far, before its capture
@@ -129,22 +165,28 @@ class EagerReplay:
         addr = x.data_ptr()
         plans = self._plans
         plan = plans.get(addr)
-        if (plan is not None and x.get_device() == self._device_index
+        if (plan is not None and x.get_device() == self.device_index
                 and self._workspace.empty_bytes == self._empty_bytes):
             plans.move_to_end(addr)  # least recently used first out
             plan()
             return x
         return self._miss(x)
 
+    def plan_for(self, addr: int) -> Optional[Callable[[], None]]:
+        """The plan of ``addr`` (a graph replay or a bound launch), if it has one now."""
+        return self._plans.get(addr)
+
     def _miss(self, x: torch.Tensor) -> torch.Tensor:
         """A call without a valid plan: through the launcher (all checks), or, at an address's
         ``capture_after``-th call, capture (or bind) its launch and plan it from then on."""
         with self._lock:
             if self._workspace.empty_bytes != self._empty_bytes:  # staging limits moved: replan all
+                for addr, plan in self._plans.items():
+                    forget(addr, plan)
                 self._plans.clear()
                 self._seen.clear()
                 self._empty_bytes = self._workspace.empty_bytes
-            if x.get_device() != self._device_index:
+            if x.get_device() != self.device_index:
                 return self.launcher(x)  # it raises, naming the device
             addr = x.data_ptr()
             plan = self._plans.get(addr)
@@ -191,7 +233,8 @@ class EagerReplay:
         plans[addr] = plan
         plans.move_to_end(addr)
         while len(plans) > self.max_graphs:
-            plans.popitem(last=False)  # a dropped graph is freed once its replays complete
+            dropped, old = plans.popitem(last=False)  # a dropped graph is freed once its replays complete
+            forget(dropped, old)
             self.evictions += 1
 
 

@@ -57,6 +57,7 @@ from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION,
                        DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION,
                        Layout, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL,
                        SIGNAL_SLOTS_PER_RANK, MOE_SIGNAL_SLOT, align, moe_buffer, workspace_layout)
+from .replay import forget_all
 from .settings import default_region_bytes, multicast_disabled_by_env
 
 
@@ -224,10 +225,12 @@ class Workspace:
             )
         tensor = self.local_view("all_reduce", shape, dtype, self.empty_bytes)
         self.empty_bytes += nbytes
+        forget_all()  # plans made under the old staging limits
         return tensor
 
     def reset_empty(self) -> None:
         self.empty_bytes = 0
+        forget_all()
 
     def offset_in_region(self, tensor: torch.Tensor, name: str = "all_reduce") -> Optional[int]:
         """Byte offset of ``tensor`` inside this rank's region ``name``, or None if outside."""

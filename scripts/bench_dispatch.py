@@ -137,7 +137,7 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
     """Host us per call of the pieces of autosymm's eager hit path (no GPU work but the replay
     row): what each costs on this host, beside the whole call above. Device column: 0."""
     from autosymm import api
-    from autosymm.group import stream_capturing
+    from autosymm.group import current_raw_stream, stream_capturing
 
     x = torch.zeros(HOST_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
@@ -151,6 +151,7 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
 
     pieces = {"empty Python call": nothing,
               "stream_capturing()": stream_capturing,
+              "current_raw_stream(index)": lambda: current_raw_stream(x.device.index),
               "x.data_ptr()": x.data_ptr,
               "x.numel()": x.numel,
               "x.is_contiguous()": x.is_contiguous,
@@ -178,7 +179,7 @@ def _all_reduce_loops(numel: int) -> dict:
 
     import autosymm
     from autosymm import api
-    from autosymm.replay import EagerReplay, wrap_eager
+    from autosymm.replay import EagerReplay, forget_all, wrap_eager
 
     x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
     zero_copy = autosymm.empty((numel,), torch.bfloat16).zero_()
@@ -194,7 +195,9 @@ def _all_reduce_loops(numel: int) -> dict:
 
     def autosymm_with(launcher, tensor):
         def call():
-            entry.launcher = launcher  # the api entry runs this launcher (one attribute store)
+            if entry.launcher is not launcher:  # the api entry runs this launcher; hot plans of another are dropped
+                entry.launcher = launcher
+                forget_all()
             return autosymm.all_reduce(tensor)
         return call
 
@@ -280,8 +283,10 @@ def _stub_report(calls: int, repeats: int) -> None:
     autosymm.all_reduce(x)  # a 1-rank group: the no-op decision; its entry then runs our launcher
     entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", False)]
     entry.launcher = graphed
+    autosymm.all_reduce(x), autosymm.all_reduce(x)  # capture: the address is hot from now on
     print(f"  autosymm.all_reduce -> graph replay (stub):  {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
     entry.launcher = launcher
+    api.forget_all()
     print(f"  autosymm.all_reduce -> launcher (checked):   {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
     dist.destroy_process_group()
 

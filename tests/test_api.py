@@ -120,3 +120,93 @@ def test_a_graph_mode_call_only_a_non_capturable_backend_serves_is_a_clear_error
     with pytest.raises(RuntimeError, match=r"cannot be captured in a CUDA graph: only nccl_all_to_all.*"
                                            r"triton_moe: the output needs 939524096 bytes.*AUTOSYMM_WORKSPACE_BYTES"):
         state.prepare(problem, "graph")
+
+
+# ------------------------------------------------------------------------------------------
+# The eager hit path (replay.HOT), in process on a 1-rank gloo group with a fake launcher
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hot_group(tmp_path, monkeypatch):
+    """A 1-rank gloo world whose bf16 x 64 eager SUM entry runs an EagerReplay of a fake
+    launcher (capture after 2 calls); yields (autosymm, api, fake launcher, slow-path calls)."""
+    import torch.distributed as dist
+
+    import autosymm
+    from autosymm import api, replay
+    from test_replay import FakeGraph, FakeLauncher
+
+    monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "user.sqlite"))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    autosymm.reset()
+    try:
+        x = torch.zeros(64, dtype=torch.bfloat16)
+        autosymm.all_reduce(x)  # prepares the entry (world size 1: the identity)
+        entry = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)]
+        launcher = FakeLauncher()
+        entry.launcher = replay.EagerReplay(launcher, lambda launch, device: FakeGraph(launch, launcher.log))
+        slow = []
+        real = api._all_reduce_sum
+        monkeypatch.setattr(api, "_all_reduce_sum", lambda t, g: slow.append(t.data_ptr()) or real(t, g))
+        yield autosymm, api, launcher, slow
+    finally:
+        autosymm.reset()
+        dist.destroy_process_group()
+
+
+def test_a_planned_address_takes_the_hot_path(hot_group):
+    autosymm, api, launcher, slow = hot_group
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    addr = x.data_ptr()
+    for _ in range(2):  # checked call, then capture + replay: the plan exists afterwards
+        assert autosymm.all_reduce(x) is x
+    assert len(slow) == 2 and addr in api.HOT
+    calls = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)].calls
+    before = len(launcher.log)
+    assert autosymm.all_reduce(x) is x
+    assert len(slow) == 2 and launcher.log[before:] == ["replay", ("bound", addr)]  # the plan ran
+    assert api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)].calls == calls + 1  # stats count it
+
+
+def test_the_hot_path_refuses_another_dtype_layout_group_or_a_capture(hot_group, monkeypatch):
+    import torch.distributed as dist
+
+    autosymm, api, launcher, slow = hot_group
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    for _ in range(2):
+        autosymm.all_reduce(base)
+    n = len(slow)
+    autosymm.all_reduce(base.view(torch.float16))  # same address and numel, other dtype
+    with pytest.raises(ValueError, match="not contiguous"):  # same address and numel: the checks refuse it
+        autosymm.all_reduce(base.view(8, 8).t())
+    autosymm.all_reduce(base[:32])  # same address, other numel
+    autosymm.all_reduce(base, group=dist.group.WORLD)  # the same state under another name
+    assert len(slow) == n + 4
+    monkeypatch.setattr(api, "current_raw_stream", lambda index: 1234)  # a side stream ...
+    monkeypatch.setattr(api, "stream_capturing", lambda: True)  # ... that captures
+    autosymm.all_reduce(base, group=dist.group.WORLD)  # graph mode: its own key
+    assert len(slow) == n + 5 and (torch.bfloat16, 64, True, "sum", True) in api.STATES[None].cache
+
+
+def test_hot_plans_are_forgotten_on_eviction_new_staging_limits_and_reset(hot_group):
+    autosymm, api, launcher, slow = hot_group
+    wrapper = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)].launcher
+    wrapper.max_graphs = 1
+    x, y = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
+    for _ in range(2):
+        autosymm.all_reduce(x)
+    assert x.data_ptr() in api.HOT
+    for _ in range(2):
+        autosymm.all_reduce(y)  # y's plan evicts x's
+    assert x.data_ptr() not in api.HOT and y.data_ptr() in api.HOT
+    launcher.workspace.empty_bytes = 256  # as autosymm.empty does, which also forgets every hot plan
+    api.forget_all()
+    n = len(slow)
+    autosymm.all_reduce(y)
+    assert len(slow) == n + 1 and y.data_ptr() not in api.HOT  # replanned from scratch
+    for _ in range(2):
+        autosymm.all_reduce(y)
+    assert y.data_ptr() in api.HOT
+    autosymm.reset()
+    assert not api.HOT

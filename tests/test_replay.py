@@ -177,7 +177,7 @@ def test_a_tensor_on_another_device_goes_through_the_checks():
     launcher, captured, wrapped = _wrapped(capture_after=1)
     x = torch.zeros(8, dtype=torch.bfloat16)
     wrapped(x)
-    wrapped._device_index = 0  # as if the launcher served cuda:0 and x were elsewhere
+    wrapped.device_index = 0  # as if the launcher served cuda:0 and x were elsewhere
     wrapped(x)
     assert launcher.log[-1] == ("call", x.data_ptr()) and len(captured) == 1
 

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from ..dispatch import Decision
 from ..problem import Problem
+from ..replay import EagerReplay, wrap_eager
 from .outcome import Candidate
 from .reference import ProblemData, check_output
 from .sweep import TimingPlan
@@ -41,6 +43,8 @@ class SweepEvaluator:
 
     def prepare(self, candidate: Candidate):
         launcher = self.backends[candidate.backend].prepare(self.problem, candidate.config, self.ctx)
+        if self.mode == "eager":  # what autosymm.group prepares for an eager call: replays where it can
+            launcher = wrap_eager(launcher, Decision(candidate.backend, candidate.config, "tuning", mode="eager"))
         self.data.refresh()
         ws = self.ctx.workspace
         if ws is not None:
@@ -70,7 +74,12 @@ class SweepEvaluator:
             timing = time_graph(launcher, self.data.timing_args(), warmup=plan.warmup, repeats=plan.repeats,
                                 calls_per_graph=plan.calls_per_graph)
         else:
-            timing = time_eager(launcher, self.data.timing_args(), warmup=plan.warmup, repeats=plan.repeats,
+            inputs = self.data.timing_args()
+            if isinstance(launcher, EagerReplay):  # every input's graph captured before the clock runs
+                for args in inputs:
+                    for _ in range(launcher.capture_after):
+                        launcher(*args)
+            timing = time_eager(launcher, inputs, warmup=plan.warmup, repeats=plan.repeats,
                                 calls_per_sample=plan.calls_per_sample)
         self._check_barriers("timing")
         return timing

@@ -143,6 +143,16 @@ def _api_level(check):
         check(lambda t: (g_in.copy_(t), graph.replay(), t.copy_(g_in)), x)
     if isinstance(entry.launcher, EagerReplay):
         assert entry.launcher.captures >= 1 and x.data_ptr() in entry.launcher._plans
+        assert x.data_ptr() in api.HOT, "a planned address takes the hot path"
+    # a hot address captured in a graph (a capturing side stream: graph mode, not the hot plan),
+    # and eager calls of it on a side stream (not capturing: the hot plan)
+    hot_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(hot_graph):
+        autosymm.all_reduce(x)
+    for _ in range(3):
+        check(lambda t: hot_graph.replay(), x)
+        check(_on_side_stream(autosymm.all_reduce), x)
+        check(autosymm.all_reduce, x)
 
 
 def _replay_body(rank, world_size):

@@ -60,6 +60,9 @@ class FakeData:
         self.expected = torch.arange(16, dtype=torch.float32)
         self.mask, self.exact = None, True
 
+    def refresh(self):
+        pass
+
     def validation_args(self):
         return (torch.zeros(16),)
 
@@ -210,3 +213,41 @@ def test_a_barrier_timeout_on_one_rank_fails_the_candidate_everywhere_and_the_sw
     assert r0["resets"] == [0, 0] and r1["resets"] == [0, 1]
     assert r0["errors_left"] == r1["errors_left"] == 0
     assert r0["device_barriers"] == r1["device_barriers"] == 4  # one per measured candidate
+
+
+def test_eager_candidates_are_timed_as_the_runtime_runs_them():
+    """An eager Triton all-reduce candidate is wrapped as autosymm.group wraps it (replay.wrap_eager)
+    and every timing input is planned before the clock runs: the timed calls are hits."""
+    from autosymm.replay import EagerReplay
+
+    ws = CpuWorkspace()
+
+    class Launcher:  # a Triton all-reduce launcher's interface: checked call, bind, workspace
+        workspace = ws
+
+        def __init__(self):
+            self.log = []
+
+        def __call__(self, x):
+            self.log.append("call")
+            return x.copy_(torch.arange(16, dtype=torch.float32))  # in place, as an all-reduce
+
+        def bind(self, x):
+            return lambda: self.log.append("bound")
+
+    launcher = Launcher()
+
+    class Backend:
+        def prepare(self, problem, config, ctx):
+            return launcher
+
+    evaluator = SweepEvaluator(Problem.all_reduce(64, "fp32", 2), "eager", {"triton_one_shot": Backend()},
+                               FakeData(), RunContext(workspace=ws), PLAN)
+    wrapped = evaluator.prepare(Candidate("triton_one_shot", None))
+    assert isinstance(wrapped, EagerReplay) and wrapped.launcher is launcher
+    timing = evaluator.measure(wrapped)
+    timed = PLAN.warmup + PLAN.repeats * PLAN.calls_per_sample
+    assert timing.ok and launcher.log[-timed:] == ["bound"] * timed  # no checked call, no planning, while timed
+    graph = SweepEvaluator(Problem.all_reduce(64, "fp32", 2), "graph", {"triton_one_shot": Backend()},
+                           FakeData(), RunContext(workspace=ws), PLAN)
+    assert graph.prepare(Candidate("triton_one_shot", None)) is launcher  # graph mode: captured as it is
