@@ -168,29 +168,36 @@ def _moe_equal(got, expected, op, expt_indx, assignment, rank) -> bool:
 
 
 def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
-    """autosymm's and the NCCL all_to_all path's rows for one MoE problem: both outputs checked
-    against the NCCL path's (it is the reference), then timed in every mode it can run in."""
+    """autosymm's, the NCCL all_to_all path's and the plain path's (autosymm.tuning.moe_plain)
+    rows for one MoE problem: every output checked against the NCCL path's (the reference; the
+    plain path's rows in its arrival order), then timed in every mode it can run in."""
     import autosymm
 
     from ..backends import RunContext, get_backend
+    from .moe_plain import NOT_CAPTURABLE, PLAIN_IMPL, plain, plain_rows
 
-    rank = dist.get_rank(setup.group)
+    rank, world_size = dist.get_rank(setup.group), dist.get_world_size(setup.group)
     nbytes = problem.nbytes * problem.shape.n_expts_act  # the rows each rank sends
     baseline = get_backend("nccl_all_to_all")
     nccl = baseline.prepare(problem, None, RunContext(group=setup.group, workspace=setup.workspace))
     auto = autosymm.convert_dp_to_ep if problem.op == "dp_to_ep" else autosymm.convert_ep_to_dp
     expected = nccl(*args).clone()
     expt_indx, assignment = args[2], args[1]
+    plain_expected = expected[plain_rows(problem.op, assignment, expt_indx, args[3], rank, world_size)]
     rows = []
-    for impl, fn in (("autosymm", auto), ("nccl", nccl)):
+    for impl, fn in (("autosymm", auto), ("nccl", nccl), (PLAIN_IMPL, plain(problem.op, rank, world_size, setup.group))):
         got = fn(*args)
-        ok = _agree(_moe_equal(got, expected, problem.op, expt_indx, assignment, rank), setup.group, setup.device)
+        right = torch.equal(got, plain_expected) if impl == PLAIN_IMPL else \
+            _moe_equal(got, expected, problem.op, expt_indx, assignment, rank)
+        ok = _agree(right, setup.group, setup.device)
         for mode in modes:
-            why_not = baseline.why_not(problem, caps, mode) if impl == "nccl" else None
+            why_not = baseline.why_not(problem, caps, mode) if impl == "nccl" else \
+                NOT_CAPTURABLE if impl == PLAIN_IMPL and mode == "graph" else None
+            backend = autosymm.api.state_of(None).decide(problem, mode).backend if impl == "autosymm" else \
+                baseline.name if impl == "nccl" else "index_select + all_to_all_single"
             if why_not is not None:
-                rows.append(BenchRow(problem.op, label, nbytes, mode, impl, None, baseline.name, why_not))
+                rows.append(BenchRow(problem.op, label, nbytes, mode, impl, None, backend, why_not))
                 continue
-            backend = autosymm.api.state_of(None).decide(problem, mode).backend if impl == "autosymm" else baseline.name
             us = _measure(fn, [args], bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
             rows.append(BenchRow(problem.op, label, nbytes, mode, impl, us, backend,
                                  "" if ok else "failed, not timed: output differs from the NCCL path's"))

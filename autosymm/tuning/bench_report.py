@@ -21,8 +21,10 @@ from ..problem import format_bytes, parse_bytes, parse_size_range
 #: All-reduce implementations, in table order (see autosymm.tuning.bench_baselines).
 ALL_REDUCE_IMPLS = ("nccl", "torch_one_shot", "torch_two_shot", "torch_one_shot_copy", "torch_two_shot_copy",
                     "autosymm", "autosymm_zero_copy")
-#: MoE conversion implementations: autosymm's dispatcher and the plain NCCL all_to_all path.
-MOE_IMPLS = ("autosymm", "nccl")
+#: MoE conversion implementations: autosymm's dispatcher, its NCCL all_to_all path (backend
+#: nccl_all_to_all) and the plain path a user writes (autosymm.tuning.moe_plain).
+MOE_IMPLS = ("autosymm", "nccl", "plain_all_to_all")
+MOE_OTHERS = ("nccl", "plain_all_to_all")
 AUTOSYMM_IMPLS = ("autosymm", "autosymm_zero_copy")
 NO_COPY_OTHERS = ("nccl", "torch_one_shot", "torch_two_shot")
 COPY_OTHERS = ("nccl", "torch_one_shot_copy", "torch_two_shot_copy")
@@ -81,7 +83,7 @@ def others_of(op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(no-copy others, with-copy others) autosymm is compared with for ``op``."""
     if op == "all_reduce":
         return NO_COPY_OTHERS, COPY_OTHERS
-    return ("nccl",), ("nccl",)
+    return MOE_OTHERS, MOE_OTHERS
 
 
 def best_of(times: dict[str, Optional[float]], impls: tuple[str, ...]) -> Optional[tuple[str, float]]:
@@ -230,15 +232,17 @@ def _moe_table(result: BenchResult, op: str):
     from rich.table import Table
 
     table = Table(title=f"{op}: median us per call (MAX over ranks); link GB/s = rows leaving the rank / time")
-    for column in ["shape/tokens", "mode", *MOE_IMPLS, "chosen", "autosymm / nccl", "link GB/s autosymm",
-                   "link GB/s nccl", "autosymm % peer write"]:
+    for column in ["shape/tokens", "mode", *MOE_IMPLS, "chosen", "autosymm / plain", "autosymm / best other",
+                   *[f"link GB/s {i}" for i in MOE_IMPLS], "autosymm % peer write"]:
         table.add_column(column, overflow="fold")
     for (label, mode), cell in cells(result.rows, op).items():
         gbps = {i: moe_link_gbps(r.nbytes, r.us, result.world_size) for i, r in cell.items() if r.us}
         auto = gbps.get("autosymm")
         share = f"{auto / result.peer_write_gbps:.0%}" if auto and result.peer_write_gbps else "-"
         chosen = cell["autosymm"].backend if "autosymm" in cell else "-"
-        table.add_row(label, mode, *[_us(cell.get(i)) for i in MOE_IMPLS], chosen or "-",
+        mine, plain = cell.get("autosymm"), cell.get("plain_all_to_all")
+        vs_plain = mine.us / plain.us if mine and plain and mine.us and plain.us else None
+        table.add_row(label, mode, *[_us(cell.get(i)) for i in MOE_IMPLS], chosen or "-", _x(vs_plain),
                       _x(compare(cell, op).vs_no_copy), *[f"{gbps[i]:.1f}" if i in gbps else "-" for i in MOE_IMPLS],
                       share)
     return table

@@ -50,9 +50,11 @@ def test_all_reduce_rows_are_validated_and_timed(result):
 
 def test_moe_rows(result):
     rows = [r for r in result.rows if r.op in ("dp_to_ep", "ep_to_dp")]
-    assert {(r.op, r.impl) for r in rows} == {(op, impl) for op in ("dp_to_ep", "ep_to_dp") for impl in ("autosymm", "nccl")}
-    assert all(r.us and r.us > 0 for r in rows), rows  # both agree with the NCCL path
+    assert {(r.op, r.impl) for r in rows} == {(op, impl) for op in ("dp_to_ep", "ep_to_dp")
+                                              for impl in ("autosymm", "nccl", "plain_all_to_all")}
+    assert all(r.us and r.us > 0 for r in rows), rows  # all agree with the NCCL path
     assert {r.backend for r in rows if r.impl == "nccl"} == {"nccl_all_to_all"}
+    assert {r.backend for r in rows if r.impl == "plain_all_to_all"} == {"index_select + all_to_all_single"}
     assert all(r.nbytes == 4 * 2 * 64 * 2 for r in rows)  # tokens x top-k x d_model x bf16
 
 
@@ -63,6 +65,7 @@ def test_table_and_csv(result, tmp_path):
     assert "all_reduce: median us" in text and "4KiB" in text and "6kB" in text and "…" not in text
     assert "autosymm / best no-copy" in text and "autosymm / best with-copy" in text
     assert "dp_to_ep: median us" in text and "link GB/s nccl" in text and result.comm_env in text
+    assert "link GB/s plain_all_to_all" in text and "autosymm / plain" in text
     assert "all_reduce torch_two_shot (4KiB eager, 6kB eager): no torch symmetric memory" in text
     path = tmp_path / "bench.csv"
     write_bench_csv(result, str(path))
@@ -94,7 +97,8 @@ ROWS = (_cell("6kB", "eager", nccl=30.0, torch_one_shot=9.0, torch_two_shot=7.5,
               torch_two_shot_copy=20.0, autosymm=8.25, autosymm_zero_copy=7.0)
         + _cell("6kB", "graph", nccl=11.0, torch_one_shot=None, torch_two_shot=8.0, torch_one_shot_copy=None,
                 torch_two_shot_copy=None, autosymm=4.0, autosymm_zero_copy=None)
-        + _cell("4 tok", "eager", op="dp_to_ep", autosymm=50.0, nccl=40.0))
+        + _cell("4 tok", "eager", op="dp_to_ep", autosymm=50.0, nccl=40.0)
+        + _cell("8 tok", "eager", op="ep_to_dp", autosymm=50.0, nccl=80.0, plain_all_to_all=45.0))
 
 
 def test_best_other_with_and_without_copy():
@@ -116,12 +120,15 @@ def test_ratios_per_call_and_mode():
     assert compare(by_cell[("6kB", "graph")], "all_reduce", "autosymm_zero_copy").vs_no_copy is None  # not timed
     moe = compare(cells(ROWS, "dp_to_ep")[("4 tok", "eager")], "dp_to_ep")
     assert moe.vs_no_copy == moe.vs_copy == pytest.approx(1.25)  # MoE: against the NCCL path
+    plain = compare(cells(ROWS, "ep_to_dp")[("8 tok", "eager")], "ep_to_dp")
+    assert plain.best_no_copy == ("plain_all_to_all", 45.0)  # the faster of the two NCCL paths
 
 
 def test_losses_name_the_winner_and_the_baseline_kind():
     assert losses(ROWS) == [
         "all_reduce 6kB eager: autosymm 8.25 us = 1.10x torch_two_shot (7.50 us, no copy)",
         "dp_to_ep 4 tok eager: autosymm 50.00 us = 1.25x nccl (40.00 us, no copy and with copy)",
+        "ep_to_dp 8 tok eager: autosymm 50.00 us = 1.11x plain_all_to_all (45.00 us, no copy and with copy)",
     ]
     slow_zero_copy = [BenchRow("all_reduce", "4KiB", 4096, "graph", impl, us) for impl, us in
                       (("nccl", 9.0), ("torch_two_shot", 5.0), ("torch_two_shot_copy", 6.0),
