@@ -31,6 +31,7 @@ def ptx_features(ptx: str) -> dict:
         "peer_v4_loads": len(re.findall(r"ld\.global\.cg\.v4\.b32", ptx)),
         "peer_scalar_loads": len(re.findall(r"ld\.global\.cg\.(?:b16|b32) ", ptx)),
         "v4_stores": len(re.findall(r"st\.global\.v4\.b32", ptx)),
+        "scalar_stores": len(re.findall(r"st\.global(?:\.\w+)*\.b16 ", ptx)),
         "signals": len(re.findall(r"(?:atom|red)\.global\.sys\.release\.add", ptx)),
         "acquire_polls": len(re.findall(r"ld\.global\.sys\.acquire|atom\.global\.sys\.acquire", ptx)),
         "ld_reduce": re.findall(r"multimem\.ld_reduce\.relaxed\.sys\.global\.add\.([\w:.]+)", ptx),

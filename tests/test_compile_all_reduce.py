@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from _sm90 import compile_in_subprocesses, ptx_features
 
-# (kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned[, double_buffer])
+# (kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned[, double_buffer[, tail]])
 CASES = [
     ("one_shot", "bf16", 2, 1024, 4, False, True, True),
     ("one_shot", "fp16", 4, 4096, 8, False, True, True),
@@ -36,12 +36,20 @@ CASES = [
     ("one_shot_push", "fp32", 8, 16384, 32, False, True, True, True),
 ]
 DOUBLE_TWINS = {12: 0, 13: 2, 14: 5, 18: 15, 19: 17}  # double-buffered case -> its single-buffer twin
+# TAIL (numel a multiple of 16 bytes' worth of elements): twins of CASES[0], [15], [17], [18]
+CASES += [
+    ("one_shot", "bf16", 2, 1024, 4, False, True, True, False, 8),
+    ("one_shot_push", "bf16", 2, 4096, 8, False, True, True, False, 8),
+    ("one_shot_push", "fp32", 8, 16384, 32, False, True, True, False, 4),
+    ("one_shot_push", "bf16", 2, 4096, 8, False, True, True, True, 8),
+]
+TAIL_TWINS = {20: 0, 21: 15, 22: 17, 23: 18}  # TAIL case -> its TAIL=1 twin
 
 
 def _case(i):
     """CASES[i] with the double_buffer flag filled in."""
     case = CASES[i]
-    return case if len(case) == 9 else (*case, False)
+    return (*case, False, 1)[:10] if len(case) == 8 else (*case, 1)[:10]
 
 VEC_TYPE = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "v4.f32"}
 
@@ -57,7 +65,7 @@ def _compile_cases(indices: list[int]) -> dict:
 
     out = {}
     for i in indices:
-        kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned, double_buffer = _case(i)
+        kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned, double_buffer, tail = _case(i)
         signature = {"x_ptr": f"*{dtype}", "region_ptrs": "*i64", "signal_ptrs": "*i64", "numel": "i32",
                      "stage_offset": "i64"}
         constexprs = dict(RANK=world_size - 1, WORLD_SIZE=world_size, BLOCK=block, ZERO_COPY=zero_copy,
@@ -65,12 +73,12 @@ def _compile_cases(indices: list[int]) -> dict:
         fn = _one_shot_all_reduce
         if kernel == "one_shot":
             signature.update(half_bytes="i64")
-            constexprs.update(DOUBLE_BUFFER=double_buffer)
+            constexprs.update(DOUBLE_BUFFER=double_buffer, TAIL=tail)
         elif kernel == "one_shot_push":
             fn = _push_one_shot_all_reduce
             signature.update(slot_bytes="i64", half_bytes="i64")
             del constexprs["ZERO_COPY"]
-            constexprs.update(DOUBLE_BUFFER=double_buffer)
+            constexprs.update(DOUBLE_BUFFER=double_buffer, TAIL=tail)
         else:
             fn = _two_shot_all_reduce
             signature.update(seg_vecs="i32", mc_base="i64")
@@ -91,9 +99,11 @@ def features():
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c[:5])) + ("-zc" if c[5] else "")
-                                                         + ("-db" if _case(i)[8] else "") for i, c in enumerate(CASES)])
+                                                         + ("-db" if _case(i)[8] else "")
+                                                         + (f"-tail{_case(i)[9]}" if _case(i)[9] > 1 else "")
+                                                         for i, c in enumerate(CASES)])
 def test_compiles_for_sm90(features, case):
-    kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned, double_buffer = _case(case)
+    kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned, double_buffer, _ = _case(case)
     got = features[case]
     peers = world_size - 1
     # all kernels here signal twice in the code (ZERO_COPY one-shot: once per round), except the
@@ -137,3 +147,13 @@ def test_double_buffer_drops_one_cross_gpu_wait(features, double, single):
     assert without["acquire_polls"] - with_db["acquire_polls"] == 2 * peers  # first poll + the spin loop's
     for key in ("peer_v4_loads", "v4_stores", "peer_scalar_loads"):
         assert with_db[key] == without[key], key  # the data path is unchanged
+
+
+@pytest.mark.parametrize("tail_case, twin", sorted(TAIL_TWINS.items()))
+def test_a_ragged_chunk_keeps_16_byte_accesses_when_numel_is_whole_vectors(features, tail_case, twin):
+    """Masked tail chunk: with TAIL the masks are uniform over 16 bytes, so no peer load and no
+    store is scalar (each would be one NVLink transaction per element); without, they are."""
+    tail, plain = features[tail_case], features[twin]
+    assert plain["peer_scalar_loads"] + plain["scalar_stores"] > 0
+    assert tail["peer_scalar_loads"] == 0 and tail["scalar_stores"] == 0, tail
+    assert tail["peer_v4_loads"] + tail["v4_stores"] > plain["peer_v4_loads"] + plain["v4_stores"]

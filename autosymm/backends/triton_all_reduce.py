@@ -84,10 +84,13 @@ class _AllReduceLauncher:
             self.mc_base = workspace.multicast_ptr + workspace.regions[CHANNEL].offset
         self.config = config
         self._one_shot = algorithm == "one_shot"
-        self._seg_div = self.world_size * (16 // self.elem_bytes)  # elements per 16 bytes of every rank
-        # key: (zero_copy, aligned, x_aligned, phase, double_buffer)
-        self._variants: dict[tuple[bool, bool, bool, int, bool], LeanLauncher] = {}
-        self._direct: dict[tuple[bool, bool, bool, int, bool], Callable[..., None]] = {}
+        self._two_shot = not (self._one_shot or self._push)
+        self._vec = 16 // self.elem_bytes  # elements per 16 bytes
+        self._seg_div = self.world_size * self._vec  # elements per 16 bytes of every rank
+        # key: (zero_copy, aligned, x_aligned, phase, double_buffer, tail): tail = the one-shots'
+        # TAIL, elements numel is a multiple of (16 bytes' worth, or 1)
+        self._variants: dict[tuple[bool, bool, bool, int, bool, int], LeanLauncher] = {}
+        self._direct: dict[tuple[bool, bool, bool, int, bool, int], Callable[..., None]] = {}
         self._region_addr = int(self.region_ptrs.data_ptr())  # the workspace keeps these tensors alive
         self._signal_addr = int(self.signal_ptrs.data_ptr())
 
@@ -142,11 +145,12 @@ class _AllReduceLauncher:
             return None  # the sum over one rank is x itself
         addr = x.data_ptr()
         x_aligned = addr % 16 == 0
+        tail = self._vec if numel % self._vec == 0 and not self._two_shot else 1
         if self._push:
             key, sizes = self._push_args(x, addr, numel, nbytes, x_aligned)
-            return key, addr, sizes
+            return (*key, tail), addr, sizes
         if self.region_start <= addr and addr + nbytes <= self.region_end:  # zero-copy
-            key = (True, x_aligned, x_aligned, phase, False)
+            key = (True, x_aligned, x_aligned, phase, False, tail)
             offset = addr - self.region_start
         else:
             if addr < self.region_end and addr + nbytes > self.region_start:
@@ -156,10 +160,10 @@ class _AllReduceLauncher:
                 if addr < self.double_end and addr + nbytes > self.double_start:
                     raise BackendError(f"tensor {tuple(x.shape)} lies in the all-reduce double buffer, where "
                                        "it would be staged onto itself")
-                key = (False, True, x_aligned, phase, True)
+                key = (False, True, x_aligned, phase, True, tail)
                 offset = self.double_offset
             else:
-                key = (False, True, x_aligned, phase, False)
+                key = (False, True, x_aligned, phase, False, tail)
                 offset = self.capacity - (nbytes + ALIGN - 1) // ALIGN * ALIGN
                 if offset < self.workspace.empty_bytes:  # staging from the top must not reach empty()'s tensors
                     raise BackendError(
@@ -194,7 +198,8 @@ class _AllReduceLauncher:
         return (False, True, x_aligned, 0, double), (numel, offset, slot_bytes, self.half_bytes)
 
     # -- cold path --------------------------------------------------------------------------
-    def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int, double: bool) -> LeanLauncher:
+    def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int, double: bool,
+                 tail: int) -> LeanLauncher:
         """The launcher of one kernel specialisation (triton also specialises on x's alignment)."""
         if self.algorithm == "multimem" and not aligned:
             raise BackendError("triton_multimem needs a 16-byte aligned tensor; this zero-copy tensor "
@@ -205,19 +210,19 @@ class _AllReduceLauncher:
             if phase:
                 raise ValueError("one-shot has no phases")
             kernel = _one_shot_all_reduce
-            constexprs.update(DOUBLE_BUFFER=double)
+            constexprs.update(DOUBLE_BUFFER=double, TAIL=tail)
         elif self._push:
             if phase:
                 raise ValueError("push one-shot has no phases")
             kernel = _push_one_shot_all_reduce
             del constexprs["ZERO_COPY"]
-            constexprs.update(DOUBLE_BUFFER=double)
+            constexprs.update(DOUBLE_BUFFER=double, TAIL=tail)
         else:
             kernel = _two_shot_all_reduce
             constexprs.update(MULTIMEM=self.algorithm == "multimem", PHASE=phase)
         launcher = LeanLauncher(kernel, (self.config.num_blocks,), constexprs, num_warps=self.config.num_warps,
                                 num_stages=1)
-        self._variants[(zero_copy, aligned, x_aligned, phase, double)] = launcher
+        self._variants[(zero_copy, aligned, x_aligned, phase, double, tail)] = launcher
         return launcher
 
     def _bad_input(self, x: torch.Tensor) -> BackendError:

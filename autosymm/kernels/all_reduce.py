@@ -68,6 +68,16 @@ def _stage_ptr(region_ptrs, rank, stage_offset, ALIGNED: tl.constexpr, ELEM: tl.
 
 
 @triton.jit
+def _whole_vectors(numel, TAIL: tl.constexpr):
+    """``numel`` itself, which the launcher guarantees a multiple of TAIL elements (16 bytes, or
+    1): rounding it down tells the compiler so, and the masks of a ragged last chunk then keep
+    16-byte loads and stores (over NVLink a masked scalar access per element costs microseconds)."""
+    if TAIL > 1:
+        numel = numel // TAIL * TAIL
+    return numel
+
+
+@triton.jit
 def _chunks(numel, BLOCK: tl.constexpr):
     """(program id, programs, BLOCK-wide chunks, full chunks, lane offsets) of a one-shot call:
     program ``pid`` owns chunks pid, pid + programs, ... (see the module docstring)."""
@@ -201,7 +211,8 @@ def _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK: tl.constexpr):
 @triton.jit(do_not_specialize=["numel", "stage_offset", "half_bytes"])
 def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage_offset: tl.int64,
                          half_bytes: tl.int64, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                         ZERO_COPY: tl.constexpr, ALIGNED: tl.constexpr, DOUBLE_BUFFER: tl.constexpr):
+                         ZERO_COPY: tl.constexpr, ALIGNED: tl.constexpr, DOUBLE_BUFFER: tl.constexpr,
+                         TAIL: tl.constexpr = 1):
     """x = sum over ranks of x; every rank reads every peer's stage (see the module docstring).
 
     ZERO_COPY invariant: a peer reads chunk c of our ``x`` before it signals the barrier that
@@ -247,6 +258,7 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
     """
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     tl.static_assert(not (DOUBLE_BUFFER and ZERO_COPY), "a zero-copy input is not staged: no double buffer")
+    numel = _whole_vectors(numel, TAIL)
     pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     if DOUBLE_BUFFER:
         epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)

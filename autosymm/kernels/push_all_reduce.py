@@ -12,7 +12,7 @@ are those of autosymm.kernels.all_reduce (its module docstring).
 import triton
 import triton.language as tl
 
-from .all_reduce import _advance_epoch, _chunks, _epoch_stage, _stage_ptr
+from .all_reduce import _advance_epoch, _chunks, _epoch_stage, _stage_ptr, _whole_vectors
 from .barrier import barrier, signal_peers, wait_peers
 
 
@@ -86,7 +86,7 @@ def _wait_and_reduce(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, 
 def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage_offset: tl.int64,
                               slot_bytes: tl.int64, half_bytes: tl.int64, RANK: tl.constexpr,
                               WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                              DOUBLE_BUFFER: tl.constexpr):
+                              DOUBLE_BUFFER: tl.constexpr, TAIL: tl.constexpr = 1):
     """x = sum over ranks of x; every rank *writes* its x into every peer's stage, then sums
     its own stage locally (see the module docstring).
 
@@ -115,6 +115,7 @@ def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, 
     m-1 (other parity) waited for r's signal of call m-1, which r sent after its call m-2
     (the previous one of parity h, whose reads of half h it completed) returned.
     """
+    numel = _whole_vectors(numel, TAIL)
     pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     if DOUBLE_BUFFER:
         epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
