@@ -57,7 +57,7 @@ def _torch_splits(op, owner, expt_indx, indx, rank, world_size):
 @pytest.mark.parametrize("world_size,k,index_dtype,corrupt,mode", [
     (2, 4, torch.int32, False, "one_program"), (2, 6, torch.int64, True, "chunks"),
     (3, 2, torch.int16, True, "one_program_tiles"), (3, 5, torch.int32, False, "chunks"),
-    (4, 3, torch.int64, True, "one_program"), (4, 4, torch.int32, True, "chunks"),
+    (4, 3, torch.int64, True, "one_program"), (4, 4, torch.int32, True, "chunks"), (1, 3, torch.int32, True, "chunks"),
 ])
 def test_kernel_splits_equal_the_torch_splits(monkeypatch, world_size, k, index_dtype, corrupt, mode):
     for name, value in zip(("ONE_PROGRAM_MAX_ITEMS", "SPLIT_BLOCK", "SPLIT_GRID"), MODES[mode]):
@@ -81,6 +81,29 @@ def test_buffers_grow_once_and_launchers_are_made_once_per_specialisation(monkey
         got = plan(owner, expt_indx, topk)
         want = _torch_splits("ep_to_dp", owner, expt_indx, topk, 1, 2)
         assert torch.equal(got.send_rows, want.send_rows) and torch.equal(got.recv_rows, want.recv_rows)
-    (buffers,) = plan._buffers.values()
+    ((buffers, _),) = plan._buffers.values()
     assert buffers[1].numel() == 32  # next power of two of the largest call (2 * 5 * 2 items)
     assert len(plan._launchers) == 1
+
+
+def test_bound_launches_pass_the_addresses_of_the_same_tensors():
+    """Once a LeanLauncher is bound (on a GPU), DeviceSplits passes int addresses: the kernel then
+    sees the very tensors the first, unbound call passed (here: addresses mapped back to them)."""
+    plan = nccl.DeviceSplits("dp_to_ep", 1, 3)
+    owner, expt_indx, gate, _ = _routing(3, 4, 3, 5, torch.int32, True)
+    first = plan(owner, expt_indx, gate)
+    want = (first.send_rows.clone(), first.send_counts, first.recv_rows.clone(), first.recv_counts)
+    ((buffers, _),) = plan._buffers.values()
+    tensors = {t.data_ptr(): t for t in (expt_indx, gate, owner, *buffers)}
+    bound = []
+    for launcher in (launcher for launchers in plan._launchers.values() for launcher in launchers):
+        def direct(*args, launcher=launcher):
+            bound.append(args)
+            launcher.fn[launcher.grid](*(tensors[arg] for arg in args[:7]), *args[7:], **launcher.constexprs,
+                                       **launcher.options)
+        launcher._launch = direct
+    buffers[1].fill_(-1), buffers[2].fill_(-1), buffers[3].fill_(-1)
+    got = plan(owner, expt_indx, gate)
+    assert len(bound) == 1 and all(isinstance(arg, int) for arg in bound[0])
+    assert torch.equal(got.send_rows, want[0]) and got.send_counts == want[1]
+    assert torch.equal(got.recv_rows, want[2]) and got.recv_counts == want[3]

@@ -19,11 +19,11 @@ CUDA device (or under TRITON_INTERPRET) the partition and the split sizes come f
 autosymm.kernels.moe_splits (one launch, or two for calls over ONE_PROGRAM_MAX_ITEMS items) into
 cached buffers; on the CPU (gloo) from :func:`dp_to_ep_splits` / :func:`ep_to_dp_splits`, torch
 ops on a 1-byte owner table (out-of-range ids map to "skip" by clamping) and stable sorts, which
-are also the reference the kernel is tested against. The split sizes' one host copy (``tolist``) is the only sync, so the
-path is eager only, not CUDA-graph capturable. Rows travel as 8- or 4-byte
-words where the row size allows (bit copies; index kernels move fewer, wider elements). Rows of
-skipped items are written by neither op: the output buffer (one per shape, reused call after
-call, like triton_moe's workspace view) keeps what it held.
+are also the reference the kernel is tested against. The split sizes' one host copy (``tolist``)
+is the only sync, so the path is eager only, not CUDA-graph capturable. Rows travel as 8- or
+4-byte words where the row size allows (bit copies; index kernels move fewer, wider elements).
+Rows of skipped items are written by neither op: the output buffer (one per shape, reused call
+after call, like triton_moe's workspace view) keeps what it held.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class DeviceSplits:
 
     def __init__(self, op: str, rank: int, world_size: int) -> None:
         self.op, self.rank, self.world_size = op, rank, world_size
-        self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._buffers: dict[tuple, tuple[tuple[torch.Tensor, ...], tuple[int, ...]]] = {}
         self._launchers: dict[tuple, tuple[LeanLauncher, ...]] = {}
 
     def __call__(self, expt_owner: torch.Tensor, expt_indx: torch.Tensor, indx: torch.Tensor) -> Splits:
@@ -112,18 +112,23 @@ class DeviceSplits:
         / [n_tokens_global * k] (unchecked: the backend's launcher validates)."""
         world_size, n_items = self.world_size, expt_indx.numel()
         one = n_items <= ONE_PROGRAM_MAX_ITEMS
-        key = (one, expt_indx.shape[1], expt_indx.dtype, indx.dtype, expt_owner.data_ptr() % 16 == 0,
-               expt_indx.data_ptr() % 16 == 0, indx.data_ptr() % 16 == 0)
+        addrs = (expt_indx.data_ptr(), indx.data_ptr(), expt_owner.data_ptr())
+        key = (one, expt_indx.shape[1], expt_indx.dtype, indx.dtype, *(addr % 16 == 0 for addr in addrs))
         passes = self._launchers.get(key) or self._make_launchers(key)
         device = expt_indx.device
         # Per stream: this call's exchange may still read the rows after the host moved on.
         place = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-        buffers = self._buffers.get(place)
-        if buffers is None or buffers[1].numel() < n_items:
-            buffers = self._make_buffers(n_items, place)
-        chunk = n_items if one else -(-n_items // (SPLIT_GRID * SPLIT_BLOCK)) * SPLIT_BLOCK
+        buffers, buffer_addrs = self._buffers.get(place) or self._make_buffers(n_items, place)
+        if buffers[1].numel() < n_items:
+            buffers, buffer_addrs = self._make_buffers(n_items, place)
+        sizes = (n_items // world_size, expt_owner.numel(),
+                 n_items if one else -(-n_items // (SPLIT_GRID * SPLIT_BLOCK)) * SPLIT_BLOCK)
         for launch in passes:
-            launch(expt_indx, indx, expt_owner, *buffers, n_items // world_size, expt_owner.numel(), chunk)
+            direct = launch.direct
+            if direct is not None:  # bound: int addresses, no per-pointer driver query
+                direct(*addrs, *buffer_addrs, *sizes)
+            else:
+                launch(expt_indx, indx, expt_owner, *buffers, *sizes)
         counts = buffers[-1].tolist()  # the one host sync
         send_counts, recv_counts = counts[:world_size], counts[world_size:]
         return Splits(buffers[1][:sum(send_counts)], send_counts, buffers[2][:sum(recv_counts)], recv_counts)
@@ -139,16 +144,18 @@ class DeviceSplits:
                                                               num_warps=SPLIT_WARPS) for grid, step in passes)
         return launchers
 
-    def _make_buffers(self, n_items: int, place: tuple) -> tuple[torch.Tensor, ...]:
+    def _make_buffers(self, n_items: int, place: tuple) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
         """(block_counts int32 [SPLIT_GRID, 2, KEYS], send_rows, recv_rows int64 [>= n_items],
-        counts int32 [2 * world_size]), one set per (device, stream), grown to the next power of
-        two of the largest call; reused call after call (stream order keeps that safe)."""
+        counts int32 [2 * world_size]) and their addresses, one set per (device, stream), grown to
+        the next power of two of the largest call; reused call after call (stream order keeps
+        that safe)."""
         device, rows = place[0], next_pow2(n_items)
-        buffers = self._buffers[place] = (
-            torch.empty((SPLIT_GRID, 2, next_pow2(self.world_size)), dtype=torch.int32, device=device),
-            torch.empty(rows, dtype=torch.int64, device=device), torch.empty(rows, dtype=torch.int64, device=device),
-            torch.empty(2 * self.world_size, dtype=torch.int32, device=device))
-        return buffers
+        buffers = (torch.empty((SPLIT_GRID, 2, next_pow2(self.world_size)), dtype=torch.int32, device=device),
+                   torch.empty(rows, dtype=torch.int64, device=device),
+                   torch.empty(rows, dtype=torch.int64, device=device),
+                   torch.empty(2 * self.world_size, dtype=torch.int32, device=device))
+        entry = self._buffers[place] = (buffers, tuple(b.data_ptr() for b in buffers))
+        return entry
 
 
 def owner_table(assignment, world_size: int, cache: dict) -> torch.Tensor:
