@@ -1,6 +1,8 @@
-"""The MoE NCCL path (autosymm.backends.nccl_all_to_all): its exchange plan against the Triton
-kernels (interpreter, simulated ranks, out-of-range indices included, every row compared bit for
-bit), and the real launchers over 3 gloo processes against autosymm.routing's references."""
+"""The MoE NCCL path (autosymm.backends.nccl_all_to_all): its exchange plan, from the torch
+planning (the CPU path) and from the split kernel (the CUDA path, DeviceSplits), against the
+Triton conversion kernels (interpreter, simulated ranks, out-of-range indices included, every row
+compared bit for bit), and the real launchers (under the interpreter: the split kernel's path)
+over 3 gloo processes against autosymm.routing's references."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests (CUDA present, TRITON_INTERPRET unset)", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
-from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, _words, dp_to_ep_splits,  # noqa: E402
-                                               ep_to_dp_splits, owner_table)
+from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, DeviceSplits, _words,  # noqa: E402
+                                               dp_to_ep_splits, ep_to_dp_splits, owner_table)
 from autosymm.configs import MoEConfig  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
                               random_expt_indx, route)
@@ -47,18 +49,21 @@ def _routing(world_size, n_tokens_local, k, placement, seed, corrupt=False):
     return assignment, expt_indx, gate, topk
 
 
-def _splits(op, assignment, expt_indx, indx, world_size):
-    """Every rank's Splits of a call."""
+def _splits(op, assignment, expt_indx, indx, world_size, planner="torch"):
+    """Every rank's Splits of a call, from the torch planning or the split kernel."""
+    if planner == "kernel":
+        return [DeviceSplits(op, rank, world_size)(assignment.expt_owner, expt_indx, indx)
+                for rank in range(world_size)]
     plan = dp_to_ep_splits if op == "dp_to_ep" else ep_to_dp_splits
     table = owner_table(assignment, world_size, {})
     n_tokens_local = expt_indx.shape[0] // world_size
     return [plan(table, expt_indx, indx, n_tokens_local, rank, world_size) for rank in range(world_size)]
 
 
-def _simulated_nccl(op, srcs, outs, assignment, expt_indx, indx):
+def _simulated_nccl(op, srcs, outs, assignment, expt_indx, indx, planner):
     """Every rank's output of the NCCL path, the all-to-all done by hand (one process)."""
     world_size = len(srcs)
-    rank_splits = _splits(op, assignment, expt_indx, indx, world_size)
+    rank_splits = _splits(op, assignment, expt_indx, indx, world_size, planner)
     sent = [list(srcs[r].index_select(0, s.send_rows).split(s.send_counts)) for r, s in enumerate(rank_splits)]
     for rank, split in enumerate(rank_splits):
         recv = torch.cat([sent[sender][rank] for sender in range(world_size)])
@@ -71,7 +76,9 @@ def _simulated_nccl(op, srcs, outs, assignment, expt_indx, indx):
     (2, 4, "random", False, torch.int32), (3, 2, "contiguous", False, torch.int64),
     (4, 3, "random", True, torch.int32), (3, 6, "contiguous", True, torch.int16),
 ])
-def test_exchange_plan_writes_exactly_what_the_triton_kernels_write(world_size, k, placement, corrupt, index_dtype):
+@pytest.mark.parametrize("planner", ["torch", "kernel"])
+def test_exchange_plan_writes_exactly_what_the_triton_kernels_write(world_size, k, placement, corrupt, index_dtype,
+                                                                     planner):
     """Same rows written, same rows left alone (poisoned before), bit for bit, for both ops."""
     n_tokens_local, dtype = 3, torch.bfloat16
     routing = _routing(world_size, n_tokens_local, k, placement, seed=k, corrupt=corrupt)
@@ -90,7 +97,7 @@ def test_exchange_plan_writes_exactly_what_the_triton_kernels_write(world_size, 
         for ws, src in zip(wss, srcs[op]):
             launch(op, ws, MoEConfig(32, 1, rows_per_program=2), src, assignment.expt_owner, expt_indx, indx)
         check_and_clear(wss, op)
-        nccl_out = _simulated_nccl(op, srcs[op], [b.clone() for b in before], assignment, expt_indx, indx)
+        nccl_out = _simulated_nccl(op, srcs[op], [b.clone() for b in before], assignment, expt_indx, indx, planner)
         for rank in range(world_size):
             assert torch.equal(bits(nccl_out[rank]), bits(triton_out[rank])), f"{op} rank {rank}"
         if not corrupt:  # and what routing's reference says
@@ -121,8 +128,9 @@ def test_rows_travel_as_the_widest_words_that_tile_them():
 def test_no_row_is_sent_for_dropped_or_out_of_range_items():
     world_size, k = 3, 4
     assignment, expt_indx, gate, topk = _routing(world_size, 5, k, "random", seed=1, corrupt=True)
-    for op, indx in (("dp_to_ep", gate), ("ep_to_dp", topk)):
-        rank_splits = _splits(op, assignment, expt_indx, indx, world_size)
+    for op, indx, planner in (("dp_to_ep", gate, "torch"), ("ep_to_dp", topk, "torch"), ("dp_to_ep", gate, "kernel"),
+                              ("ep_to_dp", topk, "kernel")):
+        rank_splits = _splits(op, assignment, expt_indx, indx, world_size, planner)
         n_sent = sum(sum(s.send_counts) for s in rank_splits)
         assert n_sent == sum(sum(s.recv_counts) for s in rank_splits) == _kernel_rows_written(op, expt_indx, indx)
         assert n_sent < expt_indx.numel()

@@ -13,14 +13,17 @@ skip rules of the Triton kernels (autosymm.kernels.moe_conversion):
   receiver ``p // n_pairs_local``, source row ``s``, destination row ``p % n_pairs_local``; skipped
   when ``p`` is outside ``[0, n_pairs)`` or its expert id outside ``[0, n_expts_tot)``.
 
-Every rank sorts (stable, 1-byte keys) the items it sends by receiver and the items it receives
-by sender: both sides then agree on the order of the rows within each split without talking.
-Owners come from a 1-byte table per assignment (out-of-range ids map to "skip" by clamping). The
-split sizes come from the sorted keys on the device; their one host copy (``tolist``) is
-the only sync, so the path is eager only, not CUDA-graph capturable. Rows travel as 8- or 4-byte
-words where the row size allows (bit copies; index kernels move fewer, wider elements). Rows of
-skipped items are written by neither op: the output buffer (one per shape, reused call after
-call, like triton_moe's workspace view) keeps what it held.
+Every rank partitions (stably) the items it sends by receiver and the items it receives by
+sender: both sides then agree on the order of the rows within each split without talking. On a
+CUDA device (or under TRITON_INTERPRET) the partition and the split sizes come from
+autosymm.kernels.moe_splits (one launch, or two for calls over ONE_PROGRAM_MAX_ITEMS items) into
+cached buffers; on the CPU (gloo) from :func:`dp_to_ep_splits` / :func:`ep_to_dp_splits`, torch
+ops on a 1-byte owner table (out-of-range ids map to "skip" by clamping) and stable sorts, which
+are also the reference the kernel is tested against. The split sizes' one host copy (``tolist``)
+is the only sync, so the path is eager only, not CUDA-graph capturable. Rows travel as 8- or
+4-byte words where the row size allows (bit copies; index kernels move fewer, wider elements).
+Rows of skipped items are written by neither op: the output buffer (one per shape, reused call
+after call, like triton_moe's workspace view) keeps what it held.
 """
 
 from __future__ import annotations
@@ -29,9 +32,20 @@ from typing import Optional
 
 import torch
 
-from ..problem import MOE_OPS, Problem
+from ..problem import MOE_OPS, Problem, next_pow2
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
+from .launch import LeanLauncher, interpreter_active
 from .moe_inputs import check_inputs, shape_reason
+
+#: Calls of at most this many items (n_tokens_global * k) plan in one program, one launch; larger
+#: ones in two launches of SPLIT_GRID programs of SPLIT_WARPS warps, each walking its chunk in
+#: tiles of SPLIT_BLOCK items (autosymm.kernels.moe_splits). Estimates, not yet measured: a tile
+#: costs a few dependent loads (~2-3 us), a launch ~7 us of host time, so one program walking two
+#: tiles twice is about as fast as two launches.
+ONE_PROGRAM_MAX_ITEMS = 4096
+SPLIT_BLOCK = 2048
+SPLIT_GRID = 64
+SPLIT_WARPS = 8
 
 
 class NcclAllToAll(Backend):
@@ -52,13 +66,17 @@ class NcclAllToAll(Backend):
         if world_size != problem.world_size:
             raise BackendError(f"group has world size {world_size}, the problem {problem.world_size}")
         plan = dp_to_ep_splits if problem.op == "dp_to_ep" else ep_to_dp_splits
+        device_plan = DeviceSplits(problem.op, rank, world_size)
         outputs: dict[tuple, torch.Tensor] = {}
         tables: dict[tuple, torch.Tensor] = {}
 
         def launcher(src, assignment, expt_indx, indx):
             n_tokens_local = check_inputs(problem, src.device, world_size, src, assignment, expt_indx, indx)
-            split = plan(owner_table(assignment, world_size, tables), expt_indx, indx, n_tokens_local, rank,
-                         world_size)
+            if src.is_cuda or interpreter_active():  # the kernel; under the interpreter on the CPU too
+                split = device_plan(assignment.expt_owner, expt_indx, indx)
+            else:
+                split = plan(owner_table(assignment, world_size, tables), expt_indx, indx, n_tokens_local, rank,
+                             world_size)
             n_out = expt_indx.numel() // (1 if problem.op == "dp_to_ep" else world_size)
             out = _output(outputs, (n_out, src.shape[1]), src)
             exchange(src, out, split, world_size, group)
@@ -77,6 +95,67 @@ class Splits:
     def __init__(self, send_rows, send_counts, recv_rows, recv_counts) -> None:
         self.send_rows, self.send_counts = send_rows, send_counts
         self.recv_rows, self.recv_counts = recv_rows, recv_counts
+
+
+class DeviceSplits:
+    """The Splits of one op on one rank from autosymm.kernels.moe_splits: its buffers cached per
+    device and stream (grown when a call needs more), its launchers per specialisation (top-k,
+    index dtypes, pointer alignment)."""
+
+    def __init__(self, op: str, rank: int, world_size: int) -> None:
+        self.op, self.rank, self.world_size = op, rank, world_size
+        self._buffers: dict[tuple, tuple[tuple[torch.Tensor, ...], tuple[int, ...]]] = {}
+        self._launchers: dict[tuple, tuple[LeanLauncher, ...]] = {}
+
+    def __call__(self, expt_owner: torch.Tensor, expt_indx: torch.Tensor, indx: torch.Tensor) -> Splits:
+        """``expt_owner`` int32 [n_expts_tot]; ``expt_indx``, ``indx`` contiguous [n_tokens_global, k]
+        / [n_tokens_global * k] (unchecked: the backend's launcher validates)."""
+        world_size, n_items = self.world_size, expt_indx.numel()
+        one = n_items <= ONE_PROGRAM_MAX_ITEMS
+        addrs = (expt_indx.data_ptr(), indx.data_ptr(), expt_owner.data_ptr())
+        key = (one, expt_indx.shape[1], expt_indx.dtype, indx.dtype, *(addr % 16 == 0 for addr in addrs))
+        passes = self._launchers.get(key) or self._make_launchers(key)
+        device = expt_indx.device
+        # Per stream: this call's exchange may still read the rows after the host moved on.
+        place = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+        buffers, buffer_addrs = self._buffers.get(place) or self._make_buffers(n_items, place)
+        if buffers[1].numel() < n_items:
+            buffers, buffer_addrs = self._make_buffers(n_items, place)
+        sizes = (n_items // world_size, expt_owner.numel(),
+                 n_items if one else -(-n_items // (SPLIT_GRID * SPLIT_BLOCK)) * SPLIT_BLOCK)
+        for launch in passes:
+            direct = launch.direct
+            if direct is not None:  # bound: int addresses, no per-pointer driver query
+                direct(*addrs, *buffer_addrs, *sizes)
+            else:
+                launch(expt_indx, indx, expt_owner, *buffers, *sizes)
+        counts = buffers[-1].tolist()  # the one host sync
+        send_counts, recv_counts = counts[:world_size], counts[world_size:]
+        return Splits(buffers[1][:sum(send_counts)], send_counts, buffers[2][:sum(recv_counts)], recv_counts)
+
+    def _make_launchers(self, key: tuple) -> tuple[LeanLauncher, ...]:
+        from ..kernels.moe_splits import _moe_splits
+
+        one, k = key[:2]
+        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, N_EXPTS_ACT=k, DP_TO_EP=self.op == "dp_to_ep",
+                          KEYS=next_pow2(self.world_size), BLOCK=SPLIT_BLOCK, GRID=1 if one else SPLIT_GRID)
+        passes = [(1, 2)] if one else [(SPLIT_GRID, 0), (SPLIT_GRID, 1)]
+        launchers = self._launchers[key] = tuple(LeanLauncher(_moe_splits, (grid,), dict(constexprs, PASS=step),
+                                                              num_warps=SPLIT_WARPS) for grid, step in passes)
+        return launchers
+
+    def _make_buffers(self, n_items: int, place: tuple) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        """(block_counts int32 [SPLIT_GRID, 2, KEYS], send_rows, recv_rows int64 [>= n_items],
+        counts int32 [2 * world_size]) and their addresses, one set per (device, stream), grown to
+        the next power of two of the largest call; reused call after call (stream order keeps
+        that safe)."""
+        device, rows = place[0], next_pow2(n_items)
+        buffers = (torch.empty((SPLIT_GRID, 2, next_pow2(self.world_size)), dtype=torch.int32, device=device),
+                   torch.empty(rows, dtype=torch.int64, device=device),
+                   torch.empty(rows, dtype=torch.int64, device=device),
+                   torch.empty(2 * self.world_size, dtype=torch.int32, device=device))
+        entry = self._buffers[place] = (buffers, tuple(b.data_ptr() for b in buffers))
+        return entry
 
 
 def owner_table(assignment, world_size: int, cache: dict) -> torch.Tensor:
