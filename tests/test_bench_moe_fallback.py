@@ -38,7 +38,7 @@ def test_smoke_run_on_two_gloo_ranks(bench, tmp_path, monkeypatch, capsys):
         assert all(float(r[f"{p}_us"]) > 0 for p in ("autosymm_nccl", "plain_nccl", "autosymm"))
         assert r["autosymm_graph_us"] == "" and r["autosymm_pct_peer"] == "" and r["note"] == "no CUDA graphs here"
         assert float(r["plain_over_autosymm"]) == pytest.approx(float(r["plain_nccl_us"]) / float(r["autosymm_us"]),
-                                                                rel=1e-2)
+                                                                rel=1e-2, abs=1e-3)  # the CSV keeps 3 decimals
     assert float(rows[0]["remote_MB"]) > 0  # random placement over 8 experts: some pairs leave the rank
     text = out_md.read_text()
     assert "| d4096_e8_k2 | mixtral-8x7b | 16 | dp_to_ep |" in text and "no peer write" in text
