@@ -377,8 +377,9 @@ def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, ele
     :data:`FUSED_ROW_BYTES_PER_THREAD` bytes of a row a thread (else 4); rows per program that fit
     :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; the :data:`FUSED_GRIDS_PER_POINT`
     largest grids up to the first one covering the row groups (two-shot: of a rank's
-    ``n_tokens / world_size`` rows). One-shots whose stage fits a double-buffer half get every
-    config again with ``double_buffer=True``. Never empty.
+    ``n_tokens / world_size`` rows). One-shots also get split rows where the rows are few
+    (:func:`_split_space`). One-shots whose stage fits a double-buffer half get every config
+    again with ``double_buffer=True``. Never empty.
     """
     block_size = fused_block_size(hidden)
     rows = -(-n_tokens // world_size) if algorithm == "two_shot" else n_tokens

@@ -11,6 +11,11 @@ tensors), as the all-reduce kernels' — the tensor itself (pull one-shot), one 
 (push), x's rows and the out rows (two-shot: twice the tensor) — or, for a one-shot config with
 ``double_buffer`` whose stage fits, in a half of the double-buffer region. Barrier failures are
 reported after the fact, as for the all-reduce backends (``Workspace.barrier_errors()``).
+
+Split rows (a one-shot config's ``row_split`` > 1) use this rank's scratch (:func:`split_scratch`:
+per-row counters and partial sums in the signal region, the fp32 stash region): a call with more
+rows than it holds (``FUSED_SPLIT_MAX_ROWS``, or a stash of ``rows x hidden`` fp32) runs the same
+config with whole rows instead, so a launcher serves any token count whose stage fits.
 """
 
 from __future__ import annotations

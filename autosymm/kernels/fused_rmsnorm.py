@@ -13,7 +13,9 @@ the two-shot computes each row on one rank and copies the results to the others.
 
 Rows: a program owns whole rows, in groups of ROWS held in registers as one [ROWS, BLOCK] tile
 (BLOCK >= HIDDEN, a power of two): the norm is taken of the unrounded fp32 sum, so both results
-are rounded exactly once. Program ``b`` of a grid of ``G`` owns groups ``b, b+G, ...`` on every
+are rounded exactly once. Or (one-shots, SPLIT > 1, for few rows) SPLIT programs share a row,
+each reducing a part of BLOCK / SPLIT columns, and the row's last program to finish normalises
+it from the parts' fp32 sums (``_one_shot_all_reduce_rmsnorm``: rounded once too). Program ``b`` of a grid of ``G`` owns groups ``b, b+G, ...`` on every
 rank (the two-shot numbers the groups inside each rank's segment). HIDDEN is a constexpr (one
 compile per hidden size): row offsets then carry its divisibility, so rows of a multiple of 16
 bytes are loaded and stored with 128-bit accesses.
@@ -188,16 +190,19 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
     program reduces its columns, stores the residual part and its unrounded fp32 sums (in
     ``stash_ptr``, laid out as x), its partial sum of squares in ``partials_ptr[row][part]``
     (fp32), and counts in on ``counts_ptr[row]`` (this rank's scratch, autosymm.geometry: the
-    counters and partials in the signal region, the stash a region of its own). Memory ordering: a CTA barrier, then one thread's
-    ``atom.add.acq_rel.gpu`` (release: every thread's stores of the part are visible at gpu scope
-    before the count); the program that sees N_PARTS - 1 earlier arrivals (acquire: it sees every
-    part's stores) is the row's last, resets the counter to 0 and, after a CTA barrier, reads the
-    row's sums back from L2 (.cg) and writes ``out``. No program waits for another, so any
-    schedule finishes (the interpreter runs programs one after another). The counter is 0 after
-    every call (every part arrives exactly once), so CUDA-graph replays need no host reset; the
-    partials and the stash are written before they are read in every call; a rank's scratch is touched only
-    by its own stream-ordered fused calls. The partials are summed in part order, so every rank
-    computes the same norm from the same values and out stays bit-identical across ranks."""
+    counters and partials in the signal region, the stash a region of its own).
+
+    Memory ordering: a CTA barrier, then one thread's ``atom.add.acq_rel.gpu`` (release: every
+    thread's stores of the part are visible at gpu scope before the count); the program that
+    sees N_PARTS - 1 earlier arrivals (acquire: it sees every part's stores) is the row's last,
+    resets the counter to 0 and, after a CTA barrier, reads the row's sums back from L2 (.cg)
+    and writes ``out``. No program waits for another, so any schedule finishes (the interpreter
+    runs programs one after another). The counter is 0 after every call (every part arrives
+    exactly once), so CUDA-graph replays need no host reset; the partials and the stash are
+    written before they are read in every call; a rank's scratch is touched only by its own
+    stream-ordered fused calls (all-reduce signal channel). The partials are summed in part
+    order, so every rank computes the same norm from the same values and out stays
+    bit-identical across ranks."""
     tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
     tl.static_assert(SPLIT == 1 or ROWS == 1, "rows are split only one row at a time")
     CHUNK: tl.constexpr = BLOCK // SPLIT
