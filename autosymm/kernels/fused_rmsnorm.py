@@ -13,10 +13,11 @@ the two-shot computes each row on one rank and copies the results to the others.
 
 Rows: a program owns whole rows, in groups of ROWS held in registers as one [ROWS, BLOCK] tile
 (BLOCK >= HIDDEN, a power of two): the norm is taken of the unrounded fp32 sum, so both results
-are rounded exactly once. Or (one-shots, SPLIT > 1, for few rows) SPLIT programs share a row,
-each reducing a part of BLOCK / SPLIT columns, and the row's last program to finish normalises
-it from the parts' fp32 sums (``_one_shot_all_reduce_rmsnorm``: rounded once too). Program ``b`` of a grid of ``G`` owns groups ``b, b+G, ...`` on every
-rank (the two-shot numbers the groups inside each rank's segment). HIDDEN is a constexpr (one
+are rounded exactly once. Program ``b`` of a grid of ``G`` owns groups ``b, b+G, ...`` on every
+rank (the two-shot numbers the groups inside each rank's segment). Or (one-shots, SPLIT > 1, for
+few rows) SPLIT programs share a row, each reducing a part of BLOCK / SPLIT columns, and the
+row's last program to finish normalises it from the parts' fp32 sums
+(``_one_shot_all_reduce_rmsnorm``: rounded once too). HIDDEN is a constexpr (one
 compile per hidden size): row offsets then carry its divisibility, so rows of a multiple of 16
 bytes are loaded and stored with 128-bit accesses.
 
