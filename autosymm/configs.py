@@ -377,9 +377,10 @@ def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, ele
     :data:`FUSED_ROW_BYTES_PER_THREAD` bytes of a row a thread (else 4); rows per program that fit
     :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; the :data:`FUSED_GRIDS_PER_POINT`
     largest grids up to the first one covering the row groups (two-shot: of a rank's
-    ``n_tokens / world_size`` rows). One-shots also get split rows where the rows are few
-    (:func:`_split_space`). One-shots whose stage fits a double-buffer half get every config
-    again with ``double_buffer=True``. Never empty.
+    ``n_tokens / world_size`` rows). One-shots whose stage fits a double-buffer half get every
+    config again with ``double_buffer=True``. Then the one-shots' split rows where the rows are
+    few (:func:`_split_space`), double-buffered only where the stage fits: such calls are
+    latency-bound, and the end barrier is what double buffering removes. Never empty.
     """
     block_size = fused_block_size(hidden)
     rows = -(-n_tokens // world_size) if algorithm == "two_shot" else n_tokens
@@ -395,11 +396,12 @@ def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, ele
             groups = -(-rows // rows_per_program)
             for num_blocks in _useful_counts(FUSED_NUM_BLOCKS, groups)[-FUSED_GRIDS_PER_POINT:]:
                 space.append(FusedConfig(algorithm, block_size, num_warps, num_blocks, rows_per_program))
-    if algorithm in DOUBLE_BUFFER_ALGORITHMS:
-        space += _split_space(algorithm, rows, hidden, elem_bytes)
     stage = stage_bytes(algorithm, n_tokens * hidden * elem_bytes, world_size)
-    if algorithm in DOUBLE_BUFFER_ALGORITHMS and stage <= DOUBLE_BUFFER_HALF_BYTES:
+    double = algorithm in DOUBLE_BUFFER_ALGORITHMS and stage <= DOUBLE_BUFFER_HALF_BYTES
+    if double:
         space += [dataclasses.replace(config, double_buffer=True) for config in space]
+    if algorithm in DOUBLE_BUFFER_ALGORITHMS:  # latency-bound: double-buffered only, where it fits
+        space += [dataclasses.replace(c, double_buffer=double) for c in _split_space(algorithm, rows, hidden, elem_bytes)]
     return space
 
 

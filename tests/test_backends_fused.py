@@ -66,6 +66,8 @@ def test_space_splits_few_rows_of_the_one_shots(algorithm, n_tokens, hidden):
         assert not split
         return
     assert {c.row_split for c in split} >= {2}
+    fits = fused_stage_bytes(algorithm, n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
+    assert all(c.double_buffer == fits for c in split), "split rows: double-buffered wherever that fits"
     for c in split:
         parts = -(-hidden // (c.block_size // c.row_split))
         assert parts >= 2 and c.num_blocks == n_tokens * parts <= FUSED_SPLIT_MAX_PROGRAMS
