@@ -133,29 +133,30 @@ def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_
 
 
 @triton.jit
-def _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
-                N_PARTS: tl.constexpr):
+def _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                SPLIT: tl.constexpr, N_PARTS: tl.constexpr):
     """out = RMSNorm * weight of a whole row from its parts' stores: the fp32 sums s in the
-    stash, the sum of squares = the parts' partial sums added in part order."""
-    total = tl.load(partials_ptr + row * N_PARTS, cache_modifier=".cg")
-    for part in tl.static_range(1, N_PARTS):
-        total += tl.load(partials_ptr + row * N_PARTS + part, cache_modifier=".cg")
-    inv_rms = tl.math.rsqrt(total / HIDDEN + eps)
-    for part in tl.static_range(N_PARTS):
-        offs, mask, cols = _tile(row, row + 1, part * CHUNK, HIDDEN, CHUNK, 1)
-        # .cg: the other parts were stored by other programs (other SMs); L2 is where they are.
-        s = tl.load(stash_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, (s * inv_rms * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    stash, the sum of squares = the sum of the parts' partial sums. The whole row is one tile,
+    so its loads are in flight together (one L2 round trip, not one per part)."""
+    # .cg: the other parts were stored by other programs (other SMs); L2 is where they are.
+    parts = tl.arange(0, SPLIT)
+    partial = tl.load(partials_ptr + row * N_PARTS + parts, mask=parts < N_PARTS, other=0.0, cache_modifier=".cg")
+    offs, mask, cols = _tile(row, row + 1, 0, HIDDEN, BLOCK, 1)
+    s = tl.load(stash_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(partial, axis=0) / HIDDEN + eps)
+    tl.store(out_ptr + offs, (s * inv_rms * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, counts_ptr, partials_ptr,
                 stash_ptr, row, part, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-                CHUNK: tl.constexpr, N_PARTS: tl.constexpr, PUSH: tl.constexpr):
-    """One part (CHUNK columns) of a row shared by N_PARTS programs (see the one-shot kernel):
-    reduce, store the residual part, then count in; the row's last program writes its out."""
+                BLOCK: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr):
+    """One part (BLOCK / SPLIT columns) of a row shared by N_PARTS programs (see the one-shot
+    kernel): reduce, store the residual part, then count in; the row's last program writes its out."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    CHUNK: tl.constexpr = BLOCK // SPLIT
+    N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
     offs, mask, cols = _tile(row, row + 1, part * CHUNK, HIDDEN, CHUNK, 1)
     acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
     acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -168,7 +169,7 @@ def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_
     if arrived == N_PARTS - 1:
         tl.atomic_xchg(counts_ptr + row, 0, sem="relaxed", scope="gpu")  # 0 again for the next call
         tl.debug_barrier()  # every thread reads after the acquire
-        _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN, CHUNK, N_PARTS)
+        _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN, BLOCK, SPLIT, N_PARTS)
 
 
 @triton.jit(do_not_specialize=["n_rows", "stage_offset", "slot_bytes", "half_bytes"])
@@ -197,13 +198,12 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
     thread's stores of the part are visible at gpu scope before the count); the program that
     sees N_PARTS - 1 earlier arrivals (acquire: it sees every part's stores) is the row's last,
     resets the counter to 0 and, after a CTA barrier, reads the row's sums back from L2 (.cg)
-    and writes ``out``. No program waits for another, so any schedule finishes (the interpreter
+    (one tile) and writes ``out``. No program waits for another, so any schedule finishes (the interpreter
     runs programs one after another). The counter is 0 after every call (every part arrives
     exactly once), so CUDA-graph replays need no host reset; the partials and the stash are
     written before they are read in every call; a rank's scratch is touched only by its own
-    stream-ordered fused calls (all-reduce signal channel). The partials are summed in part
-    order, so every rank computes the same norm from the same values and out stays
-    bit-identical across ranks."""
+    stream-ordered fused calls (all-reduce signal channel). Every rank sums the same partials
+    with the same code, so out stays bit-identical across ranks."""
     tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
     tl.static_assert(SPLIT == 1 or ROWS == 1, "rows are split only one row at a time")
     CHUNK: tl.constexpr = BLOCK // SPLIT
@@ -229,8 +229,8 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
                         n_rows, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False)
         else:
             _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, counts_ptr,
-                        partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK, WORLD_SIZE, HIDDEN, CHUNK,
-                        N_PARTS, PUSH)
+                        partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK,
+                        SPLIT, PUSH)
     if DOUBLE_BUFFER:
         _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK)
     else:
