@@ -13,7 +13,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .geometry import DOUBLE_BUFFER_HALF_BYTES, MAX_PROGRAMS, stage_bytes
+from .geometry import DOUBLE_BUFFER_HALF_BYTES, FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, MAX_PROGRAMS, stage_bytes
 
 WARP_SIZE = 32
 
@@ -164,7 +164,10 @@ class FusedConfig:
     [rows_per_program, block_size] tile (``block_size`` >= the hidden size: :func:`fused_block_size`;
     more than :data:`FUSED_MAX_TILE_PER_THREAD` values a thread only with one row);
     ``num_blocks`` programs stride over the row groups. ``double_buffer`` (one-shots): staged in the halves of
-    the all-reduce double buffer without an end barrier, as AllReduceConfig's.
+    the all-reduce double buffer without an end barrier, as AllReduceConfig's. ``row_split``
+    (one-shots, one row per program): programs sharing a row, each holding
+    ``block_size / row_split`` columns, the row's last one normalising it; calls of more than
+    :data:`autosymm.geometry.FUSED_SPLIT_MAX_ROWS` rows run with whole rows instead.
     """
 
     algorithm: str
@@ -173,11 +176,12 @@ class FusedConfig:
     num_blocks: int
     rows_per_program: int = 1
     double_buffer: bool = False
+    row_split: int = field(default=1, metadata={"json_omit_default": True})
 
     def __post_init__(self) -> None:
         if not isinstance(self.algorithm, str) or self.algorithm not in FUSED_ALGORITHMS:
             raise ValueError(f"algorithm={self.algorithm!r} is not one of {FUSED_ALGORITHMS}")
-        _check_ints(self, "block_size", "num_warps", "num_blocks", "rows_per_program")
+        _check_ints(self, "block_size", "num_warps", "num_blocks", "rows_per_program", "row_split")
         _check_num_warps(self.num_warps)
         _check_block("block_size", self.block_size, 16)
         threads = self.num_warps * WARP_SIZE
@@ -196,6 +200,20 @@ class FusedConfig:
         if self.double_buffer and self.algorithm not in DOUBLE_BUFFER_ALGORITHMS:
             raise ValueError(f"double_buffer=True is only for algorithm in {DOUBLE_BUFFER_ALGORITHMS}, "
                              f"not {self.algorithm!r}")
+        self._check_row_split(threads)
+
+    def _check_row_split(self, threads: int) -> None:
+        if not _is_pow2(self.row_split) or self.row_split > FUSED_SPLIT_MAX:
+            raise ValueError(f"row_split={self.row_split} must be a power of two in 1..{FUSED_SPLIT_MAX}")
+        if self.row_split == 1:
+            return
+        if self.algorithm == "two_shot":
+            raise ValueError(f"row_split={self.row_split} is only for the one-shots, not algorithm='two_shot'")
+        if self.rows_per_program != 1:
+            raise ValueError(f"row_split={self.row_split} needs rows_per_program=1, not {self.rows_per_program}")
+        if self.block_size // self.row_split < threads:
+            raise ValueError(f"row_split={self.row_split} leaves block_size={self.block_size} / row_split columns, "
+                             f"fewer than the {threads} threads of num_warps={self.num_warps}")
 
 
 AnyConfig = AllReduceConfig | MoEConfig | FusedConfig
@@ -338,6 +356,12 @@ FUSED_ROW_BYTES_PER_THREAD = (16, 64)
 #: Grids per (warps, rows) point: the largest useful ones (a fused call is latency-bound where it
 #: has few rows, and then one of them covers the rows; with many rows the widest grids win).
 FUSED_GRIDS_PER_POINT = 3
+#: Split rows (FusedConfig.row_split) of the one-shots' space: where rows x split programs
+#: stay within one wave of 132 SMs (at 1-64 tokens a program per row leaves most SMs idle, and
+#: one SM moves a whole row over NVLink), with warps holding 16-32 bytes of a part a thread.
+FUSED_ROW_SPLITS = (2, 4, 8)
+FUSED_SPLIT_MAX_PROGRAMS = 132
+FUSED_SPLIT_BYTES_PER_THREAD = (16, 32)
 
 
 def fused_block_size(hidden: int) -> int:
@@ -354,7 +378,9 @@ def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, ele
     :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; the :data:`FUSED_GRIDS_PER_POINT`
     largest grids up to the first one covering the row groups (two-shot: of a rank's
     ``n_tokens / world_size`` rows). One-shots whose stage fits a double-buffer half get every
-    config again with ``double_buffer=True``. Never empty.
+    config again with ``double_buffer=True``. Then the one-shots' split rows where the rows are
+    few (:func:`_split_space`), double-buffered only where the stage fits: such calls are
+    latency-bound, and the end barrier is what double buffering removes. Never empty.
     """
     block_size = fused_block_size(hidden)
     rows = -(-n_tokens // world_size) if algorithm == "two_shot" else n_tokens
@@ -371,8 +397,29 @@ def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, ele
             for num_blocks in _useful_counts(FUSED_NUM_BLOCKS, groups)[-FUSED_GRIDS_PER_POINT:]:
                 space.append(FusedConfig(algorithm, block_size, num_warps, num_blocks, rows_per_program))
     stage = stage_bytes(algorithm, n_tokens * hidden * elem_bytes, world_size)
-    if algorithm in DOUBLE_BUFFER_ALGORITHMS and stage <= DOUBLE_BUFFER_HALF_BYTES:
+    double = algorithm in DOUBLE_BUFFER_ALGORITHMS and stage <= DOUBLE_BUFFER_HALF_BYTES
+    if double:
         space += [dataclasses.replace(config, double_buffer=True) for config in space]
+    if algorithm in DOUBLE_BUFFER_ALGORITHMS:  # latency-bound: double-buffered only, where it fits
+        space += [dataclasses.replace(c, double_buffer=double) for c in _split_space(algorithm, rows, hidden, elem_bytes)]
+    return space
+
+
+def _split_space(algorithm: str, rows: int, hidden: int, elem_bytes: int) -> list[FusedConfig]:
+    """The split-row configs of a one-shot for ``rows`` rows of ``hidden`` (FusedConfig.row_split):
+    :data:`FUSED_ROW_SPLITS` with at most :data:`FUSED_SPLIT_MAX_PROGRAMS` programs, warps holding
+    :data:`FUSED_SPLIT_BYTES_PER_THREAD` bytes of a part, one program per (row, part)."""
+    block_size = fused_block_size(hidden)
+    low, high = FUSED_SPLIT_BYTES_PER_THREAD
+    space = []
+    for split in FUSED_ROW_SPLITS:
+        chunk = block_size // split
+        parts = -(-hidden // chunk)  # parts holding columns < hidden
+        if rows > FUSED_SPLIT_MAX_ROWS or rows * split > FUSED_SPLIT_MAX_PROGRAMS or parts < 2:
+            continue
+        for num_warps in FUSED_NUM_WARPS:
+            if low <= chunk * elem_bytes // (num_warps * WARP_SIZE) <= high and num_warps * WARP_SIZE <= chunk:
+                space.append(FusedConfig(algorithm, block_size, num_warps, rows * parts, 1, row_split=split))
     return space
 
 

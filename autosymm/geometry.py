@@ -5,7 +5,7 @@ Every rank lays out its workspace buffer identically, so a peer's region is the 
 address plus the same offset. Regions are reserved by name, in order, each on an
 :data:`ALIGN`-byte boundary (:class:`Layout`); the standard layout (:func:`workspace_layout`) is::
 
-    [ signal pads | all-reduce region | MoE region | all-reduce double buffer ]
+    [ signal pads | all-reduce region | MoE region | all-reduce double buffer | fused stash ]
 
 Users of these numbers: ``autosymm.symm`` (the buffer and its regions), the backends (where a
 call stages its data, what fits), ``autosymm.configs`` (which search-space points fit) and the
@@ -32,7 +32,17 @@ SIGNAL_CHANNEL = {"all_reduce": 0, "moe": 1, "moe_end": 2, "host": 3}
 N_SIGNAL_CHANNELS = len(SIGNAL_CHANNEL)
 #: Byte offset of the error slots (one uint32 per channel) after the signal channels.
 ERROR_SLOTS_OFFSET = N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
-SIGNAL_BYTES = ERROR_SLOTS_OFFSET + N_SIGNAL_CHANNELS * 4
+#: Split-row fused kernels (FusedConfig.row_split > 1, autosymm.kernels.fused_rmsnorm): per-row
+#: scratch of this rank's own programs after the error slots, zeroed with the pads. An arrival
+#: counter (uint32) per row, 0 between calls (each row's last program resets it), then the
+#: row's partial sums of squares (fp32, [row][part]; written before they are read every call).
+#: Most rows a split-row call may have (more: whole rows).
+FUSED_SPLIT_MAX_ROWS = 256
+#: Largest FusedConfig.row_split (programs sharing a row).
+FUSED_SPLIT_MAX = 8
+FUSED_COUNTS_OFFSET = (ERROR_SLOTS_OFFSET + N_SIGNAL_CHANNELS * 4 + 15) // 16 * 16
+FUSED_PARTIALS_OFFSET = FUSED_COUNTS_OFFSET + 4 * FUSED_SPLIT_MAX_ROWS
+SIGNAL_BYTES = FUSED_PARTIALS_OFFSET + 4 * FUSED_SPLIT_MAX_ROWS * FUSED_SPLIT_MAX
 #: Self slots of the 'all_reduce' channel (program rows of a rank's own column, which no signal
 #: reaches): the double-buffered one-shot's arrival counter and epoch. autosymm.kernels.all_reduce
 #: hard-codes the same rows (kernels import no host code).
@@ -49,6 +59,12 @@ MOE_REGION = "moe"
 #: half may still be read by a peer after this rank's kernel returned (until the next
 #: double-buffered call's start barrier), so nothing else may write there.
 DOUBLE_BUFFER_REGION = "all_reduce_double_buffer"
+#: The split-row fused kernels' fp32 row sums ([rows, hidden], like x), written by each part's
+#: program and read back by the row's last one: only this rank's own kernels touch it, and every
+#: call writes what it reads, so it needs no initial value. Calls whose sums do not fit run
+#: with whole rows.
+FUSED_STASH_REGION = "fused_stash"
+FUSED_STASH_BYTES = 2 << 20
 #: Bytes of each half of the double-buffer region.
 DOUBLE_BUFFER_HALF_BYTES = 4 << 20
 DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
@@ -92,13 +108,14 @@ class Layout:
 
 def workspace_layout(all_reduce_bytes: int, moe_bytes: int, double_buffer_half_bytes: int = 0) -> Layout:
     """The standard layout (module docstring); no double-buffer region when its half is 0 bytes
-    (appended last, so the other regions keep their offsets either way)."""
+    (appended after the others, so they keep their offsets either way), then the fused stash."""
     layout = Layout()
     layout.reserve(SIGNAL_REGION, SIGNAL_BYTES)
     layout.reserve(ALL_REDUCE_REGION, all_reduce_bytes)
     layout.reserve(MOE_REGION, moe_bytes)
     if double_buffer_half_bytes > 0:
         layout.reserve(DOUBLE_BUFFER_REGION, 2 * align(double_buffer_half_bytes))
+    layout.reserve(FUSED_STASH_REGION, FUSED_STASH_BYTES)
     return layout
 
 

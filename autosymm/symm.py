@@ -3,7 +3,7 @@
 Layout of every rank's buffer (offsets identical on all ranks, so a peer's region is the
 peer's base address plus the same offset)::
 
-    [ signal pads | all-reduce region | MoE region | all-reduce double buffer ]
+    [ signal pads | all-reduce region | MoE region | all-reduce double buffer | fused stash ]
 
 * signal pads: ``N_SIGNAL_CHANNELS`` channels of ``SIGNAL_SLOTS_PER_RANK`` uint32 slots, zeroed
   at creation. Slot ``[channel][program][sender]`` of rank r counts the signals rank ``sender``'s
@@ -29,6 +29,9 @@ peer's base address plus the same offset)::
     (autosymm.kernels.all_reduce). It is NOT zero between calls, and it must be equal on every
     rank (every rank runs the same calls); :meth:`Workspace.reset_signals` zeroes it with the
     rest of the pads on every rank together.
+  After the error slots, the split-row fused kernels' per-row arrival counters (0 between
+  calls) and partial sums (autosymm.geometry.FUSED_COUNTS_OFFSET), touched only by this rank's
+  own kernels; zeroed with the pads.
 * all-reduce region: the staging copy of the tensor being reduced (or, for tensors from
   :meth:`Workspace.empty`, the tensor itself: zero-copy).
 * MoE region: the dp->ep and ep->dp destination buffers (peers write into them). It may move to
@@ -39,6 +42,8 @@ peer's base address plus the same offset)::
   returned (until the next double-buffered call's start barrier): nothing else may write there,
   neither the single-buffer stage, nor :meth:`Workspace.empty`'s tensors, nor the tuner's
   poisoning of the other regions, and the halves must not move with the tensor's size.
+* fused stash (``FUSED_STASH_REGION``): the split-row fused kernels' fp32 row sums, this rank's
+  own (autosymm.geometry).
 
 Multicast is never created here: ``multicast_ptr`` is what torch's handle reports (0 when the
 driver, the group or ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` says no), and multimem kernels run only

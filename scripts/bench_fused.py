@@ -4,7 +4,8 @@ At hidden 8192 (bf16) and 1..2048 tokens per rank, each timed as CUDA-graph repl
 (median per call, MAX over ranks), every output checked against a float64 reference first:
 
 * ``fused``: the best of the Triton fused variants (pull / push one-shot, two-shot) over a spread
-  of each one's configs (a small tune: the shipped databases have no fused rows yet);
+  of each one's whole-row configs and every split-row one (a small tune: the shipped databases
+  have no fused rows yet);
 * ``fused_api``: ``autosymm.all_reduce_rmsnorm`` as dispatched (tuned rows, else NCCL's composition);
 * ``ar``: ``autosymm.all_reduce`` alone (the shipped databases);
 * ``ar+norm``: ``autosymm.all_reduce`` + torch add + ``rms_norm``;
@@ -89,10 +90,12 @@ def _methods(ctx, caps, problem):
         if backend.why_not(problem, caps) is not None:
             continue
         space = backend.search_space(problem)
-        single, double = [c for c in space if not c.double_buffer], [c for c in space if c.double_buffer]
-        for config in _spread(single, 4) + _spread(double, 3):
+        whole = [c for c in space if c.row_split == 1]
+        single, double = [c for c in whole if not c.double_buffer], [c for c in whole if c.double_buffer]
+        for config in _spread(single, 4) + _spread(double, 3) + [c for c in space if c.row_split > 1]:
             launcher = backend.prepare(problem, config, ctx)
             out[f"{backend.name} {config.num_warps}w {config.num_blocks}p {config.rows_per_program}r"
+                f"{f' split{config.row_split}' if config.row_split > 1 else ''}"
                 f"{' db' if config.double_buffer else ''}"] = lambda x, r, w, launch=launcher: launch(x, r, w, EPS)
     rms_norm, hidden = torch.nn.functional.rms_norm, (problem.hidden,)
     nccl = nccl_fused.prepare(problem, None, ctx)

@@ -6,11 +6,12 @@ import torch
 
 from autosymm.backends import Capabilities, RunContext, get_backend
 from autosymm.backends.base import BackendError
-from autosymm.backends.triton_fused import BACKENDS, fused_stage_bytes
-from autosymm.configs import FusedConfig, config_from_json, config_to_json, fused_block_size, fused_space
+from autosymm.backends.triton_fused import BACKENDS, fused_stage_bytes, split_scratch
+from autosymm.configs import (FUSED_SPLIT_MAX_PROGRAMS, FusedConfig, config_from_json, config_to_json, fused_block_size,
+                              fused_space)
 from autosymm.db import Row, TuningDB
 from autosymm.dispatch import DBSource, decide
-from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES, align
+from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_BYTES, align
 from autosymm.problem import Problem
 from autosymm.symm import simulated_workspaces
 
@@ -33,6 +34,44 @@ def test_config_validation_names_the_field():
             FusedConfig(**{**dict(algorithm="one_shot", block_size=8192, num_warps=8, num_blocks=8), **kwargs})
     config = FusedConfig("one_shot_push", 8192, 8, 16, 2, True)
     assert config_from_json(config_to_json(config)) == config
+    assert "row_split" not in config_to_json(config), "a whole-row config's JSON reads as before split rows"
+
+
+def test_row_split_validation_names_the_setting():
+    config = FusedConfig("one_shot_push", 8192, 4, 8, 1, True, row_split=8)
+    assert config_from_json(config_to_json(config)) == config and '"row_split": 8' in config_to_json(config)
+    base = dict(algorithm="one_shot", block_size=8192, num_warps=4, num_blocks=8)
+    for kwargs, match in [(dict(row_split=3), "row_split=3 must be a power of two"),
+                          (dict(row_split=16), "row_split=16 must be a power of two in 1..8"),
+                          (dict(row_split=0), "row_split=0"), (dict(row_split=2.5), "row_split"),
+                          (dict(row_split=2, algorithm="two_shot"), "row_split=2 is only for the one-shots"),
+                          (dict(row_split=2, rows_per_program=2, num_warps=8), "row_split=2 needs rows_per_program=1"),
+                          (dict(row_split=8, block_size=512), "row_split=8 leaves block_size=512")]:
+        with pytest.raises(ValueError, match=match):
+            FusedConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_push", "two_shot"])
+@pytest.mark.parametrize("n_tokens", [1, 4, 16, 64, 128, 1024])
+@pytest.mark.parametrize("hidden", [4096, 5120, 8192])
+def test_space_splits_few_rows_of_the_one_shots(algorithm, n_tokens, hidden):
+    """Split rows: one-shots only, at most FUSED_SPLIT_MAX_PROGRAMS programs (one per row part
+    holding columns), every split distinct; whole-row configs as before."""
+    space = fused_space(algorithm, n_tokens, hidden, 2, 2)
+    split = [c for c in space if c.row_split > 1]
+    whole = [c for c in space if c.row_split == 1]
+    assert whole and all(c.num_blocks <= 8 or c.num_blocks // 2 < -(-n_tokens // c.rows_per_program)
+                         for c in whole if algorithm != "two_shot")
+    if algorithm == "two_shot" or n_tokens * 2 > FUSED_SPLIT_MAX_PROGRAMS:
+        assert not split
+        return
+    assert {c.row_split for c in split} >= {2}
+    fits = fused_stage_bytes(algorithm, n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
+    assert all(c.double_buffer == fits for c in split), "split rows: double-buffered wherever that fits"
+    for c in split:
+        parts = -(-hidden // (c.block_size // c.row_split))
+        assert parts >= 2 and c.num_blocks == n_tokens * parts <= FUSED_SPLIT_MAX_PROGRAMS
+        assert n_tokens * c.row_split <= FUSED_SPLIT_MAX_PROGRAMS and c.rows_per_program == 1
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_push", "two_shot"])
@@ -42,7 +81,8 @@ def test_space_whole_rows_useful_grids_double_buffer_where_it_fits(algorithm, n_
     assert space and len(space) == len(set(space)) and len(space) <= 200
     assert {c.block_size for c in space} == {fused_block_size(hidden)} and fused_block_size(hidden) >= hidden
     rows = -(-n_tokens // 2) if algorithm == "two_shot" else n_tokens
-    assert all(c.num_blocks <= 8 or c.num_blocks // 2 < -(-rows // c.rows_per_program) for c in space)
+    assert all(c.num_blocks <= 8 or c.num_blocks // 2 < -(-rows // c.rows_per_program) for c in space
+               if c.row_split == 1)
     fits = fused_stage_bytes(algorithm, n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
     assert any(c.double_buffer for c in space) == (fits and algorithm != "two_shot")
 
@@ -133,3 +173,26 @@ def test_one_rank_one_shot_launchers_and_bad_input():
             inside, residual_in.clone(), weight)
     with pytest.raises(BackendError, match="block_size=128 must be >= hidden=136"):
         BACKENDS[0].prepare(problem, FusedConfig("one_shot", 128, 4, 3), RunContext(workspace=ws))
+
+
+@requires_interpreter
+def test_split_launcher_replays_and_takes_whole_rows_beyond_its_scratch():
+    """One rank (no peer to wait for), push and pull, a split-row config through the launcher:
+    called twice (the scratch's counters are 0 again after each call), then with more rows than
+    the stash holds for this hidden size, which run with whole rows (SPLIT=1) on the same grid."""
+    (ws,) = simulated_workspaces(1, all_reduce_bytes=2 << 20, moe_bytes=256, double_buffer_bytes=1 << 15)
+    hidden = 4096
+    stash_rows = FUSED_STASH_BYTES // (4 * hidden)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(hidden, generator=gen).half()
+    for backend in BACKENDS[:2]:
+        config = FusedConfig(backend.algorithm, 4096, 4, 6, 1, row_split=4)
+        launcher = backend.prepare(Problem.all_reduce_rmsnorm(3, hidden, "fp16", 1), config, RunContext(workspace=ws))
+        assert launcher.split_rows == stash_rows < FUSED_SPLIT_MAX_ROWS
+        for n_rows in (3, 3, stash_rows + 1):
+            x = torch.randn(n_rows, hidden, generator=gen).half()
+            residual_in = torch.randn(n_rows, hidden, generator=gen).half()
+            residual = residual_in.clone()
+            check(residual, launcher(x, residual, weight, 1e-6), [x], residual_in, weight, 1e-6)
+            assert int(split_scratch(ws)[0].count_nonzero()) == 0
+        assert sorted({key[2] for key in launcher._variants}) == [1, 4], "split at 3 rows, whole rows beyond"

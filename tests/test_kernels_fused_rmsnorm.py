@@ -11,6 +11,7 @@ bit-identical residual and output within one ulp of the float64 reference.
 import pytest
 import torch
 
+from autosymm.backends.triton_fused import split_scratch
 from autosymm.geometry import DOUBLE_BUFFER_REGION, align
 from autosymm.kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 
@@ -70,14 +71,16 @@ def _check_all(runs, xs, residual, weight):
         assert torch.equal(xv, x), "x is left unchanged"
 
 
-def _launch_one_shot(ws, run, weight, n_rows, hidden, case, *, push, double, offset, slot_bytes):
+
+
+def _launch_one_shot(ws, run, weight, n_rows, hidden, case, *, push, double, offset, slot_bytes, split=1):
     world_size, _, _, _, block, rows, programs, warps = case
     xv, _, rv, _, out = run
     _one_shot_all_reduce_rmsnorm[(programs,)](xv, rv, weight, out, ws.region_ptrs("all_reduce"),
-                                              ws.signal_ptrs("all_reduce"), n_rows, EPS, offset, slot_bytes,
-                                              HALF_BYTES, RANK=ws.rank, WORLD_SIZE=world_size, HIDDEN=hidden,
-                                              BLOCK=block, ROWS=rows, PUSH=push, DOUBLE_BUFFER=double,
-                                              num_warps=warps)
+                                              ws.signal_ptrs("all_reduce"), *split_scratch(ws), n_rows, EPS, offset,
+                                              slot_bytes, HALF_BYTES, RANK=ws.rank, WORLD_SIZE=world_size,
+                                              HIDDEN=hidden, BLOCK=block, ROWS=rows, SPLIT=split, PUSH=push,
+                                              DOUBLE_BUFFER=double, num_warps=warps)
 
 
 def _double_offset(ws):
@@ -133,6 +136,11 @@ def _slot_of(receiver, sender, world_size):
 @pytest.mark.parametrize("double", [False, True])
 @pytest.mark.parametrize("case", CASES)
 def test_one_shot_push(case, double):
+    _push_case(case, double)
+
+
+def _push_case(case, double, split=1):
+    """The push one-shot on every rank against snapshots of its peers; checks results and slots."""
     world_size, dtype, n_rows, hidden = case[:4]
     wss = poisoned_workspaces(world_size, REGION_BYTES, HALF_BYTES)
     xs, residual, weight = _inputs(world_size, n_rows, hidden, dtype, seed=3 + n_rows)
@@ -149,7 +157,8 @@ def test_one_shot_push(case, double):
     runs = _outputs(xs, residual)
     for ws, run in zip(snapshots, runs):
         _launch_one_shot(ws, run, weight, n_rows, hidden, case, push=True, double=double,
-                         offset=_double_offset(ws) if double else STAGE, slot_bytes=slot_bytes)
+                         offset=_double_offset(ws) if double else STAGE, slot_bytes=slot_bytes, split=split)
+        assert int(split_scratch(ws)[0].count_nonzero()) == 0, "every row's arrival counter is 0 again"
     _check_all(runs, xs, residual, weight)
     for rank, snap in enumerate(snapshots):  # this rank's pushes, in its peers' copies
         base = _double_offset(snap) if double else STAGE
@@ -182,3 +191,70 @@ def test_two_shot(case):
     for ws, want in zip(wss, expected_pads):
         assert torch.equal(pads(ws.buffer), want)
         assert (ws.buffer[stage_end:stage_end + 64] == 0xFF).all(), "wrote past the end of the stage"
+
+
+# Split rows: (world_size, dtype, n_rows, hidden, block, 1, programs, warps) and the split. Parts
+# partly and wholly past HIDDEN (4104 of 8192 in 2; 136 of 256 in 8: 5 parts), fewer and more
+# programs than (row, part) items, one row of 8192 in 8 parts (the case split rows are for).
+SPLIT_CASES = [
+    ((2, torch.bfloat16, 3, 4104, 8192, 1, 4, 4), 2),
+    ((2, torch.float16, 5, 256, 256, 1, 32, 1), 4),
+    ((4, torch.bfloat16, 2, 136, 256, 1, 3, 1), 8),
+    ((2, torch.bfloat16, 1, 8192, 8192, 1, 8, 4), 8),
+    ((3, torch.float16, 4, 200, 256, 1, 5, 1), 2),
+]
+SPLIT_IDS = [f"ws{c[0]}-{str(c[1])[6:]}-rows{c[2]}-h{c[3]}-split{split}" for c, split in SPLIT_CASES]
+
+
+@pytest.mark.parametrize("case, split", SPLIT_CASES, ids=SPLIT_IDS)
+def test_split_rows_pull_replayed(case, split):
+    """The pull one-shot with SPLIT, called twice on every rank (a replay: the second call finds
+    its arrival counters at 0 again and adds to the residual the first left)."""
+    world_size, dtype, n_rows, hidden = case[:4]
+    wss = poisoned_workspaces(world_size, REGION_BYTES, HALF_BYTES)
+    xs, residual, weight = _inputs(world_size, n_rows, hidden, dtype, seed=5 + split)
+    for ws, x in zip(wss, xs):  # peers' copy-in (the same both calls), ahead of their turn
+        ws.buffer[ws.regions["all_reduce"].offset + STAGE:][:x.numel() * x.element_size()].view(dtype).copy_(
+            x.reshape(-1))
+    expected_pads = preset([ws.buffer for ws in wss], case[6], 4)
+    runs = _outputs(xs, residual)
+    residual_in = residual
+    for call in range(2):
+        for ws, run in zip(wss, runs):
+            run[4].fill_(float("nan"))
+            _launch_one_shot(ws, run, weight, n_rows, hidden, case, push=False, double=False, offset=STAGE,
+                             slot_bytes=0, split=split)
+            assert int(split_scratch(ws)[0].count_nonzero()) == 0, f"call {call}: arrival counters are 0 again"
+        _check_all(runs, xs, residual_in, weight)
+        residual_in = runs[0][2].clone()
+    for ws, want in zip(wss, expected_pads):
+        assert torch.equal(pads(ws.buffer), want)
+
+
+@pytest.mark.parametrize("double", [False, True])
+@pytest.mark.parametrize("case, split", SPLIT_CASES[:3], ids=SPLIT_IDS[:3])
+def test_split_rows_push(case, split, double):
+    _push_case(case, double, split)
+
+
+def test_split_rows_are_normalised_from_the_unrounded_sum():
+    """Sums far from bf16-representable: out follows the fp32 sum to one ulp (the stash holds the
+    unrounded sums; normalising the rounded residual is up to 2 ulp off), as with whole rows, and
+    the residual equals whole rows'."""
+    case = (2, torch.bfloat16, 2, 256, 256, 1, 4, 1)
+    xs, residual, weight = _inputs(2, 2, 256, torch.bfloat16, seed=9)
+    xs[0] = xs[0] * 1000 + 0.3
+    results = []
+    for split in (1, 4):
+        wss = poisoned_workspaces(2, REGION_BYTES, HALF_BYTES)
+        for ws, x in zip(wss, xs):
+            ws.buffer[ws.regions["all_reduce"].offset + STAGE:][:x.numel() * 2].view(torch.bfloat16).copy_(
+                x.reshape(-1))
+        preset([ws.buffer for ws in wss], case[6], 2)
+        runs = _outputs(xs, residual)
+        for ws, run in zip(wss, runs):
+            _launch_one_shot(ws, run, weight, 2, 256, case, push=False, double=False, offset=STAGE, slot_bytes=0,
+                             split=split)
+        _check_all(runs, xs, residual, weight)
+        results.append(runs[0])
+    assert torch.equal(results[0][2], results[1][2]), "the same residual"

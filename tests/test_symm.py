@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from autosymm.geometry import (ERROR_SLOTS_OFFSET, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
+from autosymm.geometry import (ERROR_SLOTS_OFFSET, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET, FUSED_SPLIT_MAX,
+                               FUSED_SPLIT_MAX_ROWS, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
                                SIGNAL_SLOTS_PER_RANK, align, moe_buffer)
 from autosymm.geometry import DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
 from autosymm.settings import MAX_WORKSPACE_BYTES, default_region_bytes
@@ -18,7 +19,10 @@ def _error_slots(ws) -> torch.Tensor:
 
 def test_error_slots_follow_the_channels_inside_the_signal_region():
     assert ERROR_SLOTS_OFFSET == N_SIGNAL_CHANNELS * SIGNAL_SLOTS_PER_RANK * 4
-    assert SIGNAL_BYTES == ERROR_SLOTS_OFFSET + 4 * N_SIGNAL_CHANNELS
+    # then the split-row fused kernels' counters and partial sums (autosymm.geometry)
+    assert ERROR_SLOTS_OFFSET + 4 * N_SIGNAL_CHANNELS <= FUSED_COUNTS_OFFSET and FUSED_COUNTS_OFFSET % 16 == 0
+    assert FUSED_PARTIALS_OFFSET == FUSED_COUNTS_OFFSET + 4 * FUSED_SPLIT_MAX_ROWS
+    assert SIGNAL_BYTES == FUSED_PARTIALS_OFFSET + 4 * FUSED_SPLIT_MAX_ROWS * FUSED_SPLIT_MAX
     (ws,) = simulated_workspaces(1, all_reduce_bytes=256, moe_bytes=256)
     assert ws.regions["signal"].nbytes == align(SIGNAL_BYTES)
     assert ws.regions["all_reduce"].offset >= SIGNAL_BYTES

@@ -11,6 +11,11 @@ tensors), as the all-reduce kernels' — the tensor itself (pull one-shot), one 
 (push), x's rows and the out rows (two-shot: twice the tensor) — or, for a one-shot config with
 ``double_buffer`` whose stage fits, in a half of the double-buffer region. Barrier failures are
 reported after the fact, as for the all-reduce backends (``Workspace.barrier_errors()``).
+
+Split rows (a one-shot config's ``row_split`` > 1) use this rank's scratch (:func:`split_scratch`:
+per-row counters and partial sums in the signal region, the fp32 stash region): a call with more
+rows than it holds (``FUSED_SPLIT_MAX_ROWS``, or a stash of ``rows x hidden`` fp32) runs the same
+config with whole rows instead, so a launcher serves any token count whose stage fits.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Callable, Optional
 import torch
 
 from ..configs import FusedConfig, fused_block_size, fused_space
-from ..geometry import ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, align, stage_bytes
+from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET,
+                        FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_REGION, align, stage_bytes)
 from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
@@ -36,6 +42,20 @@ def fused_stage_bytes(algorithm: str, nbytes: int, world_size: int) -> int:
     if algorithm == "two_shot":
         return 2 * align(nbytes)
     return stage_bytes(algorithm, nbytes, world_size)
+
+
+def split_scratch(workspace) -> tuple:
+    """(per-row arrival counters int32, partial sums fp32, stash fp32) of ``workspace``'s rank:
+    views of its buffer (autosymm.geometry), so nothing is allocated (not even inside a CUDA-graph
+    capture). Without a stash region the partials stand in (split rows are then never used)."""
+    buf = workspace.buffer
+    counts = buf[FUSED_COUNTS_OFFSET:FUSED_COUNTS_OFFSET + 4 * FUSED_SPLIT_MAX_ROWS].view(torch.int32)
+    partials = buf[FUSED_PARTIALS_OFFSET:][:4 * FUSED_SPLIT_MAX_ROWS * FUSED_SPLIT_MAX].view(torch.float32)
+    stash = partials
+    if FUSED_STASH_REGION in workspace.regions:
+        region = workspace.regions[FUSED_STASH_REGION]
+        stash = buf[region.offset:region.offset + region.nbytes].view(torch.float32)
+    return counts, partials, stash
 
 
 class _FusedLauncher:
@@ -58,6 +78,13 @@ class _FusedLauncher:
         self._direct: dict[tuple, Callable[..., None]] = {}
         self._region_addr = int(self.region_ptrs.data_ptr())  # the workspace keeps these tensors alive
         self._signal_addr = int(self.signal_ptrs.data_ptr())
+        self.row_split, self.split_rows, self._scratch = config.row_split, 0, split_scratch(workspace)
+        if self.algorithm == "two_shot":
+            self._scratch = ()
+        elif config.row_split > 1 and FUSED_STASH_REGION in workspace.regions:
+            stash_rows = workspace.capacity(FUSED_STASH_REGION) // (4 * self.hidden)
+            self.split_rows = min(FUSED_SPLIT_MAX_ROWS, stash_rows)  # more rows: whole rows
+        self._scratch_addrs = tuple(int(t.data_ptr()) for t in self._scratch)
 
     # -- hot path ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -80,13 +107,14 @@ class _FusedLauncher:
         if (ptrs[0] < stage_end and ptrs[0] + nbytes > stage) or (ptrs[1] < stage_end and ptrs[1] + nbytes > stage):
             raise BackendError(f"x or residual {tuple(x.shape)} overlaps the {self.algorithm} stage of the all-reduce "
                                "region, where peers write")
-        key = (double, phase) + tuple(a % 16 == 0 for a in ptrs)
+        split = self.row_split if n_rows <= self.split_rows else 1  # rows the split scratch holds
+        key = (double, phase, split) + tuple(a % 16 == 0 for a in ptrs)
         direct = self._direct.get(key)
         if direct is not None:  # bound: int addresses, no per-pointer driver query
-            direct(*ptrs, self._region_addr, self._signal_addr, n_rows, eps, *sizes)
+            direct(*ptrs, self._region_addr, self._signal_addr, *self._scratch_addrs, n_rows, eps, *sizes)
             return out
         launch = self._variants.get(key) or self._variant(key)
-        launch(x, residual, weight, out, self.region_ptrs, self.signal_ptrs, n_rows, eps, *sizes)
+        launch(x, residual, weight, out, self.region_ptrs, self.signal_ptrs, *self._scratch, n_rows, eps, *sizes)
         if launch.direct is not None:
             self._direct[key] = launch.direct
         return out
@@ -134,7 +162,7 @@ class _FusedLauncher:
     # -- cold path --------------------------------------------------------------------------
     def _variant(self, key: tuple) -> LeanLauncher:
         """The launcher of one kernel specialisation (triton specialises on the pointers' alignment)."""
-        double, phase = key[0], key[1]
+        double, phase, split = key[0], key[1], key[2]
         cfg = self.config
         constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, HIDDEN=self.hidden, BLOCK=cfg.block_size,
                           ROWS=cfg.rows_per_program)
@@ -145,7 +173,7 @@ class _FusedLauncher:
             if phase:
                 raise ValueError(f"the fused {self.algorithm} has no phases")
             kernel = _one_shot_all_reduce_rmsnorm
-            constexprs.update(PUSH=self.algorithm == "one_shot_push", DOUBLE_BUFFER=double)
+            constexprs.update(SPLIT=split, PUSH=self.algorithm == "one_shot_push", DOUBLE_BUFFER=double)
         launcher = LeanLauncher(kernel, (cfg.num_blocks,), constexprs, num_warps=cfg.num_warps, num_stages=1)
         self._variants[key] = launcher
         return launcher

@@ -14,7 +14,10 @@ the two-shot computes each row on one rank and copies the results to the others.
 Rows: a program owns whole rows, in groups of ROWS held in registers as one [ROWS, BLOCK] tile
 (BLOCK >= HIDDEN, a power of two): the norm is taken of the unrounded fp32 sum, so both results
 are rounded exactly once. Program ``b`` of a grid of ``G`` owns groups ``b, b+G, ...`` on every
-rank (the two-shot numbers the groups inside each rank's segment). HIDDEN is a constexpr (one
+rank (the two-shot numbers the groups inside each rank's segment). Or (one-shots, SPLIT > 1, for
+few rows) SPLIT programs share a row, each reducing a part of BLOCK / SPLIT columns, and the
+row's last program to finish normalises it from the parts' fp32 sums
+(``_one_shot_all_reduce_rmsnorm``: rounded once too). HIDDEN is a constexpr (one
 compile per hidden size): row offsets then carry its divisibility, so rows of a multiple of 16
 bytes are loaded and stored with 128-bit accesses.
 
@@ -44,13 +47,14 @@ from .push_all_reduce import _slot_ptr
 
 
 @triton.jit
-def _tile(row0, row_end, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """(element offsets [ROWS, BLOCK], mask, columns [BLOCK]) of rows row0 .. row0 + ROWS - 1
-    (rows >= row_end and columns >= HIDDEN masked)."""
+def _tile(row0, row_end, col0, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """(element offsets [ROWS, BLOCK], mask, columns [BLOCK]) of columns col0 .. col0 + BLOCK - 1
+    (a multiple of BLOCK, < HIDDEN) of rows row0 .. row0 + ROWS - 1 (rows >= row_end and columns
+    >= HIDDEN masked)."""
     rows = row0 + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
+    cols = col0 + tl.arange(0, BLOCK)
     offs = rows[:, None] * HIDDEN + cols[None, :]
-    if HIDDEN == BLOCK:  # row-constant mask: 128-bit accesses stay possible
+    if HIDDEN % BLOCK == 0:  # whole column blocks, row-constant mask: 128-bit accesses stay possible
         mask = tl.broadcast_to((rows < row_end)[:, None], (ROWS, BLOCK))
     else:
         mask = (rows < row_end)[:, None] & (cols < HIDDEN)[None, :]
@@ -58,18 +62,19 @@ def _tile(row0, row_end, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.con
 
 
 @triton.jit
-def _copy_rows(dst, src, row0, row_end, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """dst[rows] = src[rows] for one row group."""
-    offs, mask, cols = _tile(row0, row_end, HIDDEN, BLOCK, ROWS)
+def _copy_rows(dst, src, row0, row_end, col0, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """dst[rows] = src[rows] for one row group (columns col0 .. col0 + BLOCK - 1)."""
+    offs, mask, cols = _tile(row0, row_end, col0, HIDDEN, BLOCK, ROWS)
     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 @triton.jit
-def _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, row0, row_end, RANK: tl.constexpr,
+def _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, row0, row_end, col0, RANK: tl.constexpr,
                WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """Store one row group of x into this rank's slot of every peer's stage (posted writes)."""
+    """Store one row group of x (columns col0 .. col0 + BLOCK - 1) into this rank's slot of every
+    peer's stage (posted writes)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    offs, mask, cols = _tile(row0, row_end, HIDDEN, BLOCK, ROWS)
+    offs, mask, cols = _tile(row0, row_end, col0, HIDDEN, BLOCK, ROWS)
     val = tl.load(x_ptr + offs, mask=mask)
     for step in tl.static_range(1, WORLD_SIZE):
         peer = (RANK + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
@@ -113,7 +118,7 @@ def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_
     unrounded fp32 sum (rounded once). SCATTER (two-shot): both also go to every peer's stage,
     the residual over the x rows just read there, out at ``out_offset``."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    offs, mask, cols = _tile(row0, row_end, HIDDEN, BLOCK, ROWS)
+    offs, mask, cols = _tile(row0, row_end, 0, HIDDEN, BLOCK, ROWS)
     acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
     acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     new_residual = acc.to(ELEM)
@@ -127,35 +132,105 @@ def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_
         _scatter(region_ptrs, out_offset, offs, mask, out, RANK, WORLD_SIZE)
 
 
+@triton.jit
+def _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                SPLIT: tl.constexpr, N_PARTS: tl.constexpr):
+    """out = RMSNorm * weight of a whole row from its parts' stores: the fp32 sums s in the
+    stash, the sum of squares = the sum of the parts' partial sums. The whole row is one tile,
+    so its loads are in flight together (one L2 round trip, not one per part)."""
+    # .cg: the other parts were stored by other programs (other SMs); L2 is where they are.
+    parts = tl.arange(0, SPLIT)
+    partial = tl.load(partials_ptr + row * N_PARTS + parts, mask=parts < N_PARTS, other=0.0, cache_modifier=".cg")
+    offs, mask, cols = _tile(row, row + 1, 0, HIDDEN, BLOCK, 1)
+    s = tl.load(stash_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(partial, axis=0) / HIDDEN + eps)
+    tl.store(out_ptr + offs, (s * inv_rms * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, counts_ptr, partials_ptr,
+                stash_ptr, row, part, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
+                BLOCK: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr):
+    """One part (BLOCK / SPLIT columns) of a row shared by N_PARTS programs (see the one-shot
+    kernel): reduce, store the residual part, then count in; the row's last program writes its out."""
+    ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    CHUNK: tl.constexpr = BLOCK // SPLIT
+    N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
+    offs, mask, cols = _tile(row, row + 1, part * CHUNK, HIDDEN, CHUNK, 1)
+    acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
+    acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    new_residual = acc.to(ELEM)
+    tl.store(res_ptr + offs, new_residual, mask=mask)
+    tl.store(stash_ptr + offs, acc, mask=mask)  # unrounded: out is rounded once, as with whole rows
+    tl.store(partials_ptr + row * N_PARTS + part, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
+    tl.debug_barrier()  # every thread's stores of this part precede the release below
+    arrived = tl.atomic_add(counts_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == N_PARTS - 1:
+        tl.atomic_xchg(counts_ptr + row, 0, sem="relaxed", scope="gpu")  # 0 again for the next call
+        tl.debug_barrier()  # every thread reads after the acquire
+        _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN, BLOCK, SPLIT, N_PARTS)
+
+
 @triton.jit(do_not_specialize=["n_rows", "stage_offset", "slot_bytes", "half_bytes"])
-def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, n_rows: tl.int32,
-                                 eps, stage_offset: tl.int64, slot_bytes: tl.int64, half_bytes: tl.int64,
-                                 RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, PUSH: tl.constexpr,
-                                 DOUBLE_BUFFER: tl.constexpr):
+def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, counts_ptr, partials_ptr,
+                                 stash_ptr, n_rows: tl.int32, eps, stage_offset: tl.int64, slot_bytes: tl.int64,
+                                 half_bytes: tl.int64, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                                 HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                                 PUSH: tl.constexpr, DOUBLE_BUFFER: tl.constexpr):
     """One-shot, pull (every rank reads every stage) or PUSH (every rank writes its x into its
     slot, ``slot_bytes`` apart, of every peer's stage). DOUBLE_BUFFER: the stage alternates
     between the halves at ``stage_offset`` and ``stage_offset + half_bytes`` by the epoch of
     autosymm.kernels.all_reduce (shared with its double-buffered kernels) and there is no end
-    barrier (the argument of ``_one_shot_all_reduce`` / ``_push_one_shot_all_reduce``)."""
+    barrier (the argument of ``_one_shot_all_reduce`` / ``_push_one_shot_all_reduce``).
+
+    SPLIT > 1 (ROWS == 1, n_rows <= autosymm.geometry.FUSED_SPLIT_MAX_ROWS, the stash holds
+    n_rows x HIDDEN fp32): a row is cut in parts of CHUNK = BLOCK / SPLIT columns, N_PARTS of them
+    holding columns < HIDDEN; work item ``row * N_PARTS + part`` belongs to program
+    ``item % num_programs`` in every phase on every rank, so the barrier invariant above (a peer's
+    elements are read only by the program index that staged them) holds unchanged. A part's
+    program reduces its columns, stores the residual part and its unrounded fp32 sums (in
+    ``stash_ptr``, laid out as x), its partial sum of squares in ``partials_ptr[row][part]``
+    (fp32), and counts in on ``counts_ptr[row]`` (this rank's scratch, autosymm.geometry: the
+    counters and partials in the signal region, the stash a region of its own).
+
+    Memory ordering: a CTA barrier, then one thread's ``atom.add.acq_rel.gpu`` (release: every
+    thread's stores of the part are visible at gpu scope before the count); the program that
+    sees N_PARTS - 1 earlier arrivals (acquire: it sees every part's stores) is the row's last,
+    resets the counter to 0 and, after a CTA barrier, reads the row's sums back from L2 (.cg)
+    (one tile) and writes ``out``. No program waits for another, so any schedule finishes (the interpreter
+    runs programs one after another). The counter is 0 after every call (every part arrives
+    exactly once), so CUDA-graph replays need no host reset; the partials and the stash are
+    written before they are read in every call; a rank's scratch is touched only by its own
+    stream-ordered fused calls (all-reduce signal channel). Every rank sums the same partials
+    with the same code, so out stays bit-identical across ranks."""
     tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
+    tl.static_assert(SPLIT == 1 or ROWS == 1, "rows are split only one row at a time")
+    CHUNK: tl.constexpr = BLOCK // SPLIT
+    N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_groups = tl.cdiv(n_rows, ROWS)
+    n_items = n_groups * N_PARTS  # (row group, part) pairs; N_PARTS == 1 without SPLIT
     if DOUBLE_BUFFER:
         epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
     if PUSH:
-        for group in range(pid, n_groups, n_programs):
-            _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, group * ROWS, n_rows, RANK, WORLD_SIZE, HIDDEN,
-                       BLOCK, ROWS)
+        for item in range(pid, n_items, n_programs):
+            _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, (item // N_PARTS) * ROWS, n_rows,
+                       (item % N_PARTS) * CHUNK, RANK, WORLD_SIZE, HIDDEN, CHUNK, ROWS)
     else:
         stage = _stage_ptr(region_ptrs, RANK, stage_offset, True, x_ptr.dtype.element_ty)
-        for group in range(pid, n_groups, n_programs):
-            _copy_rows(stage, x_ptr, group * ROWS, n_rows, HIDDEN, BLOCK, ROWS)
+        for item in range(pid, n_items, n_programs):
+            _copy_rows(stage, x_ptr, (item // N_PARTS) * ROWS, n_rows, (item % N_PARTS) * CHUNK, HIDDEN, CHUNK, ROWS)
     barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every rank's x is staged (pull: own stage; push: ours)
-    for group in range(pid, n_groups, n_programs):
-        _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, 0, group * ROWS, n_rows,
-                    eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False)
+    for item in range(pid, n_items, n_programs):
+        if SPLIT == 1:
+            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, 0, item * ROWS,
+                        n_rows, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False)
+        else:
+            _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, counts_ptr,
+                        partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK,
+                        SPLIT, PUSH)
     if DOUBLE_BUFFER:
         _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK)
     else:
@@ -188,7 +263,7 @@ def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
         for s in tl.static_range(WORLD_SIZE):
             seg_end = tl.minimum(s * seg + seg, n_rows)
             for group in range(pid, seg_groups, n_programs):
-                _copy_rows(stage, x_ptr, s * seg + group * ROWS, seg_end, HIDDEN, BLOCK, ROWS)
+                _copy_rows(stage, x_ptr, s * seg + group * ROWS, seg_end, 0, HIDDEN, BLOCK, ROWS)
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every stage holds its rank's x
     if PHASE == 0 or PHASE == 2:
         seg_end = tl.minimum(RANK * seg + seg, n_rows)
@@ -202,6 +277,6 @@ def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
             if s != RANK:
                 seg_end = tl.minimum(s * seg + seg, n_rows)
                 for group in range(pid, seg_groups, n_programs):
-                    _copy_rows(res_ptr, stage, s * seg + group * ROWS, seg_end, HIDDEN, BLOCK, ROWS)
-                    _copy_rows(out_ptr, out_stage, s * seg + group * ROWS, seg_end, HIDDEN, BLOCK, ROWS)
+                    _copy_rows(res_ptr, stage, s * seg + group * ROWS, seg_end, 0, HIDDEN, BLOCK, ROWS)
+                    _copy_rows(out_ptr, out_stage, s * seg + group * ROWS, seg_end, 0, HIDDEN, BLOCK, ROWS)
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads its stage (module docstring)

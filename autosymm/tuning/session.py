@@ -23,7 +23,7 @@ from .precompile import precompile
 from .rank_comm import RankComm
 from .reference import ProblemData
 from .sweep import (FUSED_HIDDEN, SweepItem, TimingPlan, candidates_for, control_group_for, default_modes,
-                    measure_timeout_s, timing_plan)
+                    fused_tokens, measure_timeout_s, timing_plan)
 from .timing import comm_device
 from .tuner import SearchSettings, tune
 
@@ -58,7 +58,7 @@ def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
 def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: dict[str, MoEShape],
                    tokens: list[int], world_size: int) -> list[Problem]:
     """All-reduce sizes x dtypes, then MoE shapes x token counts x ops, then the fused all-reduce
-    + RMSNorm at sweep.FUSED_HIDDEN x token counts (of the ops in ``ops``)."""
+    + RMSNorm at sweep.FUSED_HIDDEN x sweep.fused_tokens(tokens) (of the ops in ``ops``)."""
     problems = []
     if "all_reduce" in ops:
         problems += [Problem.all_reduce(n, d, world_size) for d in dtypes for n in sizes]
@@ -66,7 +66,8 @@ def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: 
         problems += [Problem.moe(op, shape, t, d, world_size)
                      for d in dtypes for shape in shapes.values() for t in tokens]
     if "all_reduce_rmsnorm" in ops:
-        problems += [Problem.all_reduce_rmsnorm(t, h, d, world_size) for d in dtypes for h in FUSED_HIDDEN for t in tokens]
+        problems += [Problem.all_reduce_rmsnorm(t, h, d, world_size)
+                     for d in dtypes for h in FUSED_HIDDEN for t in fused_tokens(tokens)]
     return problems
 
 

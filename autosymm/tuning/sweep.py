@@ -38,9 +38,22 @@ ALL_REDUCE_SIZES = octave_points(4 << 10, 256 << 20, 2)
 #: covered with 8 points instead of 14 (a sweep of minutes, not tens).
 MOE_TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
 #: Hidden sizes of the fused all-reduce + RMSNorm sweep (``--ops all_reduce_rmsnorm``: the hidden
-#: sizes of common tensor-parallel models), at the ``--tokens`` counts (default MOE_TOKENS), eager
-#: and graph: 4 x 8 x 2 = 64 (problem, mode) pairs.
+#: sizes of common tensor-parallel models), at :func:`fused_tokens` (by default MOE_TOKENS and
+#: FUSED_EXTRA_TOKENS), eager and graph: 4 x 10 x 2 = 80 (problem, mode) pairs.
 FUSED_HIDDEN = (4096, 5120, 7168, 8192)
+#: Token counts the fused op is also tuned at, inside the ``--tokens`` range: where its targets
+#: are stated (fused within 1 us of the all-reduce alone up to 128 tokens, 1.5x NCCL + rms_norm
+#: up to 2048), so the DB holds a measured row there rather than a neighbour's config.
+FUSED_EXTRA_TOKENS = (128, 2048)
+
+
+def fused_tokens(tokens: list[int]) -> list[int]:
+    """Tokens per rank of the fused sweep: ``tokens`` plus the :data:`FUSED_EXTRA_TOKENS` within
+    their range, sorted."""
+    if not tokens:
+        return []
+    extra = [t for t in FUSED_EXTRA_TOKENS if min(tokens) <= t <= max(tokens)]
+    return sorted(set(tokens) | set(extra))
 MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
 
 

@@ -10,6 +10,8 @@ its custom op, eager and captured.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -192,3 +194,53 @@ def test_cuda_graph_capture_and_replay():
 
 def test_public_function_and_custom_op():
     run_on_gpus(_api_body)
+
+
+def _split_body(rank, world_size):
+    """Split rows (FusedConfig.row_split > 1: every config of the one-shots' spaces, and one
+    single-buffered): eager, then one capture replayed with new data many times (each row's
+    arrival counter must be 0 again after every call), and calls with more rows than the stash
+    holds, which run with whole rows."""
+    from autosymm.backends.triton_fused import split_scratch
+    from autosymm.problem import DTYPE_NAMES, Problem
+
+    ws, caps, ctx, backends = _setup(rank, world_size)
+    counts = split_scratch(ws)[0]
+    for dtype, n_tokens, hidden in [(torch.bfloat16, 1, 8192), (torch.bfloat16, 4, 5120), (torch.float16, 16, 7168),
+                                    (torch.bfloat16, 64, 8192), (torch.float16, 37, 4104)]:
+        problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, DTYPE_NAMES[dtype], world_size)
+        for backend in backends[:2]:
+            split = [c for c in backend.search_space(problem) if c.row_split > 1]
+            assert split or n_tokens * 2 > 132, f"{backend.name}: no split rows at {problem.describe()}"
+            for config in split + [dataclasses.replace(c, double_buffer=False) for c in split[:1]]:
+                name = f"{backend.name} {config} {problem.describe()}"
+                launcher = backend.prepare(problem, config, ctx)
+                xs, residual_in, weight = _inputs(world_size, n_tokens, hidden, dtype, seed=n_tokens)
+                x, residual = xs[rank].clone(), residual_in.clone()
+                out = launcher(x, residual, weight, EPS)
+                try:
+                    _check(name, residual, out, xs, residual_in, weight)
+                except AssertionError as err:
+                    raise AssertionError(f"{name}: {err}") from None
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = launcher(x, residual, weight, EPS)
+                for trial in range(20):
+                    xs, residual_in, _ = _inputs(world_size, n_tokens, hidden, dtype, seed=100 + trial)
+                    x.copy_(xs[rank])
+                    residual.copy_(residual_in)
+                    graph.replay()
+                    if trial % 5 == 4:
+                        _check(name, residual, out, xs, residual_in, weight)
+                torch.cuda.synchronize()
+                assert int(counts.count_nonzero()) == 0, f"{name}: arrival counters left non-zero"
+                del graph
+        many = launcher.split_rows + 3  # more rows than the stash holds: whole rows
+        xs, residual_in, weight = _inputs(world_size, many, hidden, dtype, seed=7)
+        x, residual = xs[rank].clone(), residual_in.clone()
+        _check(f"{launcher.config} at {many} rows", residual, launcher(x, residual, weight, EPS), xs, residual_in,
+               weight)
+
+
+def test_split_rows_eager_replayed_and_beyond_the_stash():
+    run_on_gpus(_split_body)

@@ -32,8 +32,9 @@ class CpuWorkspace(Workspace):
     error slots and reset_signals; the device barrier is recorded, or replaced by ``on_barrier``."""
 
     def __init__(self, rank: int = 0, world_size: int = 2, on_barrier=None):
-        buffer = torch.zeros(1 << 16, dtype=torch.uint8)
-        super().__init__(rank, [buffer] * world_size, workspace_layout(1024, 1024))
+        layout = workspace_layout(1024, 1024)
+        buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+        super().__init__(rank, [buffer] * world_size, layout)
         self.on_barrier = on_barrier
         self.device_barriers = 0
         self.resets: list[int] = []  # barrier_errors() seen at each reset

@@ -13,9 +13,9 @@ from _gloo import run_with_deadline
 from autosymm.backends.base import Backend, Needs
 from autosymm.backends.nccl_fused import nccl_fused
 from autosymm.configs import FusedConfig
-from autosymm.problem import Problem
+from autosymm.problem import MODEL_SHAPES, Problem
 from autosymm.tuning.session import sweep_problems, workspace_bytes
-from autosymm.tuning.sweep import FUSED_HIDDEN, TimingPlan
+from autosymm.tuning.sweep import FUSED_HIDDEN, MOE_TOKENS, TimingPlan, fused_tokens
 
 PLAN = TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1, calls_per_graph=2)
 
@@ -77,7 +77,15 @@ def test_a_fused_sweep_checks_residual_and_output():
 
 def test_ops_all_reduce_rmsnorm_sweeps_the_hidden_sizes_at_the_token_counts():
     problems = sweep_problems(["all_reduce_rmsnorm"], [4096], ["bf16"], {}, [1, 64, 8192], 2)
-    assert [(p.hidden, p.n_tokens_local) for p in problems] == [(h, t) for h in FUSED_HIDDEN for t in (1, 64, 8192)]
+    tokens = (1, 64, 128, 2048, 8192)  # and the fused targets' token counts inside the range
+    assert [(p.hidden, p.n_tokens_local) for p in problems] == [(h, t) for h in FUSED_HIDDEN for t in tokens]
     assert {p.shape_key for p in problems} == {f"h{h}" for h in FUSED_HIDDEN}
     # the fused two-shot stages x and out rows: 2 x 128 MiB at 8192 tokens of 8192
     assert workspace_bytes(problems)[0] >= 2 * 8192 * 8192 * 2
+
+
+def test_fused_tokens_add_the_targets_inside_the_range_only():
+    assert fused_tokens(MOE_TOKENS) == [1, 4, 16, 64, 128, 256, 1024, 2048, 4096, 8192]
+    assert fused_tokens([1, 4]) == [1, 4] and fused_tokens([4, 1, 256]) == [1, 4, 128, 256] and fused_tokens([]) == []
+    moe = sweep_problems(["dp_to_ep"], [4096], ["bf16"], {"s": MODEL_SHAPES[next(iter(MODEL_SHAPES))]}, MOE_TOKENS, 2)
+    assert [p.n_tokens_local for p in moe] == MOE_TOKENS, "the MoE sweep keeps its token counts"
