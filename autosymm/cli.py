@@ -112,7 +112,8 @@ def run(ctx: click.Context) -> None:
 @click.option("--modes", default="eager,graph", show_default=True)
 @click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True, help="MoE shapes: model names or d{D}_e{E}_k{K}")
 @click.option("--tokens", default=DEFAULT_TOKENS, show_default=True,
-              help="MoE tokens per rank: any list, low:high (powers of two) or low:high:N (N per octave)")
+              help="tokens per rank of the MoE conversions and the fused op: any list, low:high (powers of two) "
+                   "or low:high:N (N per octave)")
 @click.option("--strategy", type=click.Choice(["auto", "grid", "optuna"]), default="auto", show_default=True)
 @click.option("--trials", type=click.IntRange(min=1), default=None, help="Optuna trials per problem and backend (default: 30 % of the space, 16..24)")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")
