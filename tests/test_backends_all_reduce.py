@@ -483,3 +483,18 @@ def test_double_buffer_launchers_alternate_halves_across_configs():
             assert torch.equal(pads(ws.buffer), want)
     wss[0].reset_signals()
     assert epoch(wss[0]) == 0, "reset_signals zeroes the epoch with the pads"
+
+
+@pytest.mark.parametrize("backend, dtype, numel, tail", [
+    (triton_one_shot, torch.bfloat16, 1000, 8), (triton_one_shot, torch.bfloat16, 1001, 1),
+    (triton_one_shot, torch.float32, 1000, 4), (triton_one_shot_push, torch.bfloat16, 4104, 8),
+    (triton_one_shot_push, torch.float16, 4099, 1), (triton_two_shot, torch.bfloat16, 1000, 1)])
+def test_the_one_shots_are_told_a_numel_of_whole_16_byte_vectors(backend, dtype, numel, tail):
+    """The variant key's last field is the kernels' TAIL: 16 bytes' worth of elements when numel
+    is a multiple of it (masked tails keep 128-bit accesses), else 1; the two-shot has its own."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    ws = simulated_workspaces(2, all_reduce_bytes=1 << 16, moe_bytes=256)[0]
+    config = next(iter(backend.search_space(_problem(1 << 14, name, 2))))
+    launcher = backend.prepare(_problem(1 << 14, name, 2), config, RunContext(workspace=ws))
+    key, _, sizes = launcher._plan(torch.zeros(numel, dtype=dtype), 0)
+    assert key[-1] == tail and sizes[0] == numel
