@@ -53,6 +53,13 @@ def test_triton_moe_why_not(problem, caps, reason):
     assert got == reason if reason is None else reason in got
 
 
+def test_a_graph_mode_call_that_does_not_fit_names_the_declaration_that_reserves_it():
+    problem = Problem.moe("dp_to_ep", DSV3, 512, "bf16", 8)
+    got = TRITON_MOE.why_not(problem, CAPS, "graph")
+    assert "needs 469762048 bytes" in got and "autosymm.init(moe=[autosymm.MoEPlan('d7168_e256_k8', 512)])" in got
+    assert "autosymm.init" not in TRITON_MOE.why_not(problem, CAPS, "eager")
+
+
 def test_nccl_all_to_all_serves_what_the_group_cannot_hold():
     problem = Problem.moe("dp_to_ep", DSV3, 4096, "bf16", 8)
     assert NCCL_ALL_TO_ALL.why_not(problem, Capabilities(8, intra_node=False)) is None

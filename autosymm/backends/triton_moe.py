@@ -135,6 +135,9 @@ class TritonMoE(Backend):
             if need > have:
                 grown = " (after growing the region to its limit)" if room > caps.moe_bytes else ""
                 reason = f"needs {need} bytes, the MoE workspace buffer has {have}{grown}"
+                if mode == "graph":  # nothing grows inside a capture: only a declaration reserves it
+                    reason += (f"; reserve it before capturing: autosymm.init(moe=[autosymm.MoEPlan("
+                               f"'{problem.shape_key}', {problem.n_tokens_local})])")
         return reason
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
