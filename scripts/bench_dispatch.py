@@ -8,8 +8,8 @@ On GPUs (one process per GPU, default 2; NVLink multicast off as scripts/_node_e
   i.e. the launcher's checked direct path), the launch floor (a 1-program Triton kernel through
   ``kernel[grid]``, through ``LeanLauncher.direct``, replayed as a one-kernel CUDA graph, and
   ``x.add_(1)``), torch's two-shot on a symmetric buffer (no copy) and NCCL;
-* device latency per call (CUDA events around a burst) of the same eager loops at 4 KiB,
-  64 KiB and 1 MiB (bf16), MAX over ranks;
+* device latency per call (CUDA events around a burst) of the same eager loops at ``--sizes``
+  (default 4 KiB, 64 KiB, 1, 4 and 8 MiB, bf16), MAX over ranks;
 * ``floor gap``: autosymm's host us/call minus the cheapest floor row (issue #13: <= 1 us).
 
 With ``--cpu-stub`` (any machine, no GPU): Python ns per call of the all-reduce launcher with a
@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-SIZES = (4 << 10, 64 << 10, 1 << 20)
+#: Default all-reduce sizes (bytes, bf16). At the larger ones the device column compares a loop of
+#: one-kernel graph replays ("autosymm") with one of bound direct launches ("replay off").
+SIZES = "4096,65536,1048576,4194304,8388608"
 HOST_BYTES = 4 << 10
 
 
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=400, help="calls per burst")
     parser.add_argument("--repeats", type=int, default=15, help="bursts per row")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--sizes", default=SIZES, help="all-reduce sizes in bytes, comma-separated (bf16)")
     parser.add_argument("--cpu-stub", action="store_true", help="Python overhead with stub launches (no GPU)")
     args = parser.parse_args()
     if args.cpu_stub or not torch.cuda.is_available():
@@ -103,7 +106,7 @@ def _measure(rank: int, world_size: int, args) -> dict[str, tuple[float, float, 
     measure = _timer(args)
     rows = {f"floor {name}": measure(fn) for name, fn in _floor_launches().items()}
     rows.update(_host_pieces(args.calls, args.repeats))
-    for nbytes in SIZES:
+    for nbytes in (int(size) for size in args.sizes.split(",")):
         numel = nbytes // 2
         label = f"{nbytes >> 10} KiB"
         for name, fn in _all_reduce_loops(numel).items():
