@@ -1,8 +1,10 @@
 """The public runtime: ``all_reduce``, the MoE conversions, ``explain``, ``stats``, ``init``.
 
 Per process group a ``GroupState`` (autosymm.group) holds what the first call found out, agreed
-by every rank, and a dict of prepared calls keyed by (op, dtype, size, mode). A repeated call is a dict lookup, one counter increment and
-the backend's launcher. Call ``init(group)`` (or make one eager call) before capturing a CUDA
+by every rank, and a dict of prepared calls keyed by (op, dtype, size, mode). A repeated call is a
+dict lookup, one counter increment and the backend's launcher; a repeated eager all-reduce of a
+tensor whose address has a plan (autosymm.replay.HOT) skips even the key: five attribute checks
+and the plan. Call ``init(group)`` (or make one eager call) before capturing a CUDA
 graph: the first call on a group runs collectives that must not be captured.
 """
 
