@@ -47,6 +47,8 @@ autosymm.api's hit path checks a handful of attributes and calls the plan, skipp
 key and this wrapper. autosymm.api registers a plan after the wrapper made it; the wrapper
 forgets an evicted address (:func:`forget`); a change of the staging limits (a workspace's
 ``empty_bytes``: autosymm.symm) or ``autosymm.reset`` forgets them all (:func:`forget_all`).
+Calls through the table do not touch the wrapper, so they do not refresh its LRU order: with
+more live addresses than ``max_graphs`` per prepared call, the plan made longest ago goes first.
 
 Memory. A captured graph's node is the kernel launch on existing buffers. Capture uses the
 graph's own private pool, which torch releases with the graph: whatever is allocated while it
