@@ -44,6 +44,22 @@ def ptx_features(ptx: str) -> dict:
     }
 
 
+def compile_ptx(fn, signature: dict, constexprs: dict, aligned_args, num_warps: int) -> str:
+    """PTX of ``fn`` compiled for sm_90 (call it in a ``_compile_cases`` subprocess): ``signature``
+    without its constexprs, which are added; ``aligned_args``: indices of the pointer arguments
+    triton would see 16-byte aligned at run time. ptxas must produce a cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    attrs = {(j,): [["tt.divisibility", 16]] for j in aligned_args}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+    assert compiled.asm.get("cubin"), "ptxas produced no cubin"
+    return compiled.asm["ptx"]
+
+
 def compile_in_subprocesses(module: str, n_cases: int, timeout_s: float = 600) -> dict[int, dict]:
     """{i: features} of ``tests/<module>.py``'s ``_compile_cases`` over cases 0..n_cases-1."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -8,7 +8,7 @@ compiled), two at a time; each returns the PTX features the tests check.
 from __future__ import annotations
 
 import pytest
-from _sm90 import compile_in_subprocesses, ptx_features
+from _sm90 import compile_in_subprocesses, compile_ptx, ptx_features
 
 # (kernel, dtype, world_size, block, warps, zero_copy, aligned, x_aligned[, double_buffer[, tail]])
 CASES = [
@@ -56,9 +56,6 @@ VEC_TYPE = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "
 
 def _compile_cases(indices: list[int]) -> dict:
     """Runs in a subprocess: compile CASES[i] for sm_90, return {i: features}."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
     from autosymm.kernels.push_all_reduce import _push_one_shot_all_reduce
@@ -83,13 +80,7 @@ def _compile_cases(indices: list[int]) -> dict:
             fn = _two_shot_all_reduce
             signature.update(seg_vecs="i32", mc_base="i64")
             constexprs.update(MULTIMEM=kernel == "multimem", PHASE=0)
-        signature.update({name: "constexpr" for name in constexprs})
-        # Pointer arguments that triton would see 16-byte aligned at run time.
-        attrs = {(j,): [["tt.divisibility", 16]] for j in ((0, 1, 2) if x_aligned else (1, 2))}
-        src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
-        assert compiled.asm.get("cubin"), "ptxas produced no cubin"
-        out[i] = ptx_features(compiled.asm["ptx"])
+        out[i] = ptx_features(compile_ptx(fn, signature, constexprs, (0, 1, 2) if x_aligned else (1, 2), warps))
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from _sm90 import compile_in_subprocesses, ptx_features
+from _sm90 import compile_in_subprocesses, compile_ptx, ptx_features
 
 # (kernel, dtype, world_size, hidden, block, warps, rows, double_buffer, x/residual/weight/out 16-byte
 # aligned, row split): rows equal to BLOCK and shorter (masked columns), every world size, each
@@ -28,9 +28,6 @@ CASES = [
 
 def _compile_cases(indices: list[int]) -> dict:
     """Runs in a subprocess: compile CASES[i] for sm_90, return {i: features}."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from autosymm.kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 
@@ -50,13 +47,9 @@ def _compile_cases(indices: list[int]) -> dict:
             signature.update(counts_ptr="*i32", partials_ptr="*fp32", stash_ptr="*fp32", slot_bytes="i64",
                              half_bytes="i64")
             constexprs.update(SPLIT=split, PUSH=kernel == "one_shot_push", DOUBLE_BUFFER=double)
-        signature.update({name: "constexpr" for name in constexprs})
         scratch = (6, 7, 8) if kernel != "two_shot" else ()  # the workspace's: always aligned
-        attrs = {(j,): [["tt.divisibility", 16]] for j in ((0, 1, 2, 3, 4, 5) if aligned else (4, 5)) + scratch}
-        src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
-        assert compiled.asm.get("cubin"), "ptxas produced no cubin"
-        out[i] = ptx_features(compiled.asm["ptx"])
+        aligned_args = ((0, 1, 2, 3, 4, 5) if aligned else (4, 5)) + scratch
+        out[i] = ptx_features(compile_ptx(fn, signature, constexprs, aligned_args, warps))
     return out
 
 

@@ -236,6 +236,16 @@ class _AllReduceLauncher:
         return BackendError(f"triton_{self.algorithm} cannot reduce tensor {tuple(x.shape)}: " + "; ".join(problems))
 
 
+def stage_limits(need: int, problem: Problem, caps: Capabilities) -> Optional[str]:
+    """Why a Triton kernel staging ``need`` bytes in the all-reduce region cannot serve
+    ``problem`` (the region too small, or more elements than int32 indexing reaches), or None."""
+    if need > caps.all_reduce_bytes:
+        return f"a {need}-byte stage exceeds the {caps.all_reduce_bytes}-byte all-reduce region"
+    if problem.numel > MAX_NUMEL:
+        return f"{problem.numel} elements exceed int32 indexing"
+    return None
+
+
 class TritonAllReduce(Backend):
     """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
 
@@ -247,12 +257,7 @@ class TritonAllReduce(Backend):
                            intra_node=True, multicast=multimem, min_compute_capability=(9, 0) if multimem else (0, 0))
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        need = stage_bytes(self.algorithm, problem.nbytes, problem.world_size)
-        if need > caps.all_reduce_bytes:
-            return f"a {need}-byte stage exceeds the {caps.all_reduce_bytes}-byte all-reduce region"
-        if problem.numel > MAX_NUMEL:
-            return f"{problem.numel} elements exceed int32 indexing"
-        return None
+        return stage_limits(stage_bytes(self.algorithm, problem.nbytes, problem.world_size), problem, caps)
 
     def search_space(self, problem: Problem) -> list[AllReduceConfig]:
         return all_reduce_space(self.algorithm, problem.numel, problem.world_size, problem.elem_bytes)

@@ -31,8 +31,8 @@ from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
+from .triton_all_reduce import MAX_NUMEL, stage_limits
 
-MAX_NUMEL = 2**31 - 1  # kernels index with int32
 OP = "all_reduce_rmsnorm"
 
 
@@ -188,12 +188,7 @@ class TritonFused(Backend):
         self.needs = Needs(ops=(OP,), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        need = fused_stage_bytes(self.algorithm, problem.nbytes, problem.world_size)
-        if need > caps.all_reduce_bytes:
-            return f"a {need}-byte stage exceeds the {caps.all_reduce_bytes}-byte all-reduce region"
-        if problem.numel > MAX_NUMEL:
-            return f"{problem.numel} elements exceed int32 indexing"
-        return None
+        return stage_limits(fused_stage_bytes(self.algorithm, problem.nbytes, problem.world_size), problem, caps)
 
     def search_space(self, problem: Problem) -> list[FusedConfig]:
         return fused_space(self.algorithm, problem.n_tokens_local, problem.hidden, problem.world_size,
