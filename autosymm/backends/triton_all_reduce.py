@@ -33,7 +33,7 @@ call ``Workspace.reset_signals()`` before the next collective kernel.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -246,6 +246,20 @@ def stage_limits(need: int, problem: Problem, caps: Capabilities) -> Optional[st
     return None
 
 
+def prepared_workspace(backend: Backend, problem: Problem, config: Any, config_type: type, ctx: RunContext):
+    """``ctx.workspace`` once a Triton backend's ``prepare`` arguments fit: a workspace of the
+    problem's world size and a ``config_type`` config of the backend's algorithm (BackendError)."""
+    ws = ctx.workspace
+    if ws is None:
+        raise BackendError(f"{backend.name} needs a symmetric workspace (ctx.workspace is None)")
+    if not isinstance(config, config_type) or config.algorithm != backend.algorithm:
+        raise BackendError(f"{backend.name} needs {config_type.__name__}(algorithm={backend.algorithm!r}, ...), "
+                           f"got {config!r}")
+    if ws.world_size != problem.world_size:
+        raise BackendError(f"{problem.describe()} does not match the workspace's world size {ws.world_size}")
+    return ws
+
+
 class TritonAllReduce(Backend):
     """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
 
@@ -264,13 +278,7 @@ class TritonAllReduce(Backend):
 
     def prepare(self, problem: Problem, config: Optional[AllReduceConfig], ctx: RunContext) -> _AllReduceLauncher:
         """A launcher ``launcher(x) -> x`` for ``problem`` with ``config`` on ``ctx.workspace``."""
-        ws = ctx.workspace
-        if ws is None:
-            raise BackendError(f"{self.name} needs a symmetric workspace (ctx.workspace is None)")
-        if not isinstance(config, AllReduceConfig) or config.algorithm != self.algorithm:
-            raise BackendError(f"{self.name} needs an AllReduceConfig with algorithm={self.algorithm!r}, got {config!r}")
-        if ws.world_size != problem.world_size:
-            raise BackendError(f"{problem.describe()} does not match the workspace's world size {ws.world_size}")
+        ws = prepared_workspace(self, problem, config, AllReduceConfig, ctx)
         if self.algorithm == "multimem" and not ws.has_multicast:
             raise BackendError(f"{self.name} needs multicast; the workspace has none")
         return _AllReduceLauncher(self.algorithm, problem, config, ws)

@@ -31,7 +31,7 @@ from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
-from .triton_all_reduce import MAX_NUMEL, stage_limits
+from .triton_all_reduce import MAX_NUMEL, prepared_workspace, stage_limits
 
 OP = "all_reduce_rmsnorm"
 
@@ -205,13 +205,7 @@ class TritonFused(Backend):
 
     def prepare(self, problem: Problem, config: Optional[FusedConfig], ctx: RunContext) -> _FusedLauncher:
         """A launcher for ``problem`` with ``config`` on ``ctx.workspace``."""
-        ws = ctx.workspace
-        if ws is None:
-            raise BackendError(f"{self.name} needs a symmetric workspace (ctx.workspace is None)")
-        if not isinstance(config, FusedConfig) or config.algorithm != self.algorithm:
-            raise BackendError(f"{self.name} needs a FusedConfig with algorithm={self.algorithm!r}, got {config!r}")
-        if ws.world_size != problem.world_size:
-            raise BackendError(f"{problem.describe()} does not match the workspace's world size {ws.world_size}")
+        ws = prepared_workspace(self, problem, config, FusedConfig, ctx)
         if problem.op != OP:
             raise BackendError(f"{self.name} serves {OP}, not {problem.op}")
         if config.block_size < problem.hidden:
