@@ -13,12 +13,13 @@ rank, and its shape is the hidden size ('h8192').
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .units import format_size, parse_size
 
 OPS = ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm")
 MOE_OPS = ("dp_to_ep", "ep_to_dp")
@@ -174,24 +175,10 @@ class Problem:
         return f"all_reduce {self.dtype} ws={self.world_size} {format_bytes(self.nbytes)}"
 
 
-_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
-          "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
-
-
 def parse_bytes(text: str) -> int:
-    """'16KiB' -> 16384, '1MiB' -> 1048576, '4096' -> 4096 (binary units, case-insensitive)."""
-    s = str(text).strip().upper()
-    i = len(s)
-    while i > 0 and not s[i - 1].isdigit():
-        i -= 1
-    number, unit = s[:i], s[i:].strip()
-    try:
-        value = float(number) * _UNITS[unit]
-    except (KeyError, ValueError):
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"cannot read {text!r} as a size >= 0 (examples: 4096, 16KiB, 1MiB, 2GiB)")
-    return int(value)
+    """Bytes of a size: '3MB' -> 3000000 (SI units decimal), '16KiB' -> 16384 (IEC units binary),
+    '4096' -> 4096 (autosymm.units.parse_size: 'K' alone is refused as ambiguous)."""
+    return parse_size(text)
 
 
 #: Points per octave a range may ask for (``low:high:N``): N evenly spaced in each octave.
@@ -239,9 +226,6 @@ def parse_size_range(text: str) -> list[int]:
 
 
 def format_bytes(nbytes: int) -> str:
-    """4096 -> '4KiB', 1572864 -> '1.5MiB'."""
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:g}{unit}"
-    return f"{nbytes}B"
+    """4096 -> '4KiB', 1572864 -> '1.5MiB', 3000000 -> '3MB', 1023 -> '1023B': binary units where
+    exact, else decimal ones, else bytes (autosymm.units.format_size; parse_bytes reads it back)."""
+    return format_size(nbytes)
