@@ -14,7 +14,7 @@ import click
 
 from . import __version__
 from .cli_errors import OneLineErrorGroup
-from .cli_plans import DEFAULT_TOKENS, Target, explained_problem, offline_caps, plan, table
+from .cli_plans import DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table
 from .problem import DTYPES, MODEL_SHAPES, MODES, MOE_OPS, OPS, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
@@ -23,9 +23,7 @@ TUNE_SIZES = "4KiB:256MiB:2"
 
 
 def _console():
-    from rich.console import Console
-
-    return Console(width=160)
+    return rich_console()
 
 
 def _parse_shapes(text: str) -> dict[str, MoEShape]:
@@ -97,9 +95,9 @@ def run(ctx: click.Context) -> None:
 
     for path in paths:
         sources = open_sources(None, [path])
-        combos = sorted({(r.hardware, r.gpu, r.world_size) for s in sources for r in s.db.rows()})
-        for hardware, gpu, world_size in combos:
-            plan(console, Target(hardware, gpu, world_size, "bf16"), sources, None, ["all_reduce", "dp_to_ep", "ep_to_dp"])
+        combos = sorted({(r.hardware, r.gpu, r.world_size, r.dtype) for s in sources for r in s.db.rows()})
+        for hardware, gpu, world_size, dtype in combos:
+            plan(console, Target(hardware, gpu, world_size, dtype), sources, None, list(OPS))
 
 
 # --------------------------------------------------------------------------------------- tune
@@ -321,18 +319,15 @@ def explain(**opts) -> None:
     if op == "all_reduce_rmsnorm" and opts["hidden"] is None and not opts["all_sizes"]:
         raise click.BadParameter("all_reduce_rmsnorm needs --hidden", param_hint="--hidden")
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
+    problem = None if opts["all_sizes"] else \
+        explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"])
     sources = _open(opts["db_paths"])
-    if opts["all_sizes"]:
+    check_hardware(target, sources, "--gpu" if opts["gpu"] else "this machine's GPU")
+    if problem is None:
         plan(_console(), target, sources, moe_shape, [op], modes, hidden=opts["hidden"])
         return
-    problem = explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"])
-    from .dispatch import decide
-
-    for m in modes:
-        decision = decide(problem, m, offline_caps(target), sources, hardware)
-        click.echo(f"{problem.describe()} [{m}] on {gpu} ({hardware}): {decision.describe()}")
-        for skipped in decision.skipped:
-            click.echo(f"  skipped {skipped}")
+    for line in explain_lines(problem, modes, target, sources):
+        click.echo(line)
 
 
 def _one_shape(text: str) -> MoEShape:

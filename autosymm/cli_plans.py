@@ -1,5 +1,11 @@
-"""Dispatch plans for the command line: the decision for a call, or over every default size,
-on a given machine without a GPU (`autosymm explain`, `autosymm run` without GPUs)."""
+"""Dispatch plans for the command line: the decision for a call, or over every default and tuned
+size, on a given machine without a GPU (`autosymm explain`, `autosymm run` without GPUs).
+
+What a plan says is what a call would do: a time is marked measured (the row's own, at the
+call's size, dtype, shape and mode) or modelled; a call no backend can serve in its mode (a
+graph-mode MoE call too large for the MoE region: NCCL's all_to_all cannot be captured) is shown
+as raising, with the remedy, never as served by the backend that cannot take it.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,44 @@ from typing import NamedTuple, Optional
 
 import click
 
-from .problem import MODES, MoEShape, Problem, format_bytes, parse_bytes, parse_size_range
+from .problem import MODEL_SHAPES, MODES, MoEShape, Problem, format_bytes, parse_bytes, parse_size_range
+from .settings import MAX_WORKSPACE_BYTES
+from .units import MAX_SIZE
 
 DEFAULT_SIZES = "4KiB:256MiB"
 DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,8192"  # autosymm.tuning.sweep.MOE_TOKENS
 
+#: Width of a console that is not a terminal (a pipe, a file, a test): wide enough that no
+#: table is cut or wrapped. On a terminal, columns fold (never cut) to its width.
+PLAIN_WIDTH = 10_000
+#: Longest word a table column keeps whole on a narrow terminal (longer ones fold).
+MAX_WORD = 48
 
-def table(title: str, columns: list[str], rows: list[list]):
+PLAN_CAPTION = ("us: measured at the tuned point; ~us: modelled (between or beyond tuned sizes, or from "
+                "another dtype's or mode's rows). raises: no backend can serve the call in that mode")
+
+
+def console():
+    """A rich console for the commands' output (see PLAIN_WIDTH)."""
+    from rich.console import Console
+
+    terminal = Console()
+    return terminal if terminal.is_terminal else Console(width=PLAIN_WIDTH)
+
+
+def table(title: str, columns: list[str], rows: list[list], caption: Optional[str] = None):
+    """A rich table whose cells wrap between words, never inside one, when the console is narrow
+    (each column at least its longest word wide, up to MAX_WORD): names are never cut."""
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*[str(v) for v in row])
+    cells = [[str(v) for v in row] for row in rows]
+    table = Table(title=title, caption=caption)
+    for i, column in enumerate(columns):
+        longest = max((len(word) for row in cells for word in row[i].split()), default=0)
+        table.add_column(column, overflow="fold", min_width=min(longest, MAX_WORD))
+    for row in cells:
+        table.add_row(*[Text(v) for v in row])  # text, not markup: configs and remedies hold [...]
     return table
 
 
@@ -33,8 +63,27 @@ class Target(NamedTuple):
     dtype: str
 
 
+def check_hardware(target: Target, sources, whose: str) -> None:
+    """A usage error (--gpu) when no row of ``sources`` is for ``target.hardware``, listing the
+    tuned hardware; ``whose``: how the GPU name was chosen, for the message."""
+    tuned: dict[str, tuple[str, set]] = {}
+    for source in sources:
+        for row in source.db.rows():
+            tuned.setdefault(row.hardware, (row.gpu, set()))[1].add(row.world_size)
+    if target.hardware in tuned:
+        return
+    listing = "; ".join(f"--gpu {gpu!r} ({slug}, world size {', '.join(map(str, sorted(sizes)))})"
+                        for slug, (gpu, sizes) in sorted(tuned.items()))
+    where = ", ".join(source.label for source in sources) or "no tuning database found"
+    raise click.BadParameter(
+        f"{whose} {target.gpu!r} (hardware {target.hardware}) matches no tuned hardware in {where}; "
+        f"tuned: {listing or 'none'} (on untuned hardware NCCL serves every call)", param_hint="--gpu")
+
+
 def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: Target,
                       hidden: Optional[int] = None) -> Problem:
+    """The Problem `explain` is asked about; sizes no call can have (or that exceed the
+    workspace's all-reduce region) are usage errors."""
     if op == "all_reduce":
         if nbytes is None:
             raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
@@ -42,12 +91,34 @@ def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe
             size = parse_bytes(nbytes)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--bytes") from None
-        return Problem.all_reduce(size, target.dtype, target.world_size)
+        return Problem.all_reduce(_checked_bytes(nbytes, size, target), target.dtype, target.world_size)
     if tokens is None:
         raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
     if op == "all_reduce_rmsnorm":
-        return Problem.all_reduce_rmsnorm(tokens, hidden, target.dtype, target.world_size)
-    return Problem.moe(op, moe_shape, tokens, target.dtype, target.world_size)
+        problem = Problem.all_reduce_rmsnorm(tokens, hidden, target.dtype, target.world_size)
+    else:
+        problem = Problem.moe(op, moe_shape, tokens, target.dtype, target.world_size)
+    if problem.nbytes > MAX_SIZE:
+        raise click.BadParameter(f"{tokens} tokens per rank make {problem.nbytes} bytes, over 2^63 - 1",
+                                 param_hint="--tokens")
+    return problem
+
+
+def _checked_bytes(text: str, size: int, target: Target) -> int:
+    """``size`` (read from ``text``) when an all-reduce tensor of ``target.dtype`` can have it
+    and it fits the all-reduce region; a usage error saying which limit it breaks otherwise."""
+    elem = Problem.all_reduce(0, target.dtype, target.world_size).elem_bytes
+    region = offline_caps(target).all_reduce_bytes
+    if size < elem or size % elem:
+        raise click.BadParameter(f"{text!r} ({size} B) is not a whole, non-zero number of {target.dtype} elements "
+                                 f"({elem} B each)", param_hint="--bytes")
+    if size > region:
+        raise click.BadParameter(
+            f"{text!r} ({format_bytes(size)}) is over the workspace's all-reduce region ({format_bytes(region)}: the "
+            f"default, or half of AUTOSYMM_WORKSPACE_BYTES, at most {format_bytes(MAX_WORKSPACE_BYTES // 2)}); "
+            f"no tuned kernel can take it (NCCL serves such a call)",
+            param_hint="--bytes")
+    return size
 
 
 def offline_caps(target: Target):
@@ -60,47 +131,92 @@ def offline_caps(target: Target):
     return Capabilities.of(target.world_size, region_bytes=default_region_bytes(), compute_capability=cc)
 
 
+def cannot_serve(decision, problem: Problem, caps, mode: str) -> Optional[tuple[str, str]]:
+    """(why, remedy) when the call raises although ``decision`` names a backend: that backend
+    cannot serve it in ``mode`` (NCCL's all_to_all inside a CUDA-graph capture); the remedy is
+    the one the skipped backends name (autosymm.init(moe=[autosymm.MoEPlan(...)])) or ''.
+    None when the backend serves the call."""
+    from .backends import get_backend
+
+    try:
+        why = get_backend(decision.backend).why_not(problem, caps, mode)
+    except KeyError as exc:
+        why = str(exc)
+    if why is None:
+        return None
+    remedies = [text[text.index("autosymm.init("):] for text in decision.skipped if "autosymm.init(" in text]
+    return f"{decision.backend}: {why}", (f"reserve the MoE room before capturing: {remedies[0]}" if remedies else "")
+
+
+def explain_lines(problem: Problem, modes, target: Target, sources) -> list[str]:
+    """`explain`'s lines for one call: the decision per mode and the faster rows passed over."""
+    from .dispatch import decide
+
+    caps, lines = offline_caps(target), []
+    for mode in modes:
+        decision = decide(problem, mode, caps, sources, target.hardware)
+        raises = cannot_serve(decision, problem, caps, mode)
+        verdict = decision.describe()
+        if raises:
+            why, remedy = raises
+            verdict = f"raises - no backend can serve it in {mode} mode ({why})" + (f"; {remedy}" if remedy else "")
+        lines.append(f"{problem.describe()} [{mode}] on {target.gpu} ({target.hardware}): {verdict}")
+        lines += [f"  skipped {skipped}" for skipped in decision.skipped]
+    return lines
+
+
 def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: Optional[int] = None) -> None:
-    """One table per op: the decision at every default size (or shape x token count)."""
+    """One table per op: the decision at every default and tuned size (or shape x token count)."""
     from .dispatch import decide
 
     hardware, gpu, world_size, dtype = target
     caps = offline_caps(target)
-    tokens = [int(t) for t in DEFAULT_TOKENS.split(',')]
     for this_op in ops:
-        if this_op == "all_reduce":
-            problems = [(format_bytes(s), Problem.all_reduce(s, dtype, world_size)) for s in parse_size_range(DEFAULT_SIZES)]
-        elif this_op == "all_reduce_rmsnorm":
-            from .tuning.sweep import FUSED_HIDDEN
-
-            problems = [(f"h{h} {t} tok", Problem.all_reduce_rmsnorm(t, h, dtype, world_size))
-                        for h in ([hidden] if hidden else FUSED_HIDDEN) for t in tokens]
-        else:
-            shapes = [moe_shape] if moe_shape else _shapes_in(sources, hardware, world_size, this_op)
-            problems = [(f"{s.key} {t} tok", Problem.moe(this_op, s, t, dtype, world_size)) for s in shapes for t in tokens]
+        problems = _plan_problems(this_op, target, sources, moe_shape, hidden)
         if not problems:
             continue
         body = []
         for label, problem in problems:
             row = [label]
             for m in modes:
-                d = decide(problem, m, caps, sources, hardware)
-                row += [d.backend, _short_config_obj(d.config),
-                        f"{d.expected_us:.2f}" if d.expected_us else "-",
-                        f"{d.nccl_us / d.expected_us:.2f}x" if d.nccl_us and d.expected_us else "-"]
+                row += _plan_cells(decide(problem, m, caps, sources, hardware), problem, caps, m)
             body.append(row)
         columns = ["size" if this_op == "all_reduce" else "shape/tokens"]
         for m in modes:
             columns += [f"{m} backend", f"{m} config", f"{m} us", f"{m} vs NCCL"]
-        console.print(table(f"{this_op} plan: {world_size}x {gpu} ({hardware}), {dtype}", columns, body))
+        console.print(table(f"{this_op} plan: {world_size}x {gpu} ({hardware}), {dtype}", columns, body, PLAN_CAPTION))
 
 
-def _shapes_in(sources, hardware, world_size, op) -> list[MoEShape]:
-    keys = set()
-    for source in sources:
-        for row in source.db.rows(hardware=hardware, world_size=world_size, op=op):
-            keys.add(row.shape)
-    return [MoEShape.from_key(k) for k in sorted(keys) if k]
+def _plan_cells(decision, problem: Problem, caps, mode: str) -> list[str]:
+    """(backend, config, us, vs NCCL) of one decision; a call that would raise says so."""
+    raises = cannot_serve(decision, problem, caps, mode)
+    if raises:
+        return ["raises", "; ".join(text for text in raises if text), "-", "-"]
+    us = decision.expected_us
+    return [decision.backend, _short_config_obj(decision.config),
+            "-" if not us else f"{us:.2f}" if decision.measured else f"~{us:.2f}",
+            f"{decision.nccl_us / us:.2f}x" if decision.nccl_us and us else "-"]
+
+
+def _plan_problems(op: str, target: Target, sources, moe_shape, hidden: Optional[int]) -> list[tuple[str, Problem]]:
+    """(label, problem) of every default size (MoE: shape, tuned by default) of ``op`` and every
+    size (shape) the sources tuned it at, 1.5 x 2^k too, for the target's hardware and world size."""
+    hardware, _, world_size, dtype = target
+    rows = [row for source in sources for row in source.db.rows(hardware=hardware, world_size=world_size, op=op)]
+    points = {row.bucket for row in rows}
+    if op == "all_reduce":
+        sizes = sorted(points | set(parse_size_range(DEFAULT_SIZES)))
+        return [(format_bytes(s), Problem.all_reduce(s, dtype, world_size)) for s in sizes]
+    tokens = sorted(points | {int(t) for t in DEFAULT_TOKENS.split(",")})
+    shapes = sorted({row.shape for row in rows if row.shape})
+    if op == "all_reduce_rmsnorm":
+        from .tuning.sweep import FUSED_HIDDEN
+
+        hiddens = [hidden] if hidden else sorted(set(FUSED_HIDDEN) | {int(s[1:]) for s in shapes})
+        return [(f"h{h} {t} tok", Problem.all_reduce_rmsnorm(t, h, dtype, world_size)) for h in hiddens for t in tokens]
+    moe_shapes = [moe_shape] if moe_shape else \
+        [MoEShape.from_key(key) for key in sorted(set(shapes) | {s.key for s in MODEL_SHAPES.values()})]
+    return [(f"{s.key} {t} tok", Problem.moe(op, s, t, dtype, world_size)) for s in moe_shapes for t in tokens]
 
 
 def _short_config_obj(config) -> str:

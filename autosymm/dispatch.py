@@ -56,6 +56,7 @@ class Decision:
     bucket: int = 0
     mode: str = "eager"
     skipped: tuple[str, ...] = field(default=(), compare=False)  # "backend: why" of faster rows passed over
+    measured: bool = False  # expected_us is the row's own time (the call's size, dtype, shape, mode), not modelled
 
     def describe(self) -> str:
         text = f"{self.backend}"
@@ -63,9 +64,10 @@ class Decision:
             fields = ", ".join(f"{k}={v}" for k, v in config_fields(self.config).items())
             text += f" [{fields}]"
         if self.expected_us is not None:
-            text += f", expected {self.expected_us:.2f} us"
+            text += f", expected {self.expected_us:.2f} us ({'measured' if self.measured else 'modelled'}"
             if self.nccl_us:
-                text += f" (NCCL {self.nccl_us:.2f} us, {self.nccl_us / self.expected_us:.2f}x)"
+                text += f"; NCCL {self.nccl_us:.2f} us, {self.nccl_us / self.expected_us:.2f}x"
+            text += ")"
         text += f" - {self.reason}"
         if self.source:
             text += f" ({Path(self.source).name})"
@@ -214,7 +216,8 @@ def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list
     baseline = next((c.modelled_us for c in ranked if c.row.backend == FALLBACK[problem.op]), None)
     nccl_us = row.nccl_us if (exact and row.nccl_us) or baseline is None else baseline
     return Decision(row.backend, row.config_obj, reason, source=candidate.source, expected_us=candidate.modelled_us,
-                    nccl_us=nccl_us, bucket=row.bucket, mode=mode, skipped=tuple(skipped))
+                    nccl_us=nccl_us, bucket=row.bucket, mode=mode, skipped=tuple(skipped),
+                    measured=exact and row.dtype == problem.dtype and row.mode == mode)
 
 
 def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str) -> Optional[str]:

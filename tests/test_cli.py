@@ -333,3 +333,132 @@ def test_an_unexpected_error_is_one_line_unless_debugging(runner, db_file, monke
     finally:
         logger.setLevel(level)
     assert isinstance(result.exception, KeyError)  # the traceback is there for the one debugging
+
+
+# ------------------------------------------------------------- issue 23 item 5: a CLI that tells the truth
+_EXPLAIN = ["explain", "--world-size", "2", "--gpu", "NVIDIA H200", "--mode", "eager"]
+
+
+@pytest.mark.parametrize("text, label, call", [("3MB", "3MB", "call of 3000000 B above"),
+                                               ("100kB", "100kB", "call of 100000 B between tuned 4KiB and 1MiB"),
+                                               ("3MiB", "3MiB", "call of 3MiB above"), ("4KiB", "4KiB", "row at 4KiB")])
+def test_explain_reads_si_sizes_as_decimal(runner, db_file, text, label, call):
+    result = runner.invoke(main, _EXPLAIN + ["--bytes", text, "--db", str(db_file)])
+    assert result.exit_code == 0, result.output
+    assert f"ws=2 {label} [eager]" in result.output and call in result.output, result.output
+
+
+@pytest.mark.parametrize("gpu", ["H200", "nvidia b200", "bogus"])
+def test_explain_for_an_unknown_gpu_names_the_tuned_hardware(runner, db_file, gpu):
+    for extra in (["--bytes", "1MiB"], ["--all"]):
+        result = runner.invoke(main, ["explain", "--world-size", "2", "--gpu", gpu, "--db", str(db_file)] + extra)
+        line = one_line_error(result, 2)
+        assert f"--gpu {gpu!r}" in line and "matches no tuned hardware" in line and str(db_file) in line
+        assert f"tuned: --gpu 'NVIDIA H200' ({HW}, world size 2)" in line
+
+
+def test_explain_on_this_untuned_machine_says_so(runner, db_file):
+    line = one_line_error(runner.invoke(main, ["explain", "--world-size", "2", "--bytes", "1MiB", "--db", str(db_file)]), 2)
+    assert "this machine's GPU" in line and "matches no tuned hardware" in line and "'NVIDIA H200'" in line
+
+
+@pytest.mark.parametrize("text, dtype, message", [
+    ("0", "bf16", "'0' (0 B) is not a whole, non-zero number of bf16 elements (2 B each)"),
+    ("1", "bf16", "'1' (1 B) is not a whole, non-zero number of bf16 elements"),
+    ("3", "bf16", "'3' (3 B) is not a whole"), ("6", "fp32", "of fp32 elements (4 B each)"),
+    ("1e30", "bf16", "'1e30' is over 9223372036854775807 bytes"),
+    ("16K", "bf16", "'16K' is ambiguous: write 16KiB"), ("-4KiB", "bf16", "negative"),
+    ("257MiB", "bf16", "over the workspace's all-reduce region (256MiB"),
+    ("64GiB", "bf16", "'64GiB' (64GiB) is over the workspace's all-reduce region (256MiB"),
+    ("1TiB", "bf16", "'1TiB' (1024GiB) is over the workspace's all-reduce region (256MiB")])
+def test_explain_refuses_sizes_no_call_can_have(runner, db_file, text, dtype, message):
+    line = one_line_error(runner.invoke(main, _EXPLAIN + ["--bytes", text, "--dtype", dtype, "--db", str(db_file)]), 2)
+    assert "--bytes" in line and message in line, line
+
+
+def test_explain_accepts_the_whole_region_and_follows_the_workspace_setting(runner, db_file, monkeypatch):
+    assert runner.invoke(main, _EXPLAIN + ["--bytes", "256MiB", "--db", str(db_file)]).exit_code == 0
+    monkeypatch.setenv("AUTOSYMM_WORKSPACE_BYTES", "4GiB")
+    result = runner.invoke(main, _EXPLAIN + ["--bytes", "2GiB", "--db", str(db_file)])
+    assert result.exit_code == 0 and "nccl" in result.output, result.output
+    assert "all-reduce region (2GiB" in one_line_error(runner.invoke(main, _EXPLAIN + ["--bytes", "3GiB", "--db", str(db_file)]), 2)
+
+
+def test_explain_says_which_times_are_modelled(runner, db_file):
+    exact = runner.invoke(main, _EXPLAIN + ["--bytes", "4KiB", "--db", str(db_file)]).output
+    assert "expected 5.00 us (measured; NCCL 20.00 us, 4.00x)" in exact
+    for args in (["--bytes", "4KiB", "--dtype", "fp32"], ["--bytes", "64KiB"]):  # another dtype's row; between points
+        output = runner.invoke(main, _EXPLAIN + args + ["--db", str(db_file)]).output
+        assert "us (modelled" in output and "measured;" not in output, output
+    graph = runner.invoke(main, _EXPLAIN[:-1] + ["graph", "--bytes", "4KiB", "--db", str(db_file)]).output
+    assert "(modelled" in graph and "using the eager-mode row" in graph  # the other mode's row
+    plan_output = runner.invoke(main, _EXPLAIN + ["--all", "--db", str(db_file)]).output
+    assert "│ 4KiB   │ triton_one_shot │" in plan_output and " 5.00 " in plan_output and "~" in plan_output
+    assert "~us: modelled" in plan_output
+
+
+def test_a_graph_mode_call_that_would_raise_says_so_and_names_the_remedy(runner, db_file):
+    args = ["explain", "--op", "dp_to_ep", "--shape", "deepseek-v3", "--world-size", "2", "--gpu", "NVIDIA H200",
+            "--db", str(db_file), "--mode", "graph"]
+    result = runner.invoke(main, args + ["--tokens", "8192"])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.endswith("[graph] on NVIDIA H200 (nvidia-h200-nvlink): raises - no backend can serve it in graph "
+                          "mode (nccl_all_to_all: not CUDA-graph capturable); reserve the MoE room before capturing: "
+                          "autosymm.init(moe=[autosymm.MoEPlan('d7168_e256_k8', 8192)])"), first
+    small = runner.invoke(main, args + ["--tokens", "128"]).output
+    assert "raises" not in small and "triton_moe" in small
+    plan_output = runner.invoke(main, args + ["--all"]).output
+    row = next(line for line in plan_output.splitlines() if "d7168_e256_k8 8192 tok" in line)
+    assert "│ raises " in row and "autosymm.init(moe=[autosymm.MoEPlan('d7168_e256_k8', 8192)])" in row
+    assert "nccl_all_to_all │" not in plan_output  # never presented as the plan
+
+
+def _shipped_like_rows():
+    """All-reduce at 2^k and 1.5 x 2^k, a fused row at a token count off the default list."""
+    from autosymm.configs import fused_space
+
+    rows = []
+    for bucket in (4096, 6144, 3 << 20):
+        rows.append(Row(hardware=HW, gpu="NVIDIA H200", world_size=2, op="all_reduce", dtype="bf16", bucket=bucket,
+                        backend="triton_one_shot", median_us=5.0, config=AllReduceConfig("one_shot", 2048, 4, 8),
+                        nccl_us=20.0, mode="graph"))
+    rows.append(Row(hardware=HW, gpu="NVIDIA H200", world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=128,
+                    shape="h2048", backend="triton_fused_one_shot_push", median_us=12.0,
+                    config=fused_space("one_shot_push", 128, 2048, 2, 2)[0], nccl_us=36.0, mode="graph"))
+    rows.append(Row(hardware=HW, gpu="NVIDIA H200", world_size=2, op="dp_to_ep", dtype="bf16", bucket=128,
+                    shape="d7168_e256_k8", backend="triton_moe", median_us=30.0, config=MoEConfig(1024, 4),
+                    nccl_us=300.0, mode="eager"))
+    return rows
+
+
+def test_run_shows_every_op_and_every_tuned_size(runner, tmp_path, monkeypatch):
+    import autosymm.db as dbmod
+
+    path = tmp_path / "shipped.sqlite"
+    TuningDB(path).record_many(_shipped_like_rows())
+    monkeypatch.setattr(dbmod, "shipped_db_paths", lambda: [path])
+    result = runner.invoke(main, ["run"])
+    assert result.exit_code == 0, result.output
+    for op in ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm"):
+        assert f"{op} plan: 2x NVIDIA H200" in result.output, op
+    lines = result.output.splitlines()
+    for label in ("4KiB", "6KiB", "3MiB", "256MiB"):  # tuned 2^k and 1.5 x 2^k, and the defaults
+        assert any(line.startswith(f"│ {label} ") for line in lines), label
+    assert any("h2048 128 tok" in line and "triton_fused_one_shot_push" in line for line in lines)
+    assert any("h4096 1 tok" in line for line in lines)
+
+
+def test_tables_never_cut_names(runner, db_file, monkeypatch):
+    from rich.console import Console
+
+    import autosymm.cli as cli
+
+    long_name = runner.invoke(main, _EXPLAIN + ["--all", "--db", str(db_file)])
+    assert "triton_one_shot" in long_name.output and "…" not in long_name.output  # not a TTY: full width
+    monkeypatch.setattr(cli, "rich_console", lambda: Console(width=100, force_terminal=True, color_system=None))
+    narrow = runner.invoke(main, _EXPLAIN[:-2] + ["--all", "--db", str(db_file)]).output
+    assert "…" not in narrow and max(len(line) for line in narrow.splitlines()) <= 100
+    assert "triton_one_shot" in narrow and "block_size=2048" in narrow  # wrapped between words, never inside
+    shown = runner.invoke(main, ["show", "--db", str(db_file)]).output
+    assert "…" not in shown and "triton_one_shot" in shown
