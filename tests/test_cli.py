@@ -376,6 +376,13 @@ def test_explain_refuses_sizes_no_call_can_have(runner, db_file, text, dtype, me
     assert "--bytes" in line and message in line, line
 
 
+def test_explain_refuses_token_counts_beyond_the_numeric_limit(runner, db_file):
+    args = ["explain", "--world-size", "2", "--gpu", "NVIDIA H200", "--db", str(db_file), "--tokens", str(10**18)]
+    for extra in (["--op", "dp_to_ep", "--shape", "deepseek-v3"], ["--op", "all_reduce_rmsnorm", "--hidden", "8192"]):
+        line = one_line_error(runner.invoke(main, args + extra), 2)
+        assert "--tokens" in line and f"{10**18} tokens per rank make" in line and "over 2^63 - 1" in line
+
+
 def test_explain_accepts_the_whole_region_and_follows_the_workspace_setting(runner, db_file, monkeypatch):
     assert runner.invoke(main, _EXPLAIN + ["--bytes", "256MiB", "--db", str(db_file)]).exit_code == 0
     monkeypatch.setenv("AUTOSYMM_WORKSPACE_BYTES", "4GiB")
