@@ -16,11 +16,11 @@ the same exchanges in the same order, hence the same tags.
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
-DEFAULT_TIMEOUT_S = 300.0
+from . import settings
+
 _GENERATIONS: dict[str, int] = {}
 
 
@@ -29,17 +29,9 @@ class AgreementError(RuntimeError):
 
 
 def timeout_s() -> float:
-    """Seconds a rank waits for its peers' reports (AUTOSYMM_AGREE_TIMEOUT_S, default 300)."""
-    raw = os.environ.get("AUTOSYMM_AGREE_TIMEOUT_S", "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 24 * 3600:
-        raise ValueError(f"AUTOSYMM_AGREE_TIMEOUT_S={raw!r} must be a number of seconds in (0, 86400]")
-    return value
+    """Seconds a rank waits for its peers' reports (AUTOSYMM_AGREE_TIMEOUT_S, default 300); a bad
+    value gives the default here, and its error to the group's first agreement (settings.check)."""
+    return settings.get_or_default("AUTOSYMM_AGREE_TIMEOUT_S")[0]
 
 
 def group_name(group) -> str:

@@ -120,19 +120,17 @@ def run(ctx: click.Context) -> None:
               help="only these backends, comma-separated (default: every registered one; NCCL is always timed)")
 def tune(nproc, json_summary, **opts) -> None:
     """Tune every applicable backend on the local GPUs and record the winners."""
-    import os
-
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
-    from .kernels.barrier import TUNING_MAX_POLLS
+    from .settings import TUNING_MAX_POLLS, export
     from .tuning.session import tune_job
     from .tuning.workers import run_workers
 
     options = _tune_options(opts)
     # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
-    os.environ.setdefault("AUTOSYMM_BARRIER_MAX_POLLS", str(TUNING_MAX_POLLS))
+    export({"AUTOSYMM_BARRIER_MAX_POLLS": str(TUNING_MAX_POLLS)}, overwrite=False)
     result = run_workers(tune_job, nproc, options)
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return

@@ -57,6 +57,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import sqlite_utils
 
+from . import settings
 from .db_schema import (  # the schema's public names are re-exported (__all__)
     BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, MIGRATIONS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER, SCHEMA_VERSION,
     BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts, ReadOnlyDatabaseError, Row,
@@ -346,9 +347,10 @@ _SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 def user_db_path() -> Path:
     """$AUTOSYMM_DB, else ($XDG_CACHE_HOME or ~/.cache)/autosymm/tuning.sqlite."""
-    if os.environ.get("AUTOSYMM_DB"):
-        return Path(os.environ["AUTOSYMM_DB"]).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    path = settings.get("AUTOSYMM_DB")
+    if path is not None:
+        return path
+    cache = settings.raw("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache).expanduser() / "autosymm" / "tuning.sqlite"
 
 

@@ -30,11 +30,11 @@ once per group, and caches each decision per (op, dtype, size, mode)). Rules, in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from . import settings
 from .backends import FALLBACK, FALLBACK_ORDER, Capabilities, get_backend
 from .configs import AnyConfig, config_fields
 from .db_schema import Row, version_mismatch
@@ -91,10 +91,6 @@ class DBSource:
             rows = self._families[key] = self.db.rows(hardware=hardware, world_size=world_size, op=op, dtype=dtype,
                                                       shape=shape, mode=mode)
         return rows
-
-
-def disabled_by_env() -> bool:
-    return os.environ.get("AUTOSYMM_DISABLE", "0") not in ("", "0", "false", "False")
 
 
 def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str) -> Decision:
@@ -174,7 +170,7 @@ def _between(problem: Problem, points: tuple[int, ...]) -> str:
 
 def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str) -> Decision:
     """The decision for ``problem`` in ``mode`` (see the module docstring for the rules)."""
-    if disabled_by_env():
+    if settings.disabled():
         return Decision(FALLBACK[problem.op], None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket, mode=mode)
     if problem.world_size == 1 and problem.op == "all_reduce":
         return Decision("noop", None, "world size 1: nothing to exchange", bucket=problem.bucket, mode=mode)

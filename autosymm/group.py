@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import dispatch
+from . import dispatch, settings
 from .agreement import AgreementError, Exchange, problems
 from .backends import FALLBACK, Capabilities, RunContext, get_backend
 from .dispatch import Decision
@@ -163,22 +163,20 @@ class LocalSetup:
         from .geometry import MAX_WORLD_SIZE
         from .hardware import fingerprint
 
+        settings.check()  # a bad value of any runtime variable: every rank hears it and uses NCCL
         self.fingerprint = fingerprint()
-        disabled = dispatch.disabled_by_env()
-        settings = self.report["settings"]
-        settings.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
+        disabled = settings.disabled()
+        agreed = self.report["settings"]
+        agreed.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
         self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
-        settings["databases"] = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
+        agreed["databases"] = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
         if world_size > 1:  # what the kernels would be built with, compared even where none run
-            from .kernels.barrier import MAX_POLLS, MAX_POLLS_ERROR
-            from .settings import default_region_bytes, multicast_disabled_by_env
+            from .kernels.barrier import MAX_POLLS
 
-            if MAX_POLLS_ERROR:
-                raise ValueError(MAX_POLLS_ERROR)
-            region_bytes = default_region_bytes()
-            settings.update(region_bytes=region_bytes, barrier_max_polls=int(MAX_POLLS.value),
-                            multicast_off=multicast_disabled_by_env())
+            region_bytes = settings.default_region_bytes()
+            agreed.update(region_bytes=region_bytes, barrier_max_polls=int(MAX_POLLS.value),
+                          multicast_off=settings.multicast_disabled_by_env())
             if self.wants_workspace:
                 check_free_memory(device, region_bytes)
 

@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from . import settings
+
 
 def slugify(text: str) -> str:
     """'NVIDIA H200' -> 'nvidia-h200' (lower case, runs of other characters -> '-')."""
@@ -221,7 +223,7 @@ def parse_topo_matrix(text: str) -> Optional[list[list[str]]]:
 def _visible_indices(gpu_count: int) -> Optional[list[int]]:
     """nvidia-smi indices of torch's GPUs 0..gpu_count-1 (CUDA_VISIBLE_DEVICES as integers,
     assumed in PCI order like nvidia-smi's), None when they cannot be told (UUIDs, MIG names)."""
-    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    text = settings.raw("CUDA_VISIBLE_DEVICES")
     if text is None:
         return list(range(gpu_count))
     try:
@@ -327,7 +329,7 @@ def fingerprint() -> Fingerprint:
     count = torch.cuda.device_count()
     props = [torch.cuda.get_device_properties(i) for i in range(count)]
     p2p = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(count)] for i in range(count)]
-    multicast_env_off = os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0") not in ("", "0")
+    multicast_env_off = settings.multicast_disabled_by_env()
     counts, reasons = nvlink_counts(count)
     fp = fingerprint_from_properties(
         props, p2p, counts,
@@ -347,9 +349,8 @@ def provenance(fp: Optional[Fingerprint] = None) -> dict:
     from . import __version__
 
     fp = fp or fingerprint()
-    names = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS")
     return {
-        "comm_env": " ".join(f"{name}={os.environ.get(name, 'unset')}" for name in names),
+        "comm_env": settings.comm_env(),
         "autosymm_version": __version__,
         "torch_version": fp.torch_version,
         "triton_version": fp.triton_version,

@@ -61,13 +61,14 @@ while any capture is under way (briefly, once per address), nothing more.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import types
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
+
+from . import settings
 
 log = logging.getLogger("autosymm")
 
@@ -107,8 +108,8 @@ def forget_all() -> None:
 
 
 def replay_enabled() -> bool:
-    """False when AUTOSYMM_EAGER_REPLAY asks for plain launches (0, false, no, off)."""
-    return os.environ.get("AUTOSYMM_EAGER_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
+    """False when AUTOSYMM_EAGER_REPLAY asks for plain launches (a switch: 0, false, no, off)."""
+    return settings.get("AUTOSYMM_EAGER_REPLAY")
 
 
 def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Callable[[], None], Any], Any]] = None,

@@ -1,4 +1,5 @@
-"""The layout rules of the package: the runtime never imports the tuning side; functions and
+"""The layout rules of the package: the runtime never imports the tuning side; only
+autosymm.settings reads the environment; functions and
 modules stay small (Triton kernels aside: a @triton.jit signature is the kernel's launch ABI)."""
 
 import ast
@@ -49,3 +50,23 @@ def test_functions_and_modules_stay_small():
             if params > MAX_PARAMS or lines > MAX_BODY_LINES:
                 too_big.append(f"{path.name}:{node.lineno} {node.name}: {params} parameters, {lines} body lines")
     assert not too_big, too_big
+
+
+def _environment_reads(tree) -> list[int]:
+    """Lines that touch ``os.environ`` or call ``os.getenv`` (also as ``from os import environ``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb", "putenv") \
+                and isinstance(node.value, ast.Name) and node.value.id == "os":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" \
+                and any(a.name in ("environ", "getenv", "environb", "putenv") for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_settings_module_touches_the_environment():
+    offenders = [f"{path.relative_to(PACKAGE)}:{line}" for path in _modules() if path.name != "settings.py"
+                 or path.parent != PACKAGE for line in _environment_reads(ast.parse(path.read_text()))]
+    assert not offenders, f"read the environment through autosymm.settings: {offenders}"
+    assert _environment_reads(ast.parse((PACKAGE / "settings.py").read_text()))  # the check sees real reads

@@ -21,20 +21,6 @@ def autosymm_logger(monkeypatch):
     logs.logger.setLevel(level)
 
 
-@pytest.mark.parametrize("text, level", [
-    ("debug", logging.DEBUG), ("INFO", logging.INFO), (" Warning ", logging.WARNING), ("warn", logging.WARNING),
-    ("error", logging.ERROR), ("critical", logging.CRITICAL), ("fatal", logging.CRITICAL), ("10", 10), ("25", 25),
-    ("0", 0),
-])
-def test_parse_level_accepts_names_and_numbers(text, level):
-    assert logs.parse_level(text) == level
-
-
-@pytest.mark.parametrize("text", ["nonsense", "-5", "1.5", "debug,info", "basicConfig", "NOTSET1", "lower"])
-def test_parse_level_rejects_anything_else(text):
-    assert logs.parse_level(text) is None
-
-
 def test_configure_from_env_sets_the_level(autosymm_logger):
     assert logs.configure_from_env({"AUTOSYMM_LOG": "debug"}) == logging.DEBUG
     assert autosymm_logger.level == logging.DEBUG and logs.debug_enabled()

@@ -25,7 +25,6 @@ keeps the normal path; nothing here raises for it.
 
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -48,8 +47,10 @@ def compile_only() -> Iterator[None]:
 
 
 def interpreter_active() -> bool:
-    """True when TRITON_INTERPRET asks triton to run kernels on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+    """True when triton runs kernels on the CPU (TRITON_INTERPRET, as triton itself reads it)."""
+    from triton import knobs
+
+    return knobs.runtime.interpret
 
 
 def _stream_source() -> tuple[Callable[[int], int], int]:

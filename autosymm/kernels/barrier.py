@@ -36,41 +36,21 @@ synchronisation). The host must treat every call since the last clean check as f
 the next collective kernel.
 """
 
-import os
-
 import triton
 import triton.language as tl
+
+# the poll limits are settings; this module names them for the kernels' readers (and tests)
+from ..settings import RUNTIME_MAX_POLLS, TUNING_MAX_POLLS, get_or_default  # noqa: F401
 
 #: Slots per program in a signal channel (autosymm.configs.MAX_WORLD_SIZE).
 SLOTS_PER_PROGRAM: tl.constexpr = tl.constexpr(8)
 
 
-#: Default poll limit at run time: 2**30 polls, minutes of spinning (NCCL's watchdog waits
-#: 10 minutes by default), so a slow peer (a checkpoint, a recompile) never turns a call into
-#: garbage; only a peer that is gone does, and then barrier_errors() says so.
-RUNTIME_MAX_POLLS = 1 << 30
-#: The tuner's limit (`autosymm tune` sets AUTOSYMM_BARRIER_MAX_POLLS to it for its workers):
-#: about 5-17 s, so a candidate whose peer failed ends by itself and is scored as failed.
-TUNING_MAX_POLLS = 1 << 24
-
-
-def _max_polls_from_env() -> tuple[int, str]:
-    """(polls, error): AUTOSYMM_BARRIER_MAX_POLLS or the run-time default. A bad value gives the
-    default plus an error message; the first call's rank agreement reports it (every rank then
-    takes NCCL), so a typo on one rank never makes ranks compile different kernels silently."""
-    value = os.environ.get("AUTOSYMM_BARRIER_MAX_POLLS", "")
-    if not value:
-        return RUNTIME_MAX_POLLS, ""
-    try:
-        polls = int(value, 0)
-    except ValueError:
-        polls = 0
-    if not 1 <= polls < 1 << 31:
-        return RUNTIME_MAX_POLLS, f"AUTOSYMM_BARRIER_MAX_POLLS={value!r} must be an integer in 1..2**31-1"
-    return polls, ""
-
-
-_POLLS, MAX_POLLS_ERROR = _max_polls_from_env()
+#: AUTOSYMM_BARRIER_MAX_POLLS as this module was imported (autosymm.settings; default
+#: RUNTIME_MAX_POLLS, the tuner's TUNING_MAX_POLLS). A bad value gives the default here; the first
+#: call's rank agreement reports it (settings.check: every rank then takes NCCL), so a typo on one
+#: rank never makes ranks compile different kernels silently.
+_POLLS = get_or_default("AUTOSYMM_BARRIER_MAX_POLLS")[0]
 
 #: Polls of an empty slot before a wait gives up (read when kernels are compiled; set
 #: AUTOSYMM_BARRIER_MAX_POLLS before importing autosymm to change it). One poll is a CTA barrier

@@ -10,18 +10,16 @@ import os
 
 import torch
 
+from .. import settings
 from ..problem import Problem
 
 
 def compile_threads() -> int:
     """Threads that compile a problem's kernels: AUTOSYMM_COMPILE_THREADS, else this process's
     share of the CPUs (every local rank compiles its own kernels), at most 16."""
-    value = os.environ.get("AUTOSYMM_COMPILE_THREADS", "")
-    if value:
-        try:
-            return max(1, int(value))
-        except ValueError:
-            raise ValueError(f"AUTOSYMM_COMPILE_THREADS={value!r} must be a whole number of threads") from None
+    threads = settings.get("AUTOSYMM_COMPILE_THREADS")
+    if threads is not None:
+        return threads
     ranks = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
     return max(1, min(16, (os.cpu_count() or 1) // ranks))
 

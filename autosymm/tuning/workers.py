@@ -10,12 +10,13 @@ off explicitly). Tuned rows and bench output record that state (hardware.provena
 
 from __future__ import annotations
 
-import os
 import socket
 import traceback
 from typing import Any, Callable
 
 import torch
+
+from .. import settings
 
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (for MASTER_PORT)."""
@@ -25,7 +26,7 @@ def free_port() -> int:
 
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return all(settings.raw(name) is not None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def _init(rank: int, world_size: int, local_rank: int) -> None:
@@ -38,8 +39,8 @@ def _init(rank: int, world_size: int, local_rank: int) -> None:
 
 
 def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    settings.export(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)))
     import torch.distributed as dist
 
     try:
@@ -64,8 +65,8 @@ def run_workers(fn: Callable, nproc: int | None, *args: Any) -> Any:
     ``fn`` must be importable (module level) since workers are spawned.
     """
     if under_torchrun():
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        _init(rank, world_size, int(os.environ["LOCAL_RANK"]))
+        rank, world_size = int(settings.raw("RANK")), int(settings.raw("WORLD_SIZE"))
+        _init(rank, world_size, int(settings.raw("LOCAL_RANK")))
         return fn(rank, world_size, *args)
     available = torch.cuda.device_count()
     nproc = nproc or available
