@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 from . import settings
+from .dist_compat import group_name
 
 _GENERATIONS: dict[str, int] = {}
 
@@ -32,16 +33,6 @@ def timeout_s() -> float:
     """Seconds a rank waits for its peers' reports (AUTOSYMM_AGREE_TIMEOUT_S, default 300); a bad
     value gives the default here, and its error to the group's first agreement (settings.check)."""
     return settings.get_or_default("AUTOSYMM_AGREE_TIMEOUT_S")[0]
-
-
-def group_name(group) -> str:
-    """The name c10d gives ``group`` (the same string on every rank)."""
-    name = getattr(group, "group_name", None)
-    if name is None:
-        import torch.distributed as dist
-
-        name = dist.distributed_c10d._get_process_group_name(group)
-    return str(name)
 
 
 class Exchange:

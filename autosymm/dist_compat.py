@@ -7,7 +7,7 @@
 * A DTensor with ``Partial`` placements: its local tensor is reduced over the mesh dimensions
   that are partial and a DTensor with ``Replicate`` there is returned.
 * Groups by name: ``group.group_name``, what ``torch.ops.autosymm.*`` (and torch's ``symm_mem``
-  ops) take, and back.
+  ops) take, and back; the device a group serves on (:func:`group_device`).
 """
 
 from __future__ import annotations
@@ -112,12 +112,28 @@ def reduce_dtensor(x, op: str, op_given: bool, reduce: Callable[..., torch.Tenso
 
 
 def group_name(group=None) -> str:
-    """The name torch.distributed resolves ``group`` by (default: the world group), as the
-    ``group_name`` argument of ``torch.ops.autosymm.*`` and ``torch.ops.symm_mem.*``."""
+    """The name torch.distributed resolves ``group`` by (default: the world group), the same
+    string on every rank: the ``group_name`` argument of ``torch.ops.autosymm.*`` and
+    ``torch.ops.symm_mem.*``, and the key of the group's workspace and agreement channel."""
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
-    return group.group_name
+    name = getattr(group, "group_name", None)
+    if name is None:  # a group object without the attribute: c10d's own table
+        name = dist.distributed_c10d._get_process_group_name(group)
+    return str(name)
+
+
+def group_device(group=None) -> torch.device:
+    """The device autosymm serves ``group`` on (default: the world group): the current CUDA
+    device when the group has an NCCL backend for CUDA tensors (``nccl``, or a mixed
+    ``cpu:gloo,cuda:nccl``), else the CPU (``gloo``: the CPU tests)."""
+    backend = str(dist.get_backend(group)).lower()
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    cuda_backend = per_device.get("cuda", "") if per_device else backend
+    if cuda_backend.strip() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def resolve_group(name: str):

@@ -20,6 +20,7 @@ from . import dispatch, settings
 from .agreement import AgreementError, Exchange, problems
 from .backends import FALLBACK, Capabilities, RunContext, get_backend
 from .dispatch import Decision
+from .dist_compat import group_device
 from .problem import Problem
 from .replay import wrap_eager
 
@@ -72,9 +73,7 @@ class GroupState:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        backend = str(dist.get_backend(group)).lower()
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
-                       else torch.device("cpu"))
+        self.device = group_device(group)
         self.channel = Exchange(group, self.rank, self.world_size)
         self.prepared_calls = 0
         local = LocalSetup(self.device, self.world_size)

@@ -20,9 +20,10 @@ peer's base address plus the same offset)::
   Signal slot ``[channel][program][r]`` of rank r itself receives no signal (senders write their
   own index), so these *self slots* hold per-rank words that only r's own kernels touch:
 
-  - channel 'moe_end', ``[SIGNAL_SLOT[op]][r]``: the MoE fused end barrier's arrival counter
+  - channel 'moe_end', ``[MOE_SIGNAL_SLOT[op]][r]`` (autosymm.geometry): the MoE fused end barrier's
+    arrival counter
     (autosymm.kernels.moe_conversion);
-  - channel 'all_reduce', ``[ALL_REDUCE_ARRIVAL_SLOT][r]``: the double-buffered one-shot's
+  - channel 'all_reduce', ``[ALL_REDUCE_ARRIVAL_SLOT][r]`` (autosymm.geometry): the double-buffered one-shot's
     arrival counter (0 whenever no such kernel runs: the last program resets it);
   - channel 'all_reduce', ``[ALL_REDUCE_EPOCH_SLOT][r]``: the double-buffer *epoch*, the number
     of double-buffered calls since the last reset; its parity picks the staging half
@@ -62,6 +63,7 @@ from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION,
                        DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION,
                        Layout, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL,
                        SIGNAL_SLOTS_PER_RANK, MOE_SIGNAL_SLOT, align, moe_buffer, workspace_layout)
+from .dist_compat import group_name
 from .replay import forget_all
 from .settings import default_region_bytes, multicast_disabled_by_env
 
@@ -330,13 +332,8 @@ _MOE_RESERVED: dict[str, int] = {}  # group name -> MoE bytes its workspace is m
 def reserve_moe_bytes(group, nbytes: int) -> None:
     """Make ``group``'s workspace, when it is created, with a MoE region of at least ``nbytes``
     (every rank must reserve the same; autosymm.init(moe=...) agrees on it first)."""
-    name = _group_name(group)
+    name = group_name(group)
     _MOE_RESERVED[name] = max(_MOE_RESERVED.get(name, 0), int(nbytes))
-
-
-def _group_name(group) -> str:
-    name = getattr(group, "group_name", None)
-    return str(name) if name is not None else str(id(group))
 
 
 def get_workspace(group=None, device: Optional[torch.device] = None, *, all_reduce_bytes: Optional[int] = None,
@@ -356,7 +353,7 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
     default_ar, default_moe = default_region_bytes()
     all_reduce_bytes = default_ar if all_reduce_bytes is None else all_reduce_bytes
     moe_bytes = default_moe if moe_bytes is None else moe_bytes
-    key = (_group_name(group), str(device))
+    key = (group_name(group), str(device))
     with _LOCK:
         ws = _WORKSPACES.get(key)
         if ws is not None:
@@ -399,7 +396,7 @@ def peer_buffers(buffer: torch.Tensor, group) -> tuple[list[torch.Tensor], objec
     this rank addresses it, the handle, the buffer's byte offset in its symmetric allocation)."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    handle = symm_mem.rendezvous(buffer, group=_group_name(group))
+    handle = symm_mem.rendezvous(buffer, group=group_name(group))
     rank, total = handle.rank, buffer.numel()
     # The tensor may start inside a larger symmetric allocation: address peers by the same offset.
     base_offset = int(buffer.data_ptr()) - int(handle.buffer_ptrs[rank])

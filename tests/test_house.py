@@ -1,6 +1,6 @@
 """The layout rules of the package: the runtime never imports the tuning side; only
-autosymm.settings reads the environment; functions and
-modules stay small (Triton kernels aside: a @triton.jit signature is the kernel's launch ABI)."""
+autosymm.settings reads the environment; functions and modules stay small (Triton kernels aside:
+a @triton.jit signature is the kernel's launch ABI)."""
 
 import ast
 from pathlib import Path

@@ -248,15 +248,13 @@ def time_graph(fn: Callable[..., Any], inputs: Sequence[Any], *, warmup: int = D
 
 def comm_device(group=None, device: Optional[torch.device | str] = None) -> torch.device:
     """Device for the small tensors of host-side collectives on ``group``: ``device`` when given,
-    the CPU for gloo (or a mixed 'cpu:gloo,cuda:nccl' group), the current CUDA device for NCCL."""
+    else the device the group serves on (autosymm.dist_compat.group_device: the current CUDA
+    device for NCCL, a mixed 'cpu:gloo,cuda:nccl' group included; the CPU for gloo)."""
     if device is not None:
         return torch.device(device)
-    import torch.distributed as dist
+    from ..dist_compat import group_device
 
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "nccl" not in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    return group_device(group)
 
 
 def group_size(group=None) -> int:
