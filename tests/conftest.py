@@ -1,14 +1,44 @@
-"""Test set-up: without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1).
+"""Test set-up: Triton kernels run under the interpreter (TRITON_INTERPRET=1), on CPU tensors,
+whether or not the machine has CUDA, so the interpreter suites run on a GPU node too.
 
-The variable must be set before any @triton.jit function is created, i.e. before autosymm's
-kernels are imported; conftest.py is imported first. NVLink multicast stays off everywhere.
+The one exception is a session of only GPU tests (``pytest tests/gpu``, what
+scripts/run_gpu_tests.sh runs): their kernels must be compiled for the GPU, so the variable is
+left as the environment has it. A session that collects both on a CUDA machine runs the
+interpreter suites and skips tests/gpu, saying why (their worker processes would inherit the
+interpreter). The variable must be set before any @triton.jit function is created, i.e. before
+autosymm's kernels are imported: pytest_configure runs before any test module is collected.
+NVLink multicast stays off everywhere.
 """
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+GPU_SKIP_REASON = ("tests/gpu need kernels compiled for the GPU; this session runs the interpreter suites "
+                   "(TRITON_INTERPRET=1): run scripts/run_gpu_tests.sh (pytest tests/gpu) for them")
+
 os.environ.update({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's warning; same default
+
+
+def _inside_gpu_tests(arg: str) -> bool:
+    path = Path(arg.split("::", 1)[0]).resolve()
+    return path == GPU_TESTS or GPU_TESTS in path.parents
+
+
+def pytest_configure(config):
+    only_gpu_tests = bool(config.args) and all(_inside_gpu_tests(arg) for arg in config.args)
+    if not only_gpu_tests:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if GPU_TESTS in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(skip)
