@@ -36,13 +36,17 @@ def timeout_s() -> float:
 
 
 class Exchange:
-    """The agreement channel of one group state: ``exchange(tag, report)`` -> every rank's report."""
+    """The agreement channel of one group state: ``exchange(tag, report)`` -> every rank's report;
+    ``all_ok(tag, ok)``: did every rank succeed (autosymm's one rank-consensus mechanism: the
+    runtime, the tuner's protocol and bench all agree through it). ``wait_s``: the deadline
+    (default :func:`timeout_s`)."""
 
-    def __init__(self, group, rank: int, world_size: int, store=None) -> None:
+    def __init__(self, group, rank: int, world_size: int, store=None, wait_s: Optional[float] = None) -> None:
         import torch.distributed as dist
 
         self.rank, self.world_size = rank, world_size
-        self.timeout = timedelta(seconds=timeout_s())
+        self.timeout = timedelta(seconds=timeout_s() if wait_s is None else wait_s)
+        self.rounds: dict[str, int] = {}
         self.prefix, self.store = "", store
         if world_size > 1:  # one rank exchanges nothing
             name = group_name(group)
@@ -67,6 +71,18 @@ class Exchange:
                 f"{self.timeout.total_seconds():g} s (AUTOSYMM_AGREE_TIMEOUT_S): a peer failed, exited or "
                 f"made a different call") from None
         return [json.loads(self.store.get(key)) for key in keys]
+
+    def all_ok(self, tag: str, ok: bool, error: str = "") -> list[str]:
+        """Publish whether this rank succeeded at the next round of ``tag`` (call it as often as
+        needed, in the same order on every rank); returns 'rank r: error' for every rank that did
+        not, empty when all did. AgreementError when a peer never reports (as exchange)."""
+        return failures(self.exchange(self.round_tag(tag), {"ok": bool(ok), "error": error}))
+
+    def round_tag(self, tag: str) -> str:
+        """``tag`` numbered by how often this channel used it ('agree.1', 'agree.2', ...): the
+        same on every rank, since every rank makes the same exchanges in the same order."""
+        self.rounds[tag] = self.rounds.get(tag, 0) + 1
+        return f"{tag}.{self.rounds[tag]}"
 
 
 def failures(reports: Sequence[dict[str, Any]]) -> list[str]:

@@ -163,18 +163,16 @@ def grow_region(ws, name: str, nbytes: int) -> bool:
     """Collective over ``ws.group``: every rank allocates ``nbytes`` of symmetric memory, the ranks
     agree that all succeeded, rendezvous, and region ``name`` moves there (Workspace.move_region).
     False on every rank, nothing changed, when any rank could not allocate."""
-    import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
+    from .agreement import Exchange
     from .symm import peer_buffers
 
     try:
         buffer = symm_mem.empty((nbytes,), dtype=torch.uint8, device=ws.device)
     except RuntimeError:  # torch.OutOfMemoryError included: agreed below, never raised alone
         buffer = None
-    ok = torch.tensor([int(buffer is not None)], dtype=torch.int32, device=ws.device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ws.group)
-    if not int(ok.item()):
+    if Exchange(ws.group, ws.rank, ws.world_size).all_ok("grow_region", buffer is not None):
         return False
     peers, handle, _ = peer_buffers(buffer, ws.group)
     ws.move_region(name, peers, keep=(handle,))

@@ -65,12 +65,12 @@ def _measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device:
     return max_over_ranks(timing, group).median_us
 
 
-def _agree(ok: bool, group, device) -> bool:
-    """True on every rank iff ``ok`` on every rank: measuring starts with a host barrier, so all
-    ranks must make the same choice (or the ones that measure wait forever)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+def _agree(ok: bool, group) -> bool:
+    """True on every rank iff ``ok`` on every rank (autosymm.agreement): measuring starts with a
+    host barrier, so all ranks must make the same choice (or the ones that measure wait forever)."""
+    from ..agreement import Exchange
+
+    return not Exchange(group, dist.get_rank(group), dist.get_world_size(group)).all_ok("bench", ok)
 
 
 def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
@@ -111,7 +111,7 @@ def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: in
         wrong = check_output(impl.launch(*checked), reference, world_size)
     except Exception as exc:  # host-side argument checks: the same shapes raise on every rank
         wrong = f"{type(exc).__name__}: {exc}"
-    ok = _agree(wrong is None, setup.group, setup.device)
+    ok = _agree(wrong is None, setup.group)
     gen = torch.Generator(device=setup.device).manual_seed(4321 + dist.get_rank(setup.group))
     rows = []
     for mode in modes:
@@ -189,7 +189,7 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
         got = fn(*args)
         right = torch.equal(got, plain_expected) if impl == PLAIN_IMPL else \
             _moe_equal(got, expected, problem.op, expt_indx, assignment, rank)
-        ok = _agree(right, setup.group, setup.device)
+        ok = _agree(right, setup.group)
         for mode in modes:
             why_not = baseline.why_not(problem, caps, mode) if impl == "nccl" else \
                 NOT_CAPTURABLE if impl == PLAIN_IMPL and mode == "graph" else None

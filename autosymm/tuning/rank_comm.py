@@ -1,5 +1,6 @@
-"""The tuner's rank communication: small float64 tensors on the control group (no pickling),
-the identity without a process group; and calls under a timeout in a worker thread.
+"""The tuner's rank communication: who failed through autosymm.agreement (the one consensus
+mechanism), rank 0's word and the MAX of timings as small float64 tensors on the control group
+(no pickling), the identity without a process group; and calls under a timeout in a worker thread.
 
 What the ranks agree on comes back with names (:class:`Agreement`), never as slices of the
 exchanged vector.
@@ -14,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..agreement import Exchange
 from .timing import Timing, comm_device, group_size
 
 
@@ -51,8 +53,11 @@ class RankComm:
         self.active = self.world_size > 1
         self.rank = dist.get_rank(group) if self.active else 0
         self.device = comm_device(group) if self.active else torch.device("cpu")
-        self.src = 0
+        self.src, self.channel = 0, None
         if self.active:
+            # the tuner's agreements (autosymm.agreement): a peer may still be preparing a
+            # candidate (up to its prepare timeout), so they wait as long as the process group would
+            self.channel = Exchange(group, self.rank, self.world_size, wait_s=dist.default_pg_timeout.total_seconds())
             try:
                 self.src = dist.get_global_rank(group, 0) if group is not None else 0
             except (AttributeError, RuntimeError, ValueError):
@@ -75,8 +80,12 @@ class RankComm:
         return t.tolist()
 
     def agree(self, failed: bool, timed_out: bool = False) -> Agreement:
-        """Who failed and who timed out, from this rank's two flags (one MAX)."""
-        return self._agreement(self.max(self._flags(failed) + self._flags(timed_out)))
+        """Who failed and who timed out, from this rank's two flags (an exchange through
+        autosymm.agreement, with the process group's deadline)."""
+        report = {"failed": bool(failed), "timed_out": bool(timed_out)}
+        reports = self.channel.exchange(self.channel.round_tag("agree"), report) if self.active else [report]
+        return Agreement(tuple(r for r, seen in enumerate(reports) if seen["failed"]),
+                         tuple(r for r, seen in enumerate(reports) if seen["timed_out"]))
 
     def combine_measurement(self, timing: Timing, status: str) -> tuple[Timing, Agreement]:
         """One MAX of (median, p10, p90, samples) and the failure flags of this rank's ``status``
