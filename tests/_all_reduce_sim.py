@@ -20,7 +20,7 @@ from autosymm.symm import Workspace
 
 requires_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-    reason="runs kernels under the Triton interpreter (TRITON_INTERPRET=1; tests/conftest.py sets it without CUDA)",
+    reason="runs kernels under the Triton interpreter (TRITON_INTERPRET=1; tests/conftest.py sets it unless the session is only tests/gpu)",
 )
 
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3), torch.float32: (1e-5, 1e-5)}
