@@ -20,10 +20,9 @@ peer's base address plus the same offset)::
   Signal slot ``[channel][program][r]`` of rank r itself receives no signal (senders write their
   own index), so these *self slots* hold per-rank words that only r's own kernels touch:
 
-  - channel 'moe_end', ``[MOE_SIGNAL_SLOT[op]][r]`` (autosymm.geometry): the MoE fused end barrier's
-    arrival counter
-    (autosymm.kernels.moe_conversion);
-  - channel 'all_reduce', ``[ALL_REDUCE_ARRIVAL_SLOT][r]`` (autosymm.geometry): the double-buffered one-shot's
+  - channel 'moe_end', ``[MOE_SIGNAL_SLOT[op]][r]``: the MoE fused end barrier's arrival counter
+    (autosymm.kernels.moe_conversion; the slot numbers here are autosymm.geometry's);
+  - channel 'all_reduce', ``[ALL_REDUCE_ARRIVAL_SLOT][r]``: the double-buffered one-shot's
     arrival counter (0 whenever no such kernel runs: the last program resets it);
   - channel 'all_reduce', ``[ALL_REDUCE_EPOCH_SLOT][r]``: the double-buffer *epoch*, the number
     of double-buffered calls since the last reset; its parity picks the staging half
