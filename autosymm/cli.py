@@ -91,7 +91,7 @@ def run(ctx: click.Context) -> None:
     if not paths:
         console.print("No shipped tuning database found.")
         return
-    from .dispatch import open_sources
+    from .db_read import open_sources
 
     for path in paths:
         sources = open_sources(None, [path])
@@ -226,7 +226,9 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
 @click.option("--op", default=None)
 @click.option("--world-size", type=int, default=None)
 def show(db_paths, all_rows, as_json, op, world_size) -> None:
-    """List tuned results (the winner per key, or every row with --all)."""
+    """List tuned results (the winner per key, or every row with --all).
+
+    A key's winner is its fastest row in the first database (user, then shipped) holding it."""
     rows = _collect_rows(db_paths, op, world_size, winners_only=not all_rows)
     if as_json:
         click.echo(json.dumps([_row_json(r) for r in rows], indent=1))
@@ -251,20 +253,25 @@ def _db_paths(db_paths) -> list[Path]:
 
 
 def _collect_rows(db_paths, op, world_size, winners_only: bool):
-    """Rows of the databases (each one's ``winners`` view with ``winners_only``; across several
-    files the fastest winner of each key)."""
-    from .db import TuningDB
+    """Rows of the databases: every valid row, or with ``winners_only`` each key's winner
+    (autosymm.db_read: the fastest row of the first database holding the key). A database that
+    cannot be used is an error saying why (autosymm.db.verdict)."""
+    from .db import TuningDB, verdict
+    from .db_read import DBSource, winners
 
     filters = {k: v for k, v in (("op", op), ("world_size", world_size)) if v is not None}
-    rows = []
+    rows, sources = [], []
     for path in _db_paths(db_paths):
+        why = verdict(path)
+        if why is not None:
+            raise click.ClickException(why)
         with TuningDB(path, readonly=True) as db:
-            rows.extend(db.winners(**filters) if winners_only else db.rows(**filters))
+            if winners_only:
+                sources.append(DBSource(db, str(path)))  # reads its rows
+            else:
+                rows.extend(db.rows(**filters))
     if winners_only:
-        best = {}
-        for r in sorted(rows, key=lambda r: (r.median_us, r.backend)):
-            best.setdefault(r.key, r)
-        rows = list(best.values())
+        rows = [row for _, row in winners(sources, **filters)]
     rows.sort(key=lambda r: (r.hardware, r.world_size, r.op, r.shape, r.dtype, r.mode, r.bucket, r.median_us))
     return rows
 
@@ -337,26 +344,36 @@ def _one_shape(text: str) -> MoEShape:
 
 
 def _open(db_paths):
-    """Sources for --db paths (as given) or, without any, the user DB then the shipped ones."""
-    from .dispatch import open_sources
+    """Sources for --db paths (as given) or, without any, the user DB then the shipped ones; a
+    database that cannot be used is an error saying why, as in `show` (autosymm.db.verdict)."""
+    from .db import verdict
+    from .db_read import open_sources
 
-    return open_sources(None, _db_paths(db_paths))
+    paths = _db_paths(db_paths)
+    why = next((why for why in map(verdict, paths) if why is not None), None)
+    if why is not None:
+        raise click.ClickException(why)
+    return open_sources(None, paths)
 
 
 # --------------------------------------------------------------------------------------- info
 @main.command()
 def info() -> None:
     """This machine's hardware fingerprint and the databases autosymm would read."""
-    from .db import shipped_db_paths, user_db_path
+    from .db import shipped_db_paths, user_db_path, verdict
     from .hardware import fingerprint
+
+    def state(path: Path) -> str:  # the verdict `show` and `explain` act on
+        why = verdict(path) if path.exists() else "absent"
+        return "usable" if why is None else why if why == "absent" else f"unusable: {why}"
 
     fp = fingerprint()
     console = _console()
     for key, value in fp.as_dict().items():
         console.print(f"{key:20s} {value}")
-    console.print(f"{'user_db':20s} {user_db_path()} ({'exists' if user_db_path().exists() else 'absent'})")
+    console.print(f"{'user_db':20s} {user_db_path()} ({state(user_db_path())})")
     for path in shipped_db_paths():
-        console.print(f"{'shipped_db':20s} {path}")
+        console.print(f"{'shipped_db':20s} {path} ({state(path)})")
 
 
 # ----------------------------------------------------------------------------------------- db
@@ -370,7 +387,7 @@ def db() -> None:
 @click.option("--into", "target", required=True, type=click.Path(dir_okay=False), help="database to merge into (created if absent)")
 def db_merge(sources, target) -> None:
     """Merge SOURCES into --into, keeping the faster row per key."""
-    from .db import merge_files
+    from .db_merge import merge_files
 
     for source, counts in zip(sources, merge_files(sources, target)):
         skipped = f", {counts.skipped} bad rows skipped" if counts.skipped else ""

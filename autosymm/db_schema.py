@@ -1,5 +1,5 @@
-"""Tuning-database schema: columns, the Row record and its validation, errors, opening a file
-(read-only, hot journals), schema versions and migrations (see autosymm.db).
+"""Tuning-database schema: columns, the Key and Row records and their validation, errors, and
+migrations (see autosymm.db; opening a file is autosymm.db_open).
 
 Kept apart from the TuningDB class so the schema and its migrations read in one place. Tables
 and the view are created through sqlite-utils (``Table.create``, ``Database.create_view``).
@@ -7,15 +7,11 @@ and the view are created through sqlite-utils (``Table.create``, ``Database.crea
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import numbers
-import os
-import sqlite3
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import sqlite_utils
@@ -49,7 +45,9 @@ RESULTS_COLUMNS: dict[str, type] = {
 }
 RESULTS_NOT_NULL = PK_COLUMNS + ("gpu", "config", "median_us", "created")
 RESULTS_DEFAULTS = {"gpu": "", "shape": "", "config": "{}"}
-#: The ``winners`` view: results' fastest row per key (ties: backend name).
+#: The ``winners`` view, kept in every file for the ``sqlite3`` command line: results' fastest row
+#: per key (ties: backend name), bad rows included. autosymm never reads it (a file's view is the
+#: file's own code): its winners come from the results table (autosymm.db_read).
 WINNERS_SQL = f"""SELECT * FROM (
   SELECT results.*, ROW_NUMBER() OVER (PARTITION BY {', '.join(KEY_COLUMNS)}
                                        ORDER BY median_us, backend) AS place
@@ -80,7 +78,9 @@ class BadRowWarning(UserWarning):
 
 
 class Key(NamedTuple):
-    """What a lookup is keyed on: ``best(key)``, ``ranked(key)``."""
+    """What a row is stored under and a lookup reads by: the tuner writes each row at
+    ``Key.for_problem(hardware, problem, mode)`` (autosymm.tuning.outcome), the dispatcher reads
+    the key of the call (autosymm.db_read)."""
 
     hardware: str
     world_size: int
@@ -275,86 +275,7 @@ def row_matches(row: Row, filters: dict[str, Any]) -> bool:
                for column, value in filters.items())
 
 
-# -------------------------------------------------------------------- opening, versions, migrations
-
-
-def _is_hot_journal(path: Path, exc: sqlite3.DatabaseError) -> bool:
-    """Whether ``exc``, from a read-only read of ``path``, is SQLite refusing a hot journal."""
-    name = getattr(exc, "sqlite_errorname", None)  # Python >= 3.11
-    return name == "SQLITE_READONLY_ROLLBACK" if name else Path(f"{path}-journal").exists()
-
-
-def _roll_back_hot_journal(path: Path, timeout_s: float) -> None:
-    """Let SQLite roll back the journal a killed writer left next to ``path``: open it once
-    read-write (a read does it). Without write access, a CorruptDatabaseError says what to do."""
-    journal = Path(f"{path}-journal")
-    advice = (f"{path} has a hot journal {journal} left by a writer that stopped mid-write: open the "
-              f"database once with write access (e.g. `sqlite3 {path} 'PRAGMA quick_check'` as its owner) "
-              f"so SQLite rolls the unfinished write back; do not delete the journal (the file would "
-              f"keep half-written pages)")
-    if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
-        raise CorruptDatabaseError(advice)
-    try:
-        with contextlib.closing(sqlite3.connect(str(path), timeout=timeout_s)) as conn:
-            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-    except sqlite3.Error as exc:
-        raise CorruptDatabaseError(f"{advice} ({exc})") from exc
-
-
-def connect(path: Optional[Path], readonly: bool, timeout_s: float) -> sqlite3.Connection:
-    """A connection to ``path`` (None: in memory), waiting up to ``timeout_s`` seconds for locks.
-
-    Writable: parent folders are created. ``readonly``: SQLite's ``mode=ro``, the file must
-    exist; a hot journal is rolled back first where the file is writable (else explained).
-    """
-    if path is None:
-        return sqlite3.connect(":memory:")
-    if not readonly:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return sqlite3.connect(str(path), timeout=timeout_s)
-    if not path.is_file():
-        raise FileNotFoundError(f"tuning database {path} does not exist")
-    uri = path.resolve().as_uri() + "?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, timeout=timeout_s)
-    try:
-        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # a hot journal shows here
-    except sqlite3.DatabaseError as exc:
-        if _is_hot_journal(path, exc):
-            conn.close()
-            _roll_back_hot_journal(path, timeout_s)
-            return sqlite3.connect(uri, uri=True, timeout=timeout_s)
-    return conn  # any other error: the schema check reports it
-
-
-def read_schema_version(db: sqlite_utils.Database, where: str) -> Optional[int]:
-    """The schema version stored in ``db`` (``where``: its file, for messages); None when empty.
-
-    A newer version raises DatabaseVersionError (never misread); a file that is not SQLite or
-    not a tuning database raises CorruptDatabaseError; a locked file raises sqlite3's error.
-    """
-    try:
-        tables = {t for t in db.table_names() if not t.startswith("sqlite_")}
-        if "meta" in tables:
-            found = next(db["meta"].rows_where("key = ?", ["schema_version"], select="value"), None)
-            try:
-                version = int(found["value"])
-            except (TypeError, ValueError):
-                raise CorruptDatabaseError(f"{where}: meta has no valid schema_version ({found!r})") from None
-        elif not tables:
-            return None
-        elif "results" in tables and V0_COLUMNS <= set(db["results"].columns_dict):
-            version = 0
-        else:
-            raise CorruptDatabaseError(f"{where} is not an autosymm tuning database (tables: {sorted(tables)})")
-    except sqlite3.OperationalError:  # locked, cannot open: not a statement about the file
-        raise
-    except sqlite3.DatabaseError as exc:
-        raise CorruptDatabaseError(f"{where} is not a readable SQLite database ({exc})") from exc
-    if version > SCHEMA_VERSION:
-        raise DatabaseVersionError(
-            f"{where} has tuning-database schema version {version}, newer than version "
-            f"{SCHEMA_VERSION} that this autosymm reads: upgrade autosymm to use it")
-    return version
+# -------------------------------------------------------------------- creating, migrations
 
 
 def _create_meta_and_winners(db: sqlite_utils.Database) -> None:

@@ -37,7 +37,8 @@ from typing import Optional, Sequence
 from . import settings
 from .backends import FALLBACK, FALLBACK_ORDER, Capabilities, get_backend
 from .configs import AnyConfig, config_fields
-from .db_schema import Row, version_mismatch
+from .db_read import DBSource, Lookup
+from .db_schema import Key, Row, version_mismatch
 from .hardware import running_versions
 from .neighbours import RowCandidate, candidates, floors_of, moe_ratios, nearest_moe_point, points_around
 from .problem import MOE_OPS, Problem, format_bytes
@@ -74,25 +75,6 @@ class Decision:
         return text
 
 
-@dataclass
-class DBSource:
-    """An opened tuning database and the label (path) used in decisions. Its rows are read once
-    per lookup and kept: a source is opened read-only and its digest agreed on at that time."""
-
-    db: object  # autosymm.db.TuningDB
-    label: str
-    _families: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def family(self, hardware: str, world_size: int, op: str, dtype: str, shape: Optional[str], mode: str) -> list[Row]:
-        """Valid rows of one lookup, every bucket (``shape`` None: every shape)."""
-        key = (hardware, world_size, op, dtype, shape, mode)
-        rows = self._families.get(key)
-        if rows is None:
-            rows = self._families[key] = self.db.rows(hardware=hardware, world_size=world_size, op=op, dtype=dtype,
-                                                      shape=shape, mode=mode)
-        return rows
-
-
 def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str) -> Decision:
     """The decision when no tuned row serves ``problem``: the first backend of the op's
     FALLBACK_ORDER that can serve it, with its ``fallback_config``; else the op's FALLBACK."""
@@ -124,16 +106,14 @@ def _size_text(op: str, size: int) -> str:
     return format_bytes(size) if size % 1024 == 0 else f"{size} B"
 
 
-def _rows_for(problem: Problem, dtype: str, row_mode: str, nearest: bool, sources: Sequence[DBSource],
-              hardware: str) -> tuple[list[tuple[str, Row]], list[Row], str]:
-    """(source label, row) pairs of the tuned point(s) a call uses under one lookup, all rows of
-    the lookup (for the backends' floors), and how the point(s) relate to the call."""
-    shape = None if nearest else problem.shape_key
-    families = [(s.label, s.family(hardware, problem.world_size, problem.op, dtype, shape, row_mode))
-                for s in sources]
+def _rows_for(problem: Problem, key: Key, nearest: bool,
+              sources: Sequence[DBSource]) -> tuple[list[tuple[str, Row]], list[Row], str]:
+    """(source label, row) pairs of the tuned point(s) a call uses under the lookup ``key`` (each
+    point's rows from the first source that has it: autosymm.db_read), all rows of the lookup
+    (for the backends' floors), and how the point(s) relate to the call."""
+    lookup = Lookup(sources, key, any_shape=nearest)
     if nearest:
-        families = [(label, [r for r in rows if r.shape]) for label, rows in families]
-        point = nearest_moe_point(problem, sorted({(r.shape, r.bucket) for _, rows in families for r in rows}))
+        point = nearest_moe_point(problem, [p for p in lookup.points() if p[0]])
         if point is None:
             return [], [], ""
         wanted = [point]
@@ -141,19 +121,11 @@ def _rows_for(problem: Problem, dtype: str, row_mode: str, nearest: bool, source
         how = (f"no row for shape {problem.shape_key}: nearest tuned problem {point[0]} at {point[1]} tokens/rank "
                f"(bytes per row x{bpr:.2f}, rows per rank x{rpr:.2f}), time scaled by the bytes moved")
     else:
-        size = problem.bucket
-        points = points_around(size, sorted({r.bucket for _, rows in families for r in rows}))
-        wanted = [(shape, p) for p in points]
+        points = points_around(problem.bucket, sorted({bucket for _, bucket in lookup.points()}))
+        wanted = [(key.shape, p) for p in points]
         how = _between(problem, points)
-    chosen: list[tuple[str, Row]] = []
-    for key in wanted:  # each point's rows from the first source that has it (user DB first)
-        for label, rows in families:
-            at = [r for r in rows if (r.shape, r.bucket) == key]
-            if at:
-                chosen += [(label, r) for r in at]
-                break
-    shapes = {key[0] for key in wanted}
-    return chosen, [r for _, rows in families for r in rows if r.shape in shapes], how
+    chosen = [pair for point in wanted for pair in lookup.at(*point)]
+    return chosen, lookup.rows({shape for shape, _ in wanted}), how
 
 
 def _between(problem: Problem, points: tuple[int, ...]) -> str:
@@ -177,8 +149,9 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
     if not caps.intra_node:
         return Decision(FALLBACK[problem.op], None, "group spans nodes: NCCL", bucket=problem.bucket, mode=mode)
     skipped: list[str] = []
+    key = Key.for_problem(hardware, problem, mode)
     for dtype, row_mode, nearest, note in _lookups(problem, mode):
-        chosen, family, how = _rows_for(problem, dtype, row_mode, nearest, sources, hardware)
+        chosen, family, how = _rows_for(problem, key._replace(dtype=dtype, mode=row_mode), nearest, sources)
         ranked = candidates(problem, chosen, floors_of(family))
         for candidate in ranked:
             row = candidate.row
@@ -222,24 +195,3 @@ def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str)
     except (KeyError, ImportError) as exc:
         return f"not available here ({exc})"
     return backend.why_not(problem, caps, mode)
-
-
-def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSource]:
-    """Open the user DB (if it exists) and the shipped DBs, read-only, user first.
-
-    A missing file is skipped; a corrupt or too-new one is skipped with a warning (the decision
-    then falls back), never misread.
-    """
-    import warnings
-
-    from .db import TuningDB
-
-    sources: list[DBSource] = []
-    for path in ([user_db] if user_db else []) + list(shipped):
-        if path is None or not Path(path).exists():
-            continue
-        try:
-            sources.append(DBSource(TuningDB(path, readonly=True), str(path)))
-        except Exception as exc:  # corrupt / foreign / too-new DB: never misread, say why
-            warnings.warn(f"autosymm: ignoring tuning database {path}: {exc}", stacklevel=2)
-    return sources

@@ -159,6 +159,7 @@ class LocalSetup:
 
     def _find_out(self, device: torch.device, world_size: int) -> None:
         from .db import shipped_db_paths, user_db_path
+        from .db_read import open_sources
         from .geometry import MAX_WORLD_SIZE
         from .hardware import fingerprint
 
@@ -167,7 +168,7 @@ class LocalSetup:
         disabled = settings.disabled()
         agreed = self.report["settings"]
         agreed.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
-        self.sources = dispatch.open_sources(user_db_path(), shipped_db_paths())
+        self.sources = open_sources(user_db_path(), shipped_db_paths())
         agreed["databases"] = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
         if world_size > 1:  # what the kernels would be built with, compared even where none run

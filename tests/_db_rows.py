@@ -8,7 +8,8 @@ import sqlite3
 from pathlib import Path
 
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import Row, TuningDB
+from autosymm.db import Key, Row, TuningDB
+from autosymm.db_read import DBSource, Lookup, winners
 
 HW = "nvidia-h200-nvlink"
 
@@ -29,6 +30,21 @@ def moe_row(**changes) -> Row:
                   config=MoEConfig(block_n=1024, num_warps=4, rows_per_program=2, num_blocks=132))
     fields.update(changes)
     return make_row(**fields)
+
+
+def key_rows(tdb: TuningDB, key: Key) -> list[Row]:
+    """The rows of ``key`` as the dispatcher reads them (autosymm.db_read.Lookup), fastest first."""
+    return [row for _, row in Lookup([DBSource(tdb)], key).at(key.shape, key.bucket)]
+
+
+def key_buckets(tdb: TuningDB, key: Key) -> list[int]:
+    """The tuned buckets of ``key``'s lookup (its bucket aside) as the dispatcher sees them."""
+    return [bucket for shape, bucket in Lookup([DBSource(tdb)], key).points() if shape == key.shape]
+
+
+def winner_rows(*tdbs: TuningDB, **filters) -> list[Row]:
+    """Each key's winner across ``tdbs`` (autosymm.db_read.winners), first database first."""
+    return [row for _, row in winners([DBSource(t) for t in tdbs], **filters)]
 
 
 def sql(tdb: TuningDB, statement: str, params=()) -> None:

@@ -35,7 +35,7 @@ def _sum_and_explain(rank, world_size, autosymm):
 
 def test_matching_databases_use_the_row(tmp_path):
     path = tmp_path / "user.sqlite"
-    TuningDB(path).record(_cpu_row(11.0))
+    TuningDB(path).record_many([_cpu_row(11.0)])
     out = _run(2, [path, path], _sum_and_explain)
     assert out[0][:2] == out[1][:2] == ("nccl", str(path))
     assert out[0][3]["nccl"] == {"calls": 1, "bytes": 4096}
@@ -43,8 +43,8 @@ def test_matching_databases_use_the_row(tmp_path):
 
 def test_differing_databases_fall_back_on_every_rank(tmp_path):
     paths = [tmp_path / "a.sqlite", tmp_path / "b.sqlite"]
-    TuningDB(paths[0]).record(_cpu_row(11.0))
-    TuningDB(paths[1]).record(_cpu_row(99.0))
+    TuningDB(paths[0]).record_many([_cpu_row(11.0)])
+    TuningDB(paths[1]).record_many([_cpu_row(99.0)])
     out = _run(2, paths, _sum_and_explain)
     for rank in (0, 1):
         backend, source, reason, _ = out[rank]
@@ -100,7 +100,7 @@ def _disabled(rank, world_size, autosymm):
 
 def test_disable_env_forces_nccl(tmp_path):
     path = tmp_path / "user.sqlite"
-    TuningDB(path).record(_cpu_row(11.0))
+    TuningDB(path).record_many([_cpu_row(11.0)])
     out = _run(2, [path, path], _disabled, env={"AUTOSYMM_DISABLE": "1"})
     assert out[0] == out[1] == "AUTOSYMM_DISABLE=1"
 

@@ -111,8 +111,8 @@ def test_dispatch_takes_the_fastest_servable_row_and_falls_back_to_nccl():
     db = TuningDB(":memory:")
     config = FusedConfig("one_shot", 8192, 16, 8)
     for backend, us, cfg in (("nccl_fused", 30.0, None), ("triton_fused_one_shot", 8.0, config)):
-        db.record(Row(hardware=HW, world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=8, shape="h8192",
-                      backend=backend, median_us=us, config=config_to_json(cfg), nccl_us=30.0))
+        db.record_many([Row(hardware=HW, world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=8, shape="h8192",
+                       backend=backend, median_us=us, config=config_to_json(cfg), nccl_us=30.0)])
     source = [DBSource(db, "x.sqlite")]
     decision = decide(Problem.all_reduce_rmsnorm(5, 8192), "graph", CAPS, source, HW)
     assert (decision.backend, decision.config, decision.bucket) == ("triton_fused_one_shot", config, 8)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from autosymm import db_schema
+from autosymm import db_open
 from autosymm.cli import main
 from autosymm.configs import AllReduceConfig, MoEConfig
 from autosymm.db import Row, TuningDB
@@ -271,9 +271,9 @@ def test_show_after_a_killed_writer(runner, tmp_path, monkeypatch):
     from test_db_schema import hot_journal_file
 
     path, journal = hot_journal_file(tmp_path)
-    real_access = db_schema.os.access
+    real_access = db_open.os.access
     # as a user who may read the file but not write it or its folder
-    monkeypatch.setattr(db_schema.os, "access", lambda p, mode, **kw: not mode & os.W_OK and real_access(p, mode, **kw))
+    monkeypatch.setattr(db_open.os, "access", lambda p, mode, **kw: not mode & os.W_OK and real_access(p, mode, **kw))
     line = one_line_error(runner.invoke(main, ["show", "--db", str(path)]), 1)
     assert "hot journal" in line and "killed.sqlite-journal" in line
     monkeypatch.undo()
@@ -294,13 +294,13 @@ def test_sqlite_and_os_errors_are_one_line(runner, db_file, monkeypatch):
     def locked(*args, **kwargs):
         raise sqlite3.OperationalError("database is locked")
 
-    monkeypatch.setattr(dbmod.TuningDB, "winners", locked)
+    monkeypatch.setattr(dbmod.TuningDB, "rows", locked)
     assert one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1) == "Error: database is locked"
 
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied", "/root/x.sqlite")
 
-    monkeypatch.setattr(dbmod.TuningDB, "winners", denied)
+    monkeypatch.setattr(dbmod.TuningDB, "rows", denied)
     line = one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1)
     assert "Permission denied" in line and "/root/x.sqlite" in line
 
@@ -311,7 +311,7 @@ def test_runtime_failures_are_their_message(runner, db_file, monkeypatch):
     def worker_failed(*args, **kwargs):
         raise RuntimeError("worker failed:\nrank 1: ValueError('x')\nTraceback (most recent call last):\n  File \"w.py\"")
 
-    monkeypatch.setattr(dbmod.TuningDB, "winners", worker_failed)
+    monkeypatch.setattr(dbmod.TuningDB, "rows", worker_failed)
     line = one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1)
     assert line == "Error: worker failed: rank 1: ValueError('x')"
 
@@ -322,7 +322,7 @@ def test_an_unexpected_error_is_one_line_unless_debugging(runner, db_file, monke
     def bug(*args, **kwargs):
         raise KeyError("a bug\nover two lines")
 
-    monkeypatch.setattr(dbmod.TuningDB, "winners", bug)
+    monkeypatch.setattr(dbmod.TuningDB, "rows", bug)
     line = one_line_error(runner.invoke(main, ["show", "--db", str(db_file)]), 1)
     assert line.startswith("Error: unexpected KeyError:") and "AUTOSYMM_LOG=debug" in line
     logger = logging.getLogger("autosymm")

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from autosymm import db as dbmod
 from autosymm.configs import AllReduceConfig, MoEConfig
 from autosymm.db import SCHEMA_VERSION, Key, MergeCounts, Row, TuningDB
+from autosymm.db_merge import merge_files
 
-from _db_rows import HW, build_v0, make_row, moe_row, run_processes, sql
+from _db_rows import HW, build_v0, key_buckets, key_rows, make_row, moe_row, run_processes, sql, winner_rows
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def db():
 
 def test_round_trip_all_reduce_row(db):
     row = make_row()
-    db.record(row)
+    db.record_many([row])
     assert db.rows() == [row]
     assert db.rows()[0].config_obj == AllReduceConfig("one_shot", 2048, 32, 8)
     assert row.speedup == 2.0  # nccl_us / median_us
@@ -35,7 +36,7 @@ def test_round_trip_all_reduce_row(db):
 
 def test_round_trip_moe_row(db):
     row = moe_row(mode="graph")
-    db.record(row)
+    db.record_many([row])
     (back,) = db.rows()
     assert back == row
     assert back.key == Key(HW, 2, "dp_to_ep", "bf16", 256, "d7168_e256_k8", "graph")
@@ -45,7 +46,7 @@ def test_round_trip_moe_row(db):
 def test_config_less_backend_and_missing_measurements(db):
     row = Row(hardware=HW, world_size=8, op="all_reduce", dtype="fp32", bucket=4096, backend="nccl",
               median_us=7.5, config=None)
-    db.record(row)
+    db.record_many([row])
     (back,) = db.rows()
     assert back.config == "{}" and back.config_obj is None
     assert back.nccl_us is None and back.speedup is None and back.trials is None
@@ -69,8 +70,8 @@ def test_record_rejects_unreadable_config_and_writes_nothing(db):
 
 
 def test_upsert_replaces_same_key_and_backend(db):
-    db.record(make_row(median_us=10.0))
-    db.record(make_row(median_us=30.0, config=AllReduceConfig("one_shot", 1024, 8, 4)))
+    db.record_many([make_row(median_us=10.0)])
+    db.record_many([make_row(median_us=30.0, config=AllReduceConfig("one_shot", 1024, 8, 4))])
     (row,) = db.rows()
     assert row.median_us == 30.0 and row.config_obj.num_blocks == 8
     assert len(db) == 1
@@ -79,24 +80,20 @@ def test_upsert_replaces_same_key_and_backend(db):
 # ------------------------------------------------------------------------------ lookups
 
 
-def test_best_and_ranked(db):
+def test_a_keys_rows_fastest_first(db):
     db.record_many([make_row(backend="nccl", median_us=20.0, config=None),
                     make_row(backend="triton_one_shot", median_us=10.0),
                     make_row(backend="torch_two_shot", median_us=15.0, config=None),
                     make_row(backend="nccl", bucket=1 << 21, median_us=1.0, config=None)])
     key = Key(HW, 2, "all_reduce", "bf16", 1 << 20)
-    assert [r.backend for r in db.ranked(key)] == ["triton_one_shot", "torch_two_shot", "nccl"]
-    assert db.best(key).backend == "triton_one_shot"
-    assert db.best(key, exclude_backends=("triton_one_shot",)).backend == "torch_two_shot"
-    assert db.best(key, exclude_backends="triton_one_shot").backend == "torch_two_shot"  # a str: one name
-    assert db.best(key, exclude_backends=["triton_one_shot", "torch_two_shot", "nccl"]) is None
-    assert db.best(key._replace(mode="graph")) is None
-    assert db.best(key._replace(hardware="other")) is None
+    assert [r.backend for r in key_rows(db, key)] == ["triton_one_shot", "torch_two_shot", "nccl"]
+    assert key_rows(db, key._replace(mode="graph")) == []
+    assert key_rows(db, key._replace(hardware="other")) == []
 
 
-def test_ranked_ties_break_by_backend_name(db):
+def test_a_keys_ties_break_by_backend_name(db):
     db.record_many([make_row(backend="b", median_us=5.0), make_row(backend="a", median_us=5.0)])
-    assert [r.backend for r in db.ranked(make_row().key)] == ["a", "b"]
+    assert [r.backend for r in key_rows(db, make_row().key)] == ["a", "b"]
 
 
 def test_key_for_problem():
@@ -122,30 +119,38 @@ def test_rows_filters(db):
 def test_buckets_sorted_and_scoped(db):
     db.record_many([make_row(bucket=b) for b in (1 << 22, 4096, 1 << 16)]
                    + [make_row(bucket=1 << 10, dtype="fp16"), moe_row(bucket=64), moe_row(bucket=8)])
-    assert db.buckets(HW, 2, "all_reduce", "bf16", "", "eager") == [4096, 1 << 16, 1 << 22]
-    assert db.buckets(HW, 2, "dp_to_ep", "bf16", "d7168_e256_k8", "eager") == [8, 64]
-    assert db.buckets(HW, 2, "all_reduce", "bf16", "", "graph") == []
+    assert key_buckets(db, make_row().key) == [4096, 1 << 16, 1 << 22]
+    assert key_buckets(db, moe_row().key) == [8, 64]
+    assert key_buckets(db, make_row(mode="graph").key) == []
 
 
-def test_hardware_slugs(db):
-    db.record_many([make_row(hardware="b-hw"), make_row(hardware="a-hw"), make_row(hardware="a-hw", bucket=4096)])
-    assert db.hardware_slugs() == ["a-hw", "b-hw"]
-
-
-def test_winners_view_and_method(db):
+def test_winners_view_and_function(db):
     db.record_many([make_row(backend="nccl", median_us=20.0, config=None), make_row(median_us=10.0),
                     make_row(backend="nccl", bucket=4096, median_us=3.0, config=None)])
-    assert [(r.bucket, r.backend) for r in db.winners()] == [(4096, "nccl"), (1 << 20, "triton_one_shot")]
+    assert [(r.bucket, r.backend) for r in winner_rows(db)] == [(4096, "nccl"), (1 << 20, "triton_one_shot")]
     sql = "SELECT backend FROM winners WHERE bucket = ?"
-    assert [r["backend"] for r in db.db.query(sql, [1 << 20])] == ["triton_one_shot"]
+    assert [r["backend"] for r in db.db.query(sql, [1 << 20])] == ["triton_one_shot"]  # the file's view agrees
+
+
+def test_a_keys_winner_comes_from_the_first_database_holding_it():
+    with TuningDB() as user, TuningDB() as shipped:
+        user.record_many([make_row(median_us=12.0)])  # the user's tune of the point, slower than shipped
+        shipped.record_many([make_row(backend="nccl", median_us=8.0, config=None),
+                             make_row(backend="nccl", bucket=4096, median_us=3.0, config=None)])
+        assert [(r.bucket, r.backend) for r in winner_rows(user, shipped)] == [(4096, "nccl"), (1 << 20, "triton_one_shot")]
+        assert [(r.bucket, r.backend) for r in winner_rows(shipped, user)] == [(4096, "nccl"), (1 << 20, "nccl")]
+        assert winner_rows(user, shipped, backend="nccl") == [shipped.rows(bucket=4096)[0]]  # filters the winners
+        assert winner_rows(user, shipped, bucket=4096, world_size=[2, 4]) == shipped.rows(bucket=4096)
+        with pytest.raises(ValueError, match="median_us"):
+            winner_rows(user, median_us=1.0)
 
 
 def test_unknown_extra_columns_are_ignored(db):
-    db.record(make_row())
+    db.record_many([make_row()])
     sql(db, "ALTER TABLE results ADD COLUMN energy_mj REAL")
     sql(db, "UPDATE results SET energy_mj = 1.5")
     assert db.rows() == [make_row()]
-    db.record(make_row(median_us=9.0))  # the upsert leaves the unknown column alone
+    db.record_many([make_row(median_us=9.0)])  # the upsert leaves the unknown column alone
     assert db.rows()[0].median_us == 9.0
 
 
@@ -160,7 +165,7 @@ def test_meta(db):
 def test_wraps_an_open_sqlite_utils_database():
     raw = sqlite_utils.Database(memory=True)
     tdb = TuningDB(raw)
-    tdb.record(make_row())
+    tdb.record_many([make_row()])
     assert "results" in raw.table_names() and raw["results"].count == 1
 
 
@@ -168,7 +173,7 @@ def test_writes_join_a_callers_open_transaction():
     raw = sqlite_utils.Database(memory=True)
     tdb = TuningDB(raw)
     raw.conn.execute("BEGIN")
-    tdb.record(make_row())
+    tdb.record_many([make_row()])
     assert len(tdb) == 1
     raw.conn.execute("ROLLBACK")  # the caller's rollback takes the row with it
     assert len(tdb) == 0
@@ -176,8 +181,8 @@ def test_writes_join_a_callers_open_transaction():
 
 def test_values_are_data_not_sql(db):
     sneaky = "x'); DROP TABLE results; --"
-    db.record(make_row(hardware=sneaky, backend='b" OR 1=1 --', shape="%_*"))
-    assert db.hardware_slugs() == [sneaky] and db.rows(shape="%_*")[0].backend == 'b" OR 1=1 --'
+    db.record_many([make_row(hardware=sneaky, backend='b" OR 1=1 --', shape="%_*")])
+    assert [r.hardware for r in db.rows()] == [sneaky] and db.rows(shape="%_*")[0].backend == 'b" OR 1=1 --'
     assert db.rows(shape="%") == []
 
 
@@ -189,18 +194,22 @@ def test_schema_is_documented():
 # ------------------------------------------------------------------------------ merge, export, digest
 
 
-def test_merge_keeps_the_faster_row_and_never_loses_others(db, tmp_path):
-    db.record_many([make_row(backend="a", median_us=10.0), make_row(backend="b", median_us=10.0),
-                    make_row(backend="mine_only", median_us=50.0)])
-    other_path = tmp_path / "other.sqlite"
+def test_merge_keeps_the_faster_row_and_never_loses_others(tmp_path):
+    target, other_path = tmp_path / "target.sqlite", tmp_path / "other.sqlite"
+    with TuningDB(target) as db:
+        db.record_many([make_row(backend="nccl", median_us=10.0, config=None),
+                        make_row(backend="torch_one_shot", median_us=10.0, config=None),
+                        make_row(backend="torch_two_shot", median_us=50.0, config=None)])
     with TuningDB(other_path) as other:
-        other.record_many([make_row(backend="a", median_us=5.0),  # better: replaces
-                           make_row(backend="b", median_us=20.0),  # worse: kept
+        other.record_many([make_row(backend="nccl", median_us=5.0, config=None),  # better: replaces
+                           make_row(backend="torch_one_shot", median_us=20.0, config=None),  # worse: kept
                            moe_row()])  # new key: inserted
-        assert db.merge_from(other) == MergeCounts(inserted=1, replaced=1, kept=1, skipped=0)
-    assert {r.backend: r.median_us for r in db.rows(op="all_reduce")} == {"a": 5.0, "b": 10.0, "mine_only": 50.0}
-    assert db.rows(op="dp_to_ep") == [moe_row()]
-    assert db.merge_from(other_path) == (0, 0, 3, 0)  # from a path, again: nothing changes
+    assert merge_files([other_path], target) == [MergeCounts(inserted=1, replaced=1, kept=1, skipped=0)]
+    with TuningDB(target, readonly=True) as db:
+        assert {r.backend: r.median_us for r in db.rows(op="all_reduce")} == \
+            {"nccl": 5.0, "torch_one_shot": 10.0, "torch_two_shot": 50.0}
+        assert db.rows(op="dp_to_ep") == [moe_row()]
+    assert merge_files([other_path], target) == [(0, 0, 3, 0)]  # again: nothing changes
 
 
 def test_export_subset(db, tmp_path):
@@ -225,7 +234,7 @@ def test_export_subset(db, tmp_path):
 def test_export_onto_itself_is_refused(tmp_path):
     path = tmp_path / "t.sqlite"
     with TuningDB(path) as tdb:
-        tdb.record(make_row())
+        tdb.record_many([make_row()])
         with pytest.raises(ValueError):
             tdb.export(path, overwrite=True)
 
@@ -238,9 +247,9 @@ def test_digest_is_order_file_and_provenance_independent(db, tmp_path):
                                                    "torch_version": "9.9"}) for r in rows]))
         assert other.digest() == db.digest()
         assert other.digest(op="dp_to_ep") == db.digest(op="dp_to_ep") != db.digest()
-        other.record(make_row(bucket=1 << 12, median_us=12.5))  # a value changes: the digest too
+        other.record_many([make_row(bucket=1 << 12, median_us=12.5)])  # a value changes: the digest too
         assert other.digest() != db.digest()
-        other.record(make_row(bucket=1 << 12, median_us=12.0, config=AllReduceConfig("one_shot", 1024, 8, 4)))
+        other.record_many([make_row(bucket=1 << 12, median_us=12.0, config=AllReduceConfig("one_shot", 1024, 8, 4))])
         assert other.digest() != db.digest()  # same time, other config
     assert TuningDB().digest() == TuningDB().digest()
 
@@ -258,9 +267,9 @@ def _writer(path: str, worker: int) -> None:
     for start in range(0, N_OWN - 10, 10):
         tdb.record_many(own[start:start + 10])
     for row in own[N_OWN - 10:]:
-        tdb.record(row)
+        tdb.record_many([row])
     for k in range(N_SHARED):  # every worker writes these keys: the last writer wins, none is lost
-        tdb.record(make_row(backend="shared", bucket=1 << (k + 12), median_us=1.0 + worker))
+        tdb.record_many([make_row(backend="shared", bucket=1 << (k + 12), median_us=1.0 + worker)])
     tdb.close()
 
 
@@ -277,7 +286,7 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 def _opener(path: str, worker: int) -> None:
     with TuningDB(path) as tdb:
-        tdb.record(make_row(backend=f"w{worker}"))
+        tdb.record_many([make_row(backend=f"w{worker}")])
 
 
 def test_concurrent_openers_migrate_an_old_file_once(tmp_path):
@@ -353,6 +362,6 @@ def test_property_round_trip(rows):
         with TuningDB() as reordered:
             reordered.record_many(reversed(rows))
             assert reordered.digest() == tdb.digest()
-        for row in rows:  # excluding the faster backends of its key leaves ``row`` (or a tie) best
-            faster = [r.backend for r in rows if r.key == row.key and r.median_us < row.median_us]
-            assert tdb.best(row.key, exclude_backends=faster).median_us == row.median_us
+        for row in rows:  # a key's rows as the dispatcher reads them: fastest first, ties by backend
+            same_key = sorted((r for r in rows if r.key == row.key), key=lambda r: (r.median_us, r.backend))
+            assert key_rows(tdb, row.key) == same_key

@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 import sqlite_utils
 
-from autosymm import db_schema
+from autosymm import db_open
 from autosymm.db import (
     PK_COLUMNS,
     SCHEMA_VERSION,
@@ -21,7 +21,7 @@ from autosymm.db import (
     version_mismatch,
 )
 
-from _db_rows import HW, build_v0, file_sha, make_row, run_processes, sql
+from _db_rows import HW, build_v0, file_sha, key_rows, make_row, run_processes, sql, winner_rows
 
 #: The schema of the released version 1, as its RESULTS_DDL / WINNERS_DDL wrote it: files this
 #: code writes must read the same to it (columns, types, constraints, key, view).
@@ -67,7 +67,7 @@ def test_schema_is_made_with_sqlite_utils():
 def test_new_files_have_the_released_schema(tmp_path):
     path = tmp_path / "new.sqlite"
     with TuningDB(path) as tdb:
-        tdb.record(make_row())
+        tdb.record_many([make_row()])
     released = sqlite3.connect(":memory:")
     released.executescript(RELEASED_V2)
     with sqlite3.connect(path) as conn:
@@ -83,7 +83,7 @@ def test_released_files_read_and_write(tmp_path):
         conn.executescript(RELEASED_V1)
     with TuningDB(path) as tdb:
         tdb.record_many([make_row(), make_row(backend="nccl", median_us=20.0, config=None)])
-        assert [r.backend for r in tdb.winners()] == ["triton_one_shot"]
+        assert [r.backend for r in winner_rows(tdb)] == ["triton_one_shot"]
     with TuningDB(path, readonly=True) as tdb:
         assert tdb.rows() == [make_row(), make_row(backend="nccl", median_us=20.0, config=None)]
 
@@ -103,7 +103,7 @@ def test_version_1_files_migrate_to_comm_env(tmp_path):
         assert old.comm_env is None and old.median_us == 11.0
     assert file_sha(path) == before
     with TuningDB(path) as tdb:  # a user's file: migrated in place, then takes the new column
-        tdb.record(make_row(comm_env="TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1"))
+        tdb.record_many([make_row(comm_env="TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1")])
     released = sqlite3.connect(":memory:")
     released.executescript(RELEASED_V2)
     with sqlite3.connect(path) as conn:
@@ -127,7 +127,7 @@ def test_provenance_fills_the_comm_env_column(monkeypatch):
     assert set(PROVENANCE_COLUMNS) <= set(prov)  # the tuner copies these into every row
     row = make_row(**{k: prov[k] for k in PROVENANCE_COLUMNS})
     with TuningDB() as tdb:
-        tdb.record(row)
+        tdb.record_many([row])
         assert tdb.rows()[0].comm_env == prov["comm_env"]
 
 
@@ -138,8 +138,8 @@ def test_migrates_v0_in_place(tmp_path):
         assert tdb.schema_version == SCHEMA_VERSION
         (row,) = tdb.rows()
         assert (row.backend, row.median_us, row.p10_us, row.trials) == ("nccl", 8.0, None, None)
-        assert [r.backend for r in tdb.winners()] == ["nccl"]
-        tdb.record(make_row())
+        assert [r.backend for r in winner_rows(tdb)] == ["nccl"]
+        tdb.record_many([make_row()])
     with TuningDB(path) as again:  # reopening does not migrate twice
         assert again.schema_version == SCHEMA_VERSION and len(again) == 2
 
@@ -150,9 +150,9 @@ def test_migrates_v0_read_only_in_memory(tmp_path):
     before = file_sha(path)
     with TuningDB(path, readonly=True) as tdb:
         assert tdb.schema_version == SCHEMA_VERSION
-        assert tdb.best(Key(HW, 2, "all_reduce", "bf16", 4096)).backend == "nccl"
+        assert key_rows(tdb, Key(HW, 2, "all_reduce", "bf16", 4096))[0].backend == "nccl"
         with pytest.raises(ReadOnlyDatabaseError):
-            tdb.record(make_row())
+            tdb.record_many([make_row()])
     assert file_sha(path) == before
     assert "meta" not in sqlite_utils.Database(path).table_names()
 
@@ -161,7 +161,7 @@ def test_migrates_v0_read_only_in_memory(tmp_path):
 def test_newer_schema_is_refused(tmp_path, readonly):
     path = tmp_path / "new.sqlite"
     with TuningDB(path) as tdb:
-        tdb.record(make_row())
+        tdb.record_many([make_row()])
         sql(tdb, "UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(SCHEMA_VERSION + 1)])
     before = file_sha(path)
     with pytest.raises(DatabaseVersionError, match=f"version {SCHEMA_VERSION + 1}.*version {SCHEMA_VERSION}"):
@@ -197,12 +197,11 @@ def test_foreign_or_incomplete_database_is_refused(tmp_path, ddl):
 def test_read_only_database_is_never_written(tmp_path):
     path = tmp_path / "shipped.sqlite"
     with TuningDB(path) as tdb:
-        tdb.record(make_row())
+        tdb.record_many([make_row()])
     before = file_sha(path)
     with TuningDB(path, readonly=True) as tdb:
         assert tdb.rows() == [make_row()]
-        for write in (lambda: tdb.record(make_row(median_us=1.0)), lambda: tdb.set_meta("a", "b"),
-                      lambda: tdb.merge_from(TuningDB())):
+        for write in (lambda: tdb.record_many([make_row(median_us=1.0)]), lambda: tdb.set_meta("a", "b")):
             with pytest.raises(ReadOnlyDatabaseError):
                 write()
         with pytest.raises(sqlite3.OperationalError, match="readonly"):  # SQLite itself refuses too
@@ -219,7 +218,7 @@ def test_read_only_database_is_never_written(tmp_path):
 def test_creates_parent_folders(tmp_path):
     path = tmp_path / "a" / "b" / "tuning.sqlite"
     with TuningDB(path) as tdb:
-        tdb.record(make_row())
+        tdb.record_many([make_row()])
     assert path.is_file() and len(TuningDB(path, readonly=True)) == 1
 
 
@@ -246,7 +245,7 @@ def _killed_writer(path: str, worker: int) -> None:
 def hot_journal_file(tmp_path):
     path = tmp_path / "killed.sqlite"
     with TuningDB(path) as tdb:
-        tdb.record(make_row())
+        tdb.record_many([make_row()])
     assert run_processes(_killed_writer, path, 1) == [0]
     journal = tmp_path / "killed.sqlite-journal"
     assert journal.stat().st_size > 0
@@ -266,7 +265,7 @@ def test_read_only_open_rolls_a_hot_journal_back(tmp_path):
 def test_hot_journal_without_write_access_is_explained(tmp_path, monkeypatch):
     path, journal = hot_journal_file(tmp_path)
     before = (file_sha(path), file_sha(journal))
-    monkeypatch.setattr(db_schema.os, "access", lambda *args, **kwargs: False)
+    monkeypatch.setattr(db_open.os, "access", lambda *args, **kwargs: False)
     with pytest.raises(CorruptDatabaseError, match="killed.sqlite-journal.*write access"):
         TuningDB(path, readonly=True)
     assert (file_sha(path), file_sha(journal)) == before

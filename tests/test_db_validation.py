@@ -19,11 +19,11 @@ from autosymm.db import (
     MergeCounts,
     Row,
     TuningDB,
-    merge_files,
 )
+from autosymm.db_merge import merge_files
 from autosymm.db_schema import RESULTS_COLUMNS
 
-from _db_rows import HW, file_sha, make_row, sql
+from _db_rows import HW, file_sha, key_buckets, key_rows, make_row, sql, winner_rows
 
 GOOD = [make_row(backend="nccl", median_us=20.0, config=None),
         make_row(backend="triton_two_shot", median_us=30.0, config=AllReduceConfig("two_shot", 2048, 8, 8)),
@@ -56,7 +56,7 @@ def corrupted_file(tmp_path, column: str, value, name: str = "t.sqlite"):
     with TuningDB(path) as tdb:
         tdb.record_many(GOOD)
         clean_digest = tdb.digest()
-        tdb.record(make_row(backend="bad", median_us=5.0))
+        tdb.record_many([make_row(backend="bad", median_us=5.0)])
         sql(tdb, f"UPDATE results SET {column} = ? WHERE backend = 'bad'", [value])
         assert len(tdb) == len(GOOD) + 1
     return path, clean_digest
@@ -74,12 +74,12 @@ def test_a_bad_row_is_skipped_by_every_read_with_one_warning(tmp_path, column, v
         for reader in range(2):  # a second reader of the file in this process: no new warning
             with TuningDB(path, readonly=True) as tdb:
                 assert set(tdb.rows()) == set(GOOD)
-                assert [r.backend for r in tdb.ranked(KEY)] == ["nccl", "triton_two_shot"]
-                assert tdb.best(KEY) == GOOD[0]
-                assert tdb.winners() == [GOOD[2], GOOD[0]]  # the bad row may top KEY in the view
-                assert tdb.winners(backend="nccl") == [GOOD[2], GOOD[0]]
-                assert tdb.buckets(HW, 2, "all_reduce", "bf16") == [4096, 1 << 20]
-                assert tdb.hardware_slugs() == [HW]
+                assert [r.backend for r in key_rows(tdb, KEY)] == ["nccl", "triton_two_shot"]
+                assert key_rows(tdb, KEY)[0] == GOOD[0]
+                assert winner_rows(tdb) == [GOOD[2], GOOD[0]]  # the bad row may top KEY in the view
+                assert winner_rows(tdb, backend="nccl") == [GOOD[2], GOOD[0]]
+                assert key_buckets(tdb, KEY) == [4096, 1 << 20]
+                assert {r.hardware for r in tdb.rows()} == {HW}
                 assert tdb.digest() == clean_digest  # as if the bad row were not there
                 assert tdb.export(tmp_path / f"export{reader}.sqlite") == len(GOOD)
                 assert set(TuningDB(tmp_path / f"export{reader}.sqlite").rows()) == set(GOOD)
@@ -89,11 +89,11 @@ def test_a_bad_row_is_skipped_by_every_read_with_one_warning(tmp_path, column, v
 
 def test_unreadable_row_is_skipped_with_a_clear_warning():
     with TuningDB() as db:
-        db.record(make_row())
+        db.record_many([make_row()])
         sql(db, "UPDATE results SET config = 'garbage'")
         with pytest.warns(BadRowWarning, match=r":memory:.*triton_one_shot.*Row\.config.*not JSON"):
             assert db.rows() == []
-        assert db.best(make_row().key) is None and db.buckets(HW, 2, "all_reduce", "bf16") == []
+        assert key_rows(db, make_row().key) == [] and key_buckets(db, make_row().key) == []
 
 
 def test_null_median_of_a_loose_table_is_skipped(tmp_path):
@@ -103,12 +103,12 @@ def test_null_median_of_a_loose_table_is_skipped(tmp_path):
     loose["meta"].insert({"key": "schema_version", "value": "1"}, pk="key")
     loose.close()
     with TuningDB(path) as tdb:
-        tdb.record(GOOD[0])
+        tdb.record_many([GOOD[0]])
         sql(tdb, "INSERT INTO results (hardware, world_size, op, dtype, bucket, shape, mode, backend, config, "
                  "median_us, created) VALUES (?, 2, 'all_reduce', 'bf16', ?, '', 'eager', 'bad', '{}', NULL, 'x')",
             [HW, 1 << 20])
         with pytest.warns(BadRowWarning, match=r"Row\.median_us is missing \(NULL\)"):
-            assert tdb.ranked(KEY) == [GOOD[0]]
+            assert key_rows(tdb, KEY) == [GOOD[0]]
 
 
 def test_a_bucket_whose_rows_are_all_bad_is_not_offered(tmp_path):
@@ -116,8 +116,8 @@ def test_a_bucket_whose_rows_are_all_bad_is_not_offered(tmp_path):
     with TuningDB(path) as tdb:
         sql(tdb, "UPDATE results SET config = 'garbage' WHERE bucket = ?", [1 << 22])
         with pytest.warns(BadRowWarning):
-            assert tdb.buckets(HW, 2, "all_reduce", "bf16") == [4096, 1 << 20]
-        assert tdb.best(Key(HW, 2, "all_reduce", "bf16", 1 << 22)) is None
+            assert key_buckets(tdb, KEY) == [4096, 1 << 20]
+        assert key_rows(tdb, Key(HW, 2, "all_reduce", "bf16", 1 << 22)) == []
 
 
 def test_row_from_dict_validates_and_ignores_extra_columns():
@@ -139,21 +139,24 @@ def test_row_from_dict_validates_and_ignores_extra_columns():
 
 def test_merge_skips_bad_source_rows_and_counts_them(tmp_path):
     source, _ = corrupted_file(tmp_path, "config", "garbage", name="source.sqlite")
-    with TuningDB(tmp_path / "target.sqlite") as into:
-        into.record(make_row(backend="nccl", median_us=25.0, config=None))  # slower than the source's
-        with pytest.warns(BadRowWarning, match="source.sqlite"):
-            assert into.merge_from(source) == MergeCounts(inserted=2, replaced=1, kept=0, skipped=1)
-        assert set(into.rows()) == set(GOOD)
+    target = tmp_path / "target.sqlite"
+    with TuningDB(target) as into:
+        into.record_many([make_row(backend="nccl", median_us=25.0, config=None)])  # slower than the source's
+    with pytest.warns(BadRowWarning, match="source.sqlite"):
+        assert merge_files([source], target) == [MergeCounts(inserted=2, replaced=1, kept=0, skipped=1)]
+    assert set(TuningDB(target).rows()) == set(GOOD)
 
 
 def test_merge_replaces_a_bad_target_row(tmp_path):
-    with TuningDB(tmp_path / "target.sqlite") as into, TuningDB() as source:
-        source.record_many(GOOD)
-        into.record(make_row(backend="nccl", median_us=1.0, config=None))
+    source, target = tmp_path / "source.sqlite", tmp_path / "target.sqlite"
+    with TuningDB(source) as tdb:
+        tdb.record_many(GOOD)
+    with TuningDB(target) as into:
+        into.record_many([make_row(backend="nccl", median_us=1.0, config=None)])
         sql(into, "UPDATE results SET median_us = -1.0")
-        with pytest.warns(BadRowWarning, match="median_us=-1.0"):
-            assert into.merge_from(source) == MergeCounts(inserted=2, replaced=1, kept=0, skipped=0)
-        assert set(into.rows()) == set(GOOD)
+    with pytest.warns(BadRowWarning, match="median_us=-1.0"):
+        assert merge_files([source], target) == [MergeCounts(inserted=2, replaced=1, kept=0, skipped=0)]
+    assert set(TuningDB(target).rows()) == set(GOOD)
 
 
 def test_merge_files(tmp_path):
@@ -171,7 +174,7 @@ def broken_source(tmp_path, kind: str):
         path.write_bytes(b"not a database\n" * 100)
     elif kind == "newer":
         with TuningDB(path) as tdb:
-            tdb.record(make_row())
+            tdb.record_many([make_row()])
             sql(tdb, "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     return path
 
@@ -188,10 +191,8 @@ def test_a_failed_merge_leaves_the_target_as_it_was(tmp_path, kind, error):
     assert not absent.exists()  # no new, empty target left behind
     existing, mine = tmp_path / "existing.sqlite", make_row(op="dp_to_ep", bucket=8, shape="d7168_e256_k8", config=None)
     with TuningDB(existing) as tdb:
-        tdb.record(mine)
-        before = file_sha(existing)
-        with pytest.raises(error):
-            tdb.merge_from(bad)
+        tdb.record_many([mine])
+    before = file_sha(existing)
     with pytest.raises(error):
         merge_files([good, bad], existing)
     assert file_sha(existing) == before and TuningDB(existing).rows() == [mine]

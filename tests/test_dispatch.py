@@ -6,7 +6,8 @@ from autosymm.backends import Capabilities
 from autosymm.configs import AllReduceConfig, MoEConfig
 from autosymm.db import Row, TuningDB
 from autosymm.backends.triton_moe import DEFAULT_MOE_CONFIG
-from autosymm.dispatch import DBSource, decide, open_sources
+from autosymm.db_read import open_sources
+from autosymm.dispatch import DBSource, decide
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
 
 HW = "nvidia-h200-nvlink"
@@ -32,9 +33,9 @@ def shipped():
             _row("triton_two_shot", bucket, 9.0, TWO_SHOT, nccl_us=20.0),
             _row("triton_multimem", bucket, 3.0, MULTIMEM, nccl_us=20.0),  # fastest, but needs multicast
         ])
-    db.record(_row("nccl", 1 << 28, 900.0, nccl_us=900.0))
-    db.record(_row("triton_two_shot", 1 << 28, 1000.0, TWO_SHOT, nccl_us=900.0))  # NCCL faster here
-    db.record(_row("triton_two_shot", 65536, 4.0, TWO_SHOT, mode="graph", nccl_us=15.0))
+    db.record_many([_row("nccl", 1 << 28, 900.0, nccl_us=900.0)])
+    db.record_many([_row("triton_two_shot", 1 << 28, 1000.0, TWO_SHOT, nccl_us=900.0)])  # NCCL faster here
+    db.record_many([_row("triton_two_shot", 65536, 4.0, TWO_SHOT, mode="graph", nccl_us=15.0)])
     return DBSource(db, "shipped.sqlite")
 
 
@@ -70,7 +71,7 @@ def test_calls_between_tuned_sizes_use_a_neighbour(shipped, nbytes, bucket):
 
 def test_user_db_comes_before_shipped(shipped):
     user = TuningDB(":memory:")
-    user.record(_row("triton_two_shot", 4096, 7.0, TWO_SHOT))
+    user.record_many([_row("triton_two_shot", 4096, 7.0, TWO_SHOT)])
     decision = decide(_ar(4096), "eager", CAPS, [DBSource(user, "user.sqlite"), shipped], HW)
     assert decision.backend == "triton_two_shot" and decision.source == "user.sqlite"
 
@@ -82,7 +83,7 @@ def test_graph_mode_rows_and_mode_fallback(shipped):
     below = decide(_ar(4096), "graph", CAPS, [shipped], HW)
     assert below.bucket == 65536 and "below the smallest tuned size" in below.reason
     eager_only = TuningDB(":memory:")
-    eager_only.record(_row("triton_one_shot", 4096, 5.0, ONE_SHOT))
+    eager_only.record_many([_row("triton_one_shot", 4096, 5.0, ONE_SHOT)])
     other = decide(_ar(4096), "graph", CAPS, [DBSource(eager_only, "e.sqlite")], HW)
     assert other.backend == "triton_one_shot" and "eager-mode row" in other.reason
 
@@ -129,8 +130,8 @@ def test_moe_rows_and_untuned_default():
     shape = MODEL_SHAPES["deepseek-v3"]
     db = TuningDB(":memory:")
     tuned = MoEConfig(2048, 8, 2, 132)
-    db.record(_row("triton_moe", 128, 30.0, tuned, op="dp_to_ep", shape=shape.key, nccl_us=400.0))
-    db.record(_row("nccl_all_to_all", 128, 400.0, None, op="dp_to_ep", shape=shape.key, nccl_us=400.0))
+    db.record_many([_row("triton_moe", 128, 30.0, tuned, op="dp_to_ep", shape=shape.key, nccl_us=400.0)])
+    db.record_many([_row("nccl_all_to_all", 128, 400.0, None, op="dp_to_ep", shape=shape.key, nccl_us=400.0)])
     source = DBSource(db, "moe.sqlite")
     problem = Problem.moe("dp_to_ep", shape, 100, "bf16", 2)
     decision = decide(problem, "eager", CAPS, [source], HW)
@@ -145,7 +146,7 @@ def test_moe_rows_and_untuned_default():
 
 def test_open_sources_skips_missing_and_corrupt(tmp_path):
     good = tmp_path / "good.sqlite"
-    TuningDB(good).record(_row("nccl", 4096, 20.0))
+    TuningDB(good).record_many([_row("nccl", 4096, 20.0)])
     corrupt = tmp_path / "corrupt.sqlite"
     corrupt.write_bytes(b"this is not sqlite" * 100)
     with pytest.warns(UserWarning, match="ignoring tuning database"):
@@ -156,8 +157,8 @@ def test_open_sources_skips_missing_and_corrupt(tmp_path):
 def test_graph_mode_skips_backends_that_cannot_be_captured():
     shape = MODEL_SHAPES["mixtral-8x7b"]
     db = TuningDB(":memory:")
-    db.record(_row("nccl_all_to_all", 1, 20.0, None, op="ep_to_dp", shape=shape.key))  # pretend it won eagerly
-    db.record(_row("triton_moe", 1, 25.0, MoEConfig(512, 4), op="ep_to_dp", shape=shape.key))
+    db.record_many([_row("nccl_all_to_all", 1, 20.0, None, op="ep_to_dp", shape=shape.key)])  # pretend it won eagerly
+    db.record_many([_row("triton_moe", 1, 25.0, MoEConfig(512, 4), op="ep_to_dp", shape=shape.key)])
     source = DBSource(db, "moe.sqlite")
     problem = Problem.moe("ep_to_dp", shape, 1, "bf16", 2)
     assert decide(problem, "eager", CAPS, [source], HW).backend == "nccl_all_to_all"
@@ -173,11 +174,11 @@ def test_rows_of_other_torch_or_triton_versions_serve_and_say_so():
     db = TuningDB(":memory:")
     old = Row(hardware=HW, world_size=2, op="all_reduce", dtype="bf16", bucket=4096, backend="triton_one_shot",
               median_us=5.0, config=ONE_SHOT, torch_version="0.0.1", triton_version=running_versions()[1])
-    db.record(old)
+    db.record_many([old])
     decision = decide(Problem.all_reduce(4096), "eager", CAPS, [DBSource(db, "x")], HW)
     assert decision.backend == "triton_one_shot"
     assert "measured with torch 0.0.1" in decision.reason and f"running torch {torch.__version__}" in decision.reason
-    db.record(Row(**{**old.to_dict(), "torch_version": torch.__version__}))
+    db.record_many([Row(**{**old.to_dict(), "torch_version": torch.__version__})])
     assert "measured with" not in decide(Problem.all_reduce(4096), "eager", CAPS, [DBSource(db, "x")], HW).reason
 
 

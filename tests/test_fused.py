@@ -89,8 +89,8 @@ def _worker(rank, world_size, port, out):
 
 def test_all_reduce_rmsnorm_on_gloo_ranks(tmp_path, monkeypatch):
     path = tmp_path / "user.sqlite"
-    TuningDB(path).record(Row(hardware="cpu", world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=4,
-                              shape=f"h{HIDDEN}", backend="nccl_fused", median_us=20.0, config=None, nccl_us=20.0))
+    TuningDB(path).record_many([Row(hardware="cpu", world_size=2, op="all_reduce_rmsnorm", dtype="bf16", bucket=4,
+                               shape=f"h{HIDDEN}", backend="nccl_fused", median_us=20.0, config=None, nccl_us=20.0)])
     monkeypatch.setenv("FUSED_TEST_DB", str(path))
     reports = run_with_deadline(_worker, 2, deadline_s=120.0)
     (res0, decision0, stats0), (res1, decision1, _) = reports[0], reports[1]

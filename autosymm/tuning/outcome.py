@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..configs import AnyConfig, config_fields, config_to_json
-from ..db_schema import PROVENANCE_COLUMNS
+from ..db_schema import PROVENANCE_COLUMNS, Key
 from ..problem import Problem
 from .timing import Timing
 
@@ -82,8 +82,9 @@ class TuneOutcome:
 
     def rows(self, *, mode: str, hardware: str, provenance: Optional[dict] = None,
              created: Optional[str] = None) -> list[dict]:
-        """One database row (as a dict of autosymm.db.Row fields) per backend's best result,
-        with ``nccl_us`` the baseline's median of the same run. [] when the search aborted."""
+        """One database row (as a dict of autosymm.db.Row fields) per backend's best result, under
+        the key the dispatcher reads the problem by (``Key.for_problem``), with ``nccl_us`` the
+        baseline's median of the same run. [] when the search aborted."""
         if self.aborted:
             return []
         prov = dict(provenance or {})
@@ -91,21 +92,19 @@ class TuneOutcome:
         trials: dict[str, int] = {}
         for result in self.results:
             trials[result.candidate.backend] = trials.get(result.candidate.backend, 0) + 1
-        problem = self.problem
+        at = Key.for_problem(hardware, self.problem, mode)._asdict()
         rows = []
         for backend, result in self.best_by_backend().items():
             timing = result.timing
             assert timing is not None
             row = dict(
-                hardware=hardware, gpu=prov.get("gpu", ""), world_size=problem.world_size, op=problem.op,
-                dtype=problem.dtype, bucket=problem.bucket, shape=problem.shape_key, mode=mode,
-                backend=backend, config=config_to_json(result.candidate.config),
+                **at, gpu=prov.get("gpu", ""), backend=backend, config=config_to_json(result.candidate.config),
                 median_us=timing.median_us, p10_us=timing.p10_us, p90_us=timing.p90_us,
                 nccl_us=nccl_us, speedup=(nccl_us / timing.median_us) if nccl_us and timing.median_us > 0 else None,
                 trials=trials[backend],
             )
-            for key in PROVENANCE_COLUMNS:
-                row[key] = prov.get(key, "")
+            for column in PROVENANCE_COLUMNS:
+                row[column] = prov.get(column, "")
             if created is not None:
                 row["created"] = created
             rows.append(row)

@@ -1,0 +1,181 @@
+"""Opening a tuning-database file as untrusted data (see autosymm.db): connections, locks, a bound
+on query time, hot journals, and which schema version a file holds.
+
+A file's own schema never runs code of its making on autosymm's behalf: every connection has
+``PRAGMA trusted_schema=OFF`` (no function or virtual table of the file's views or triggers);
+autosymm reads only its ``results`` and ``meta`` tables, never the ``winners`` view; a file with
+a trigger, or whose ``results``/``meta`` is not a table, is refused; and every statement runs
+under a :class:`QueryClock` (an SQLite progress handler), so a query that spins ends with
+:class:`QueryTimeoutError` after ``QUERY_LIMIT_S``. A file locked by another process raises
+:class:`DatabaseLockedError` naming it after the lock wait (``LOCK_WAIT_S`` for reads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Optional
+
+import sqlite_utils
+
+from .db_schema import SCHEMA_VERSION, V0_COLUMNS, CorruptDatabaseError, DatabaseVersionError, TuningDBError
+
+#: How long a read (and `autosymm db merge`'s write) waits for another process's lock, seconds.
+LOCK_WAIT_S = 3.0
+#: The most one database operation (a statement and reading its rows) may take, seconds.
+QUERY_LIMIT_S = 10.0
+#: SQLite virtual-machine steps between two looks at the clock.
+_CLOCK_STEPS = 1000
+_BUSY, _LOCKED, _INTERRUPT = 5, 6, 9  # SQLite's primary result codes
+
+
+class DatabaseLockedError(TuningDBError):
+    """Another process holds the file's lock for longer than the wait (the message names the file)."""
+
+
+class QueryTimeoutError(TuningDBError):
+    """A statement on the file ran past ``QUERY_LIMIT_S`` and was interrupted."""
+
+
+class QueryClock:
+    """A deadline that interrupts the connection's statements once it passes (``arm`` sets it)."""
+
+    def __init__(self, conn: sqlite3.Connection, limit_s: float = QUERY_LIMIT_S) -> None:
+        self.limit_s, self.deadline = limit_s, time.monotonic() + limit_s
+        conn.set_progress_handler(self._late, _CLOCK_STEPS)
+
+    def arm(self) -> None:
+        self.deadline = time.monotonic() + self.limit_s
+
+    def _late(self) -> int:
+        return 1 if time.monotonic() > self.deadline else 0  # non-zero: SQLite interrupts
+
+
+def harden(conn: sqlite3.Connection, limit_s: float = QUERY_LIMIT_S) -> QueryClock:
+    """Make ``conn`` safe for an untrusted file: no trusted schema, a bound on query time."""
+    conn.execute("PRAGMA trusted_schema = OFF")
+    return QueryClock(conn, limit_s)
+
+
+def db_error(exc: sqlite3.OperationalError, where: str, wait_s: float, limit_s: float = QUERY_LIMIT_S) -> Exception:
+    """``exc`` as the TuningDBError it means (a lock, a query stopped by the clock), naming ``where``;
+    ``exc`` itself when it is neither."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    code = code & 0xFF if code is not None else None
+    text = str(exc)
+    if code in (_BUSY, _LOCKED) or (code is None and "locked" in text):
+        return DatabaseLockedError(
+            f"{where} is locked by another process (waited {wait_s:g} s): a tune or merge writing it, or a "
+            f"program holding it in a transaction; retry once it is done")
+    if code == _INTERRUPT or (code is None and text == "interrupted"):
+        return QueryTimeoutError(
+            f"reading {where} took over {limit_s:g} s and was stopped: a file whose schema makes queries "
+            f"spin, or one far larger than a tuning database")
+    return exc
+
+
+def _is_hot_journal(path: Path, exc: sqlite3.DatabaseError) -> bool:
+    """Whether ``exc``, from a read-only read of ``path``, is SQLite refusing a hot journal."""
+    name = getattr(exc, "sqlite_errorname", None)  # Python >= 3.11
+    return name == "SQLITE_READONLY_ROLLBACK" if name else Path(f"{path}-journal").exists()
+
+
+def _roll_back_hot_journal(path: Path, timeout_s: float) -> None:
+    """Let SQLite roll back the journal a killed writer left next to ``path``: open it once
+    read-write (a read does it). Without write access, a CorruptDatabaseError says what to do."""
+    journal = Path(f"{path}-journal")
+    advice = (f"{path} has a hot journal {journal} left by a writer that stopped mid-write: open the "
+              f"database once with write access (e.g. `sqlite3 {path} 'PRAGMA quick_check'` as its owner) "
+              f"so SQLite rolls the unfinished write back; do not delete the journal (the file would "
+              f"keep half-written pages)")
+    if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+        raise CorruptDatabaseError(advice)
+    try:
+        with contextlib.closing(sqlite3.connect(str(path), timeout=timeout_s)) as conn:
+            harden(conn)
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError as exc:
+        error = db_error(exc, str(path), timeout_s)
+        raise (error if error is not exc else CorruptDatabaseError(f"{advice} ({exc})")) from exc
+    except sqlite3.Error as exc:
+        raise CorruptDatabaseError(f"{advice} ({exc})") from exc
+
+
+def connect(path: Optional[Path], readonly: bool, timeout_s: float) -> sqlite3.Connection:
+    """A connection to ``path`` (None: in memory), waiting up to ``timeout_s`` seconds for locks.
+
+    Writable: parent folders are created. ``readonly``: SQLite's ``mode=ro``, the file must
+    exist; a hot journal is rolled back first where the file is writable (else explained); a
+    lock held past ``timeout_s`` raises DatabaseLockedError.
+    """
+    if path is None:
+        return sqlite3.connect(":memory:")
+    if not readonly:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return sqlite3.connect(str(path), timeout=timeout_s)
+    if not path.is_file():
+        raise FileNotFoundError(f"tuning database {path} does not exist")
+    uri = path.resolve().as_uri() + "?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, timeout=timeout_s)
+    try:
+        harden(conn)
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # a hot journal or a lock shows here
+    except sqlite3.DatabaseError as exc:
+        error = db_error(exc, str(path), timeout_s) if isinstance(exc, sqlite3.OperationalError) else exc
+        if error is not exc:
+            conn.close()
+            raise error from exc
+        if _is_hot_journal(path, exc):
+            conn.close()
+            _roll_back_hot_journal(path, timeout_s)
+            return sqlite3.connect(uri, uri=True, timeout=timeout_s)
+    return conn  # any other error: the schema check reports it
+
+
+def _check_objects(db: sqlite_utils.Database, where: str) -> set[str]:
+    """The names of ``db``'s own tables; CorruptDatabaseError for what autosymm's files never hold:
+    a trigger (code the file would run on a write), a ``results`` or ``meta`` that is not a table."""
+    objects = db.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'").fetchall()
+    triggers = sorted(name for kind, name in objects if kind == "trigger")
+    if triggers:
+        raise CorruptDatabaseError(f"{where} has trigger(s) {', '.join(triggers)}: autosymm's tuning databases "
+                                   f"have none, and a file that would run its own code is refused")
+    not_tables = sorted(f"{name} ({kind})" for kind, name in objects if name in ("results", "meta") and kind != "table")
+    if not_tables:
+        raise CorruptDatabaseError(f"{where} is not an autosymm tuning database: {', '.join(not_tables)} "
+                                   f"must be a table")
+    return {name for kind, name in objects if kind == "table"}
+
+
+def read_schema_version(db: sqlite_utils.Database, where: str) -> Optional[int]:
+    """The schema version stored in ``db`` (``where``: its file, for messages); None when empty.
+
+    A newer version raises DatabaseVersionError (never misread); a file that is not SQLite or
+    not a tuning database raises CorruptDatabaseError; a locked file raises sqlite3's error.
+    """
+    try:
+        tables = _check_objects(db, where)
+        if "meta" in tables:
+            found = next(db["meta"].rows_where("key = ?", ["schema_version"], select="value"), None)
+            try:
+                version = int(found["value"])
+            except (TypeError, ValueError):
+                raise CorruptDatabaseError(f"{where}: meta has no valid schema_version ({found!r})") from None
+        elif not tables:
+            return None
+        elif "results" in tables and V0_COLUMNS <= set(db["results"].columns_dict):
+            version = 0
+        else:
+            raise CorruptDatabaseError(f"{where} is not an autosymm tuning database (tables: {sorted(tables)})")
+    except sqlite3.OperationalError:  # locked, interrupted, cannot open: not a statement about the file
+        raise
+    except sqlite3.DatabaseError as exc:
+        raise CorruptDatabaseError(f"{where} is not a readable SQLite database ({exc})") from exc
+    if version > SCHEMA_VERSION:
+        raise DatabaseVersionError(
+            f"{where} has tuning-database schema version {version}, newer than version "
+            f"{SCHEMA_VERSION} that this autosymm reads: upgrade autosymm to use it")
+    return version
