@@ -43,8 +43,9 @@ class QueryTimeoutError(TuningDBError):
 class QueryClock:
     """A deadline that interrupts the connection's statements once it passes (``arm`` sets it)."""
 
-    def __init__(self, conn: sqlite3.Connection, limit_s: float = QUERY_LIMIT_S) -> None:
-        self.limit_s, self.deadline = limit_s, time.monotonic() + limit_s
+    def __init__(self, conn: sqlite3.Connection, limit_s: Optional[float] = None) -> None:
+        self.limit_s = QUERY_LIMIT_S if limit_s is None else limit_s
+        self.deadline = time.monotonic() + self.limit_s
         conn.set_progress_handler(self._late, _CLOCK_STEPS)
 
     def arm(self) -> None:
@@ -54,13 +55,14 @@ class QueryClock:
         return 1 if time.monotonic() > self.deadline else 0  # non-zero: SQLite interrupts
 
 
-def harden(conn: sqlite3.Connection, limit_s: float = QUERY_LIMIT_S) -> QueryClock:
-    """Make ``conn`` safe for an untrusted file: no trusted schema, a bound on query time."""
+def harden(conn: sqlite3.Connection, limit_s: Optional[float] = None) -> QueryClock:
+    """Make ``conn`` safe for an untrusted file: no trusted schema, a bound on each operation's
+    time (``limit_s``, default QUERY_LIMIT_S; the returned clock's ``arm`` starts one)."""
     conn.execute("PRAGMA trusted_schema = OFF")
     return QueryClock(conn, limit_s)
 
 
-def db_error(exc: sqlite3.OperationalError, where: str, wait_s: float, limit_s: float = QUERY_LIMIT_S) -> Exception:
+def db_error(exc: sqlite3.OperationalError, where: str, wait_s: float, limit_s: Optional[float] = None) -> Exception:
     """``exc`` as the TuningDBError it means (a lock, a query stopped by the clock), naming ``where``;
     ``exc`` itself when it is neither."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -72,7 +74,7 @@ def db_error(exc: sqlite3.OperationalError, where: str, wait_s: float, limit_s: 
             f"program holding it in a transaction; retry once it is done")
     if code == _INTERRUPT or (code is None and text == "interrupted"):
         return QueryTimeoutError(
-            f"reading {where} took over {limit_s:g} s and was stopped: a file whose schema makes queries "
+            f"reading {where} took over {QUERY_LIMIT_S if limit_s is None else limit_s:g} s and was stopped: a file whose schema makes queries "
             f"spin, or one far larger than a tuning database")
     return exc
 

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,70 @@ def test_merge_skips_and_reports_bad_rows(runner, db_file, tmp_path):
     assert "bucket=4096" in warned[0] + warned[1] and "dp_to_ep" in warned[0] + warned[1]
     with TuningDB(target, readonly=True) as merged:
         assert len(merged) == 3 and {r.backend for r in merged.rows()} == {"triton_one_shot", "nccl"}
+
+
+def test_show_explain_and_info_give_one_verdict_on_an_unusable_database(runner, tmp_path, monkeypatch):
+    from test_db_untrusted import hostile_file
+
+    for kind in ("random", "future", "empty"):
+        path = hostile_file(tmp_path, kind)
+        shown = one_line_error(runner.invoke(main, ["show", "--db", str(path)]), 1)
+        explained = one_line_error(runner.invoke(main, ["explain", "--bytes", "1MiB", "--world-size", "2",
+                                                        "--gpu", "NVIDIA H200", "--db", str(path)]), 1)
+        assert shown == explained and str(path) in shown
+        monkeypatch.setenv("AUTOSYMM_DB", str(path))
+        info = runner.invoke(main, ["info"])
+        assert info.exit_code == 0 and f"{path} (unusable: {shown[len('Error: '):]})" in " ".join(info.output.split())
+        assert one_line_error(runner.invoke(main, ["show"]), 1) == shown  # the user DB by default, the same
+
+
+def test_info_says_which_databases_are_usable(runner, db_file, monkeypatch):
+    assert "(absent)" in runner.invoke(main, ["info"]).output
+    monkeypatch.setenv("AUTOSYMM_DB", str(db_file))
+    result = runner.invoke(main, ["info"])
+    assert result.exit_code == 0 and f"{db_file} (usable)" in " ".join(result.output.split())
+
+
+def test_show_of_a_spinning_winners_view_ends_with_the_right_winners(runner, tmp_path):
+    from test_db_untrusted import spinning_view_file
+
+    start = time.monotonic()
+    result = runner.invoke(main, ["show", "--db", str(spinning_view_file(tmp_path)), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [r["backend"] for r in json.loads(result.stdout)] == ["triton_one_shot"]
+    assert time.monotonic() - start < 5.0
+
+
+def test_show_merge_and_export_of_a_locked_database_say_so_within_seconds(runner, db_file, tmp_path):
+    from test_db_untrusted import locked
+
+    with locked(db_file):
+        for args in (["show", "--db", str(db_file)], ["db", "export", str(tmp_path / "out.sqlite"), "--db", str(db_file)],
+                     ["db", "merge", str(db_file), "--into", str(tmp_path / "new.sqlite")]):
+            start = time.monotonic()
+            line = one_line_error(runner.invoke(main, args), 1)
+            assert f"{db_file} is locked by another process" in line, line
+            assert time.monotonic() - start < 8.0
+    assert not (tmp_path / "out.sqlite").exists() and not (tmp_path / "new.sqlite").exists()
+
+
+def test_export_of_no_matching_rows_refuses_and_writes_nothing(runner, db_file, tmp_path):
+    out = tmp_path / "x4.sqlite"
+    line = one_line_error(runner.invoke(main, ["db", "export", str(out), "--db", str(db_file), "--world-size", "4"]), 1)
+    assert f"nothing to export: {db_file} has no valid row with world_size=4" in line and "world size 2" in line
+    assert not out.exists()
+
+
+def test_merge_skips_rows_of_unknown_backends(runner, db_file, tmp_path):
+    with TuningDB(db_file) as tdb:
+        tdb.db.conn.execute("UPDATE results SET backend = 'DROP TABLE results' WHERE op = 'dp_to_ep'")
+        tdb.db.conn.commit()
+    target = tmp_path / "merged.sqlite"
+    result = runner.invoke(main, ["db", "merge", str(db_file), "--into", str(target)])
+    assert result.exit_code == 0, result.output
+    assert "4 new" in result.stdout and "1 bad rows skipped" in result.stdout
+    assert "unknown backend 'DROP TABLE results'" in result.stderr and str(db_file) in result.stderr
+    assert len(TuningDB(target, readonly=True)) == 4
 
 
 def test_show_after_a_killed_writer(runner, tmp_path, monkeypatch):
