@@ -65,7 +65,7 @@ def harden(conn: sqlite3.Connection, limit_s: Optional[float] = None) -> QueryCl
 def db_error(exc: sqlite3.OperationalError, where: str, wait_s: float, limit_s: Optional[float] = None) -> Exception:
     """``exc`` as the TuningDBError it means (a lock, a query stopped by the clock), naming ``where``;
     ``exc`` itself when it is neither."""
-    code = getattr(exc, "sqlite_errorcode", None)
+    code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11; older ones: the message
     code = code & 0xFF if code is not None else None
     text = str(exc)
     if code in (_BUSY, _LOCKED) or (code is None and "locked" in text):

@@ -98,7 +98,7 @@ class Key(NamedTuple):
 
 
 class MergeCounts(NamedTuple):
-    """What a merge did with the source's rows (:meth:`autosymm.db.TuningDB.merge_from`)."""
+    """What a merge did with one source's rows (:func:`autosymm.db_merge.merge_files`)."""
 
     inserted: int  # new keys/backends
     replaced: int  # faster than the target's row (or the target's row was bad)
