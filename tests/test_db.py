@@ -132,19 +132,6 @@ def test_winners_view_and_function(db):
     assert [r["backend"] for r in db.db.query(sql, [1 << 20])] == ["triton_one_shot"]  # the file's view agrees
 
 
-def test_a_keys_winner_comes_from_the_first_database_holding_it():
-    with TuningDB() as user, TuningDB() as shipped:
-        user.record_many([make_row(median_us=12.0)])  # the user's tune of the point, slower than shipped
-        shipped.record_many([make_row(backend="nccl", median_us=8.0, config=None),
-                             make_row(backend="nccl", bucket=4096, median_us=3.0, config=None)])
-        assert [(r.bucket, r.backend) for r in winner_rows(user, shipped)] == [(4096, "nccl"), (1 << 20, "triton_one_shot")]
-        assert [(r.bucket, r.backend) for r in winner_rows(shipped, user)] == [(4096, "nccl"), (1 << 20, "nccl")]
-        assert winner_rows(user, shipped, backend="nccl") == [shipped.rows(bucket=4096)[0]]  # filters the winners
-        assert winner_rows(user, shipped, bucket=4096, world_size=[2, 4]) == shipped.rows(bucket=4096)
-        with pytest.raises(ValueError, match="median_us"):
-            winner_rows(user, median_us=1.0)
-
-
 def test_unknown_extra_columns_are_ignored(db):
     db.record_many([make_row()])
     sql(db, "ALTER TABLE results ADD COLUMN energy_mj REAL")

@@ -6,7 +6,6 @@ from autosymm.backends import Capabilities
 from autosymm.configs import AllReduceConfig, MoEConfig
 from autosymm.db import Row, TuningDB
 from autosymm.backends.triton_moe import DEFAULT_MOE_CONFIG
-from autosymm.db_read import open_sources
 from autosymm.dispatch import DBSource, decide
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
 
@@ -142,16 +141,6 @@ def test_moe_rows_and_untuned_default():
     assert "untuned default" in fallback.reason
     no_workspace = Capabilities(world_size=2)
     assert decide(problem, "eager", no_workspace, [no_rows], HW).backend == "nccl_all_to_all"
-
-
-def test_open_sources_skips_missing_and_corrupt(tmp_path):
-    good = tmp_path / "good.sqlite"
-    TuningDB(good).record_many([_row("nccl", 4096, 20.0)])
-    corrupt = tmp_path / "corrupt.sqlite"
-    corrupt.write_bytes(b"this is not sqlite" * 100)
-    with pytest.warns(UserWarning, match="ignoring tuning database"):
-        sources = open_sources(tmp_path / "missing.sqlite", [good, corrupt])
-    assert [s.label for s in sources] == [str(good)]
 
 
 def test_graph_mode_skips_backends_that_cannot_be_captured():
