@@ -297,13 +297,16 @@ class TuningDB:
         return self._select(*where_clause(filters))[0]
 
     def digest(self, **filters: Any) -> str:
-        """sha256 of the valid rows' key, backend, config and median: equal for equal data,
-        whatever the file, insertion order, provenance or bad rows (ranks compare it before
-        trusting a lookup)."""
-        entries = sorted(
-            [*row.pk, json.dumps(json.loads(row.config), sort_keys=True), row.median_us.hex()]
-            for row in self.rows(**filters))
-        return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+        """:func:`rows_digest` of the valid rows matching ``filters``."""
+        return rows_digest(self.rows(**filters))
+
+
+def rows_digest(rows: Iterable[Row]) -> str:
+    """sha256 of the rows' key, backend, config and median: equal for equal data, whatever the
+    file, order, provenance or bad rows (ranks compare it before trusting a lookup)."""
+    entries = sorted([*row.pk, json.dumps(json.loads(row.config), sort_keys=True), row.median_us.hex()]
+                     for row in rows)
+    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
 
 
 def verdict(path: Union[str, os.PathLike]) -> Optional[str]:
@@ -365,6 +368,6 @@ def shipped_db_for(slug: str) -> Optional[Path]:
 __all__ = [
     "BUSY_TIMEOUT_S", "FILTER_COLUMNS", "KEY_COLUMNS", "LOCK_WAIT_S", "MIGRATIONS", "PK_COLUMNS", "SCHEMA_VERSION",
     "BadRowWarning", "CorruptDatabaseError", "DatabaseLockedError", "DatabaseVersionError", "Key", "MergeCounts",
-    "QueryTimeoutError", "ReadOnlyDatabaseError", "Row", "TuningDB", "TuningDBError", "shipped_db_dir",
+    "QueryTimeoutError", "ReadOnlyDatabaseError", "Row", "TuningDB", "TuningDBError", "rows_digest", "shipped_db_dir",
     "shipped_db_for", "shipped_db_paths", "user_db_path", "verdict", "version_mismatch",
 ]

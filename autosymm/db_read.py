@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .db import DatabaseLockedError, QueryTimeoutError, TuningDB
+from .db import DatabaseLockedError, QueryTimeoutError, TuningDB, rows_digest
 from .db_schema import KEY_COLUMNS, Key, Row, row_matches, where_clause
 
 
@@ -42,6 +42,10 @@ class DBSource:
     def __post_init__(self) -> None:
         self.label = self.label or self.db.location
         self._rows = self.db.rows()
+
+    def digest(self) -> str:
+        """The digest of the rows this source serves (autosymm.db.rows_digest): what ranks agree on."""
+        return rows_digest(self._rows)
 
     def family(self, key: Key, any_shape: bool = False) -> list[Row]:
         """The rows of ``key`` at every bucket (``any_shape``: and every shape), per key fastest first."""

@@ -169,7 +169,7 @@ class LocalSetup:
         agreed = self.report["settings"]
         agreed.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
         self.sources = open_sources(user_db_path(), shipped_db_paths())
-        agreed["databases"] = hashlib.sha256("".join(s.db.digest() for s in self.sources).encode()).hexdigest()
+        agreed["databases"] = hashlib.sha256("".join(s.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
         if world_size > 1:  # what the kernels would be built with, compared even where none run
             from .kernels.barrier import MAX_POLLS

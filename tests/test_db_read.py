@@ -71,7 +71,10 @@ def test_a_source_reads_its_rows_once_when_opened(tmp_path):
     with TuningDB(path) as tdb:
         tdb.record_many([make_row()])
     (source,) = open_sources(path, [])
+    at_open = source.digest()
+    assert at_open == source.db.digest()
     with TuningDB(path) as tdb:
         tdb.record_many([make_row(backend="nccl", median_us=1.0, config=None)])  # written after set-up
+    assert source.digest() == at_open != source.db.digest()  # the ranks agree on the rows served
     with locked(path):  # a lock taken after set-up cannot reach a lookup
         assert [r for _, r in Lookup([source], make_row().key).at("", 1 << 20)] == [make_row()]
