@@ -8,7 +8,9 @@ its buffer is registered and ``dist.all_reduce`` on a tensor in it returns the r
 (checked on random data, every element). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 
 Routes:
-  torch_symm_nccl   torch symm_mem with its NCCL backend: set_backend, empty, rendezvous
+  torch_symm_nccl   torch symm_mem with its NCCL backend: set_backend, empty, rendezvous, on a
+                    process group made with device_id (its communicator created eagerly)
+  torch_symm_nccl_lazy_comm  the same without device_id (the communicator made at first use)
   torch_mem_alloc   ProcessGroupNCCL.mem_allocator -> MemPool -> register_mem_pool(symm=True)
   shim_pool         ncclMemAlloc behind a CUDAPluggableAllocator (a C shim built with gcc here)
                     -> MemPool -> register_mem_pool(pool, symm=True)
@@ -67,7 +69,7 @@ SHIM_HEAD = "#include <stdlib.h>\nstatic const char* getenv_lib(void) { return g
 
 
 # -- helpers run inside a route's subprocess ---------------------------------------------------
-def _init():
+def _init(eager_comm: bool = True):
     import torch
     import torch.distributed as dist
 
@@ -79,7 +81,8 @@ def _init():
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
+    # device_id: the NCCL communicator is created now (eagerly), not at the first collective
+    dist.init_process_group("nccl", device_id=device if eager_comm else None)
     return torch, dist, device
 
 
@@ -138,8 +141,8 @@ def _check_sum(torch, dist, t) -> str:
     return f"sum right on {t.numel()} fp32 (world {world}); {(time.perf_counter() - start) / 20 * 1e6:.1f} us/call host-timed"
 
 
-def route_torch_symm_nccl():
-    torch, dist, device = _init()
+def route_torch_symm_nccl(eager_comm: bool = True):
+    torch, dist, device = _init(eager_comm)
     import torch.distributed._symmetric_memory as symm_mem
 
     symm_mem.set_backend("NCCL")
@@ -234,6 +237,7 @@ def route_expandable_pool():
 
 ROUTES = {
     "torch_symm_nccl": (route_torch_symm_nccl, {}),
+    "torch_symm_nccl_lazy_comm": (lambda: route_torch_symm_nccl(eager_comm=False), {}),
     "torch_mem_alloc": (route_torch_mem_alloc, {}),
     "shim_pool": (route_shim_pool, {}),
     "ctypes_window": (route_ctypes_window, {}),
@@ -259,7 +263,7 @@ def run_route(name: str, timeout_s: float = 120.0) -> dict:
         rc, out = "timeout", f"{exc.stdout or ''}{exc.stderr or ''}"
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
     result = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
-    return {"route": name, "ok": rc == 0 and bool(result), "rc": rc,
+    return {"route": name, "ok": rc == 0 and bool(result), "sum_right": bool(result), "rc": rc,
             "result": result[0] if result else out.strip().splitlines()[-1][-400:] if out.strip() else "",
             "evidence": _evidence(out), "seconds": round(time.monotonic() - start, 1)}
 
@@ -285,8 +289,8 @@ def main() -> int:
     for name in args.routes.split(","):
         found = run_route(name)
         findings["routes"].append(found)
-        print(f"== {name}: {'WORKS' if found['ok'] else 'fails'} (rc {found['rc']}, {found['seconds']} s): "
-              f"{found['result']}", flush=True)
+        verdict = "WORKS" if found["ok"] else "sum right, then the process died" if found["sum_right"] else "fails"
+        print(f"== {name}: {verdict} (rc {found['rc']}, {found['seconds']} s): {found['result']}", flush=True)
         for line in found["evidence"]:
             print("   |", line, flush=True)
     if args.json:
