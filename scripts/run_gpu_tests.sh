@@ -17,6 +17,6 @@ run() {  # pytest's 5 (nothing collected, e.g. a -k that selects none of a run) 
   "$@"; local rc=$?
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && [ "$rc" -gt "$status" ]; then status=$rc; fi
 }
-AUTOSYMM_BARRIER_MAX_POLLS=${AUTOSYMM_BARRIER_MAX_POLLS:-16777216} run python3 -m pytest "$emulated" -v -p no:cacheprovider "$@"
+run env AUTOSYMM_BARRIER_MAX_POLLS="${AUTOSYMM_BARRIER_MAX_POLLS:-16777216}" python3 -m pytest "$emulated" -v -p no:cacheprovider "$@"
 run python3 -m pytest tests/gpu --ignore="$emulated" -v -p no:cacheprovider "$@"
 exit "$status"
