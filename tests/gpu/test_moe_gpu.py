@@ -255,10 +255,11 @@ def _one_rank_has_no_room_to_grow(state, device):
         _api_calls(0, 1, shape, n_tokens, device)
     assert set(autosymm.stats()) == {"nccl_all_to_all"}
     assignment, expt_indx, gate, _, srcs, _ = _setup(0, 1, shape, 64, torch.bfloat16, 0.05, device)
+    static_src = srcs[0].to(device)
     autosymm.init(moe=[autosymm.MoEPlan(shape, 64, torch.bfloat16)])
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph: only nccl_all_to_all"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            autosymm.convert_dp_to_ep(srcs[0].to(device), assignment, expt_indx, gate)
+            autosymm.convert_dp_to_ep(static_src, assignment, expt_indx, gate)
     torch.cuda.synchronize()
 
 
