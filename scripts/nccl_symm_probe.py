@@ -24,6 +24,17 @@ Routes:
 At world size 1 NCCL copies instead of communicating, so a pass proves that the route registers
 and that NCCL accepts the buffer; whether the symmetric kernels run needs >= 2 GPUs (the NCCL
 INFO lines with 'ymmetric' or 'window' are kept as evidence).
+
+Seen on one H200 (2026-12-01, torch 2.11.0+cu130, NCCL 2.28.9, world size 1; each route a fresh
+process, NCCL_DEBUG=INFO: "Symmetric VA size=140GB", "register comm ... buffer ... size ..."):
+  torch_symm_nccl            works (rendezvous ok, sum right)
+  torch_symm_nccl_lazy_comm  segfault (rc -11) in symm_mem.rendezvous: the crash seen before is
+                             rendezvous on a group whose NCCL communicator does not exist yet
+  torch_mem_alloc            RuntimeError "NCCL mem allocator is not supported in this NCCL version"
+  shim_pool, expandable_pool register_mem_pool(symm=True) registers and the sum is right, then the
+                             process aborts at exit: "Deregister: Could not find handle" (torch
+                             deregisters the window as a plain registration)
+  ctypes_window, ctypes_window_symm_mem  work, clean exit (autosymm.backends.nccl_symm's route)
 """
 
 from __future__ import annotations

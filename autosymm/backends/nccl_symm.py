@@ -2,12 +2,15 @@
 
 NCCL >= 2.27 runs its *symmetric* kernels (lower latency, no proxy) when both buffers of a
 collective lie in a window registered with ``NCCL_WIN_COLL_SYMMETRIC`` at the same offset on every
-rank. torch 2.11 exposes no working route to it (scripts/nccl_symm_probe.py, one H200, torch
-2.11 + NCCL 2.28.9): ``ProcessGroupNCCL.mem_allocator`` raises "not supported in this NCCL
-version", and ``register_mem_pool(pool, symm=True)`` registers but aborts the process at exit
-(torch deregisters the window as a plain registration). What works is NCCL's own call on torch's
-communicator: ``ncclCommWindowRegister(ProcessGroupNCCL._comm_ptr(), ...)`` through ctypes, on
-the library torch loaded, over autosymm's symmetric workspace buffer (torch symm_mem, cuMem).
+rank. What torch 2.11 exposes (scripts/nccl_symm_probe.py, one H200, torch 2.11 + NCCL 2.28.9):
+``ProcessGroupNCCL.mem_allocator`` raises "not supported in this NCCL version";
+``register_mem_pool(pool, symm=True)`` registers but aborts the process at exit (torch
+deregisters the window as a plain registration); torch's NCCL symm_mem backend works only on a
+group made with ``device_id`` (its rendezvous segfaults on a lazily created communicator), and
+its buffers are not the workspace autosymm's Triton kernels use. What works cleanly is NCCL's own
+call on torch's communicator: ``ncclCommWindowRegister(ProcessGroupNCCL._comm_ptr(), ...)``
+through ctypes, on the library torch loaded, over autosymm's symmetric workspace buffer (torch
+symm_mem, CUDA backend, cuMem).
 
 So the window is the whole workspace buffer of the group (registered once per workspace, a
 collective: the first prepare on every rank, as every Triton backend's prepare is). A tensor of
