@@ -6,8 +6,11 @@ must end, on every rank, with a clear error or the same safe fallback within its
 Scenarios: a peer killed before a Triton all-reduce (the survivor's barrier gives up: bounded
 polls, counted by barrier_errors), settings that differ per rank (every rank on NCCL, one
 warning), a dtype that differs per rank (AgreementError everywhere), a first call inside a CUDA
-graph capture (a clear error on every rank), and a peer that never makes its call (the
-agreement deadline). After each, the user DB must pass SQLite's integrity check.
+graph capture (a clear error on every rank), a peer that never makes its call (the
+agreement deadline), and all-reduces issued on two streams of one group at once (two-batch
+overlap: both must stay right, serialised or in separate slots, or raise a clear error; the row
+says which). After each, the user DB must pass SQLite's integrity check. On one GPU only the
+scenarios that mean something for a one-rank group run (the two-stream one: it runs and is right).
 """
 
 from __future__ import annotations
@@ -96,6 +99,36 @@ def _peer_skips_call(rank, world_size, dist, autosymm):
     return "no error (BAD)"
 
 
+def _two_streams(rank, world_size, dist, autosymm):
+    """Two streams of one group, each reducing its own tensor, launched back to back with no host
+    sync between them (as vLLM's DBO and SGLang's TBO overlap two micro-batches)."""
+    autosymm.init()
+    numel, rounds = 1 << 16, 20
+    a, b = (torch.empty(numel, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    autosymm.all_reduce(a)  # prepared and agreed (eager, default stream) before the overlap
+    autosymm.all_reduce(b)
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    right = 0
+    try:
+        for i in range(rounds):
+            a.fill_(rank + 1 + i)
+            b.fill_(2 * (rank + 1) + i)
+            for stream, t in zip(streams, (a, b)):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    autosymm.all_reduce(t)
+            for stream in streams:
+                torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            total = world_size * (world_size + 1) // 2
+            right += int(bool((a == total + world_size * i).all()) and bool((b == 2 * total + world_size * i).all()))
+    except Exception as exc:
+        return f"{type(exc).__name__} after {right} right rounds: {str(exc)[:100]}"
+    backend = autosymm.explain(a).backend
+    verdict = "right" if right == rounds else "WRONG (BAD)"
+    return f"{backend}: {right}/{rounds} rounds {verdict}, barrier_errors={autosymm.barrier_errors()}"
+
+
 SCENARIOS = {
     "peer killed before a Triton all-reduce": (_killed_peer, {"all": {"AUTOSYMM_BARRIER_MAX_POLLS": str(1 << 22)}}),
     "AUTOSYMM_DISABLE on rank 1 only": (_settings_differ, {1: {"AUTOSYMM_DISABLE": "1"}}),
@@ -104,7 +137,11 @@ SCENARIOS = {
     "dtype differs per rank": (_dtype_differs, {}),
     "first call inside a CUDA-graph capture": (_first_call_in_capture, {}),
     "peer never makes its call": (_peer_skips_call, {}),
+    "all-reduces on two streams of one group at once": (_two_streams,
+                                                        {"all": {"AUTOSYMM_BARRIER_MAX_POLLS": str(1 << 22)}}),
 }
+#: Scenarios that mean something for a one-rank group (the rest need a peer).
+ONE_RANK = ("all-reduces on two streams of one group at once",)
 
 
 def _worker(rank, world_size, port, name, env, db_path, out):
@@ -163,14 +200,16 @@ def _integrity(path: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    parser.add_argument("--only", default="", help="run only the scenarios whose name contains this text")
     args = parser.parse_args()
     world_size = torch.cuda.device_count()
-    if world_size < 2:
-        print("needs 2+ GPUs", file=sys.stderr)
+    if world_size < 1:
+        print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    names = [n for n in (SCENARIOS if world_size > 1 else ONE_RANK) if args.only in n]
     lines = [f"# GPU fault scenarios ({world_size}x {torch.cuda.get_device_name(0)}, torch {torch.__version__})", "",
              "| scenario | seconds | DB | per rank |", "|---|---|---|---|"]
-    for name in SCENARIOS:
+    for name in names:
         reports, elapsed, integrity = run_scenario(name, world_size)
         ranks = "<br>".join(f"rank {r}: {reports.get(r, 'NO REPORT (hang or crash)')}" for r in range(world_size))
         lines.append(f"| {name} | {elapsed:.1f} | {integrity} | {ranks} |")

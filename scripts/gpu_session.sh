@@ -4,6 +4,7 @@
 # Steps (default: tests tune bench): tests | tune | bench | optuna | faults (scripts/gpu_faults.py)
 #   | dispatch (host time per call, scripts/bench_dispatch.py) | moe (MoE fallback vs plain NCCL)
 #   | exact (dispatch vs exact-size tunes) | layer (tensor-parallel decoder layer) | fused
+#   | nccl (which route to NCCL's symmetric windows works: scripts/nccl_symm_probe.py)
 #   scripts/gpu_session.sh [step...]
 # Every step runs under `timeout ${STEP_TIMEOUT:-600}`: a hang ends the step, not the session.
 # Wheels for packages the node lacks (optuna, sqlite-utils) are taken from ./.whl if present.
@@ -24,6 +25,7 @@ for step in $steps; do
     exact) $t python3 scripts/exact_vs_dispatch.py ${EXACT_ARGS:-} 2>&1 | tee "$OUT/exact_vs_dispatch.txt" ;;
     layer) $t python3 scripts/bench_tp_layer.py --out "$OUT/tp_layer.md" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/tp_layer.txt" ;;
     fused) $t python3 scripts/bench_fused.py ${FUSED_ARGS:-} 2>&1 | tee "$OUT/bench_fused.txt" ;;
+    nccl) $t python3 scripts/nccl_symm_probe.py --json "$OUT/nccl_probe.json" 2>&1 | tee "$OUT/nccl_probe.txt" ;;
     tune)  export AUTOSYMM_DB="$OUT/tuned.sqlite"
            start=$(date +%s)
            $t python3 -m autosymm tune --json-summary "$OUT/tune_summary.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.txt"

@@ -13,6 +13,7 @@ from .base import Backend, BackendError, Capabilities, Needs, RunContext
 # name -> (module, attribute)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "nccl": ("autosymm.backends.nccl_all_reduce", "nccl"),
+    "nccl_symm": ("autosymm.backends.nccl_symm", "nccl_symm"),
     "torch_one_shot": ("autosymm.backends.torch_symm", "torch_one_shot"),
     "torch_two_shot": ("autosymm.backends.torch_symm", "torch_two_shot"),
     "triton_one_shot": ("autosymm.backends.triton_all_reduce", "triton_one_shot"),

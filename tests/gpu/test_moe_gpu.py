@@ -243,6 +243,26 @@ def _api_calls(rank, world_size, shape, n_tokens_local, device):
     return ep
 
 
+def _one_rank_has_no_room_to_grow(state, device):
+    """A one-rank group gets no symmetric workspace (nothing to exchange): every size, small or
+    large, is served eagerly by the NCCL path's local copy and is right; a capture (declared or
+    not) is refused with the clear error naming the only backend, not capturable."""
+    import autosymm
+
+    assert state.workspace is None and state.caps.moe_bytes == 0
+    shape = MoEShape(1024, 32, 4)
+    for n_tokens in (64, 600, 64, 2000):
+        _api_calls(0, 1, shape, n_tokens, device)
+    assert set(autosymm.stats()) == {"nccl_all_to_all"}
+    assignment, expt_indx, gate, _, srcs, _ = _setup(0, 1, shape, 64, torch.bfloat16, 0.05, device)
+    static_src = srcs[0].to(device)
+    autosymm.init(moe=[autosymm.MoEPlan(shape, 64, torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph: only nccl_all_to_all"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            autosymm.convert_dp_to_ep(static_src, assignment, expt_indx, gate)
+    torch.cuda.synchronize()
+
+
 def _room_grows_in_eager_and_is_declared_for_graphs(rank, world_size):
     import os
 
@@ -257,6 +277,8 @@ def _room_grows_in_eager_and_is_declared_for_graphs(rank, world_size):
     autosymm.init()
     device = torch.device("cuda", rank)
     state = api.STATES[None]
+    if world_size == 1:
+        return _one_rank_has_no_room_to_grow(state, device)
     ws, first = state.workspace, state.workspace.capacity("moe")
     kept = autosymm.empty((4096,), torch.float32)
     kept.fill_(rank + 1)

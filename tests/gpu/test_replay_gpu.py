@@ -3,7 +3,11 @@ NCCL: repeated calls with new data at one address, several addresses (more than 
 kept), a freed and re-allocated address, a zero-copy buffer, calls on a side stream, and direct
 launches and graph-mode captures interleaved with the replays (the double-buffer epoch lives on
 the device, so all of them must agree on the staging half). Bit-equal to NCCL on 2 GPUs (one
-rounding of an fp32 sum of two values either way), close on more; ranks always agree."""
+rounding of an fp32 sum of two values either way), close on more; ranks always agree.
+
+A one-rank group (one GPU) is a real configuration: its sum is the tensor itself, so the API
+decides 'noop' and a launcher launches nothing; there is nothing to capture or plan, and every
+call must still return the right tensor (checked the same way)."""
 
 from __future__ import annotations
 
@@ -73,7 +77,17 @@ def _many_addresses(wrapped, raw, numel, check):
         check(_on_side_stream(wrapped), a)
 
 
-def _reused_and_zero_copy(wrapped, numel, check):
+def _assert_graphs(wrapped, world_size, captures, evictions=0):
+    """At least ``captures`` graphs captured and ``evictions`` dropped; on one rank none at all
+    (the launcher launches nothing, so every call takes its checked path and plans nothing)."""
+    if world_size == 1:
+        assert (wrapped.captures, wrapped.evictions, len(wrapped._plans)) == (0, 0, 0), (
+            "a one-rank launcher launches nothing: nothing to capture", wrapped.captures, wrapped.evictions)
+    else:
+        assert wrapped.captures >= captures and wrapped.evictions >= evictions, (wrapped.captures, wrapped.evictions)
+
+
+def _reused_and_zero_copy(wrapped, numel, check, world_size):
     """A freed and re-allocated address, then a zero-copy buffer (empty_bytes moves: replanned)."""
     import autosymm
 
@@ -84,11 +98,12 @@ def _reused_and_zero_copy(wrapped, numel, check):
     del c
     d = torch.empty(numel, dtype=torch.bfloat16, device="cuda")  # likely the caching allocator's same block
     check(wrapped, d)
-    assert d.data_ptr() != addr or addr in wrapped._plans
+    assert d.data_ptr() != addr or addr in wrapped._plans or world_size == 1
     z = autosymm.empty((numel,), torch.bfloat16)
     for x in (z, z, d, z, d, z):
         check(wrapped, x)
-    assert z.data_ptr() in wrapped._plans and d.data_ptr() in wrapped._plans
+    if world_size > 1:
+        assert z.data_ptr() in wrapped._plans and d.data_ptr() in wrapped._plans
 
 
 def _launcher_level(rank, world_size, check):
@@ -114,14 +129,15 @@ def _launcher_level(rank, world_size, check):
             assert isinstance(wrapped, EagerReplay) and wrapped.capturing
             _many_addresses(wrapped, raw, numel, check)
             assert wrapped.capture is not None, "a capture failed"
-            assert wrapped.captures >= 3 and wrapped.evictions >= 1, (wrapped.captures, wrapped.evictions)
+            _assert_graphs(wrapped, world_size, 3, 1)
             wrapped = wrap_eager(raw, decision)
-            _reused_and_zero_copy(wrapped, numel, check)
-            assert wrapped.capture is not None and wrapped.captures >= 3, wrapped.captures
+            _reused_and_zero_copy(wrapped, numel, check, world_size)
+            assert wrapped.capture is not None, "a capture failed"
+            _assert_graphs(wrapped, world_size, 3)
             ws.reset_empty()
 
 
-def _api_level(check):
+def _api_level(check, world_size):
     """autosymm.all_reduce eagerly (replayed once wired) and inside captured graphs, interleaved."""
     import autosymm
     from autosymm import api
@@ -130,6 +146,7 @@ def _api_level(check):
     x = torch.zeros(NUMELS[1], dtype=torch.bfloat16, device="cuda")
     autosymm.all_reduce(x)
     entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", False)]
+    assert (entry.decision.backend == "noop") == (world_size == 1), entry.decision.describe()
     if not isinstance(entry.launcher, EagerReplay):  # api not wired yet: wire it as prepare would
         entry.launcher = wrap_eager(entry.launcher, entry.decision)
     g_in = torch.zeros_like(x)
@@ -144,6 +161,8 @@ def _api_level(check):
     if isinstance(entry.launcher, EagerReplay):
         assert entry.launcher.captures >= 1 and x.data_ptr() in entry.launcher._plans
         assert x.data_ptr() in api.HOT, "a planned address takes the hot path"
+    elif world_size == 1:  # the identity: never wrapped, never hot
+        assert x.data_ptr() not in api.HOT, entry.decision.describe()
     # a hot address captured in a graph (a capturing side stream: graph mode, not the hot plan),
     # and eager calls of it on a side stream (not capturing: the hot plan)
     hot_graph = torch.cuda.CUDAGraph()
@@ -160,7 +179,7 @@ def _replay_body(rank, world_size):
 
     autosymm.init()
     check = _checker(rank, world_size)
-    _api_level(check)
+    _api_level(check, world_size)
     _launcher_level(rank, world_size, check)
 
 
