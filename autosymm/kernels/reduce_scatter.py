@@ -1,0 +1,174 @@
+"""Reduce-scatter (sum) over the symmetric workspace, pull flavour (Triton, device side only).
+
+Every rank holds a contiguous input of ``total`` elements (bf16, fp16 or fp32) cut into
+WORLD_SIZE *segments*, segment ``s`` = elements ``[start_s, start_s + count_s)`` (equal
+segments: ``start_s = s * seg``; variable ones, reduce_scatterv: a table, see
+:func:`_segment`). Rank r's output is the sum over ranks of segment r: accumulated in fp32 in
+the fixed peer order 0..WORLD_SIZE-1, starting from 0.0 and rounded once, exactly as
+autosymm.kernels.all_reduce's ``_sum_stages`` does, so every element has the bits the Triton
+all-reduce gives it (a reduce-scatter followed by an all-gather *is* that all-reduce).
+
+Staging. ``region_ptrs[q] + stage_offset`` (bytes) is rank q's *stage*. Staged (not
+ZERO_COPY): the kernel copies every segment but its own into its stage, segment s at element
+``stage_start_s`` (16-byte aligned whatever ``start_s`` is, so peers' loads are 128-bit even
+when segments are ragged), barrier, reads segment r from every peer's stage (its own from the
+input, locally), end barrier. ZERO_COPY: the input already is the stage (``Workspace.empty``,
+the same offset on every rank; ``stage_start_s = start_s``): no copy-in, 2 barriers all the
+same. Per rank (N = bytes of the input): N (W-1)/W in over NVLink, N (W-1)/W copied locally
+(none with ZERO_COPY).
+
+Ordering. The work split of autosymm.kernels.all_reduce, per segment: program ``b`` of a grid
+of G owns chunks ``b, b+G, ...`` (BLOCK elements each, counted from the segment's start) of
+*every* segment, on every rank, in every phase. Program b's copy-in of chunk c of segment q
+precedes its start-barrier signal (release.sys after a CTA barrier); rank q's program b reads
+chunk c of segment q of our stage only after acquiring that signal. The end barrier is the
+all-reduce's: a rank returns only once every peer's same program has passed its last read of
+this rank's stage, so the next kernel (any grid) may overwrite its stage, or a peer's, before
+a barrier of its own (the push kernels do). The rank is a run-time argument (not a constexpr):
+one compiled kernel serves every rank, so ranks emulated on one GPU launch concurrently
+without one of them compiling while the others spin.
+
+Vectors: full chunks are unmasked; a segment's last chunk is split into its whole 16-byte
+vectors (masks uniform over 16 bytes: 128-bit accesses kept) and a < 16-byte tail
+(:func:`chunk_bounds`).
+"""
+
+import triton
+import triton.language as tl
+
+from .all_reduce import _stage_ptr
+from .barrier import barrier
+
+
+@triton.jit
+def _segment(bounds_ptr, seg, stage_seg, s, EVEN: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """(start in the user tensor, count, start in the stage) of segment ``s``, in elements.
+
+    EVEN: ``s * seg``, ``seg``, ``s * stage_seg``. Else the int32 table ``bounds_ptr``
+    [2 * WORLD_SIZE + 1]: ``starts[0..WORLD_SIZE]`` (the last one is the total), then
+    ``stage_starts[0..WORLD_SIZE-1]``; the same table on every rank."""
+    if EVEN:
+        start = s * seg
+        count = seg
+        stage_start = s * stage_seg
+    else:
+        start = tl.load(bounds_ptr + s)
+        count = tl.load(bounds_ptr + s + 1) - start
+        stage_start = tl.load(bounds_ptr + WORLD_SIZE + 1 + s)
+    return start, count, stage_start
+
+
+@triton.jit
+def _hint(offset, VEC: tl.constexpr, ALIGNED: tl.constexpr):
+    """``offset``, declared a multiple of VEC when the host guarantees it (ALIGNED)."""
+    if ALIGNED:
+        offset = tl.multiple_of(offset, VEC)
+    return offset
+
+
+@triton.jit
+def chunk_bounds(count, VEC: tl.constexpr):
+    """(whole, tail lanes) of a segment of ``count`` elements: ``whole`` = count rounded down to
+    VEC (16 bytes' worth; the rounding tells the compiler it is a multiple, so masks against it
+    keep 128-bit accesses) and the VEC lanes from ``whole``, of which those < count are the tail."""
+    whole = count // VEC * VEC
+    return whole, whole + tl.arange(0, VEC)
+
+
+@triton.jit
+def copy_chunk(dst, src, offs, end, MASKED: tl.constexpr):
+    """dst[offs] = src[offs] (only where offs < end when MASKED). .cg: a peer's data, produced
+    during this kernel, is never served from L1."""
+    if MASKED:
+        mask = offs < end
+        tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=".cg"), mask=mask)
+    else:
+        tl.store(dst + offs, tl.load(src + offs, cache_modifier=".cg"))
+
+
+@triton.jit
+def copy_segment(dst, src, count, pid, n_programs, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """dst[0:count] = src[0:count] over this program's chunks (see the module docstring)."""
+    whole, tail = chunk_bounds(count, VEC)
+    n_full = whole // BLOCK  # chunks of whole vectors only (compared by index: no int32 overflow)
+    lane = tl.arange(0, BLOCK)
+    for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
+        offs = chunk * BLOCK + lane
+        if chunk < n_full:
+            copy_chunk(dst, src, offs, count, False)
+        else:  # the segment's last chunk: whole vectors, then the ragged tail
+            copy_chunk(dst, src, offs, whole, True)
+            copy_chunk(dst, src, tail, count, True)
+
+
+@triton.jit
+def _sum_chunk(out_seg, in_seg, region_ptrs, stage_offset, stage_start, offs, end, rank, WORLD_SIZE: tl.constexpr,
+               ALIGNED: tl.constexpr, MASKED: tl.constexpr):
+    """out_seg[offs] = fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order, from 0.0) of segment
+    ``rank`` (this rank's own from ``in_seg``, a peer's from its stage), rounded once."""
+    ELEM: tl.constexpr = in_seg.dtype.element_ty
+    mask = offs < end
+    acc = tl.zeros(offs.shape, tl.float32)
+    for peer in tl.static_range(WORLD_SIZE):
+        # Load in each branch (not a joined pointer): the stage's 16-byte alignment must not be
+        # lost to a ragged own segment.
+        if peer == rank:
+            src = in_seg + offs
+            if MASKED:
+                val = tl.load(src, mask=mask, other=0.0)
+            else:
+                val = tl.load(src)
+        else:
+            src = _stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, ELEM) + stage_start + offs
+            if MASKED:
+                val = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
+            else:
+                val = tl.load(src, cache_modifier=".cg")
+        acc += val.to(tl.float32)
+    if MASKED:
+        tl.store(out_seg + offs, acc.to(ELEM), mask=mask)
+    else:
+        tl.store(out_seg + offs, acc.to(ELEM))
+
+
+@triton.jit(do_not_specialize=["rank", "seg", "stage_seg", "stage_offset"])
+def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank, seg: tl.int32, stage_seg: tl.int32,
+                    stage_offset: tl.int64, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr, ZERO_COPY: tl.constexpr,
+                    ALIGNED: tl.constexpr, SEG_ALIGNED: tl.constexpr, EVEN: tl.constexpr):
+    """out = segment ``rank`` of the sum over ranks of ``in`` (see the module docstring).
+
+    ``out_ptr``: this rank's ``count_rank`` elements (not inside any stage); ``in_ptr``: the
+    input (ZERO_COPY: this rank's stage, ``stage_offset`` bytes into its region).
+    ``seg``/``stage_seg``: equal segments' length and stage stride (EVEN), else ignored for
+    ``bounds_ptr``. ALIGNED: the stage and every ``stage_start`` are 16-byte aligned.
+    SEG_ALIGNED: every ``start`` is a multiple of 16 bytes (and ``in_ptr`` 16-byte aligned).
+    """
+    ELEM: tl.constexpr = in_ptr.dtype.element_ty
+    VEC: tl.constexpr = 16 // (ELEM.primitive_bitwidth // 8)
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    if not ZERO_COPY:
+        stage = _stage_ptr(region_ptrs, rank, stage_offset, ALIGNED, ELEM)
+        for s in tl.static_range(WORLD_SIZE):
+            if s != rank:  # our own segment is read from the input, locally
+                start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, s, EVEN, WORLD_SIZE)
+                copy_segment(stage + _hint(stage_start, VEC, ALIGNED), in_ptr + _hint(start, VEC, SEG_ALIGNED),
+                             count, pid, n_programs, BLOCK, VEC)
+    barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # every stage holds its rank's segments
+    start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, rank, EVEN, WORLD_SIZE)
+    stage_start = _hint(stage_start, VEC, ALIGNED)
+    in_seg = in_ptr + _hint(start, VEC, SEG_ALIGNED)
+    whole, tail = chunk_bounds(count, VEC)
+    n_full = whole // BLOCK
+    lane = tl.arange(0, BLOCK)
+    for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
+        offs = chunk * BLOCK + lane
+        if chunk < n_full:
+            _sum_chunk(out_ptr, in_seg, region_ptrs, stage_offset, stage_start, offs, count, rank, WORLD_SIZE,
+                       ALIGNED, False)
+        else:  # the last chunk: whole vectors, then the ragged tail
+            _sum_chunk(out_ptr, in_seg, region_ptrs, stage_offset, stage_start, offs, whole, rank, WORLD_SIZE,
+                       ALIGNED, True)
+            _sum_chunk(out_ptr, in_seg, region_ptrs, stage_offset, stage_start, tail, count, rank, WORLD_SIZE,
+                       ALIGNED, True)
+    barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # no peer still reads our stage (ZERO_COPY: our input)
