@@ -72,8 +72,9 @@ def reduce_scatter(wss, ins, counts, launch: dict, *, stage_offset: int = 512, z
                    even: bool = True):
     """Run the reduce-scatter on every rank; returns (outputs, their sentinel tails, expected pads).
 
-    Staged: rank q's stage is pre-staged with every segment but q's own (which it reads from
-    its input). ZERO_COPY: ``ins`` are the stages (at ``stage_offset`` of every region)."""
+    Staged: rank q's stage is pre-staged with the segments of the ranks that run before it
+    (s < q), which read them before q's copy-in; q's copy-in must write the others (s > q) and
+    leave its own (read from its input) alone. ZERO_COPY: ``ins`` are the stages (at ``stage_offset`` of every region)."""
     dtype = ins[0].dtype
     layout = segments(counts, vec_of(dtype), padded=not zero_copy)
     if not even:  # the table path, even if the counts happen to be equal
@@ -81,7 +82,7 @@ def reduce_scatter(wss, ins, counts, launch: dict, *, stage_offset: int = 512, z
     if not zero_copy:
         for rank, (ws, x) in enumerate(zip(wss, ins)):
             for s, (start, count) in enumerate(zip(layout.starts, layout.counts)):
-                if s != rank:
+                if s < rank:  # read by rank s, which runs first; the later ranks' are the copy-in's
                     ws.local_view(REGION, (count + layout.stage_starts[s],), dtype, stage_offset)[
                         layout.stage_starts[s]:].copy_(x[start:start + count])
     aligned = stage_offset % 16 == 0 and (not zero_copy or layout.seg_aligned)
@@ -96,8 +97,8 @@ def all_gather(wss, shards, counts, launch: dict, *, push: bool, stage_offset: i
                even: bool = True, outs=None):
     """Run the all-gather (uint8 views) on every rank; returns (outputs, sentinel tails, expected pads).
 
-    ``counts`` in elements of the shards' dtype. Staged pull: every rank's stage is pre-staged
-    with its own shard. Staged push: rank r's stage is pre-staged with the shards of ranks
+    ``counts`` in elements of the shards' dtype. Staged pull: every rank's stage but rank 0's
+    (rank 0 runs first, its copy-in must write it) is pre-staged with its own shard. Staged push: rank r's stage is pre-staged with the shards of ranks
     > r only (earlier ranks really push theirs before r runs). ZERO_COPY: ``shards`` (pull) or
     ``outs`` (push, given) are the stages, at ``stage_offset``."""
     elem = shards[0].element_size()
@@ -108,7 +109,7 @@ def all_gather(wss, shards, counts, launch: dict, *, push: bool, stage_offset: i
     raw = [s.view(torch.uint8) for s in shards]
     if not zero_copy:
         for rank, ws in enumerate(wss):
-            if not push:
+            if not push and rank > 0:
                 stage_bytes_view(ws, rank, stage_offset, layout.counts[rank]).copy_(raw[rank])
             for q in range(rank + 1, len(wss)) if push else ():
                 start = stage_offset + layout.stage_starts[q]
