@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .all_reduce import _stage_ptr
 from .barrier import barrier
-from .reduce_scatter import _hint, _segment, chunk_bounds, copy_segment
+from .reduce_scatter import _at, _segment, chunk_bounds, copy_segment
 
 #: Bytes of one vector: the kernels' unit of alignment.
 _VEC: tl.constexpr = tl.constexpr(16)
@@ -48,7 +48,8 @@ def _all_gather_pull(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank
                      ALIGNED: tl.constexpr, SEG_ALIGNED: tl.constexpr, EVEN: tl.constexpr):
     """out[start_s : start_s + count_s] = rank s's input, for every s (uint8; see the module
     docstring). ``stage_seg`` is unused (a pull stage holds one shard, at its start).
-    ALIGNED: the stage is 16-byte aligned; SEG_ALIGNED: every ``start_s`` is a multiple of 16."""
+    ALIGNED: the stage is 16-byte aligned; SEG_ALIGNED: ``out_ptr`` is, and every ``start_s``
+    is a multiple of 16."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     start, count, _ = _segment(bounds_ptr, seg, stage_seg, rank, EVEN, WORLD_SIZE)
@@ -59,7 +60,7 @@ def _all_gather_pull(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank
     for step in tl.static_range(WORLD_SIZE):
         peer = (rank + step) % WORLD_SIZE  # staggered: every rank reads a different peer first
         start, count, _ = _segment(bounds_ptr, seg, stage_seg, peer, EVEN, WORLD_SIZE)
-        dst = out_ptr + _hint(start, _VEC, SEG_ALIGNED)
+        dst = _at(out_ptr, start, SEG_ALIGNED)
         if step == 0:
             copy_segment(dst, in_ptr, count, pid, n_programs, BLOCK, _VEC)
         else:
@@ -81,7 +82,7 @@ def _push_chunk(out_shard, in_ptr, region_ptrs, stage_offset, stage_start, offs,
         tl.store(out_shard + offs, val)
     for step in tl.static_range(1, WORLD_SIZE):
         peer = (rank + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
-        dst = _peer_stage(region_ptrs, peer, stage_offset, ALIGNED) + stage_start + offs
+        dst = _at(_peer_stage(region_ptrs, peer, stage_offset, ALIGNED), stage_start, ALIGNED) + offs
         if MASKED:
             tl.store(dst, val, mask=mask)
         else:
@@ -101,8 +102,7 @@ def _all_gather_push(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank
     if ZERO_COPY:
         barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # every peer's output is free to be written
     start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, rank, EVEN, WORLD_SIZE)
-    out_shard = out_ptr + _hint(start, _VEC, SEG_ALIGNED)
-    stage_start = _hint(stage_start, _VEC, ALIGNED)
+    out_shard = _at(out_ptr, start, SEG_ALIGNED)
     whole, tail = chunk_bounds(count, _VEC)
     n_full = whole // BLOCK
     lane = tl.arange(0, BLOCK)
@@ -122,7 +122,7 @@ def _all_gather_push(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank
         for step in tl.static_range(1, WORLD_SIZE):
             peer = (rank + step) % WORLD_SIZE
             start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, peer, EVEN, WORLD_SIZE)
-            copy_segment(out_ptr + _hint(start, _VEC, SEG_ALIGNED), stage + _hint(stage_start, _VEC, ALIGNED), count,
-                         pid, n_programs, BLOCK, _VEC)
+            copy_segment(_at(out_ptr, start, SEG_ALIGNED), _at(stage, stage_start, ALIGNED), count, pid, n_programs,
+                         BLOCK, _VEC)
         # End barrier: a peer's next push writes our stage at once, not before this copy-out.
         barrier(signal_ptrs, pid, rank, WORLD_SIZE)

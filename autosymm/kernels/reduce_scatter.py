@@ -59,11 +59,13 @@ def _segment(bounds_ptr, seg, stage_seg, s, EVEN: tl.constexpr, WORLD_SIZE: tl.c
 
 
 @triton.jit
-def _hint(offset, VEC: tl.constexpr, ALIGNED: tl.constexpr):
-    """``offset``, declared a multiple of VEC when the host guarantees it (ALIGNED)."""
+def _at(ptr, offset, ALIGNED: tl.constexpr):
+    """``ptr + offset``, declared 16-byte aligned when the host guarantees it (ALIGNED). The
+    hint must sit on the pointer: an offset's divisibility does not reach the address."""
+    ptr = ptr + offset
     if ALIGNED:
-        offset = tl.multiple_of(offset, VEC)
-    return offset
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
@@ -119,7 +121,7 @@ def _sum_chunk(out_seg, in_seg, region_ptrs, stage_offset, stage_start, offs, en
             else:
                 val = tl.load(src)
         else:
-            src = _stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, ELEM) + stage_start + offs
+            src = _at(_stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, ELEM), stage_start, ALIGNED) + offs
             if MASKED:
                 val = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
             else:
@@ -141,7 +143,7 @@ def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank,
     input (ZERO_COPY: this rank's stage, ``stage_offset`` bytes into its region).
     ``seg``/``stage_seg``: equal segments' length and stage stride (EVEN), else ignored for
     ``bounds_ptr``. ALIGNED: the stage and every ``stage_start`` are 16-byte aligned.
-    SEG_ALIGNED: every ``start`` is a multiple of 16 bytes (and ``in_ptr`` 16-byte aligned).
+    SEG_ALIGNED: ``in_ptr`` is 16-byte aligned and every ``start`` a multiple of 16 bytes.
     """
     ELEM: tl.constexpr = in_ptr.dtype.element_ty
     VEC: tl.constexpr = 16 // (ELEM.primitive_bitwidth // 8)
@@ -152,12 +154,11 @@ def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank,
         for s in tl.static_range(WORLD_SIZE):
             if s != rank:  # our own segment is read from the input, locally
                 start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, s, EVEN, WORLD_SIZE)
-                copy_segment(stage + _hint(stage_start, VEC, ALIGNED), in_ptr + _hint(start, VEC, SEG_ALIGNED),
-                             count, pid, n_programs, BLOCK, VEC)
+                copy_segment(_at(stage, stage_start, ALIGNED), _at(in_ptr, start, SEG_ALIGNED), count, pid, n_programs,
+                             BLOCK, VEC)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # every stage holds its rank's segments
     start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, rank, EVEN, WORLD_SIZE)
-    stage_start = _hint(stage_start, VEC, ALIGNED)
-    in_seg = in_ptr + _hint(start, VEC, SEG_ALIGNED)
+    in_seg = _at(in_ptr, start, SEG_ALIGNED)
     whole, tail = chunk_bounds(count, VEC)
     n_full = whole // BLOCK
     lane = tl.arange(0, BLOCK)
