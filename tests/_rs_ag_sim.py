@@ -68,6 +68,28 @@ def _launch_all(kernel, wss, outs, ins, layout: Segments, stage_offset: int, lau
                                       **constexprs)
 
 
+def prestage_reduce_scatter(wss, ins, layout: Segments, stage_offset: int) -> None:
+    """Rank q's stage gets the segments s < q of its input (those ranks read them before q runs)."""
+    elem = ins[0].element_size()
+    for rank, (ws, x) in enumerate(zip(wss, ins)):
+        raw = x.view(torch.uint8)
+        for s, (start, count) in enumerate(zip(layout.starts, layout.counts)):
+            if s < rank:  # the later ranks' segments are the copy-in's to write
+                at = stage_offset + layout.stage_starts[s] * elem
+                stage_bytes_view(ws, rank, at, count * elem).copy_(raw[start * elem:(start + count) * elem])
+
+
+def prestage_all_gather(wss, raw_shards, layout: Segments, stage_offset: int, push: bool) -> None:
+    """Pull: every rank's stage but rank 0's gets its own shard (uint8). Push: rank r's stage
+    gets the shards of the ranks q > r (at their padded starts), which push after r ran."""
+    for rank, ws in enumerate(wss):
+        if not push and rank > 0:
+            stage_bytes_view(ws, rank, stage_offset, layout.counts[rank]).copy_(raw_shards[rank])
+        for q in range(rank + 1, len(wss)) if push else ():
+            start = stage_offset + layout.stage_starts[q]
+            stage_bytes_view(ws, rank, start, layout.counts[q]).copy_(raw_shards[q])
+
+
 def reduce_scatter(wss, ins, counts, launch: dict, *, stage_offset: int = 512, zero_copy: bool = False,
                    even: bool = True):
     """Run the reduce-scatter on every rank; returns (outputs, their sentinel tails, expected pads).
@@ -80,11 +102,7 @@ def reduce_scatter(wss, ins, counts, launch: dict, *, stage_offset: int = 512, z
     if not even:  # the table path, even if the counts happen to be equal
         layout = Segments(layout.starts, layout.stage_starts, False, 0, 0, layout.seg_aligned)
     if not zero_copy:
-        for rank, (ws, x) in enumerate(zip(wss, ins)):
-            for s, (start, count) in enumerate(zip(layout.starts, layout.counts)):
-                if s < rank:  # read by rank s, which runs first; the later ranks' are the copy-in's
-                    ws.local_view(REGION, (count + layout.stage_starts[s],), dtype, stage_offset)[
-                        layout.stage_starts[s]:].copy_(x[start:start + count])
+        prestage_reduce_scatter(wss, ins, layout, stage_offset)
     aligned = stage_offset % 16 == 0 and (not zero_copy or layout.seg_aligned)
     expected = preset([ws.buffer for ws in wss], launch["programs"], 2)
     outs, tails = zip(*(in_sentinel(layout.counts[r], dtype) for r in range(len(wss))))
@@ -108,12 +126,7 @@ def all_gather(wss, shards, counts, launch: dict, *, push: bool, stage_offset: i
         layout = Segments(layout.starts, layout.stage_starts, False, 0, 0, layout.seg_aligned)
     raw = [s.view(torch.uint8) for s in shards]
     if not zero_copy:
-        for rank, ws in enumerate(wss):
-            if not push and rank > 0:
-                stage_bytes_view(ws, rank, stage_offset, layout.counts[rank]).copy_(raw[rank])
-            for q in range(rank + 1, len(wss)) if push else ():
-                start = stage_offset + layout.stage_starts[q]
-                stage_bytes_view(ws, rank, start, layout.counts[q]).copy_(raw[q])
+        prestage_all_gather(wss, raw, layout, stage_offset, push)
     tails = []
     if outs is None:
         outs, tails = map(list, zip(*(in_sentinel(layout.total // elem, dtype) for _ in wss)))

@@ -129,16 +129,11 @@ def stage_units(layout: Segments, own_shard_only: bool) -> int:
 
 
 def stage_bytes(op: str, algorithm: str, nbytes: int, world_size: int) -> int:
-    """Bytes of the all-reduce region a staged call of ``op`` stages for a full tensor of
-    ``nbytes`` split evenly (the reduce-scatter's input, the all-gather's output; a shard of a
-    ragged split is at most 16 bytes larger): every segment 16-byte aligned, except the
-    all-gather pull, which stages its own shard only."""
+    """Bytes of the all-reduce region a staged call of ``op`` takes for a full tensor of
+    ``nbytes`` split evenly (the reduce-scatter's input, the all-gather's output): every
+    segment at a 16-byte aligned start, except the all-gather pull's, which stages its own
+    shard only. A per-rank split needs up to ``16 * world_size`` more, or (pull) its largest shard."""
     shard = -(-nbytes // world_size)
     if op == "all_gather" and algorithm == "pull":
         return align(shard, ALIGN)
     return align(world_size * align(shard, 16), ALIGN)
-
-
-def max_segment_units(counts: Optional[Sequence[int]], total: int, world_size: int) -> int:
-    """Units of the largest segment (equal ones when ``counts`` is None)."""
-    return max(counts) if counts else -(-total // world_size)
