@@ -74,7 +74,7 @@ def prestage_reduce_scatter(wss, ins, layout: Segments, stage_offset: int) -> No
     for rank, (ws, x) in enumerate(zip(wss, ins)):
         raw = x.view(torch.uint8)
         for s, (start, count) in enumerate(zip(layout.starts, layout.counts)):
-            if s < rank:  # the later ranks' segments are the copy-in's to write
+            if s < rank:  # the others are the copy-in's to write
                 at = stage_offset + layout.stage_starts[s] * elem
                 stage_bytes_view(ws, rank, at, count * elem).copy_(raw[start * elem:(start + count) * elem])
 
@@ -95,8 +95,8 @@ def reduce_scatter(wss, ins, counts, launch: dict, *, stage_offset: int = 512, z
     """Run the reduce-scatter on every rank; returns (outputs, their sentinel tails, expected pads).
 
     Staged: rank q's stage is pre-staged with the segments of the ranks that run before it
-    (s < q), which read them before q's copy-in; q's copy-in must write the others (s > q) and
-    leave its own (read from its input) alone. ZERO_COPY: ``ins`` are the stages (at ``stage_offset`` of every region)."""
+    (s < q), which read them before q's copy-in; q's copy-in must write the others (s >= q).
+    ZERO_COPY: ``ins`` are the stages (at ``stage_offset`` of every region)."""
     dtype = ins[0].dtype
     layout = segments(counts, vec_of(dtype), padded=not zero_copy)
     if not even:  # the table path, even if the counts happen to be equal

@@ -9,13 +9,13 @@ autosymm.kernels.all_reduce's ``_sum_stages`` does, so every element has the bit
 all-reduce gives it (a reduce-scatter followed by an all-gather *is* that all-reduce).
 
 Staging. ``region_ptrs[q] + stage_offset`` (bytes) is rank q's *stage*. Staged (not
-ZERO_COPY): the kernel copies every segment but its own into its stage, segment s at element
-``stage_start_s`` (16-byte aligned whatever ``start_s`` is, so peers' loads are 128-bit even
-when segments are ragged), barrier, reads segment r from every peer's stage (its own from the
-input, locally), end barrier. ZERO_COPY: the input already is the stage (``Workspace.empty``,
-the same offset on every rank; ``stage_start_s = start_s``): no copy-in, 2 barriers all the
-same. Per rank (N = bytes of the input): N (W-1)/W in over NVLink, N (W-1)/W copied locally
-(none with ZERO_COPY).
+ZERO_COPY): the kernel copies its input into its stage, segment s at element ``stage_start_s``
+(16-byte aligned whatever ``start_s`` is, so peers' loads are 128-bit even when segments are
+ragged), barrier, reads segment r from every rank's stage (its own included: the same code for
+every peer, no branch on the run-time rank in the hot loop), end barrier. ZERO_COPY: the input
+already is the stage (``Workspace.empty``, the same offset on every rank; ``stage_start_s =
+start_s``): no copy-in, 2 barriers all the same. Per rank (N = bytes of the input): N (W-1)/W
+in over NVLink, N copied locally (none with ZERO_COPY).
 
 Ordering. The work split of autosymm.kernels.all_reduce, per segment: program ``b`` of a grid
 of G owns chunks ``b, b+G, ...`` (BLOCK elements each, counted from the segment's start) of
@@ -104,33 +104,24 @@ def copy_segment(dst, src, count, pid, n_programs, BLOCK: tl.constexpr, VEC: tl.
 
 
 @triton.jit
-def _sum_chunk(out_seg, in_seg, region_ptrs, stage_offset, stage_start, offs, end, rank, WORLD_SIZE: tl.constexpr,
-               ALIGNED: tl.constexpr, MASKED: tl.constexpr):
-    """out_seg[offs] = fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order, from 0.0) of segment
-    ``rank`` (this rank's own from ``in_seg``, a peer's from its stage), rounded once."""
-    ELEM: tl.constexpr = in_seg.dtype.element_ty
+def _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, end, WORLD_SIZE: tl.constexpr,
+               ALIGNED: tl.constexpr, ELEM: tl.constexpr, MASKED: tl.constexpr):
+    """out[offs] = fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order, from 0.0) of element
+    ``stage_start + offs`` of every rank's stage, rounded once. The same loads for every peer,
+    this rank included (no branch on the run-time rank), so all of them can be in flight at once."""
     mask = offs < end
     acc = tl.zeros(offs.shape, tl.float32)
     for peer in tl.static_range(WORLD_SIZE):
-        # Load in each branch (not a joined pointer): the stage's 16-byte alignment must not be
-        # lost to a ragged own segment.
-        if peer == rank:
-            src = in_seg + offs
-            if MASKED:
-                val = tl.load(src, mask=mask, other=0.0)
-            else:
-                val = tl.load(src)
+        src = _at(_stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, ELEM), stage_start, ALIGNED) + offs
+        if MASKED:
+            val = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
         else:
-            src = _at(_stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, ELEM), stage_start, ALIGNED) + offs
-            if MASKED:
-                val = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
-            else:
-                val = tl.load(src, cache_modifier=".cg")
+            val = tl.load(src, cache_modifier=".cg")
         acc += val.to(tl.float32)
     if MASKED:
-        tl.store(out_seg + offs, acc.to(ELEM), mask=mask)
+        tl.store(out_ptr + offs, acc.to(ELEM), mask=mask)
     else:
-        tl.store(out_seg + offs, acc.to(ELEM))
+        tl.store(out_ptr + offs, acc.to(ELEM))
 
 
 @triton.jit(do_not_specialize=["rank", "seg", "stage_seg", "stage_offset"])
@@ -139,8 +130,9 @@ def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank,
                     ALIGNED: tl.constexpr, SEG_ALIGNED: tl.constexpr, EVEN: tl.constexpr):
     """out = segment ``rank`` of the sum over ranks of ``in`` (see the module docstring).
 
-    ``out_ptr``: this rank's ``count_rank`` elements (not inside any stage); ``in_ptr``: the
-    input (ZERO_COPY: this rank's stage, ``stage_offset`` bytes into its region).
+    ``out_ptr``: this rank's ``count_rank`` elements (not inside any stage; it may be segment
+    ``rank`` of a staged input); ``in_ptr``: the input (ZERO_COPY: this rank's stage,
+    ``stage_offset`` bytes into its region, read through ``region_ptrs``).
     ``seg``/``stage_seg``: equal segments' length and stage stride (EVEN), else ignored for
     ``bounds_ptr``. ALIGNED: the stage and every ``stage_start`` are 16-byte aligned.
     SEG_ALIGNED: ``in_ptr`` is 16-byte aligned and every ``start`` a multiple of 16 bytes.
@@ -152,24 +144,19 @@ def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank,
     if not ZERO_COPY:
         stage = _stage_ptr(region_ptrs, rank, stage_offset, ALIGNED, ELEM)
         for s in tl.static_range(WORLD_SIZE):
-            if s != rank:  # our own segment is read from the input, locally
-                start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, s, EVEN, WORLD_SIZE)
-                copy_segment(_at(stage, stage_start, ALIGNED), _at(in_ptr, start, SEG_ALIGNED), count, pid, n_programs,
-                             BLOCK, VEC)
+            start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, s, EVEN, WORLD_SIZE)
+            copy_segment(_at(stage, stage_start, ALIGNED), _at(in_ptr, start, SEG_ALIGNED), count, pid, n_programs,
+                         BLOCK, VEC)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # every stage holds its rank's segments
     start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, rank, EVEN, WORLD_SIZE)
-    in_seg = _at(in_ptr, start, SEG_ALIGNED)
     whole, tail = chunk_bounds(count, VEC)
     n_full = whole // BLOCK
     lane = tl.arange(0, BLOCK)
     for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
         offs = chunk * BLOCK + lane
         if chunk < n_full:
-            _sum_chunk(out_ptr, in_seg, region_ptrs, stage_offset, stage_start, offs, count, rank, WORLD_SIZE,
-                       ALIGNED, False)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, count, WORLD_SIZE, ALIGNED, ELEM, False)
         else:  # the last chunk: whole vectors, then the ragged tail
-            _sum_chunk(out_ptr, in_seg, region_ptrs, stage_offset, stage_start, offs, whole, rank, WORLD_SIZE,
-                       ALIGNED, True)
-            _sum_chunk(out_ptr, in_seg, region_ptrs, stage_offset, stage_start, tail, count, rank, WORLD_SIZE,
-                       ALIGNED, True)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, whole, WORLD_SIZE, ALIGNED, ELEM, True)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, tail, count, WORLD_SIZE, ALIGNED, ELEM, True)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # no peer still reads our stage (ZERO_COPY: our input)
