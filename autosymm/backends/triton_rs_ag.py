@@ -96,8 +96,9 @@ class _SegmentLauncher:
         self.region_end = self.region_start + self.capacity
         self.region_ptrs = workspace.region_ptrs(ALL_REDUCE_REGION)
         self.signal_ptrs = workspace.signal_ptrs(ALL_REDUCE_REGION)
-        # Made now (not in a CUDA-graph capture): the kernels' table argument when segments are equal.
-        self._no_table = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # The table argument of equal-segment calls, which the kernels never read: a view of the
+        # workspace (no allocation, so a launcher prepared inside a CUDA-graph capture is fine).
+        self._no_table = workspace.buffer[:4].view(torch.int32)
         self._tables: dict[Segments, torch.Tensor] = {}
         self._variants: dict[tuple, LeanLauncher] = {}
         self._direct: dict[tuple, Callable[..., None]] = {}
