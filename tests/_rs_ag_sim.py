@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from autosymm.backends.rs_ag_layout import Segments, segments
+from autosymm.backends.rs_ag_layout import Segments, push_slot_units, segments
 from autosymm.kernels.all_gather import _all_gather_pull, _all_gather_push
-from autosymm.kernels.reduce_scatter import _reduce_scatter
+from autosymm.kernels.reduce_scatter import _reduce_scatter, _reduce_scatter_push
 
 from _all_reduce_sim import pads, poisoned_workspaces, preset
 
@@ -58,12 +58,14 @@ def stage_bytes_view(ws, rank: int, offset: int, nbytes: int) -> torch.Tensor:
     return ws.peer_buffers[rank][start:start + nbytes]
 
 
-def _launch_all(kernel, wss, outs, ins, layout: Segments, stage_offset: int, launch: dict, **constexprs) -> None:
-    """Launch ``kernel`` on every rank in turn (block, programs, warps in ``launch``)."""
+def _launch_all(kernel, wss, outs, ins, layout: Segments, stage_offset: int, launch: dict, stride: int,
+                **constexprs) -> None:
+    """Launch ``kernel`` on every rank in turn (block, programs, warps in ``launch``; ``stride``:
+    the stage stride, or the push reduce-scatter's slot)."""
     table = bounds_tensor(layout)
     for rank, ws in enumerate(wss):
         kernel[(launch["programs"],)](outs[rank], ins[rank], ws.region_ptrs(REGION), ws.signal_ptrs(REGION), table,
-                                      rank, layout.seg, layout.stage_seg, stage_offset, WORLD_SIZE=len(wss),
+                                      rank, layout.seg, stride, stage_offset, WORLD_SIZE=len(wss),
                                       BLOCK=launch["block"], EVEN=layout.even, num_warps=launch["warps"],
                                       **constexprs)
 
@@ -90,24 +92,44 @@ def prestage_all_gather(wss, raw_shards, layout: Segments, stage_offset: int, pu
             stage_bytes_view(ws, rank, start, layout.counts[q]).copy_(raw_shards[q])
 
 
+def prestage_push_slots(wss, ins, layout: Segments, slot: int, stage_offset: int) -> None:
+    """Slot p of rank r's stage gets segment r of rank p's input for the ranks p > r, which push
+    it after r ran (the slots of p <= r must come from real pushes)."""
+    elem = ins[0].element_size()
+    for rank, ws in enumerate(wss):
+        start, count = layout.starts[rank], layout.counts[rank]
+        for p in range(rank + 1, len(wss)):
+            raw = ins[p].view(torch.uint8)[start * elem:(start + count) * elem]
+            stage_bytes_view(ws, rank, stage_offset + p * slot * elem, count * elem).copy_(raw)
+
+
 def reduce_scatter(wss, ins, counts, launch: dict, *, stage_offset: int = 512, zero_copy: bool = False,
-                   even: bool = True):
+                   even: bool = True, push: bool = False):
     """Run the reduce-scatter on every rank; returns (outputs, their sentinel tails, expected pads).
 
     Staged: rank q's stage is pre-staged with the segments of the ranks that run before it
     (s < q), which read them before q's copy-in; q's copy-in must write the others (s >= q).
-    ZERO_COPY: ``ins`` are the stages (at ``stage_offset`` of every region)."""
+    ZERO_COPY: ``ins`` are the stages (at ``stage_offset`` of every region). ``push``: the push
+    kernel, slots pre-staged by :func:`prestage_push_slots`."""
     dtype = ins[0].dtype
     layout = segments(counts, vec_of(dtype), padded=not zero_copy)
     if not even:  # the table path, even if the counts happen to be equal
         layout = Segments(layout.starts, layout.stage_starts, False, 0, 0, layout.seg_aligned)
-    if not zero_copy:
+    stride = layout.stage_seg
+    if push:
+        stride = push_slot_units(counts, vec_of(dtype))
+        prestage_push_slots(wss, ins, layout, stride, stage_offset)
+    elif not zero_copy:
         prestage_reduce_scatter(wss, ins, layout, stage_offset)
     aligned = stage_offset % 16 == 0 and (not zero_copy or layout.seg_aligned)
     expected = preset([ws.buffer for ws in wss], launch["programs"], 2)
     outs, tails = zip(*(in_sentinel(layout.counts[r], dtype) for r in range(len(wss))))
-    _launch_all(_reduce_scatter, wss, outs, ins, layout, stage_offset, launch, ZERO_COPY=zero_copy,
-                ALIGNED=aligned, SEG_ALIGNED=layout.seg_aligned)
+    flags = dict(ALIGNED=aligned, SEG_ALIGNED=layout.seg_aligned)
+    if push:
+        _launch_all(_reduce_scatter_push, wss, outs, ins, layout, stage_offset, launch, stride, **flags)
+    else:
+        _launch_all(_reduce_scatter, wss, outs, ins, layout, stage_offset, launch, stride, ZERO_COPY=zero_copy,
+                    **flags)
     return list(outs), list(tails), expected
 
 
@@ -133,7 +155,7 @@ def all_gather(wss, shards, counts, launch: dict, *, push: bool, stage_offset: i
     aligned = stage_offset % 16 == 0 and (not zero_copy or not push or layout.seg_aligned)
     expected = preset([ws.buffer for ws in wss], launch["programs"], 2)
     kernel = _all_gather_push if push else _all_gather_pull
-    _launch_all(kernel, wss, [o.view(torch.uint8) for o in outs], raw, layout, stage_offset, launch,
+    _launch_all(kernel, wss, [o.view(torch.uint8) for o in outs], raw, layout, stage_offset, launch, layout.stage_seg,
                 ZERO_COPY=zero_copy, ALIGNED=aligned, SEG_ALIGNED=layout.seg_aligned)
     return outs, tails, expected
 

@@ -8,34 +8,39 @@ import pytest
 import torch
 
 from autosymm.backends.base import BackendError
-from autosymm.backends.rs_ag_layout import AllGatherConfig, ReduceScatterConfig, segments, stage_units
+from autosymm.backends.rs_ag_layout import (AllGatherConfig, ReduceScatterConfig, push_slot_units, segments,
+                                            stage_units)
 from autosymm.backends.triton_rs_ag import (AllGatherLauncher, ReduceScatterLauncher, all_gather_space,
                                             reduce_scatter_space, triton_all_gather_pull, triton_all_gather_push,
-                                            triton_reduce_scatter)
+                                            triton_reduce_scatter_pull, triton_reduce_scatter_push)
 from autosymm.geometry import ALIGN, align
 
 from _all_reduce_sim import preset, requires_interpreter
-from _rs_ag_sim import (check_pads, prestage_all_gather, prestage_reduce_scatter, random_values, reference_sum,
-                        vec_of, workspaces)
+from _rs_ag_sim import (check_pads, prestage_all_gather, prestage_push_slots, prestage_reduce_scatter, random_values,
+                        reference_sum, vec_of, workspaces)
 
 pytestmark = requires_interpreter
 
 RS_CONFIG = ReduceScatterConfig("pull", 128, 2, 4)
+RS_PUSH_CONFIG = ReduceScatterConfig("push", 128, 2, 4)
 
 
 def _top(ws, need_bytes):
     return ws.capacity("all_reduce") - align(need_bytes, ALIGN)
 
 
-def _rs_run(wss, ins, outs, counts=None, zero_copy=False):
+def _rs_run(wss, ins, outs, counts=None, zero_copy=False, config=RS_CONFIG):
     """Each rank's launcher in turn, with the stage pre-staged where a staged launcher must put it."""
-    dtype = ins[0].dtype
+    dtype, elem = ins[0].dtype, ins[0].element_size()
     per_rank = counts or [ins[0].numel() // len(wss)] * len(wss)
     layout = segments(per_rank, vec_of(dtype), padded=not zero_copy)
-    if not zero_copy:
-        prestage_reduce_scatter(wss, ins, layout, _top(wss[0], stage_units(layout, False) * ins[0].element_size()))
-    expected = preset([ws.buffer for ws in wss], RS_CONFIG.num_blocks, 2)
-    launchers = [ReduceScatterLauncher(RS_CONFIG, ws, dtype) for ws in wss]
+    if config.algorithm == "push":
+        slot = push_slot_units(per_rank, vec_of(dtype))
+        prestage_push_slots(wss, ins, layout, slot, _top(wss[0], len(wss) * slot * elem))
+    elif not zero_copy:
+        prestage_reduce_scatter(wss, ins, layout, _top(wss[0], stage_units(layout, False) * elem))
+    expected = preset([ws.buffer for ws in wss], config.num_blocks, 2)
+    launchers = [ReduceScatterLauncher(config, ws, dtype) for ws in wss]
     results = [launch(out, x, counts) for launch, out, x in zip(launchers, outs, ins)]
     assert all(r is out for r, out in zip(results, outs)), "the launcher returns its output"
     check_pads(wss, expected)
@@ -44,14 +49,15 @@ def _rs_run(wss, ins, outs, counts=None, zero_copy=False):
     return [total[starts[r]:starts[r + 1]] for r in range(len(wss))]
 
 
+@pytest.mark.parametrize("config", [RS_CONFIG, RS_PUSH_CONFIG], ids=["pull", "push"])
 @pytest.mark.parametrize("world_size, dtype, counts", [(3, torch.bfloat16, None), (4, torch.float32, [7, 0, 300, 21]),
                                                        (2, torch.float16, None)])
-def test_reduce_scatter_launcher_stages_at_the_top_of_the_region(world_size, dtype, counts):
+def test_reduce_scatter_launcher_stages_at_the_top_of_the_region(world_size, dtype, counts, config):
     wss = workspaces(world_size)
     total = sum(counts) if counts else 301 * world_size
     ins = [random_values(total, dtype, seed=r) for r in range(world_size)]
     outs = [torch.empty((counts or [301] * world_size)[r], dtype=dtype) for r in range(world_size)]
-    want = _rs_run(wss, ins, outs, counts)
+    want = _rs_run(wss, ins, outs, counts, config=config)
     assert all(torch.equal(o, w) for o, w in zip(outs, want))
 
 
@@ -175,18 +181,21 @@ def test_a_stage_that_would_reach_empty_tensors_or_a_straddling_tensor_is_refuse
 # -- backends and spaces ------------------------------------------------------------------------
 
 def test_backends_declare_what_they_need():
-    assert (triton_reduce_scatter.name, triton_all_gather_push.name, triton_all_gather_pull.name) == (
-        "triton_reduce_scatter", "triton_all_gather_push", "triton_all_gather_pull")
-    assert triton_reduce_scatter.needs.ops == ("reduce_scatter",)
+    backends = (triton_reduce_scatter_pull, triton_reduce_scatter_push, triton_all_gather_push, triton_all_gather_pull)
+    assert [b.name for b in backends] == ["triton_reduce_scatter_pull", "triton_reduce_scatter_push",
+                                          "triton_all_gather_push", "triton_all_gather_pull"]
+    assert triton_reduce_scatter_pull.needs.ops == triton_reduce_scatter_push.needs.ops == ("reduce_scatter",)
     assert triton_all_gather_push.needs.ops == triton_all_gather_pull.needs.ops == ("all_gather",)
-    for backend in (triton_reduce_scatter, triton_all_gather_push, triton_all_gather_pull):
+    for backend in backends:
         assert backend.needs.workspace_region == "all_reduce" and backend.needs.intra_node
         assert backend.needs.compiles_kernels and not backend.needs.multicast
 
 
+@pytest.mark.parametrize("algorithm", ["pull", "push"])
 @pytest.mark.parametrize("numel, world_size, elem_bytes", [(1, 2, 2), (4099, 3, 4), (1 << 22, 8, 2)])
-def test_reduce_scatter_space_is_valid_and_not_redundant(numel, world_size, elem_bytes):
-    space = reduce_scatter_space(numel, world_size, elem_bytes)
+def test_reduce_scatter_space_is_valid_and_not_redundant(numel, world_size, elem_bytes, algorithm):
+    space = reduce_scatter_space(algorithm, numel, world_size, elem_bytes)
+    assert all(c.algorithm == algorithm for c in space)
     assert space and len(set(space)) == len(space)
     segment = -(-numel // world_size)
     for config in space:

@@ -3,8 +3,8 @@
 
 import pytest
 
-from autosymm.backends.rs_ag_layout import (AllGatherConfig, ReduceScatterConfig, even_counts, segments, stage_bytes,
-                                            stage_units)
+from autosymm.backends.rs_ag_layout import (AllGatherConfig, ReduceScatterConfig, even_counts, push_slot_units,
+                                            segments, stage_bytes, stage_units)
 
 
 def test_equal_segments_pad_the_stage_to_16_bytes():
@@ -33,6 +33,12 @@ def test_bad_counts_are_refused(counts):
         segments(counts, 8, True)
 
 
+def test_push_slots_hold_the_largest_segment_on_16_bytes():
+    assert push_slot_units([5, 0, 17], vec=8) == 24 and push_slot_units([16, 16], vec=4) == 16
+    counts = even_counts(1001, 7)
+    assert 7 * push_slot_units(counts, 8) * 2 <= stage_bytes("reduce_scatter", "push", 1001 * 2, 7)
+
+
 def test_even_counts():
     assert even_counts(12, 3) == [4, 4, 4]
     with pytest.raises(ValueError, match="input of 13 units does not split into 3 equal shards"):
@@ -50,8 +56,8 @@ def test_stage_bytes_bound_every_even_layout():
 
 def test_configs_reject_illegal_combinations():
     assert ReduceScatterConfig("pull", 1024, 8, 4).block_size == 1024
-    with pytest.raises(ValueError, match=r"algorithm='push' is not one of \('pull',\)"):
-        ReduceScatterConfig("push", 1024, 8, 4)
+    with pytest.raises(ValueError, match=r"algorithm='multimem' is not one of \('pull', 'push'\)"):
+        ReduceScatterConfig("multimem", 1024, 8, 4)
     with pytest.raises(ValueError, match=r"block_size=64 must be a power of two in 128..65536 \(bytes"):
         AllGatherConfig("push", 64, 8, 4)
     with pytest.raises(ValueError, match="block_size=1000"):

@@ -9,7 +9,7 @@ shows) and the signal pads must end balanced.
 import pytest
 import torch
 
-from autosymm.backends.rs_ag_layout import segments
+from autosymm.backends.rs_ag_layout import push_slot_units, segments
 from autosymm.geometry import segment_vecs
 from autosymm.kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
 
@@ -88,33 +88,62 @@ def test_reduce_scatter_zero_copy(world_size, dtype, counts, block, programs, wa
     check_pads(wss, expected)
 
 
+@pytest.mark.parametrize("world_size, dtype, counts, block, programs, warps", CASES, ids=_ids(CASES))
+def test_reduce_scatter_push(world_size, dtype, counts, block, programs, warps):
+    """Posted writes into every peer's slots, then a local sum: the pull's bits. Slot p of each
+    rank's stage holds rank p's copy (the slots of the ranks that ran first are real pushes)."""
+    wss = workspaces(world_size)
+    ins = [random_values(sum(counts), dtype, seed=rank + 30) for rank in range(world_size)]
+    outs, tails, expected = reduce_scatter(wss, ins, counts, _launch(block, programs, warps),
+                                           even=len(set(counts)) == 1, push=True)
+    for out, tail, want in zip(outs, tails, _reference(ins, counts, dtype)):
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), "bit-exact fixed-order fp32 sum"
+        assert (tail == SENTINEL_BYTE).all(), "wrote past the end of the output"
+    check_pads(wss, expected)
+    elem, slot = ins[0].element_size(), push_slot_units(counts, vec_of(dtype))
+    starts = segments(counts, 1, padded=False).starts
+    for rank, ws in enumerate(wss):
+        for p, x in enumerate(ins):
+            pushed = stage_bytes_view(ws, rank, 512 + p * slot * elem, counts[rank] * elem)
+            assert torch.equal(pushed, x[starts[rank]:starts[rank + 1]].view(torch.uint8))
+        end = 512 + ((world_size - 1) * slot + counts[rank]) * elem
+        assert (stage_bytes_view(ws, rank, end, 64) == 0xFF).all(), "wrote past the last slot"
+
+
 def test_equal_counts_through_the_table_match_the_even_path():
     """reduce_scatterv with equal counts (the table) gives the bits of the equal-segment path."""
     world_size, dtype, counts = 3, torch.bfloat16, [201, 201, 201]
     ins = [random_values(sum(counts), dtype, seed=rank + 3) for rank in range(world_size)]
     even, _, _ = reduce_scatter(workspaces(world_size), ins, counts, _launch(128, 2, 4), even=True)
     table, _, _ = reduce_scatter(workspaces(world_size), ins, counts, _launch(128, 2, 4), even=False)
-    assert all(torch.equal(a, b) for a, b in zip(even, table))
+    pushed, _, _ = reduce_scatter(workspaces(world_size), ins, counts, _launch(128, 2, 4), even=False, push=True)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(even, table, pushed))
 
 
-def test_world_size_one_copies_through():
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_world_size_one_copies_through(push):
     (ws,) = workspaces(1)
     x = random_values(1001, torch.float16, seed=1)
-    (out,), (tail,), _ = reduce_scatter([ws], [x], [1001], _launch(256, 2, 4))
+    (out,), (tail,), _ = reduce_scatter([ws], [x], [1001], _launch(256, 2, 4), push=push)
     assert torch.equal(out, x) and (tail == SENTINEL_BYTE).all()
 
 
-def test_a_missing_peer_flags_the_error_and_the_kernel_completes(monkeypatch):
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_a_missing_peer_flags_the_error_and_the_kernel_completes(monkeypatch, push):
     """Only rank 0 runs and no signal is pre-set: both barriers of every program give up."""
-    from autosymm.kernels.reduce_scatter import _reduce_scatter
+    from autosymm.kernels.reduce_scatter import _reduce_scatter, _reduce_scatter_push
 
     tiny_poll_limit(monkeypatch, 3)
     wss = workspaces(2)
     ws, programs = wss[0], 2
     x, out = torch.ones(600), torch.zeros(300)
-    _reduce_scatter[(programs,)](out, x, ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"),
-                                 torch.zeros(1, dtype=torch.int32), 0, 300, 304, 0, WORLD_SIZE=2, BLOCK=128,
-                                 ZERO_COPY=False, ALIGNED=True, SEG_ALIGNED=False, EVEN=True, num_warps=4)
+    args = (out, x, ws.region_ptrs("all_reduce"), ws.signal_ptrs("all_reduce"), torch.zeros(1, dtype=torch.int32), 0,
+            300, 304, 0)
+    flags = dict(WORLD_SIZE=2, BLOCK=128, ALIGNED=True, SEG_ALIGNED=False, EVEN=True, num_warps=4)
+    if push:
+        _reduce_scatter_push[(programs,)](*args, **flags)
+    else:
+        _reduce_scatter[(programs,)](*args, ZERO_COPY=False, **flags)
     assert error_counts(ws) == {"all_reduce": 2 * programs, "moe": 0, "moe_end": 0, "host": 0}
     assert int(pads(ws.buffer).count_nonzero()) == 0, "no signal came, none was consumed"
     assert int(pads(wss[1].buffer).sum()) == 2 * programs  # rank 0 still signalled its peer
@@ -154,11 +183,12 @@ def _all_reduce(world_size, ins, kernel, launch):
     (8, torch.float32, 33, "one_shot", True),
 ])
 def test_reduce_scatter_then_all_gather_is_the_all_reduce_bit_for_bit(world_size, dtype, shard, kernel, push):
+    """``push``: both the push reduce-scatter and the push all-gather, else both pulls."""
     launch = _launch(128, 2, 4)
     ins = [random_values(world_size * shard, dtype, seed=rank + 20) for rank in range(world_size)]
     reduced = _all_reduce(world_size, ins, kernel, launch)
     counts = [shard] * world_size
-    scattered, _, _ = reduce_scatter(workspaces(world_size), ins, counts, launch)
+    scattered, _, _ = reduce_scatter(workspaces(world_size), ins, counts, launch, push=push)
     gathered, _, _ = all_gather(workspaces(world_size), scattered, counts, launch, push=push)
     for x, y in zip(reduced, gathered):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from ..configs import MAX_BLOCK, WARP_SIZE, as_int
 from ..geometry import ALIGN, MAX_PROGRAMS, align
 
-REDUCE_SCATTER_ALGORITHMS = ("pull",)
+REDUCE_SCATTER_ALGORITHMS = ("pull", "push")
 ALL_GATHER_ALGORITHMS = ("push", "pull")
 #: Largest number of units (elements or bytes) a call may have: the kernels index with int32,
 #: and the last chunk's lane offsets reach up to one BLOCK past the end.
@@ -128,11 +128,18 @@ def stage_units(layout: Segments, own_shard_only: bool) -> int:
     return layout.stage_starts[-1] + layout.counts[-1]
 
 
+def push_slot_units(counts: Sequence[int], vec: int) -> int:
+    """Units of one sender's slot in a push reduce-scatter stage: the largest segment rounded up
+    to ``vec`` (the same on every rank); the stage holds world_size of them."""
+    return align(max(counts), vec)
+
+
 def stage_bytes(op: str, algorithm: str, nbytes: int, world_size: int) -> int:
     """Bytes of the all-reduce region a staged call of ``op`` takes for a full tensor of
     ``nbytes`` split evenly (the reduce-scatter's input, the all-gather's output): every
-    segment at a 16-byte aligned start, except the all-gather pull's, which stages its own
-    shard only. A per-rank split needs up to ``16 * world_size`` more, or (pull) its largest shard."""
+    segment at a 16-byte aligned start (the push reduce-scatter: one slot per sender, the same
+    bytes), except the all-gather pull's, which stages its own shard only. A per-rank split
+    needs up to ``16 * world_size`` more, or its largest shard (pull: once, push: per sender)."""
     shard = -(-nbytes // world_size)
     if op == "all_gather" and algorithm == "pull":
         return align(shard, ALIGN)

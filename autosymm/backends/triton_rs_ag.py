@@ -1,4 +1,4 @@
-"""Backends ``triton_reduce_scatter``, ``triton_all_gather_push`` and ``triton_all_gather_pull``:
+"""Backends ``triton_reduce_scatter_pull`` / ``_push`` and ``triton_all_gather_push`` / ``_pull``:
 the kernels of autosymm.kernels.reduce_scatter and autosymm.kernels.all_gather over the
 workspace's all-reduce region (its signal channel too: every collective kernel of a group is
 stream-ordered with the others and ends with a barrier after its last access to a stage).
@@ -12,8 +12,9 @@ reduce-scatter sums bf16 / fp16 / fp32 (fp32 in rank order, so its bits are the 
 all-reduce's), all-gather copies bytes of any dtype.
 
 Zero-copy, as for the all-reduce: a tensor from ``Workspace.empty`` (inside the region, at the
-same offset on every rank) is the stage itself: the reduce-scatter's input, the all-gather
-pull's input, the all-gather push's output. Any other call stages at the top of the region (a
+same offset on every rank) is the stage itself: the pull reduce-scatter's input, the
+all-gather pull's input, the all-gather push's output (the push reduce-scatter reads its input
+locally only: any tensor, no copy-in). Any other call stages at the top of the region (a
 kernel's fused copy-in or copy-out), clear of ``Workspace.empty``'s tensors. In place is fine:
 the reduce-scatter's output may be segment ``rank`` of its input, the all-gather's input may be
 shard ``rank`` of its output. Failures are the all-reduce's (bounded waits; after a timeout
@@ -32,8 +33,8 @@ from ..geometry import ALIGN, ALL_REDUCE_REGION, align
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
-from .rs_ag_layout import (AllGatherConfig, MAX_UNITS, ReduceScatterConfig, Segments, even_counts, segments,
-                           stage_bytes, stage_units)
+from .rs_ag_layout import (AllGatherConfig, MAX_UNITS, ReduceScatterConfig, Segments, even_counts, push_slot_units,
+                           segments, stage_bytes, stage_units)
 from .triton_all_reduce import prepared_workspace
 
 #: BLOCK widths of the spaces: elements (reduce-scatter, as the all-reduce's), bytes (all-gather).
@@ -62,10 +63,10 @@ def _space(config_type, blocks, segment_units: int, unit_bytes: int, min_thread_
     return space
 
 
-def reduce_scatter_space(numel: int, world_size: int, elem_bytes: int) -> list[ReduceScatterConfig]:
+def reduce_scatter_space(algorithm: str, numel: int, world_size: int, elem_bytes: int) -> list[ReduceScatterConfig]:
     """Configs of a reduce-scatter of a ``numel``-element input (a program strides over every
     segment's chunks, so the chunk count is a segment's)."""
-    return _space(ReduceScatterConfig, REDUCE_SCATTER_BLOCK_SIZES, -(-numel // world_size), elem_bytes, 8, "pull")
+    return _space(ReduceScatterConfig, REDUCE_SCATTER_BLOCK_SIZES, -(-numel // world_size), elem_bytes, 8, algorithm)
 
 
 def all_gather_space(algorithm: str, nbytes: int, world_size: int) -> list[AllGatherConfig]:
@@ -104,9 +105,11 @@ class _SegmentLauncher:
         self._direct: dict[tuple, Callable[..., None]] = {}
         self._addrs = (int(self.region_ptrs.data_ptr()), int(self.signal_ptrs.data_ptr()))
 
-    def _launch(self, key: tuple, out: torch.Tensor, inp: torch.Tensor, layout: Segments, stage_offset: int) -> None:
+    def _launch(self, key: tuple, out: torch.Tensor, inp: torch.Tensor, layout: Segments, stage_offset: int,
+                stride: int) -> None:
+        """Launch variant ``key``; ``stride``: the kernel's third int (stage_seg, or the push's slot)."""
         table = self._table(layout)
-        ints = (self.rank, layout.seg, layout.stage_seg, stage_offset)
+        ints = (self.rank, layout.seg, stride, stage_offset)
         direct = self._direct.get(key)
         if direct is not None:  # bound: int addresses, no per-pointer driver query
             direct(out.data_ptr(), inp.data_ptr(), *self._addrs, table.data_ptr(), *ints)
@@ -123,6 +126,8 @@ class _SegmentLauncher:
         zero_copy, aligned, seg_aligned, even = key[:4]
         constexprs = dict(WORLD_SIZE=self.world_size, BLOCK=self.config.block_size, ZERO_COPY=zero_copy,
                           ALIGNED=aligned, SEG_ALIGNED=seg_aligned, EVEN=even)
+        if self.config.algorithm == "push" and self.op == "reduce_scatter":
+            del constexprs["ZERO_COPY"]  # its input is only read locally: no zero-copy variant
         launcher = LeanLauncher(self.kernel, (self.config.num_blocks,), constexprs, num_warps=self.config.num_warps,
                                 num_stages=1)
         self._variants[key] = launcher
@@ -212,9 +217,10 @@ class ReduceScatterLauncher(_SegmentLauncher):
     op = "reduce_scatter"
 
     def __init__(self, config: ReduceScatterConfig, workspace, dtype: torch.dtype) -> None:
-        from ..kernels.reduce_scatter import _reduce_scatter
+        from ..kernels.reduce_scatter import _reduce_scatter, _reduce_scatter_push
 
-        super().__init__(_reduce_scatter, config, workspace, dtype)
+        self.push = config.algorithm == "push"
+        super().__init__(_reduce_scatter_push if self.push else _reduce_scatter, config, workspace, dtype)
         self.elem_bytes = dtype.itemsize
         self._vec = 16 // self.elem_bytes
 
@@ -231,21 +237,28 @@ class ReduceScatterLauncher(_SegmentLauncher):
         if total == 0:
             return output
         nbytes, out_bytes = total * elem, output.numel() * elem
-        offset = self._in_region(input, nbytes)
+        # zero-copy (pull only): the input is the stage, its segments' starts are the stage's
+        offset = None if self.push else self._in_region(input, nbytes)
         zero_copy = offset is not None
         layout = _layout(counts, self._vec, not zero_copy)
         self._check_in_place(input, output, layout.starts[self.rank] * elem, out_bytes, nbytes)
-        if zero_copy:  # the input is the stage: its segments' starts are the stage's
+        stride = layout.stage_seg
+        if zero_copy:
             aligned = offset % 16 == 0 and layout.seg_aligned
         else:
-            offset = self._top_stage(stage_units(layout, False) * elem)
+            if self.push:  # one slot per sender
+                stride = push_slot_units(counts, self._vec)
+                need = self.world_size * stride * elem
+            else:
+                need = stage_units(layout, False) * elem
+            offset = self._top_stage(need)
             self._clear_of((self.region_start + offset, self.region_end),
                            (("input", input, nbytes), ("output", output, out_bytes)))
-            aligned = True  # padded segment starts, 256-byte aligned stage
+            aligned = True  # 16-byte segment starts or slots, 256-byte aligned stage
         in_aligned = input.data_ptr() % 16 == 0
         key = (zero_copy, aligned, layout.seg_aligned and in_aligned, layout.even, output.data_ptr() % 16 == 0,
                in_aligned)
-        self._launch(key, output, input, layout, offset)
+        self._launch(key, output, input, layout, offset, stride)
         return output
 
 
@@ -294,7 +307,7 @@ class AllGatherLauncher(_SegmentLauncher):
         out_aligned = output.data_ptr() % 16 == 0
         key = (zero_copy, aligned, layout.seg_aligned and out_aligned, layout.even, out_aligned,
                input.data_ptr() % 16 == 0)
-        self._launch(key, output, input, layout, offset)
+        self._launch(key, output, input, layout, offset, layout.stage_seg)
         return output
 
 
@@ -307,19 +320,21 @@ def _stage_limits(need: int, units: int, caps: Capabilities) -> Optional[str]:
 
 
 class TritonReduceScatter(Backend):
-    """The pull reduce-scatter (autosymm.kernels.reduce_scatter) as a Backend. A problem's
-    ``nbytes`` is the full (unsharded) input's."""
+    """The pull or push reduce-scatter (autosymm.kernels.reduce_scatter) as a Backend. A
+    problem's ``nbytes`` is the full (unsharded) input's."""
 
-    name = "triton_reduce_scatter"
-    algorithm = "pull"
-    needs = Needs(ops=("reduce_scatter",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION, intra_node=True)
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self.name = f"triton_reduce_scatter_{algorithm}"
+        self.needs = Needs(ops=("reduce_scatter",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
+                           intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        return _stage_limits(stage_bytes("reduce_scatter", "pull", problem.nbytes, problem.world_size),
+        return _stage_limits(stage_bytes("reduce_scatter", self.algorithm, problem.nbytes, problem.world_size),
                              problem.numel, caps)
 
     def search_space(self, problem: Problem) -> list[ReduceScatterConfig]:
-        return reduce_scatter_space(problem.numel, problem.world_size, problem.elem_bytes)
+        return reduce_scatter_space(self.algorithm, problem.numel, problem.world_size, problem.elem_bytes)
 
     def prepare(self, problem: Problem, config: Optional[ReduceScatterConfig], ctx: RunContext) -> ReduceScatterLauncher:
         ws = prepared_workspace(self, problem, config, ReduceScatterConfig, ctx)
@@ -348,7 +363,8 @@ class TritonAllGather(Backend):
         return AllGatherLauncher(self.algorithm, config, ws)
 
 
-triton_reduce_scatter = TritonReduceScatter()
+triton_reduce_scatter_pull = TritonReduceScatter("pull")
+triton_reduce_scatter_push = TritonReduceScatter("push")
 triton_all_gather_push = TritonAllGather("push")
 triton_all_gather_pull = TritonAllGather("pull")
-BACKENDS = (triton_reduce_scatter, triton_all_gather_push, triton_all_gather_pull)
+BACKENDS = (triton_reduce_scatter_pull, triton_reduce_scatter_push, triton_all_gather_push, triton_all_gather_pull)

@@ -28,6 +28,10 @@ a barrier of its own (the push kernels do). The rank is a run-time argument (not
 one compiled kernel serves every rank, so ranks emulated on one GPU launch concurrently
 without one of them compiling while the others spin.
 
+``_reduce_scatter_push``: posted writes instead of peer loads. Every rank stores segment s of
+its input into its own slot of rank s's stage, barrier, sums its stage's slots locally in slot
+(= rank) order, end barrier; any input, no copy-in, no zero-copy variant (its docstring).
+
 Vectors: full chunks are unmasked; a segment's last chunk is split into its whole 16-byte
 vectors (masks uniform over 16 bytes: 128-bit accesses kept) and a < 16-byte tail
 (:func:`chunk_bounds`).
@@ -104,15 +108,20 @@ def copy_segment(dst, src, count, pid, n_programs, BLOCK: tl.constexpr, VEC: tl.
 
 
 @triton.jit
-def _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, end, WORLD_SIZE: tl.constexpr,
-               ALIGNED: tl.constexpr, ELEM: tl.constexpr, MASKED: tl.constexpr):
-    """out[offs] = fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order, from 0.0) of element
-    ``stage_start + offs`` of every rank's stage, rounded once. The same loads for every peer,
-    this rank included (no branch on the run-time rank), so all of them can be in flight at once."""
+def _sum_chunk(out_ptr, region_ptrs, stage_offset, at, offs, end, rank, WORLD_SIZE: tl.constexpr,
+               ALIGNED: tl.constexpr, ELEM: tl.constexpr, MASKED: tl.constexpr, SLOTS: tl.constexpr):
+    """out[offs] = fp32 sum over p = 0..WORLD_SIZE-1 (fixed order, from 0.0), rounded once, of
+    element ``offs`` of: rank p's stage at element ``at`` (pull), or slot p of this rank's own
+    stage, ``at`` elements apart (SLOTS: the push). The same loads for every p, this rank
+    included (no branch on the run-time rank), so all of them can be in flight at once."""
     mask = offs < end
     acc = tl.zeros(offs.shape, tl.float32)
-    for peer in tl.static_range(WORLD_SIZE):
-        src = _at(_stage_ptr(region_ptrs, peer, stage_offset, ALIGNED, ELEM), stage_start, ALIGNED) + offs
+    for p in tl.static_range(WORLD_SIZE):
+        if SLOTS:
+            src = _at(_stage_ptr(region_ptrs, rank, stage_offset, ALIGNED, ELEM), p * at, ALIGNED) + offs
+        else:
+            src = _at(_stage_ptr(region_ptrs, p, stage_offset, ALIGNED, ELEM), at, ALIGNED) + offs
+        # .cg: written by peers during this kernel, never serve it from L1
         if MASKED:
             val = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
         else:
@@ -155,8 +164,56 @@ def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank,
     for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
         offs = chunk * BLOCK + lane
         if chunk < n_full:
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, count, WORLD_SIZE, ALIGNED, ELEM, False)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, count, rank, WORLD_SIZE, ALIGNED, ELEM,
+                       False, False)
         else:  # the last chunk: whole vectors, then the ragged tail
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, whole, WORLD_SIZE, ALIGNED, ELEM, True)
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, tail, count, WORLD_SIZE, ALIGNED, ELEM, True)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, whole, rank, WORLD_SIZE, ALIGNED, ELEM,
+                       True, False)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, tail, count, rank, WORLD_SIZE, ALIGNED, ELEM,
+                       True, False)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # no peer still reads our stage (ZERO_COPY: our input)
+
+
+@triton.jit(do_not_specialize=["rank", "seg", "slot", "stage_offset"])
+def _reduce_scatter_push(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank, seg: tl.int32, slot: tl.int32,
+                         stage_offset: tl.int64, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                         SEG_ALIGNED: tl.constexpr, EVEN: tl.constexpr):
+    """out = segment ``rank`` of the sum over ranks of ``in``, by posted writes: every rank
+    *stores* its segment s into slot ``rank`` of rank s's stage (this rank's own segment into
+    its own stage, the same code), barrier, then sums its stage's WORLD_SIZE slots in slot
+    order 0..WORLD_SIZE-1 from local memory (the pull's bits), end barrier (a peer's next
+    pushes land in our slots at once, not before our reads).
+
+    Slot p of a stage starts ``p * slot`` elements in (``slot``: the largest segment rounded up
+    to 16 bytes, the same on every rank; ALIGNED: the stage is 16-byte aligned). Segments as in
+    :func:`_segment` (the table's stage starts are unused). The input is only read locally, so
+    any tensor is served with no copy-in and there is no zero-copy variant. Per rank (N = bytes
+    of the input): N (W-1)/W out over NVLink (posted, no read round trip), N read locally twice.
+    Chunk c of segment s is pushed by program b and, after the barrier, summed by rank s's
+    program b (the module docstring's work split), so the per-program barrier orders them.
+    """
+    ELEM: tl.constexpr = in_ptr.dtype.element_ty
+    VEC: tl.constexpr = 16 // (ELEM.primitive_bitwidth // 8)
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    for step in tl.static_range(WORLD_SIZE):
+        dest = (rank + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
+        start, count, _ = _segment(bounds_ptr, seg, slot, dest, EVEN, WORLD_SIZE)
+        slot_ptr = _at(_stage_ptr(region_ptrs, dest, stage_offset, ALIGNED, ELEM), rank * slot, ALIGNED)
+        copy_segment(slot_ptr, _at(in_ptr, start, SEG_ALIGNED), count, pid, n_programs, BLOCK, VEC)
+    barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # every slot of every stage holds its sender's segment
+    start, count, _ = _segment(bounds_ptr, seg, slot, rank, EVEN, WORLD_SIZE)
+    whole, tail = chunk_bounds(count, VEC)
+    n_full = whole // BLOCK
+    lane = tl.arange(0, BLOCK)
+    for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
+        offs = chunk * BLOCK + lane
+        if chunk < n_full:
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, slot, offs, count, rank, WORLD_SIZE, ALIGNED, ELEM,
+                       False, True)
+        else:  # the last chunk: whole vectors, then the ragged tail
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, slot, offs, whole, rank, WORLD_SIZE, ALIGNED, ELEM,
+                       True, True)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, slot, tail, count, rank, WORLD_SIZE, ALIGNED, ELEM,
+                       True, True)
+    barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # no peer pushes into our slots before we read them
