@@ -1,4 +1,4 @@
-"""Reduce-scatter (sum) over the symmetric workspace, pull flavour (Triton, device side only).
+"""Reduce-scatter (sum) over the symmetric workspace, pull and push (Triton, device side only).
 
 Every rank holds a contiguous input of ``total`` elements (bf16, fp16 or fp32) cut into
 WORLD_SIZE *segments*, segment ``s`` = elements ``[start_s, start_s + count_s)`` (equal
@@ -46,7 +46,8 @@ from .barrier import barrier
 
 @triton.jit
 def _segment(bounds_ptr, seg, stage_seg, s, EVEN: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """(start in the user tensor, count, start in the stage) of segment ``s``, in elements.
+    """(start in the user tensor, count, start in the stage) of segment ``s``, in units
+    (elements; bytes for autosymm.kernels.all_gather).
 
     EVEN: ``s * seg``, ``seg``, ``s * stage_seg``. Else the int32 table ``bounds_ptr``
     [2 * WORLD_SIZE + 1]: ``starts[0..WORLD_SIZE]`` (the last one is the total), then
