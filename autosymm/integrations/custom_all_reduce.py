@@ -1,21 +1,34 @@
-"""``AutosymmCustomAllReduce``: autosymm behind the custom-all-reduce interface serving stacks call.
+"""``AutosymmCustomAllReduce``: autosymm in the custom-all-reduce slot of vLLM and SGLang.
 
-Method names and semantics follow vLLM's ``CustomAllreduce`` (and SGLang's copy of it), so a
-stack can hold one of these where it holds its own:
+Built the way the stacks build theirs: vLLM 0.33.0 ``CustomAllreduce(group=cpu_group,
+device=device, symm_mem_enabled=..., register_graph_buffers=...)``
+(``distributed/device_communicators/cuda_communicator.py``), SGLang 0.5.23
+``CAClass(group=cpu_group, device=device)`` (``srt/distributed/parallel_state.py``). The group
+they pass is the CPU (gloo) group; the adapter serves on the device group over the same ranks
+(:func:`autosymm.integrations.groups.device_group_for`: found, or created collectively).
 
-* ``should_custom_ar(x) -> bool``: True when autosymm's decision for x's (dtype, numel, mode)
-  is not plain NCCL, i.e. a tuned kernel (or the world-size-1 no-op) would serve it. Decided
-  with the tuned databases through the dispatcher, cached per (dtype, numel, mode); never a size
-  threshold of its own.
-* ``custom_all_reduce(x) -> Optional[Tensor]``: a new tensor holding the sum over the group (x is
-  left as it was), or None when the stack should use its own path (NCCL) instead.
-* ``capture()``: context manager around a stack's CUDA-graph capture (its warm-up runs
-  included). Inside it the graph-mode rows decide, so warm-up calls run, and compile, the same
-  kernels the capture records. Unlike vLLM's, warm-up calls return the real sum, not an
-  uninitialised tensor. The group is initialised (collectively) on construction, never inside a
-  capture.
-* ``close()``: stop serving (``disabled`` becomes True); the workspace belongs to autosymm's group
-  state and stays for other users of the group.
+What their code calls on the slot:
+
+* ``disabled``, ``should_custom_ar(x) -> bool``, ``custom_all_reduce(x) -> Optional[Tensor]``:
+  autosymm serves ``x`` when its decision for x's (dtype, numel, mode) is not plain NCCL (decided
+  with the tuned databases, cached per key; never a size threshold of its own, but below
+  ``max_size`` bytes when one is given). Otherwise the stack's own object, when the adapter wraps
+  one (``fallback``), answers; else None: the stack's next path (NCCL) runs.
+* ``capture()``: context manager around a stack's CUDA-graph capture, warm-up runs included.
+  Inside it the graph-mode rows decide, so warm-ups prepare, and compile, what the capture
+  records; the wrapped object's ``capture()`` is entered too. Unlike vLLM's, warm-up calls
+  return the real sum, not an uninitialised tensor.
+* ``fused_allreduce_rmsnorm(x, residual, weight, eps) -> Optional[(out, residual_out)]``: SGLang's
+  fused convention (``GroupCoordinator.fused_allreduce_rmsnorm``): ``residual_out = residual +
+  all_reduce(x)`` (a new tensor; ``residual`` unchanged, ``x`` is scratch) and ``out =
+  rmsnorm(residual_out) * weight``; None where autosymm's decision is NCCL and nothing wrapped serves.
+* ``fully_connected`` and every other attribute (``custom_all_gather``, ``custom_reduce_scatter``,
+  ``mnnvl_*``, ``_IS_CAPTURING``, ...): the wrapped object's. Without one, ``fully_connected`` is
+  False (autosymm has no all-gather yet, so the stacks' all-gather paths keep theirs).
+* ``close()``: stop serving (``disabled`` becomes True) and close the wrapped object; the
+  workspace belongs to autosymm's group state and stays for other users of the group.
+
+Constructing is collective over the group's ranks (``autosymm.init`` on the device group).
 """
 
 from __future__ import annotations
@@ -28,31 +41,60 @@ import torch.distributed as dist
 
 import autosymm
 from autosymm.backends import FALLBACK
-from autosymm.problem import DTYPES
+from autosymm.problem import DTYPES, Problem, dtype_name
+
+from .groups import device_group_for, group_device, serving_backend
 
 _SUPPORTED = frozenset(DTYPES.values())
+#: Keyword arguments of vLLM's CustomAllreduce that size or configure its own buffers: accepted,
+#: with no effect here (autosymm's workspace is sized by AUTOSYMM_WORKSPACE_BYTES).
+STACK_OPTIONS = frozenset({"max_all_gather_size", "max_mnnvl_all_gather_size", "max_reduce_scatter_size",
+                           "max_mnnvl_reduce_scatter_size", "max_mnnvl_multimem_reduce_scatter_size",
+                           "symm_mem_enabled", "register_graph_buffers"})
 
 
 class AutosymmCustomAllReduce:
-    """Out-of-place sum over ``group`` through autosymm, for a stack's custom-all-reduce slot.
+    """Out-of-place sums over a stack's group through autosymm, for its custom-all-reduce slot.
 
-    ``group``: the process group (None: the default group); ``device``: this rank's device (a
-    CUDA device for NCCL groups; CPU for gloo, where autosymm never beats the fallback and
-    ``should_custom_ar`` is False). Constructing is collective: every rank of ``group`` must
-    construct its adapter together (it runs ``autosymm.init(group)``).
+    ``group``: the group the stack passes (its CPU/gloo group; None: the world); ``device``: this
+    rank's device (int, str or torch.device; default: the group's); ``max_size``: bytes from which
+    autosymm declines (None: its databases decide every size); ``device_group``: the group to
+    serve on when the caller has it (default: found or created over ``group``'s ranks);
+    ``fallback``: the stack's own custom all-reduce, asked where autosymm would run NCCL.
+    ``stack_options``: the other keywords of vLLM's constructor (:data:`STACK_OPTIONS`).
     """
 
-    def __init__(self, group=None, device=None) -> None:
+    def __init__(self, group=None, device=None, max_size: Optional[int] = None, *, device_group=None,
+                 fallback=None, **stack_options) -> None:
+        unknown = sorted(set(stack_options) - STACK_OPTIONS)
+        if unknown:
+            raise TypeError(f"AutosymmCustomAllReduce got unexpected keyword arguments {unknown}; "
+                            f"it takes group, device, max_size, device_group, fallback and {sorted(STACK_OPTIONS)}")
         if not dist.is_initialized():
             raise RuntimeError("AutosymmCustomAllReduce needs torch.distributed initialised (dist.init_process_group)")
-        self.group = group
-        self.device = _normalise(torch.device(device)) if device is not None else _group_device(group)
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.fallback = fallback
+        self.cpu_group = group
+        self.device = _as_device(device) if device is not None else group_device(group)
+        self.group = device_group if device_group is not None else device_group_for(group,
+                                                                                   serving_backend(self.device))
+        self.max_size = max_size
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         self.disabled = False
         self._capturing = False
         self._use: dict[tuple, bool] = {}
-        autosymm.init(group)  # collective: workspace rendezvous and DB agreement, outside any capture
+        autosymm.init(self.group)  # collective: workspace rendezvous and DB agreement, outside any capture
+
+    def __getattr__(self, name: str):
+        fallback = self.__dict__.get("fallback")
+        if fallback is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (and wraps no stack object)")
+        return getattr(fallback, name)
+
+    @property
+    def fully_connected(self) -> bool:
+        """The wrapped object's (the stacks read it to pick their custom all-gather); else False."""
+        return bool(getattr(self.fallback, "fully_connected", False))
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -60,7 +102,10 @@ class AutosymmCustomAllReduce:
         previous = self._capturing
         self._capturing = True
         try:
-            yield
+            with contextlib.ExitStack() as stack:
+                if self.fallback is not None:
+                    stack.enter_context(self.fallback.capture())
+                yield
         finally:
             self._capturing = previous
 
@@ -70,10 +115,14 @@ class AutosymmCustomAllReduce:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         return "graph" if capturing else "eager"
 
-    def should_custom_ar(self, x: torch.Tensor) -> bool:
-        """True when autosymm would serve ``x`` with something other than plain NCCL."""
-        if (self.disabled or x.dtype not in _SUPPORTED or x.device != self.device or not x.is_contiguous()
-                or x.numel() == 0):
+    def _fits(self, x: torch.Tensor) -> bool:
+        return (not self.disabled and x.dtype in _SUPPORTED and x.device == self.device and x.is_contiguous()
+                and x.numel() > 0 and (self.max_size is None or x.numel() * x.element_size() < self.max_size))
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """True when autosymm itself (not the wrapped object) would serve ``x`` with something
+        other than plain NCCL."""
+        if not self._fits(x):
             return False
         key = (x.dtype, x.numel(), self._mode())
         use = self._use.get(key)
@@ -81,6 +130,12 @@ class AutosymmCustomAllReduce:
             decision = autosymm.explain(x, group=self.group, mode=key[2])
             use = self._use[key] = decision.backend != FALLBACK["all_reduce"]
         return use
+
+    def should_custom_ar(self, x: torch.Tensor) -> bool:
+        """True when autosymm, or the wrapped object, serves ``x``."""
+        if self.serves(x):
+            return True
+        return self.fallback is not None and not self.disabled and self.fallback.should_custom_ar(x)
 
     def all_reduce(self, x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of ``x`` over the group in ``out`` (a new tensor by default); ``x`` unchanged.
@@ -98,30 +153,59 @@ class AutosymmCustomAllReduce:
 
     def custom_all_reduce(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """A new tensor with the sum of ``x`` over the group, or None when the caller should use
-        its own all-reduce (disabled, or autosymm would run plain NCCL for this call)."""
-        if not self.should_custom_ar(x):
-            return None
-        return self.all_reduce(x)
+        its own all-reduce (disabled, or neither autosymm nor the wrapped object serves it)."""
+        if self.serves(x):
+            return self.all_reduce(x)
+        if self.fallback is not None and not self.disabled and self.fallback.should_custom_ar(x):
+            return self.fallback.custom_all_reduce(x)
+        return None
+
+    def serves_fused(self, x: torch.Tensor) -> bool:
+        """True when autosymm's decision for the fused all-reduce + RMSNorm of ``x`` [tokens,
+        hidden] is not its NCCL fallback."""
+        if not self._fits(x) or x.dim() != 2:
+            return False
+        key = ("all_reduce_rmsnorm", x.dtype, tuple(x.shape), self._mode())
+        use = self._use.get(key)
+        if use is None:
+            problem = Problem.all_reduce_rmsnorm(x.shape[0], x.shape[1], dtype_name(x.dtype), self.world_size)
+            decision = autosymm.explain(group=self.group, op="all_reduce_rmsnorm", mode=key[3], problem=problem)
+            use = self._use[key] = decision.backend != FALLBACK["all_reduce_rmsnorm"]
+        return use
+
+    def fused_allreduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """SGLang's fused call: ``(rmsnorm(residual + sum(x)) * weight, residual + sum(x))`` as new
+        tensors, or None for the caller's own path (see the module docstring)."""
+        if self.serves_fused(x):
+            return self.all_reduce_rmsnorm(x, residual, weight, eps)
+        inner = getattr(self.fallback, "fused_allreduce_rmsnorm", None)
+        return inner(x, residual, weight, eps) if inner is not None and not self.disabled else None
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, residual_out)`` through autosymm.all_reduce_rmsnorm, whatever it decides;
+        ``residual`` is left as it was (``x`` is scratch)."""
+        residual_out = residual.clone(memory_format=torch.contiguous_format)
+        out = autosymm.all_reduce_rmsnorm(x, residual_out, weight, eps, group=self.group)
+        return out, residual_out
 
     def close(self) -> None:
-        """Stop serving: ``custom_all_reduce`` returns None from now on."""
+        """Stop serving: ``custom_all_reduce`` returns None from now on; closes the wrapped object."""
         self.disabled = True
         self._use.clear()
+        if self.fallback is not None and hasattr(self.fallback, "close"):
+            self.fallback.close()
 
     def __repr__(self) -> str:
         return (f"AutosymmCustomAllReduce(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
-                f"disabled={self.disabled})")
+                f"disabled={self.disabled}, fallback={type(self.fallback).__name__ if self.fallback else None})")
 
 
-def _group_device(group) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _normalise(device: torch.device) -> torch.device:
-    """'cuda' -> 'cuda:<current>' so that it compares equal to a tensor's device."""
+def _as_device(device) -> torch.device:
+    """int -> cuda:<int> (as vLLM takes it); 'cuda' -> 'cuda:<current>', so that it compares equal
+    to a tensor's device."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
