@@ -1,9 +1,12 @@
-"""autosymm.integrations on 2 gloo ranks (one spawn for both adapters): the custom-all-reduce
-adapter's gating, out-of-place sum and decision cache; the MoE manager's dispatch rows and its
-combine against a reference computed with torch on the gathered data."""
+"""autosymm.integrations on 2 gloo ranks (one spawn for all adapters): the custom-all-reduce
+adapter built with vLLM's and SGLang's constructor arguments and CPU group (serving group found
+or created, sums equal to dist.all_reduce), its gating, decision cache, the wrapped stack object
+and SGLang's fused convention; the MoE manager's dispatch rows and its combine against a
+reference computed with torch on the gathered data, and its vLLM and torchtitan shapes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import traceback
@@ -24,7 +27,9 @@ def _target(rank, world_size, port, queue):
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        report = {"custom_all_reduce": _custom_all_reduce(rank, world_size), "moe": _moe(rank, world_size)}
+        report = {"custom_all_reduce": _custom_all_reduce(rank, world_size), "moe": _moe(rank, world_size),
+                  "stacks": _stack_construction(rank, world_size), "wrapped": _wrapped_stack_object(rank),
+                  "fused": _fused_convention(rank, world_size), "moe_shapes": _moe_shapes(rank, world_size)}
         queue.put((rank, report, None))
     except BaseException:
         queue.put((rank, None, traceback.format_exc()))
@@ -132,8 +137,195 @@ def _moe(rank, world_size):
     return int(mine.sum())
 
 
+def _stack_construction(rank, world_size):
+    """vLLM's CustomAllreduce(group=cpu_group, device, symm_mem_enabled, *, register_graph_buffers)
+    and SGLang's CAClass(group=cpu_group, device=device): the adapter serves on the group over the
+    same ranks that runs the device's backend, and its sums are dist.all_reduce's."""
+    import torch.distributed as dist
+
+    import autosymm
+    from autosymm.integrations import AutosymmCustomAllReduce
+    from autosymm.integrations import groups
+
+    cpu_group = dist.new_group(list(range(world_size)), backend="gloo")  # as the stacks make theirs
+    vllm_style = AutosymmCustomAllReduce(group=cpu_group, device=torch.device("cpu"), symm_mem_enabled=False,
+                                         register_graph_buffers=True)
+    sglang_style = AutosymmCustomAllReduce(group=cpu_group, device="cpu")
+    x = torch.arange(4096, dtype=torch.float32) * (rank + 1)
+    want = x.clone()
+    dist.all_reduce(want)
+    for car in (vllm_style, sglang_style):
+        assert car.group is cpu_group and car.device == torch.device("cpu")  # gloo serves CPU tensors
+        decision = autosymm.explain(x, group=car.group)
+        assert "group" not in decision.reason, decision.reason  # decided on the merits, not refused for the group
+        assert torch.equal(car.all_reduce(x), want)
+    try:
+        AutosymmCustomAllReduce(group=cpu_group, device="cpu", max_sizes=1)
+    except TypeError as exc:
+        assert "max_sizes" in str(exc)
+    else:
+        raise AssertionError("an unknown keyword must raise TypeError")
+    # The device group over the ranks of a group that does not run the backend: found, else created
+    # (collectively over those ranks), and found again by the next adapter.
+    real_get_backend = groups.dist.get_backend
+    groups.dist.get_backend = lambda g=None: "fake" if g is cpu_group else real_get_backend(g)
+    try:
+        made = groups.device_group_for(cpu_group, "gloo")
+        assert made is not cpu_group and dist.get_process_group_ranks(made) == list(range(world_size))
+        if world_size == dist.get_world_size():
+            assert made is dist.group.WORLD  # the world group runs gloo over the same ranks: found
+        sub = dist.new_group([0], backend="gloo") if world_size > 1 else None  # every rank creates it
+        if rank == 0:
+            assert groups.find_group([0], "gloo") is sub
+        assert groups.find_group([0], "nccl") is None
+    finally:
+        groups.dist.get_backend = real_get_backend
+    if world_size > 1:
+        single = dist.new_group([1], backend="gloo")  # every rank takes part; only rank 1 is in it
+        groups.dist.get_backend = lambda g=None: "fake" if g is single else real_get_backend(g)
+        try:
+            if rank == 1:
+                created = groups.device_group_for(single, "gloo")  # no other group over [1]: created alone
+                assert created is not single and dist.get_process_group_ranks(created) == [1]
+                assert groups.find_group([1], "gloo") in (single, created)
+        finally:
+            groups.dist.get_backend = real_get_backend
+    return decision.describe()
+
+
+class _StackCA:
+    """A stand-in for the stack's own custom all-reduce: serves numel 8 only, records calls."""
+
+    def __init__(self):
+        self.calls, self.fully_connected, self.closed = [], True, False
+        self.mnnvl_lamport_ag_multicast_ptr = 1234
+
+    def should_custom_ar(self, x):
+        return x.numel() == 8
+
+    def custom_all_reduce(self, x):
+        self.calls.append("custom_all_reduce")
+        return torch.full_like(x, -1.0)
+
+    def custom_all_gather(self, x):
+        self.calls.append("custom_all_gather")
+        return x.repeat(2)
+
+    @contextlib.contextmanager
+    def capture(self):
+        self.calls.append("capture")
+        yield
+
+    def close(self):
+        self.closed = True
+
+
+def _wrapped_stack_object(rank):
+    """Where autosymm runs NCCL the wrapped stack object answers; every other attribute is its."""
+    from autosymm.integrations import AutosymmCustomAllReduce
+
+    alone = AutosymmCustomAllReduce(device="cpu")
+    assert not alone.fully_connected and alone.mnnvl_lamport_ag_multicast_ptr == 0
+    assert not hasattr(alone, "custom_all_gather")  # autosymm's own all-gather comes with phase 2
+    stack = _StackCA()
+    car = AutosymmCustomAllReduce(device="cpu", fallback=stack)
+    eight, other = torch.ones(8), torch.ones(16)
+    assert car.should_custom_ar(eight) and not car.should_custom_ar(other)
+    assert torch.equal(car.custom_all_reduce(eight), torch.full((8,), -1.0))
+    assert car.custom_all_reduce(other) is None
+    assert car.fully_connected and car.mnnvl_lamport_ag_multicast_ptr == 1234
+    assert torch.equal(car.custom_all_gather(torch.ones(2)), torch.ones(4))
+    with car.capture():
+        assert car._mode() == "graph"
+    assert car._mode() == "eager"
+    car.close()
+    assert car.disabled and stack.closed and car.custom_all_reduce(eight) is None
+    return stack.calls
+
+
+def _fused_convention(rank, world_size):
+    """SGLang's fused call: (norm_out, residual + sum) as new tensors, residual unchanged; None
+    where autosymm's decision is its NCCL fallback (gloo) and nothing wrapped serves."""
+    from autosymm.dispatch import Decision
+    from autosymm.integrations import AutosymmCustomAllReduce
+    from autosymm.integrations import custom_all_reduce as module
+
+    car = AutosymmCustomAllReduce(device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    xs = torch.randn(world_size, 5, 64, generator=gen)
+    residual, weight = torch.randn(5, 64, generator=gen), torch.randn(64, generator=gen)
+    kept = residual.clone()
+    assert car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6) is None
+    real_explain = module.autosymm.explain
+    module.autosymm.explain = lambda *a, **k: Decision("triton_fused", None, "stub", mode="eager")
+    car._use.clear()  # decisions are cached per key: forget the gloo one
+    try:
+        out, residual_out = car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6)
+    finally:
+        module.autosymm.explain = real_explain
+    want_residual = residual + xs.sum(0)
+    torch.testing.assert_close(residual_out, want_residual)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(want_residual, (64,), weight, 1e-6))
+    assert torch.equal(residual, kept)
+    return True
+
+
+def _moe_shapes(rank, world_size):
+    """vLLM's AgRs contract (dispatch gathers, combine sums each rank's partials) and torchtitan's
+    dispatcher (compact expert-major rows, score-weighted combine) against torch on gathered data."""
+    import torch.distributed as dist
+
+    from autosymm.integrations import TitanTokenDispatcher, VllmAll2AllManager
+
+    n_local, d_model, n_experts, k = 6, 32, 5, 2
+    x, ids, weights = _moe_inputs(rank, world_size, n_local, d_model, n_experts, k)
+    cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
+    vllm = VllmAll2AllManager(cpu_group, n_experts=n_experts, device=torch.device("cpu"))
+    extra = torch.arange(n_local, dtype=torch.float32)[:, None] + 100 * rank
+    hs, w, got_ids, extras = vllm.dispatch(x[rank], weights[rank], ids[rank], extra_tensors=[extra])
+    flat_ids = ids.reshape(-1, k)
+    torch.testing.assert_close(w, weights.reshape(-1, k))
+    assert torch.equal(got_ids, flat_ids) and got_ids.dtype == ids.dtype
+    assert torch.equal(extras[0], torch.cat([torch.arange(n_local)[:, None] + 100 * r for r in range(world_size)])
+                       .float())
+    owned = set(vllm.manager.local_experts)
+    routed_here = torch.tensor([any(int(e) in owned for e in row) for row in flat_ids])
+    tokens = x.reshape(-1, d_model)
+    assert torch.equal(hs[routed_here], tokens[routed_here]) and not hs[~routed_here].any()
+    # each rank's partial: its experts' weighted outputs summed per token (expert e scales by e + 1)
+    scale = torch.arange(1, n_experts + 1, dtype=torch.float32)
+    local = torch.tensor([[int(e) in owned for e in row] for row in flat_ids])
+    factor = torch.where(local, w * scale[flat_ids.clamp(min=0)], 0.0)
+    partial = hs * factor.sum(1, keepdim=True)
+    combined = vllm.combine(partial)
+    everyone = torch.where(flat_ids >= 0, w * scale[flat_ids.clamp(min=0)], 0.0).sum(1, keepdim=True) * tokens
+    torch.testing.assert_close(combined, everyone[rank * n_local:(rank + 1) * n_local], rtol=1e-5, atol=1e-5)
+    try:
+        vllm.dispatch(x[rank], weights[rank], ids[rank], is_sequence_parallel=True)
+    except ValueError as exc:
+        assert "is_sequence_parallel" in str(exc)
+    else:
+        raise AssertionError("a call for another group must raise")
+
+    titan = TitanTokenDispatcher(n_experts)
+    counts_in = torch.bincount(ids[rank][ids[rank] >= 0].flatten(), minlength=n_experts)
+    routed, counts, metadata = titan.dispatch(x[rank], weights[rank], ids[rank], counts_in)
+    pairs = sorted(((int(e), t) for t in range(flat_ids.shape[0]) for e in flat_ids[t] if int(e) in owned))
+    assert torch.equal(routed, torch.stack([tokens[t] for _, t in pairs]))
+    assert counts.tolist() == [sum(e == g for e, _ in pairs) for g in titan.manager.local_experts]
+    expert_of = torch.tensor([e for e, _ in pairs])
+    out = titan.combine(routed * scale[expert_of][:, None], metadata, x[rank])
+    mine = slice(rank * n_local, (rank + 1) * n_local)
+    torch.testing.assert_close(out, everyone[mine], rtol=1e-5, atol=1e-5)
+    return len(pairs)
+
+
 def test_adapters_on_two_gloo_ranks():
-    reports = run_with_deadline(_target, WORLD_SIZE, deadline_s=60)
+    reports = run_with_deadline(_target, WORLD_SIZE, deadline_s=120)
     for rank in range(WORLD_SIZE):
         assert reports[rank]["custom_all_reduce"]["nccl"]["calls"] == 4  # 1 plain + 3 gated calls
+        assert reports[rank]["wrapped"] == ["custom_all_reduce", "custom_all_gather", "capture"]
+        assert reports[rank]["fused"]
+        assert reports[rank]["stacks"].startswith("nccl")  # gloo: the fallback, NCCL's stand-in
     assert sum(reports[rank]["moe"] for rank in range(WORLD_SIZE)) > 0
+    assert sum(reports[rank]["moe_shapes"] for rank in range(WORLD_SIZE)) > 0

@@ -51,6 +51,9 @@ _SUPPORTED = frozenset(DTYPES.values())
 STACK_OPTIONS = frozenset({"max_all_gather_size", "max_mnnvl_all_gather_size", "max_reduce_scatter_size",
                            "max_mnnvl_reduce_scatter_size", "max_mnnvl_multimem_reduce_scatter_size",
                            "symm_mem_enabled", "register_graph_buffers"})
+#: What the stacks read on the slot where no stack object is wrapped: autosymm's value.
+#: (vLLM's DeepSeek mHC path asks for the MNNVL multicast mailbox: autosymm creates none.)
+_OWN_VALUES = {"mnnvl_lamport_ag_multicast_ptr": 0}
 
 
 class AutosymmCustomAllReduce:
@@ -87,6 +90,8 @@ class AutosymmCustomAllReduce:
 
     def __getattr__(self, name: str):
         fallback = self.__dict__.get("fallback")
+        if fallback is None and name in _OWN_VALUES:
+            return _OWN_VALUES[name]
         if fallback is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (and wraps no stack object)")
         return getattr(fallback, name)

@@ -42,8 +42,9 @@ def _has_backend(group, backend: str) -> bool:
 
 def _known_groups() -> list:
     """Every group this rank belongs to, in creation order (the same order on every rank)."""
-    world = dist.distributed_c10d._world
-    return list(getattr(world, "pg_group_ranks", {}))
+    me = dist.get_rank()
+    ranks_of = getattr(dist.distributed_c10d._world, "pg_group_ranks", {})  # group -> {global: group rank}
+    return [group for group, ranks in ranks_of.items() if me in ranks]
 
 
 def find_group(ranks: list[int], backend: str) -> Optional[dist.ProcessGroup]:

@@ -1,0 +1,80 @@
+"""SGLang plugin: autosymm first in the custom-all-reduce slot and the fused all-reduce + RMSNorm
+(checked against SGLang 0.5.23).
+
+Installing autosymm declares the ``sglang.srt.plugins`` entry point ``autosymm`` ->
+:func:`register`, which SGLang's ``load_plugins()`` runs in every process before applying its
+hooks (``sglang.srt.plugins.hook_registry.HookRegistry``). Two AROUND hooks:
+
+* :data:`CA_DISPATCH` (``dispatch_custom_allreduce(group, device)``, the class SGLang then builds
+  as ``CAClass(group=cpu_group, device=device)``): returns a factory building SGLang's own custom
+  all-reduce and an :class:`~autosymm.integrations.AutosymmCustomAllReduce` wrapping it. autosymm
+  serves where its decision is not NCCL, SGLang's own object where that one accepts, else SGLang's
+  next path (pynccl, NCCL).
+* :data:`FUSED` (``flashinfer_allreduce_residual_rmsnorm(input_tensor, residual, weight, eps,
+  ..., use_attn_tp_group)`` -> ``(norm_out, residual_out)``, what SGLang's RMSNorm calls with
+  ``--enable-flashinfer-allreduce-fusion``): autosymm's fused op where the group's slot holds an
+  autosymm adapter whose decision is not NCCL, else FlashInfer's (whose ``(None, None)`` sends
+  SGLang to its unfused path).
+
+``SGLANG_PLUGINS`` (SGLang's allow-list) selects plugins by name. Nothing here imports SGLang
+until :func:`register` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+
+from .custom_all_reduce import AutosymmCustomAllReduce
+
+log = logging.getLogger("autosymm")
+
+CA_DISPATCH = "sglang.srt.distributed.device_communicators.custom_all_reduce.dispatch_custom_allreduce"
+FUSED = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: register the two hooks (see the module docstring)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(CA_DISPATCH, dispatch_custom_allreduce, HookType.AROUND)
+    HookRegistry.register(FUSED, fused_allreduce_residual_rmsnorm, HookType.AROUND)
+
+
+def dispatch_custom_allreduce(original, *args, **kwargs):
+    """AROUND ``dispatch_custom_allreduce``: the factory ``(group=..., device=...) -> adapter``
+    wrapping the class SGLang would have built."""
+    return functools.partial(build, original(*args, **kwargs))
+
+
+def build(stack_class, group, device) -> AutosymmCustomAllReduce:
+    """An adapter over SGLang's ``stack_class(group=group, device=device)``; where that one cannot
+    be built (SGLang then warns and goes without), the adapter alone. Collective."""
+    try:
+        inner = stack_class(group=group, device=device)
+    except Exception as exc:  # what SGLang's own construction does with it: warn, go on without
+        log.warning("autosymm: SGLang's custom all-reduce %s failed (%s); autosymm serves alone",
+                    getattr(stack_class, "__name__", stack_class), exc)
+        inner = None
+    return AutosymmCustomAllReduce(group=group, device=device, fallback=inner)
+
+
+def serve_fused(adapter, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(norm_out, residual_out)`` from autosymm where ``adapter`` is an autosymm adapter whose
+    fused decision is not NCCL, else None."""
+    if isinstance(adapter, AutosymmCustomAllReduce) and residual.shape == x.shape and adapter.serves_fused(x):
+        return adapter.all_reduce_rmsnorm(x, residual, weight, eps)
+    return None
+
+
+def fused_allreduce_residual_rmsnorm(original, input_tensor, residual, weight, eps=1e-6, **options):
+    """AROUND FlashInfer's fused call: autosymm's where it serves (see the module docstring)."""
+    from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
+
+    _, _, coordinator = resolve_fusion_group(use_attn_tp_group=options.get("use_attn_tp_group", True))
+    served = serve_fused(getattr(coordinator, "ca_comm", None), input_tensor, residual, weight, eps)
+    return served if served is not None else original(input_tensor, residual, weight, eps, **options)

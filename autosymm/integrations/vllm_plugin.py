@@ -1,0 +1,117 @@
+"""vLLM plugin: autosymm first in the tensor-parallel all-reduce chain (checked against vLLM 0.33.0).
+
+Installing autosymm declares the ``vllm.platform_plugins`` entry point ``autosymm`` ->
+:func:`platform_plugin`. Where vLLM's own CUDA platform would activate, it names
+:class:`AutosymmCudaPlatform`: vLLM's CUDA platform whose ``get_device_communicator_cls()`` is
+:class:`AutosymmCudaCommunicator`, vLLM's ``CudaCommunicator`` with, on each ``tp`` group of
+more than one rank (the groups vLLM gives its custom all-reduce):
+
+* an :class:`~autosymm.integrations.AutosymmCustomAllReduce` built on the communicator's CPU
+  group, device and device group, wrapping vLLM's own ``ca_comm`` and put in its place (vLLM's
+  graph capture enters its ``capture()``, which enters the wrapped one's);
+* ``all_reduce(x)``: autosymm's sum where autosymm's decision is not NCCL, else vLLM's own chain
+  unchanged (NCCL symmetric memory, FlashInfer, custom all-reduce, symm_mem, pynccl);
+* ``custom_all_gather`` / ``custom_reduce_scatter``: vLLM's own custom all-reduce's (None where
+  vLLM built none), until autosymm has those collectives.
+
+vLLM's allow-list selects plugins: ``VLLM_PLUGINS=autosymm`` (or a list without it to leave
+autosymm out). Nothing here imports vLLM until vLLM asks for a class.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from .custom_all_reduce import AutosymmCustomAllReduce
+
+PLATFORM_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaPlatform"
+COMMUNICATOR_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaCommunicator"
+
+
+def platform_plugin() -> Optional[str]:
+    """The ``vllm.platform_plugins`` entry point: :data:`PLATFORM_QUALNAME` where vLLM's CUDA
+    platform plugin activates (a CUDA device), else None (vLLM's detection goes on)."""
+    from vllm.platforms import cuda_platform_plugin
+
+    return PLATFORM_QUALNAME if cuda_platform_plugin() is not None else None
+
+
+def attach(comm) -> Optional[AutosymmCustomAllReduce]:
+    """Put autosymm on a vLLM communicator (``cpu_group``, ``device``, ``device_group``,
+    ``unique_name``, ``world_size``, ``ca_comm``): on a ``tp`` group of more than one rank, an
+    adapter wrapping ``comm.ca_comm`` becomes ``comm.ca_comm`` and is returned; else None.
+    Collective over the group's ranks (vLLM builds every rank's communicator together)."""
+    if comm.unique_name.split(":")[0] != "tp" or comm.world_size <= 1:
+        return None
+    adapter = AutosymmCustomAllReduce(group=comm.cpu_group, device=comm.device, device_group=comm.device_group,
+                                      fallback=comm.ca_comm)
+    comm.ca_comm = adapter
+    return adapter
+
+
+def serve_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor,
+                chain: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """autosymm's out-of-place sum of ``x`` where it serves, else ``chain(x)`` (vLLM's own)."""
+    if adapter is not None and adapter.serves(x):
+        return adapter.all_reduce(x)
+    return chain(x)
+
+
+def stack_collective(adapter: Optional[AutosymmCustomAllReduce], name: str, x: torch.Tensor):
+    """vLLM's own custom all-reduce's ``name`` (custom_all_gather / custom_reduce_scatter) of
+    ``x``, or None (vLLM's NCCL path) where vLLM built none."""
+    inner = adapter.fallback if adapter is not None else None
+    return getattr(inner, name)(x.contiguous()) if inner is not None else None
+
+
+@functools.cache
+def _communicator_class():
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    class AutosymmCudaCommunicator(CudaCommunicator):
+        """vLLM's CudaCommunicator with autosymm first in ``all_reduce`` (module docstring)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.autosymm = attach(self)
+
+        def all_reduce(self, input_):
+            return serve_first(self.autosymm, input_, super().all_reduce)
+
+        def custom_all_gather(self, input_):
+            return stack_collective(self.autosymm, "custom_all_gather", input_) if self.autosymm else \
+                super().custom_all_gather(input_)
+
+        def custom_reduce_scatter(self, input_):
+            return stack_collective(self.autosymm, "custom_reduce_scatter", input_) if self.autosymm else \
+                super().custom_reduce_scatter(input_)
+
+    AutosymmCudaCommunicator.__module__ = __name__
+    return AutosymmCudaCommunicator
+
+
+@functools.cache
+def _platform_class():
+    from vllm.platforms.cuda import CudaPlatform
+
+    class AutosymmCudaPlatform(CudaPlatform):
+        """vLLM's CUDA platform with :class:`AutosymmCudaCommunicator` as its device communicator."""
+
+        @classmethod
+        def get_device_communicator_cls(cls) -> str:
+            return COMMUNICATOR_QUALNAME
+
+    AutosymmCudaPlatform.__module__ = __name__
+    return AutosymmCudaPlatform
+
+
+def __getattr__(name: str):
+    """The classes vLLM resolves by qualified name, built (importing vLLM) on first access."""
+    if name == "AutosymmCudaPlatform":
+        return _platform_class()
+    if name == "AutosymmCudaCommunicator":
+        return _communicator_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
