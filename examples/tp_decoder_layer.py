@@ -19,6 +19,8 @@ The all-reduce is a callable ``all_reduce(t) -> t`` (in place): see ``make_all_r
 has a ``fused(y, residual, weight, eps)`` attribute (backend ``autosymm_fused``:
 ``autosymm.all_reduce_rmsnorm``) serves the first all-reduce together with the residual add and
 the MLP's RMSNorm in one call.
+Under ``compile_step`` (torch.compile with autosymm's fusion pass) the plain ``autosymm`` backend
+gets the same fused call without the layer asking for it.
 Run ``scripts/bench_tp_layer.py`` to time it with each all-reduce.
 """
 
@@ -221,6 +223,19 @@ def _nccl(group) -> AllReduce:
         return t
 
     return all_reduce
+
+
+def compile_step(fn: Callable, *, fuse: bool = True, cuda_graphs: bool = True, dynamic=None) -> Callable:
+    """``torch.compile(fn)`` with inductor's CUDA graphs (what ``mode="reduce-overhead"`` sets) and,
+    with ``fuse``, autosymm's pass that rewrites all-reduce -> residual add -> RMSNorm into
+    ``torch.ops.autosymm.all_reduce_rmsnorm`` (here: the first all-reduce of ``_finish`` and the
+    MLP's RMSNorm, as the ``autosymm_fused`` backend calls it by hand)."""
+    options: dict = {"triton.cudagraphs": cuda_graphs}
+    if fuse:
+        from autosymm.integrations.fusion_pass import AllReduceRMSNormPass
+
+        options["post_grad_custom_post_pass"] = AllReduceRMSNormPass()
+    return torch.compile(fn, options=options, dynamic=dynamic)
 
 
 BACKENDS = ("nccl", "torch_one_shot", "torch_two_shot", "autosymm", "autosymm_fused")
