@@ -192,7 +192,7 @@ class AllReduceRMSNormPass(CustomGraphPass):
 
     def __call__(self, graph: Graph) -> None:
         for node in list(graph.nodes):
-            if node.graph is graph and _call(node, aten.add.Tensor):
+            if node.graph is graph and _call(node, aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
                 self._try(graph, node)
 
     def uuid(self) -> bytes:
