@@ -47,7 +47,7 @@ class VllmAll2AllManager:
 
     ``cpu_group``, ``tcp_store_group``: as vLLM's managers take them (the latter must be None);
     ``n_experts`` and ``assignment``: as :class:`AutosymmAll2AllManager`; ``device``: this rank's
-    device (default: the group's); ``sequence_parallel``: the ``is_sequence_parallel`` every call
+    device (default: the current CUDA device, else the group's); ``sequence_parallel``: the ``is_sequence_parallel`` every call
     passes (a manager serves one group). Collective over the group's ranks.
     """
 
@@ -56,7 +56,10 @@ class VllmAll2AllManager:
         if tcp_store_group is not None:
             raise ValueError("VllmAll2AllManager serves torch.distributed groups; a stateless "
                              "tcp_store_group has no device group for autosymm")
-        device = torch.device(device) if device is not None else group_device(cpu_group)
+        if device is None:  # where vLLM's managers compute: the current CUDA device
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+                group_device(cpu_group)
+        device = torch.device(device)
         self.cpu_group = cpu_group
         self.group = device_group_for(cpu_group, serving_backend(device))
         self.manager = AutosymmAll2AllManager(n_experts, self.group, assignment)
