@@ -47,8 +47,9 @@ class VllmAll2AllManager:
 
     ``cpu_group``, ``tcp_store_group``: as vLLM's managers take them (the latter must be None);
     ``n_experts`` and ``assignment``: as :class:`AutosymmAll2AllManager`; ``device``: this rank's
-    device (default: the current CUDA device, else the group's); ``sequence_parallel``: the ``is_sequence_parallel`` every call
-    passes (a manager serves one group). Collective over the group's ranks.
+    device (default: the current CUDA device, else the group's); ``sequence_parallel``: the
+    ``is_sequence_parallel`` every call passes (a manager serves one group). Collective over the
+    group's ranks.
     """
 
     def __init__(self, cpu_group, tcp_store_group=None, *, n_experts: int, assignment=None,
