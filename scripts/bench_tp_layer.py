@@ -5,8 +5,9 @@ each all-reduce: NCCL, torch's symm_mem one-shot and two-shot, autosymm.
 On every local GPU (one process each; or under torchrun), for decode (1, 8, 32, 128 sequences)
 and prefill (2048, 8192 tokens), eager and ``torch.compile`` with inductor's CUDA graphs (the
 autosymm backends with autosymm's all-reduce + RMSNorm pass: ``compile_step``). Every backend
-runs the same weights on the same inputs; each output is compared with NCCL's of the same mode, and compiled NCCL's with eager NCCL's (bit-equal, or the relative
-L2 error, which must stay within the dtype's tolerance: summation order and fusions only).
+runs the same weights on the same inputs; each output is compared with NCCL's of the same mode,
+and compiled NCCL's with eager NCCL's (bit-equal, or the relative L2 error, which must stay
+within the dtype's tolerance: summation order and fusions only).
 Step time: median of CUDA-event-timed repeats after warm-up, MAX over ranks (compile time is
 spent in the warm-up). Prints a table and writes markdown to ``--out`` (and CSV next to it).
 
