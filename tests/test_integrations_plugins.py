@@ -10,7 +10,6 @@ import importlib.metadata
 import os
 import sys
 import tempfile
-import tomllib
 import traceback
 import types
 from pathlib import Path
@@ -18,6 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from _gloo import run_with_deadline
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {"vllm.platform_plugins": "autosymm.integrations.vllm_plugin:platform_plugin",
