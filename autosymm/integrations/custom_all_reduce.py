@@ -41,9 +41,10 @@ import torch.distributed as dist
 
 import autosymm
 from autosymm.backends import FALLBACK
+from autosymm.dist_compat import group_device
 from autosymm.problem import DTYPES, Problem, dtype_name
 
-from .groups import device_group_for, group_device, serving_backend
+from .groups import device_group_for, serving_backend
 
 _SUPPORTED = frozenset(DTYPES.values())
 #: Keyword arguments of vLLM's CustomAllreduce that size or configure its own buffers: accepted,

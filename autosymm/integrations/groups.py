@@ -6,9 +6,8 @@ NCCL fallback need the device group over the same ranks. :func:`device_group_for
 among the groups this process already has (the stacks create both groups together) or creates
 it, collectively over those ranks only.
 
-:func:`group_device` (a group's device) and :func:`serving_backend` (the backend a device's
-collectives run on) are this package's one derivation of each; autosymm.dist_compat's group
-helpers may take their place.
+:func:`serving_backend` is this package's one mapping from a device to the backend its
+collectives run on; a group's device is autosymm.dist_compat's ``group_device``.
 """
 
 from __future__ import annotations
@@ -17,13 +16,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-
-def group_device(group) -> torch.device:
-    """This rank's device for ``group``: the current CUDA device for an NCCL group, else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def serving_backend(device: torch.device) -> str:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import autosymm
+from autosymm.dist_compat import group_device
 from autosymm.routing import ExptAssignment, make_expt_assignment, make_expt_dict_uniform
 
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
@@ -82,8 +83,7 @@ class AutosymmAll2AllManager:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        backend = str(dist.get_backend(group)).lower()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self.device = group_device(group)
         if assignment is None:
             assignment = make_expt_assignment(self.world_size, n_experts,
                                               make_expt_dict_uniform(self.world_size, n_experts), self.device)

@@ -30,7 +30,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .groups import device_group_for, group_device, serving_backend
+from autosymm.dist_compat import group_device
+
+from .groups import device_group_for, serving_backend
 from .moe_all2all import AutosymmAll2AllManager, DispatchHandle
 
 
