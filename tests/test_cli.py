@@ -83,7 +83,8 @@ def test_explain_moe(runner, db_file):
 
 
 def test_explain_the_fused_op(runner, tmp_path):
-    from autosymm.configs import FusedConfig, fused_space
+    from autosymm.backends.triton_fused import fused_space
+    from autosymm.configs import FusedConfig
 
     path = tmp_path / "fused.sqlite"
     config = fused_space("one_shot_push", 64, 8192, 2, 2)[0]
