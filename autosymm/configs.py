@@ -1,28 +1,30 @@
-"""Launch configurations of the autosymm kernel families, their validity rules and search spaces.
+"""Launch configurations of the autosymm kernel families, their validity rules, and the MoE
+conversions' search space (the Triton all-reduce and fused families keep theirs beside their
+backends, with their algorithm records).
 
 A config is a frozen dataclass: hashable (dispatch caches on it), comparable, and serialised to
 the tuning database as JSON through :func:`config_to_json` / :func:`config_from_json`.
-Illegal combinations are rejected in ``__post_init__`` with a message naming the field.
+Illegal combinations are rejected in ``__post_init__`` with a message naming the field. An
+all-reduce or fused config names its algorithm; what the algorithm allows is its record
+(autosymm.backends.launch.Algorithm) in its family's ``ALGORITHMS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
 
-from .geometry import DOUBLE_BUFFER_HALF_BYTES, FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, MAX_PROGRAMS, stage_bytes
+from .geometry import FUSED_SPLIT_MAX, MAX_PROGRAMS
+
+if TYPE_CHECKING:
+    from .backends.launch import Algorithm
 
 WARP_SIZE = 32
 
-ALL_REDUCE_ALGORITHMS = ("one_shot", "one_shot_push", "two_shot", "multimem")
-#: Largest all-reduce (bytes) for which the pull one-shot's space offers ``double_buffer``: beyond
-#: it a call reads megabytes over NVLink and the end barrier (about a microsecond) is noise.
-PULL_DOUBLE_BUFFER_MAX_BYTES = 1 << 20
-#: Algorithms whose configs may set ``double_buffer``.
-DOUBLE_BUFFER_ALGORITHMS = ("one_shot", "one_shot_push")
 #: Widest BLOCK (elements) a config may ask for: far beyond any useful one (the search spaces stop
 #: at 32768), and a bound on what a damaged database row can make the compiler build.
 MAX_BLOCK = 65536
@@ -60,6 +62,35 @@ def _check_block(name: str, value: int, smallest: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two in {smallest}..{MAX_BLOCK} (elements)")
 
 
+_FAMILIES: dict[str, Mapping[str, "Algorithm"]] = {}
+
+
+def family_algorithms(family: str) -> Mapping[str, "Algorithm"]:
+    """name -> Algorithm of the Triton family module ``family`` (its ``ALGORITHMS``), imported on
+    first use: the family's module imports this one."""
+    algorithms = _FAMILIES.get(family)
+    if algorithms is None:
+        algorithms = _FAMILIES[family] = importlib.import_module(family).ALGORITHMS
+    return algorithms
+
+
+def _check_algorithm(config) -> "Algorithm":
+    """The record of ``config.algorithm`` in its family; a name outside it, or double buffering
+    where the algorithm has none, is a ValueError."""
+    algorithms = family_algorithms(config.FAMILY)
+    record = algorithms.get(config.algorithm) if isinstance(config.algorithm, str) else None
+    if record is None:
+        raise ValueError(f"algorithm={config.algorithm!r} is not one of {tuple(algorithms)}")
+    if not isinstance(config.double_buffer, bool):
+        raise ValueError(f"double_buffer={config.double_buffer!r} must be a bool")
+    if config.double_buffer and not record.double_buffer:
+        # two-shot/multimem have no end barrier to remove: their second barrier waits for the
+        # peers' pushes into our stage (data, not a guard against overwriting it).
+        capable = tuple(name for name, a in algorithms.items() if a.double_buffer)
+        raise ValueError(f"double_buffer=True is only for algorithm in {capable}, not {config.algorithm!r}")
+    return record
+
+
 def config_fields(config) -> dict[str, Any]:
     """The fields that describe ``config``, in order: fields added after configs were first
     stored (metadata ``json_omit_default``) only when they differ from their default, so
@@ -92,10 +123,11 @@ class AllReduceConfig:
     num_blocks: int
     num_warps: int
     double_buffer: bool = field(default=False, metadata={"json_omit_default": True})
+    #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
+    FAMILY: ClassVar[str] = "autosymm.backends.triton_all_reduce"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.algorithm, str) or self.algorithm not in ALL_REDUCE_ALGORITHMS:
-            raise ValueError(f"algorithm={self.algorithm!r} is not one of {ALL_REDUCE_ALGORITHMS}")
+        _check_algorithm(self)
         _check_ints(self, "block_size", "num_blocks", "num_warps")
         _check_num_warps(self.num_warps)
         _check_block("block_size", self.block_size, 1)
@@ -106,18 +138,16 @@ class AllReduceConfig:
             )
         if not 1 <= self.num_blocks <= MAX_PROGRAMS:
             raise ValueError(f"num_blocks={self.num_blocks} must be in 1..{MAX_PROGRAMS}")
-        if not isinstance(self.double_buffer, bool):
-            raise ValueError(f"double_buffer={self.double_buffer!r} must be a bool")
-        if self.double_buffer and self.algorithm not in DOUBLE_BUFFER_ALGORITHMS:
-            # two-shot/multimem have no end barrier to remove: their second barrier waits for the
-            # peers' pushes into our stage (data, not a guard against overwriting it).
-            raise ValueError(f"double_buffer=True is only for algorithm in {DOUBLE_BUFFER_ALGORITHMS}, "
-                             f"not {self.algorithm!r}")
 
     @property
     def threads(self) -> int:
         """Threads per program (block)."""
         return self.num_warps * WARP_SIZE
+
+    @property
+    def record(self) -> "Algorithm":
+        """The algorithm's record (autosymm.backends.triton_all_reduce.ALGORITHMS)."""
+        return family_algorithms(self.FAMILY)[self.algorithm]
 
 
 @dataclass(frozen=True)
@@ -150,7 +180,6 @@ class MoEConfig:
             raise ValueError(f"num_blocks={self.num_blocks} must be 0 (one program per row group) or 1..4096")
 
 
-FUSED_ALGORITHMS = ("one_shot", "one_shot_push", "two_shot")
 #: Most fp32 values of a [rows_per_program, block_size] tile one thread holds (more spill).
 FUSED_MAX_TILE_PER_THREAD = 64
 
@@ -161,11 +190,12 @@ class FusedConfig:
     (autosymm.kernels.fused_rmsnorm).
 
     A program owns whole rows: groups of ``rows_per_program`` rows held in registers as one
-    [rows_per_program, block_size] tile (``block_size`` >= the hidden size: :func:`fused_block_size`;
-    more than :data:`FUSED_MAX_TILE_PER_THREAD` values a thread only with one row);
-    ``num_blocks`` programs stride over the row groups. ``double_buffer`` (one-shots): staged in the halves of
-    the all-reduce double buffer without an end barrier, as AllReduceConfig's. ``row_split``
-    (one-shots, one row per program): programs sharing a row, each holding
+    [rows_per_program, block_size] tile (``block_size`` >= the hidden size:
+    autosymm.backends.triton_fused.fused_block_size; more than :data:`FUSED_MAX_TILE_PER_THREAD`
+    values a thread only with one row); ``num_blocks`` programs stride over the row groups.
+    ``double_buffer`` (one-shots): staged in the halves of the all-reduce double buffer without
+    an end barrier, as AllReduceConfig's. ``row_split`` (one-shots, one row per program):
+    programs sharing a row, each holding
     ``block_size / row_split`` columns, the row's last one normalising it; calls of more than
     :data:`autosymm.geometry.FUSED_SPLIT_MAX_ROWS` rows run with whole rows instead.
     """
@@ -177,10 +207,11 @@ class FusedConfig:
     rows_per_program: int = 1
     double_buffer: bool = False
     row_split: int = field(default=1, metadata={"json_omit_default": True})
+    #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
+    FAMILY: ClassVar[str] = "autosymm.backends.triton_fused"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.algorithm, str) or self.algorithm not in FUSED_ALGORITHMS:
-            raise ValueError(f"algorithm={self.algorithm!r} is not one of {FUSED_ALGORITHMS}")
+        record = _check_algorithm(self)
         _check_ints(self, "block_size", "num_warps", "num_blocks", "rows_per_program", "row_split")
         _check_num_warps(self.num_warps)
         _check_block("block_size", self.block_size, 16)
@@ -195,20 +226,20 @@ class FusedConfig:
         if self.rows_per_program > 1 and self.rows_per_program * self.block_size > FUSED_MAX_TILE_PER_THREAD * threads:
             raise ValueError(f"rows_per_program={self.rows_per_program} x block_size={self.block_size} is more than "
                              f"{FUSED_MAX_TILE_PER_THREAD} values per thread of num_warps={self.num_warps}")
-        if not isinstance(self.double_buffer, bool):
-            raise ValueError(f"double_buffer={self.double_buffer!r} must be a bool")
-        if self.double_buffer and self.algorithm not in DOUBLE_BUFFER_ALGORITHMS:
-            raise ValueError(f"double_buffer=True is only for algorithm in {DOUBLE_BUFFER_ALGORITHMS}, "
-                             f"not {self.algorithm!r}")
-        self._check_row_split(threads)
+        self._check_row_split(record, threads)
 
-    def _check_row_split(self, threads: int) -> None:
+    @property
+    def record(self) -> "Algorithm":
+        """The algorithm's record (autosymm.backends.triton_fused.ALGORITHMS)."""
+        return family_algorithms(self.FAMILY)[self.algorithm]
+
+    def _check_row_split(self, record: "Algorithm", threads: int) -> None:
         if not _is_pow2(self.row_split) or self.row_split > FUSED_SPLIT_MAX:
             raise ValueError(f"row_split={self.row_split} must be a power of two in 1..{FUSED_SPLIT_MAX}")
         if self.row_split == 1:
             return
-        if self.algorithm == "two_shot":
-            raise ValueError(f"row_split={self.row_split} is only for the one-shots, not algorithm='two_shot'")
+        if not record.row_split:
+            raise ValueError(f"row_split={self.row_split} is only for the one-shots, not algorithm={self.algorithm!r}")
         if self.rows_per_program != 1:
             raise ValueError(f"row_split={self.row_split} needs rows_per_program=1, not {self.rows_per_program}")
         if self.block_size // self.row_split < threads:
@@ -262,58 +293,11 @@ def config_from_json(text: str | None) -> AnyConfig | None:
 # Search spaces
 # --------------------------------------------------------------------------------------------
 
-# On 2x H200 the default tune picked the largest BLOCK, grid and warps of the earlier space
-# (16384, 132, 32) for the push one-shot at every size from 8 MiB: the space now reaches past
-# them (two programs per SM, 64 KiB of bf16 per program and chunk).
-ALL_REDUCE_BLOCK_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
-ALL_REDUCE_NUM_WARPS = (4, 8, 16, 32)
-ALL_REDUCE_NUM_BLOCKS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 132, 256)
-
-
-def _useful_counts(counts: tuple[int, ...], work_items: int) -> list[int]:
+def useful_counts(counts: tuple[int, ...], work_items: int) -> list[int]:
     """The counts below ``work_items`` plus the first one that covers it (more only idle)."""
     below = [c for c in counts if c < work_items]
     covering = [c for c in counts if c >= work_items]
     return below + covering[:1]
-
-
-def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: int) -> list[AllReduceConfig]:
-    """Valid, non-redundant configs of ``algorithm`` for an all-reduce of ``numel`` elements.
-
-    Redundant points are dropped: more programs than there are BLOCK-wide chunks to do, and
-    BLOCK widths far beyond the data (they only mask). Two-shot and multimem split the data in
-    ``world_size`` segments, so their chunk count is per segment. Never empty.
-
-    One-shot of at most :data:`PULL_DOUBLE_BUFFER_MAX_BYTES`, and push one-shot whose slots fit
-    a :data:`autosymm.geometry.DOUBLE_BUFFER_HALF_BYTES` half, also get every config again with
-    ``double_buffer=True`` (appended, so the first configs stay the single-buffer ones): there
-    the call is latency-bound and its end barrier (a system-scope round trip over NVLink, about
-    1-1.5 us of 5-6 us at 4-64 KiB on H200) is worth removing; beyond it the copy and the reads
-    dominate, a half of the double-buffer region would not hold the tensor, and the space stays
-    as it was (it is largest there: most grids are useful).
-    """
-    per_program = -(-numel // world_size) if algorithm in ("two_shot", "multimem") else numel
-    space: list[AllReduceConfig] = []
-    for block_size in ALL_REDUCE_BLOCK_SIZES:
-        # a BLOCK more than twice the data is only masking; keep the smallest such BLOCK.
-        if block_size > 2 * max(per_program, ALL_REDUCE_BLOCK_SIZES[0]) and block_size != ALL_REDUCE_BLOCK_SIZES[0]:
-            continue
-        chunks = max(1, -(-per_program // block_size))
-        for num_warps in ALL_REDUCE_NUM_WARPS:
-            if num_warps * WARP_SIZE > block_size:
-                continue
-            # fewer than 8 bytes a thread means narrow loads (multimem: 16, one v4 operation a
-            # thread, else threads repeat it): keep only the widest-per-thread warps.
-            min_bytes = 16 if algorithm == "multimem" else 8
-            if block_size * elem_bytes // (num_warps * WARP_SIZE) < min_bytes and num_warps != ALL_REDUCE_NUM_WARPS[0]:
-                continue
-            for num_blocks in _useful_counts(ALL_REDUCE_NUM_BLOCKS, chunks):
-                space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))
-    nbytes = numel * elem_bytes
-    if (algorithm == "one_shot" and nbytes <= PULL_DOUBLE_BUFFER_MAX_BYTES) or \
-            (algorithm == "one_shot_push" and stage_bytes(algorithm, nbytes, world_size) <= DOUBLE_BUFFER_HALF_BYTES):
-        space += [dataclasses.replace(config, double_buffer=True) for config in space]
-    return space
 
 
 # Row copies are bandwidth-bound: 1-2 warps cannot keep enough 16-byte stores in flight for rows
@@ -344,82 +328,6 @@ def moe_space(d_model: int, n_rows: int) -> list[MoEConfig]:
                     if num_blocks and num_blocks >= groups:
                         continue  # a persistent grid wider than the row groups is the plain grid
                     space.append(MoEConfig(block_n, num_warps, rows, num_blocks))
-    return space
-
-
-FUSED_NUM_WARPS = (4, 8, 16, 32)
-FUSED_ROWS_PER_PROGRAM = (1, 2, 4)
-FUSED_NUM_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 132)
-#: Bytes of a row each thread holds, for the warps of the space (fewer: too few loads in flight
-#: per thread to hide NVLink latency; more: registers spill).
-FUSED_ROW_BYTES_PER_THREAD = (16, 64)
-#: Grids per (warps, rows) point: the largest useful ones (a fused call is latency-bound where it
-#: has few rows, and then one of them covers the rows; with many rows the widest grids win).
-FUSED_GRIDS_PER_POINT = 3
-#: Split rows (FusedConfig.row_split) of the one-shots' space: where rows x split programs
-#: stay within one wave of 132 SMs (at 1-64 tokens a program per row leaves most SMs idle, and
-#: one SM moves a whole row over NVLink), with warps holding 16-32 bytes of a part a thread.
-FUSED_ROW_SPLITS = (2, 4, 8)
-FUSED_SPLIT_MAX_PROGRAMS = 132
-FUSED_SPLIT_BYTES_PER_THREAD = (16, 32)
-
-
-def fused_block_size(hidden: int) -> int:
-    """The BLOCK of a fused kernel for rows of ``hidden`` elements: a row group is held in
-    registers, so the next power of two >= hidden (at least the 128 threads of 4 warps)."""
-    return max(128, 1 << max(0, hidden - 1).bit_length())
-
-
-def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, elem_bytes: int) -> list[FusedConfig]:
-    """Valid, non-redundant configs of the fused ``algorithm`` for [n_tokens, hidden] per rank.
-
-    BLOCK is :func:`fused_block_size` (whole rows in registers); warps holding
-    :data:`FUSED_ROW_BYTES_PER_THREAD` bytes of a row a thread (else 4); rows per program that fit
-    :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; the :data:`FUSED_GRIDS_PER_POINT`
-    largest grids up to the first one covering the row groups (two-shot: of a rank's
-    ``n_tokens / world_size`` rows). One-shots whose stage fits a double-buffer half get every
-    config again with ``double_buffer=True``. Then the one-shots' split rows where the rows are
-    few (:func:`_split_space`), double-buffered only where the stage fits: such calls are
-    latency-bound, and the end barrier is what double buffering removes. Never empty.
-    """
-    block_size = fused_block_size(hidden)
-    rows = -(-n_tokens // world_size) if algorithm == "two_shot" else n_tokens
-    low, high = FUSED_ROW_BYTES_PER_THREAD
-    warps = [w for w in FUSED_NUM_WARPS if low <= block_size * elem_bytes // (w * WARP_SIZE) <= high
-             and w * WARP_SIZE <= block_size] or [FUSED_NUM_WARPS[0]]
-    space: list[FusedConfig] = []
-    for num_warps in warps:
-        for rows_per_program in FUSED_ROWS_PER_PROGRAM:
-            if rows_per_program > 1 and (rows_per_program * block_size > FUSED_MAX_TILE_PER_THREAD * num_warps * WARP_SIZE
-                                         or rows_per_program >= 2 * rows):
-                continue  # spills, or only masked rows
-            groups = -(-rows // rows_per_program)
-            for num_blocks in _useful_counts(FUSED_NUM_BLOCKS, groups)[-FUSED_GRIDS_PER_POINT:]:
-                space.append(FusedConfig(algorithm, block_size, num_warps, num_blocks, rows_per_program))
-    stage = stage_bytes(algorithm, n_tokens * hidden * elem_bytes, world_size)
-    double = algorithm in DOUBLE_BUFFER_ALGORITHMS and stage <= DOUBLE_BUFFER_HALF_BYTES
-    if double:
-        space += [dataclasses.replace(config, double_buffer=True) for config in space]
-    if algorithm in DOUBLE_BUFFER_ALGORITHMS:  # latency-bound: double-buffered only, where it fits
-        space += [dataclasses.replace(c, double_buffer=double) for c in _split_space(algorithm, rows, hidden, elem_bytes)]
-    return space
-
-
-def _split_space(algorithm: str, rows: int, hidden: int, elem_bytes: int) -> list[FusedConfig]:
-    """The split-row configs of a one-shot for ``rows`` rows of ``hidden`` (FusedConfig.row_split):
-    :data:`FUSED_ROW_SPLITS` with at most :data:`FUSED_SPLIT_MAX_PROGRAMS` programs, warps holding
-    :data:`FUSED_SPLIT_BYTES_PER_THREAD` bytes of a part, one program per (row, part)."""
-    block_size = fused_block_size(hidden)
-    low, high = FUSED_SPLIT_BYTES_PER_THREAD
-    space = []
-    for split in FUSED_ROW_SPLITS:
-        chunk = block_size // split
-        parts = -(-hidden // chunk)  # parts holding columns < hidden
-        if rows > FUSED_SPLIT_MAX_ROWS or rows * split > FUSED_SPLIT_MAX_PROGRAMS or parts < 2:
-            continue
-        for num_warps in FUSED_NUM_WARPS:
-            if low <= chunk * elem_bytes // (num_warps * WARP_SIZE) <= high and num_warps * WARP_SIZE <= chunk:
-                space.append(FusedConfig(algorithm, block_size, num_warps, rows * parts, 1, row_split=split))
     return space
 
 

@@ -8,8 +8,8 @@ address plus the same offset. Regions are reserved by name, in order, each on an
     [ signal pads | all-reduce region | MoE region | all-reduce double buffer | fused stash ]
 
 Users of these numbers: ``autosymm.symm`` (the buffer and its regions), the backends (where a
-call stages its data, what fits), ``autosymm.configs`` (which search-space points fit) and the
-tuner (how large a workspace a sweep needs). The backends' hot paths inline some of this
+call stages its data, what fits, which search-space points fit: each Triton algorithm record
+names its stage size from here) and the tuner (how large a workspace a sweep needs). The backends' hot paths inline some of this
 arithmetic; tests check the inlined forms against this module.
 """
 
@@ -44,7 +44,8 @@ FUSED_COUNTS_OFFSET = (ERROR_SLOTS_OFFSET + N_SIGNAL_CHANNELS * 4 + 15) // 16 * 
 FUSED_PARTIALS_OFFSET = FUSED_COUNTS_OFFSET + 4 * FUSED_SPLIT_MAX_ROWS
 SIGNAL_BYTES = FUSED_PARTIALS_OFFSET + 4 * FUSED_SPLIT_MAX_ROWS * FUSED_SPLIT_MAX
 #: Self slots of the 'all_reduce' channel (program rows of a rank's own column, which no signal
-#: reaches): the double-buffered one-shot's arrival counter and epoch. autosymm.kernels.all_reduce
+#: reaches): the arrival counter and epoch of every double-buffered kernel (the pull and push
+#: one-shot all-reduces, the fused one-shots: they share the epoch). autosymm.kernels.all_reduce
 #: hard-codes the same rows (kernels import no host code).
 ALL_REDUCE_ARRIVAL_SLOT = 0
 ALL_REDUCE_EPOCH_SLOT = 1
@@ -126,12 +127,19 @@ def push_slot_bytes(nbytes: int) -> int:
     return align(nbytes)
 
 
-def stage_bytes(algorithm: str, nbytes: int, world_size: int) -> int:
-    """Bytes of the all-reduce region one rank's stage takes for a tensor of ``nbytes``: the
-    tensor itself, or (push one-shot) one slot per peer."""
-    if algorithm == "one_shot_push":
-        return (world_size - 1) * push_slot_bytes(nbytes)
+def tensor_stage_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes of a stage holding the tensor itself (pull one-shot, two-shot, multimem)."""
     return nbytes
+
+
+def push_stage_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes of a push stage for a tensor of ``nbytes``: one slot (:func:`push_slot_bytes`) per peer."""
+    return (world_size - 1) * push_slot_bytes(nbytes)
+
+
+def rows_and_out_stage_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes of the fused two-shot's stage for a tensor of ``nbytes``: x's rows, then the out rows."""
+    return 2 * align(nbytes)
 
 
 def stage_offset(capacity: int, nbytes: int) -> int:
@@ -140,11 +148,9 @@ def stage_offset(capacity: int, nbytes: int) -> int:
     return capacity - align(nbytes)
 
 
-def max_stage_input_bytes(algorithm: str, capacity: int, world_size: int) -> int:
-    """Largest tensor (bytes) whose stage fits an all-reduce region of ``capacity`` bytes."""
-    if algorithm == "one_shot_push":
-        return capacity // max(1, world_size - 1) // ALIGN * ALIGN
-    return capacity
+def max_push_input_bytes(capacity: int, world_size: int) -> int:
+    """Largest tensor (bytes) whose push stage (:func:`push_stage_bytes`) fits ``capacity`` bytes."""
+    return capacity // max(1, world_size - 1) // ALIGN * ALIGN
 
 
 def segment_vecs(numel: int, world_size: int, elem_bytes: int) -> int:

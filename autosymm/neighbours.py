@@ -70,8 +70,7 @@ def _moved_bytes(op: str, dtype: str, size: int, shape: Optional[MoEShape]) -> f
 def _rounds(config: AllReduceConfig, nbytes: int, elem_bytes: int, world_size: int) -> int:
     """BLOCK-wide chunks one program of ``config`` handles for an all-reduce of ``nbytes``."""
     numel = max(1, -(-nbytes // elem_bytes))
-    per_program = -(-numel // world_size) if config.algorithm in ("two_shot", "multimem") else numel
-    chunks = -(-per_program // config.block_size)
+    chunks = -(-config.record.share(numel, world_size) // config.block_size)
     return -(-chunks // config.num_blocks)
 
 

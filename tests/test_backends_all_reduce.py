@@ -3,6 +3,7 @@
 Launchers run under the Triton interpreter on simulated workspaces (tests/_all_reduce_sim).
 """
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -13,11 +14,13 @@ from autosymm.backends.base import BackendError, Capabilities, RunContext
 from autosymm.backends.launch import LeanLauncher
 from autosymm.backends.nccl_all_reduce import nccl
 from autosymm.backends.torch_symm import _TorchLauncher, torch_one_shot, torch_two_shot
-from autosymm.backends.triton_all_reduce import (triton_multimem, triton_one_shot,
-                                                 triton_one_shot_push, triton_two_shot)
-from autosymm.configs import AllReduceConfig, all_reduce_space
+from autosymm.backends.triton_all_reduce import (ALGORITHMS, PULL_DOUBLE_BUFFER_MAX_BYTES, all_reduce_space,
+                                                 triton_multimem, triton_one_shot, triton_one_shot_push,
+                                                 triton_two_shot)
+from autosymm.configs import AllReduceConfig
 from autosymm.problem import MoEShape, Problem
-from autosymm.geometry import ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, segment_vecs, stage_offset
+from autosymm.geometry import (ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, segment_vecs,
+                               stage_offset)
 from autosymm.symm import simulated_workspaces
 
 from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, half_view, pads, preset, random_inputs,
@@ -75,13 +78,78 @@ def test_names_and_ops():
     assert all(b.needs.ops == ("all_reduce",) for b in ALL)
 
 
+#: (widest BLOCK, most programs at the narrowest BLOCK, double buffering offered) of each
+#: algorithm's space per call: a BLOCK at most twice a rank's share of the data (the one-shots
+#: reduce all of it, the two-shots 1/world_size; at least 1024 elements), no more programs than the first count covering
+#: its BLOCK-wide chunks, double buffering for the one-shots where the call is latency-bound.
+SPACE_SHAPES = {
+    (4096, "bf16", 2): {"one_shot": (4096, 2, True), "one_shot_push": (4096, 2, True),
+                        "two_shot": (2048, 1, False), "multimem": (2048, 1, False)},
+    # 1 MiB: still the pull one-shot's; the push one-shot's 7 slots of it exceed a 4 MiB half
+    (1 << 20, "fp32", 8): {"one_shot": (32768, 256, True), "one_shot_push": (32768, 256, False),
+                           "two_shot": (32768, 32, False), "multimem": (32768, 32, False)},
+    (6, "fp16", 4): {"one_shot": (2048, 1, True), "one_shot_push": (2048, 1, True),
+                     "two_shot": (2048, 1, False), "multimem": (2048, 1, False)},
+}
+
+
 @pytest.mark.parametrize("backend", TRITON)
-@pytest.mark.parametrize("nbytes, dtype, world_size", [(4096, "bf16", 2), (1 << 20, "fp32", 8), (6, "fp16", 4)])
+@pytest.mark.parametrize("nbytes, dtype, world_size", list(SPACE_SHAPES))
 def test_triton_search_space(backend, nbytes, dtype, world_size):
+    """A backend's space: distinct configs of its own algorithm, sized to the call (SPACE_SHAPES); multimem keeps its v4 operations whole (16 bytes a thread
+    but at the fewest warps), the others 8."""
     problem = _problem(nbytes, dtype, world_size)
     space = backend.search_space(problem)
-    assert space and space == all_reduce_space(backend.algorithm, problem.numel, world_size, problem.elem_bytes)
-    assert all(c.algorithm == backend.algorithm for c in space)
+    assert space and len(space) == len(set(space))
+    assert all(isinstance(c, AllReduceConfig) and c.algorithm == backend.algorithm for c in space)
+    widest, programs, double = SPACE_SHAPES[nbytes, dtype, world_size][backend.algorithm]
+    narrowest = min(c.block_size for c in space)
+    assert (max(c.block_size for c in space), max(c.num_blocks for c in space if c.block_size == narrowest),
+            any(c.double_buffer for c in space)) == (widest, programs, double)
+    min_bytes = 16 if backend is triton_multimem else 8
+    assert all(c.block_size * problem.elem_bytes // c.threads >= min_bytes or c.num_warps == 4 for c in space)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("numel", [1, 2048, 8191, 1 << 20, 1 << 27])
+def test_all_reduce_space_valid_and_not_redundant(algorithm, numel):
+    space = all_reduce_space(algorithm, numel, world_size=4, elem_bytes=2)
+    assert space and len(space) == len(set(space))
+    per_program = -(-numel // 4) if algorithm in ("two_shot", "multimem") else numel
+    by_shape: dict = {}
+    for config in space:
+        assert config.algorithm == algorithm
+        by_shape.setdefault((config.block_size, config.num_warps, config.double_buffer), []).append(config.num_blocks)
+    for (block_size, _, _), counts in by_shape.items():
+        chunks = -(-per_program // block_size)
+        # at most one count covers all chunks: more programs would only idle
+        assert sum(c >= chunks for c in counts) <= 1, (block_size, counts)
+
+
+def test_all_reduce_space_grows_with_size():
+    small = all_reduce_space("one_shot", 2048, 2, 2)
+    large = all_reduce_space("one_shot", 1 << 26, 2, 2)
+    assert len(small) < len(large)
+    assert max(c.num_blocks for c in small) <= 2
+    assert max(c.num_blocks for c in large) == 256
+
+
+@pytest.mark.parametrize("world_size, elem_bytes", [(2, 2), (8, 4)])
+def test_double_buffer_only_for_small_one_shot(world_size, elem_bytes):
+    for algorithm in ALGORITHMS:
+        for nbytes in (4096, 65536, PULL_DOUBLE_BUFFER_MAX_BYTES, 2 * PULL_DOUBLE_BUFFER_MAX_BYTES,
+                       DOUBLE_BUFFER_HALF_BYTES, 2 * DOUBLE_BUFFER_HALF_BYTES):
+            space = all_reduce_space(algorithm, nbytes // elem_bytes, world_size, elem_bytes)
+            on = [c for c in space if c.double_buffer]
+            off = [c for c in space if not c.double_buffer]
+            offered = {"one_shot": nbytes <= PULL_DOUBLE_BUFFER_MAX_BYTES,  # the pull one-shot: latency-bound sizes
+                       "one_shot_push": (world_size - 1) * nbytes <= DOUBLE_BUFFER_HALF_BYTES}  # its slots fit a half
+            if offered.get(algorithm, False):
+                # every single-buffer config once more with double buffering, appended (space[0] unchanged)
+                assert on == [dataclasses.replace(c, double_buffer=True) for c in off]
+                assert space == off + on
+            else:
+                assert not on
 
 
 @pytest.mark.parametrize("backend", [torch_one_shot, torch_two_shot, nccl])

@@ -71,3 +71,15 @@ def test_each_backend_owns_its_fallback_config():
     assert all(get_backend(name).fallback_config(problem) is None for name in backend_names() if name != "triton_moe")
     for op, order in FALLBACK_ORDER.items():
         assert order[-1] == FALLBACK[op], "the op's always-serving backend ends the fallback order"
+
+
+def test_base_imports_no_backend_module():
+    """The backends import base, never the other way round (no import cycle)."""
+    import ast
+    from pathlib import Path
+
+    import autosymm.backends.base as base
+
+    tree = ast.parse(Path(base.__file__).read_text())
+    imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1]
+    assert imported == [], imported

@@ -6,9 +6,9 @@ import torch
 
 from autosymm.backends import Capabilities, RunContext, get_backend
 from autosymm.backends.base import BackendError
-from autosymm.backends.triton_fused import BACKENDS, fused_stage_bytes, split_scratch
-from autosymm.configs import (FUSED_SPLIT_MAX_PROGRAMS, FusedConfig, config_from_json, config_to_json, fused_block_size,
-                              fused_space)
+from autosymm.backends.triton_fused import (ALGORITHMS, BACKENDS, FUSED_SPLIT_MAX_PROGRAMS, fused_block_size, fused_space,
+                                           split_scratch)
+from autosymm.configs import FusedConfig, config_from_json, config_to_json
 from autosymm.db import Row, TuningDB
 from autosymm.dispatch import DBSource, decide
 from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_BYTES, align
@@ -66,7 +66,7 @@ def test_space_splits_few_rows_of_the_one_shots(algorithm, n_tokens, hidden):
         assert not split
         return
     assert {c.row_split for c in split} >= {2}
-    fits = fused_stage_bytes(algorithm, n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
+    fits = ALGORITHMS[algorithm].stage_bytes(n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
     assert all(c.double_buffer == fits for c in split), "split rows: double-buffered wherever that fits"
     for c in split:
         parts = -(-hidden // (c.block_size // c.row_split))
@@ -83,7 +83,7 @@ def test_space_whole_rows_useful_grids_double_buffer_where_it_fits(algorithm, n_
     rows = -(-n_tokens // 2) if algorithm == "two_shot" else n_tokens
     assert all(c.num_blocks <= 8 or c.num_blocks // 2 < -(-rows // c.rows_per_program) for c in space
                if c.row_split == 1)
-    fits = fused_stage_bytes(algorithm, n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
+    fits = ALGORITHMS[algorithm].stage_bytes(n_tokens * hidden * 2, 2) <= DOUBLE_BUFFER_HALF_BYTES
     assert any(c.double_buffer for c in space) == (fits and algorithm != "two_shot")
 
 

@@ -6,8 +6,9 @@ import torch
 
 from autosymm.backends.base import BackendError, RunContext
 from autosymm.backends.triton_all_reduce import triton_one_shot_push
-from autosymm.geometry import DOUBLE_BUFFER_REGION, push_slot_bytes, stage_bytes
-from autosymm.configs import AllReduceConfig, all_reduce_space
+from autosymm.backends.triton_all_reduce import ALGORITHMS, all_reduce_space
+from autosymm.geometry import DOUBLE_BUFFER_REGION, push_slot_bytes
+from autosymm.configs import AllReduceConfig
 from autosymm.problem import Problem
 from autosymm.symm import simulated_workspaces
 
@@ -41,8 +42,8 @@ def _launcher(world_size=3, region=1 << 16, half=4096, double_buffer=True, rank=
 
 def test_stage_bytes_counts_one_slot_per_peer():
     assert push_slot_bytes(1) == 256 and push_slot_bytes(256) == 256 and push_slot_bytes(257) == 512
-    assert stage_bytes("one_shot_push", 1000, 4) == 3 * 1024
-    assert stage_bytes("one_shot", 1000, 4) == stage_bytes("two_shot", 1000, 4) == 1000
+    stage = {name: a.stage_bytes(1000, 4) for name, a in ALGORITHMS.items()}
+    assert stage == {"one_shot_push": 3 * 1024, "one_shot": 1000, "two_shot": 1000, "multimem": 1000}
 
 
 def test_slots_go_to_a_half_when_they_fit_else_to_the_top_of_the_region(recorded_launches):

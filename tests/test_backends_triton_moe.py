@@ -16,7 +16,7 @@ from autosymm.backends import get_backend  # noqa: E402
 from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
 from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
 from autosymm.backends.triton_moe import TRITON_MOE  # noqa: E402
-from autosymm.configs import MoEConfig, moe_space  # noqa: E402
+from autosymm.configs import MoEConfig  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
 from autosymm.tuning.reference import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
@@ -67,11 +67,23 @@ def test_nccl_all_to_all_serves_what_the_group_cannot_hold():
     assert NCCL_ALL_TO_ALL.search_space(problem) == [None]
 
 
-@pytest.mark.parametrize("op,rows", [("dp_to_ep", 64 * 8), ("ep_to_dp", 8 * 64 * 8)])
-def test_triton_moe_search_space(op, rows):
+@pytest.mark.parametrize("op, grids", [
+    # dp->ep: the programs walk this rank's 64 x top-8 = 512 pairs; 4 rows a program are 128 groups
+    ("dp_to_ep", {1: [0, 132, 264], 2: [0, 132], 4: [0]}),
+    # ep->dp: every sorted row of the 8 ranks, 4096: every persistent grid is narrower
+    ("ep_to_dp", {1: [0, 132, 264], 2: [0, 132, 264], 4: [0, 132, 264]}),
+])
+def test_triton_moe_search_space(op, grids):
+    """The space is sized to the rows the op's programs walk: persistent grids (num_blocks > 0)
+    only where they are narrower than the row groups; BLOCKs up to d_model's (7168: all)."""
     problem = Problem.moe(op, DSV3, 64, "bf16", 8)
     space = TRITON_MOE.search_space(problem)
-    assert space == moe_space(DSV3.d_model, rows) and space and all(isinstance(c, MoEConfig) for c in space)
+    assert space and len(space) == len(set(space)) and all(isinstance(c, MoEConfig) for c in space)
+    by_rows: dict[int, set[int]] = {}
+    for config in space:
+        by_rows.setdefault(config.rows_per_program, set()).add(config.num_blocks)
+    assert {rows: sorted(counts) for rows, counts in by_rows.items()} == grids
+    assert sorted({c.block_n for c in space}) == [256, 512, 1024, 2048, 4096]
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))

@@ -83,7 +83,8 @@ def test_explain_moe(runner, db_file):
 
 
 def test_explain_the_fused_op(runner, tmp_path):
-    from autosymm.configs import FusedConfig, fused_space
+    from autosymm.backends.triton_fused import fused_space
+    from autosymm.configs import FusedConfig
 
     path = tmp_path / "fused.sqlite"
     config = fused_space("one_shot_push", 64, 8192, 2, 2)[0]
@@ -488,7 +489,7 @@ def test_a_graph_mode_call_that_would_raise_says_so_and_names_the_remedy(runner,
 
 def _shipped_like_rows():
     """All-reduce at 2^k and 1.5 x 2^k, a fused row at a token count off the default list."""
-    from autosymm.configs import fused_space
+    from autosymm.backends.triton_fused import fused_space
 
     rows = []
     for bucket in (4096, 6144, 3 << 20):

@@ -6,13 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES
+from autosymm.backends.triton_all_reduce import all_reduce_space
 from autosymm.configs import (
-    ALL_REDUCE_ALGORITHMS,
-    PULL_DOUBLE_BUFFER_MAX_BYTES,
     AllReduceConfig,
     MoEConfig,
-    all_reduce_space,
     config_fields,
     config_from_json,
     config_to_json,
@@ -68,6 +65,27 @@ def test_numpy_ints_are_taken_as_python_ints():
     assert config == plain and hash(config) == hash(plain)
     assert type(config.block_size) is int and config_from_json(config_to_json(config)) == config
     assert type(MoEConfig(np.int64(1024), np.int64(4)).block_n) is int
+
+
+def test_configs_name_their_family_records():
+    """An all-reduce or fused config's algorithm is a record of its family (beside its backend):
+    the names outside it are refused with the family's names, and double buffering and split
+    rows only where the record allows them."""
+    from autosymm.backends import triton_all_reduce, triton_fused
+    from autosymm.configs import FusedConfig
+
+    for name, record in triton_all_reduce.ALGORITHMS.items():
+        assert AllReduceConfig(name, 1024, 1, 4).record is record
+        if record.double_buffer:
+            assert AllReduceConfig(name, 1024, 1, 4, double_buffer=True).double_buffer
+    with pytest.raises(ValueError, match=r"not one of \('one_shot', 'one_shot_push', 'two_shot', 'multimem'\)"):
+        AllReduceConfig("three_shot", 1024, 1, 4)
+    assert [n for n, a in triton_all_reduce.ALGORITHMS.items() if a.double_buffer] == ["one_shot", "one_shot_push"]
+    for name, record in triton_fused.ALGORITHMS.items():
+        assert FusedConfig(name, 8192, 8, 8).record is record
+    assert [n for n, a in triton_fused.ALGORITHMS.items() if a.row_split] == ["one_shot", "one_shot_push"]
+    with pytest.raises(ValueError, match=r"not one of \('one_shot', 'one_shot_push', 'two_shot'\)"):
+        FusedConfig("multimem", 8192, 8, 8)
 
 
 def test_config_json_round_trip_and_unknown_keys():
@@ -130,48 +148,6 @@ def test_property_config_from_json_answers_a_config_or_a_value_error(text):
     except ValueError:
         return
     assert config is None or config_from_json(config_to_json(config)) == config
-
-
-@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
-@pytest.mark.parametrize("numel", [1, 2048, 8191, 1 << 20, 1 << 27])
-def test_all_reduce_space_valid_and_not_redundant(algorithm, numel):
-    space = all_reduce_space(algorithm, numel, world_size=4, elem_bytes=2)
-    assert space and len(space) == len(set(space))
-    per_program = -(-numel // 4) if algorithm in ("two_shot", "multimem") else numel
-    by_shape: dict = {}
-    for config in space:
-        assert config.algorithm == algorithm
-        by_shape.setdefault((config.block_size, config.num_warps, config.double_buffer), []).append(config.num_blocks)
-    for (block_size, _, _), counts in by_shape.items():
-        chunks = -(-per_program // block_size)
-        # at most one count covers all chunks: more programs would only idle
-        assert sum(c >= chunks for c in counts) <= 1, (block_size, counts)
-
-
-def test_all_reduce_space_grows_with_size():
-    small = all_reduce_space("one_shot", 2048, 2, 2)
-    large = all_reduce_space("one_shot", 1 << 26, 2, 2)
-    assert len(small) < len(large)
-    assert max(c.num_blocks for c in small) <= 2
-    assert max(c.num_blocks for c in large) == 256
-
-
-@pytest.mark.parametrize("world_size, elem_bytes", [(2, 2), (8, 4)])
-def test_double_buffer_only_for_small_one_shot(world_size, elem_bytes):
-    for algorithm in ALL_REDUCE_ALGORITHMS:
-        for nbytes in (4096, 65536, PULL_DOUBLE_BUFFER_MAX_BYTES, 2 * PULL_DOUBLE_BUFFER_MAX_BYTES,
-                       DOUBLE_BUFFER_HALF_BYTES, 2 * DOUBLE_BUFFER_HALF_BYTES):
-            space = all_reduce_space(algorithm, nbytes // elem_bytes, world_size, elem_bytes)
-            on = [c for c in space if c.double_buffer]
-            off = [c for c in space if not c.double_buffer]
-            offered = {"one_shot": nbytes <= PULL_DOUBLE_BUFFER_MAX_BYTES,  # the pull one-shot: latency-bound sizes
-                       "one_shot_push": (world_size - 1) * nbytes <= DOUBLE_BUFFER_HALF_BYTES}  # its slots fit a half
-            if offered.get(algorithm, False):
-                # every single-buffer config once more with double buffering, appended (space[0] unchanged)
-                assert on == [dataclasses.replace(c, double_buffer=True) for c in off]
-                assert space == off + on
-            else:
-                assert not on
 
 
 def test_moe_space():

@@ -32,13 +32,14 @@ def test_the_workspace_uses_the_layout():
 @pytest.mark.parametrize("world_size", [2, 3, 8])
 def test_stage_sizes(nbytes, world_size):
     assert g.push_slot_bytes(nbytes) % g.ALIGN == 0 and 0 <= g.push_slot_bytes(nbytes) - nbytes < g.ALIGN
-    assert g.stage_bytes("one_shot_push", nbytes, world_size) == (world_size - 1) * g.push_slot_bytes(nbytes)
-    assert g.stage_bytes("two_shot", nbytes, world_size) == nbytes
+    assert g.push_stage_bytes(nbytes, world_size) == (world_size - 1) * g.push_slot_bytes(nbytes)
+    assert g.tensor_stage_bytes(nbytes, world_size) == nbytes
+    assert g.rows_and_out_stage_bytes(nbytes, world_size) == 2 * g.align(nbytes) >= 2 * nbytes
     capacity = 1 << 24
     assert g.stage_offset(capacity, nbytes) % g.ALIGN == 0 and g.stage_offset(capacity, nbytes) + nbytes <= capacity
-    largest = g.max_stage_input_bytes("one_shot_push", capacity, world_size)
-    assert g.stage_bytes("one_shot_push", largest, world_size) <= capacity
-    assert g.stage_bytes("one_shot_push", largest + g.ALIGN, world_size) > capacity
+    largest = g.max_push_input_bytes(capacity, world_size)
+    assert g.push_stage_bytes(largest, world_size) <= capacity
+    assert g.push_stage_bytes(largest + 1, world_size) > capacity
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])

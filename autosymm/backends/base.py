@@ -15,15 +15,19 @@ A backend never decides; it answers:
   repeated call costs one Python call plus the kernel launch.
 
 Launchers:
-  all_reduce: ``launcher(x) -> x`` (sum in place over the group);
-  dp_to_ep:   ``launcher(src, assignment, expt_indx, gate_indx) -> dst`` (this rank's EP buffer);
-  ep_to_dp:   ``launcher(src, assignment, expt_indx, topk_indx) -> dst`` (this rank's DP rows).
+  all_reduce:         ``launcher(x) -> x`` (sum in place over the group);
+  all_reduce_rmsnorm: ``launcher(x, residual, weight, eps) -> out`` (residual += the sum of x,
+                      in place; out = RMSNorm(residual) * weight, a new tensor);
+  dp_to_ep:           ``launcher(src, assignment, expt_indx, gate_indx) -> dst`` (this rank's EP buffer);
+  ep_to_dp:           ``launcher(src, assignment, expt_indx, topk_indx) -> dst`` (this rank's DP rows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import torch
 
 from ..configs import AnyConfig
 from ..geometry import ALL_REDUCE_REGION, DEFAULT_MOE_MAX_BYTES, MAX_WORLD_SIZE, MOE_REGION
@@ -54,8 +58,6 @@ class Capabilities:
         enables it), torch's symm_mem ops assumed present. Neither: a group without a workspace.
         ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (autosymm.moe_room)."""
         if workspace is not None:
-            from .torch_symm import ops_available
-
             moe_bytes = workspace.capacity(MOE_REGION)
             return cls(world_size, workspace.capacity(ALL_REDUCE_REGION), moe_bytes, bool(workspace.has_multicast),
                        intra_node, ops_available(), tuple(compute_capability), max(moe_bytes, moe_max_bytes))
@@ -73,6 +75,16 @@ class Capabilities:
     def region_bytes(self, region: str) -> int:
         """Bytes of workspace region ``region`` ('all_reduce' | 'moe'); 0 without a workspace."""
         return {ALL_REDUCE_REGION: self.all_reduce_bytes, MOE_REGION: self.moe_bytes}[region]
+
+
+def ops_available() -> bool:
+    """True when this torch registers the symm_mem one-shot/two-shot all-reduce ops
+    (autosymm.backends.torch_symm runs them)."""
+    ops = getattr(torch.ops, "symm_mem", None)
+    try:
+        return ops is not None and hasattr(ops, "one_shot_all_reduce_out") and hasattr(ops, "two_shot_all_reduce_")
+    except (RuntimeError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,23 @@ With a launch hook registered (``triton.knobs.runtime.launch_enter_hook.add(...)
 calls go through ``CompiledKernel[grid]``, which computes the launch metadata the hooks want.
 Anything unexpected (an older triton, a kernel whose constexprs are not its trailing parameters)
 keeps the normal path; nothing here raises for it.
+
+What the two Triton families over the all-reduce region (autosymm.backends.triton_all_reduce,
+autosymm.backends.triton_fused) share lives here too: the :class:`Algorithm` record each of
+their algorithms is, the checks of ``prepare``'s arguments and of a stage's size, and
+:class:`RegionLauncher`, the set-up of their launchers.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+from ..geometry import ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION
+from ..problem import DTYPES, Problem
+from .base import Backend, BackendError, Capabilities, RunContext
 
 _MODE = threading.local()
 
@@ -148,3 +158,96 @@ class LeanLauncher:
         takes an int as is, where for a tensor it calls ``data_ptr()`` and ``cuPointerGetAttribute``
         (about 0.2-0.5 us each on an H200 VM). The caller vouches for the device and alignment."""
         return self._launch
+
+
+# -- the Triton families over the all-reduce region ----------------------------------------------
+
+MAX_NUMEL = 2**31 - 1  # the kernels index with int32
+
+
+@dataclass(frozen=True, eq=False)
+class Algorithm:
+    """One kernel algorithm of a Triton family (``ALGORITHMS`` of autosymm.backends.triton_all_reduce
+    and autosymm.backends.triton_fused, by name): what its configs may ask for, what a call
+    stages, which kernel runs it and the knobs of its search space.
+
+    ``kernel`` is the ``@triton.jit`` function, launched with the constexprs ``flags`` fixed.
+    ``stage_bytes(nbytes, world_size)``: bytes of the all-reduce region a call of an ``nbytes``
+    tensor stages in (autosymm.geometry). ``splits_by_rank``: each rank reduces 1/world_size of
+    the data (elements, or rows) and gathers the rest from its peers; its kernel runs in phases
+    the launcher can run one at a time (tests). ``push``: peers write their x into one slot each
+    of this rank's stage, and x is only read locally. ``double_buffer``: configs may stage in the
+    double buffer, without an end barrier; the search space offers it for stages of at most
+    ``double_buffer_space_bytes``. ``row_split``: programs may share a row (fused). ``multicast``:
+    needs the workspace's multicast address (multimem, sm_90). ``min_thread_bytes``: bytes per
+    thread below which the all-reduce space keeps only the fewest warps of a BLOCK.
+    """
+
+    name: str
+    kernel: Any
+    stage_bytes: Callable[[int, int], int]
+    flags: Mapping[str, Any] = field(default_factory=dict)
+    splits_by_rank: bool = False
+    push: bool = False
+    double_buffer: bool = False
+    double_buffer_space_bytes: int = 0
+    row_split: bool = False
+    multicast: bool = False
+    min_thread_bytes: int = 8
+
+    def share(self, count: int, world_size: int) -> int:
+        """How many of ``count`` elements (or rows) one rank's programs reduce."""
+        return -(-count // world_size) if self.splits_by_rank else count
+
+
+def stage_limits(need: int, problem: Problem, caps: Capabilities) -> Optional[str]:
+    """Why a Triton kernel staging ``need`` bytes in the all-reduce region cannot serve
+    ``problem`` (the region too small, or more elements than int32 indexing reaches), or None."""
+    if need > caps.all_reduce_bytes:
+        return f"a {need}-byte stage exceeds the {caps.all_reduce_bytes}-byte all-reduce region"
+    if problem.numel > MAX_NUMEL:
+        return f"{problem.numel} elements exceed int32 indexing"
+    return None
+
+
+def prepared_workspace(backend: Backend, problem: Problem, config: Any, config_type: type, ctx: RunContext):
+    """``ctx.workspace`` once a Triton backend's ``prepare`` arguments fit: a workspace of the
+    problem's world size and a ``config_type`` config of the backend's algorithm (BackendError)."""
+    ws = ctx.workspace
+    if ws is None:
+        raise BackendError(f"{backend.name} needs a symmetric workspace (ctx.workspace is None)")
+    if not isinstance(config, config_type) or config.algorithm != backend.algorithm:
+        raise BackendError(f"{backend.name} needs {config_type.__name__}(algorithm={backend.algorithm!r}, ...), "
+                           f"got {config!r}")
+    if ws.world_size != problem.world_size:
+        raise BackendError(f"{problem.describe()} does not match the workspace's world size {ws.world_size}")
+    return ws
+
+
+class RegionLauncher:
+    """What a Triton all-reduce or fused launcher is bound to: one workspace's all-reduce region
+    and signal channel, its double buffer when the config asks for it, the config and its
+    :class:`Algorithm`, and the kernel specialisations made so far (``_variants``: key ->
+    LeanLauncher of the record's kernel, its flags among the constexprs; ``_direct``: key -> its
+    bound launch, called with int addresses)."""
+
+    def __init__(self, problem: Problem, config: Any, workspace) -> None:
+        self.config, self.record, self.algorithm = config, config.record, config.algorithm
+        self.workspace = workspace
+        self.dtype, self.elem_bytes = DTYPES[problem.dtype], problem.elem_bytes
+        self.device, self.rank, self.world_size = workspace.device, workspace.rank, workspace.world_size
+        region = workspace.regions[ALL_REDUCE_REGION]
+        self.capacity = workspace.capacity(ALL_REDUCE_REGION)
+        self.region_start = int(workspace.buffer.data_ptr()) + region.offset
+        self.region_ptrs = workspace.region_ptrs(ALL_REDUCE_REGION)
+        self.signal_ptrs = workspace.signal_ptrs(ALL_REDUCE_REGION)
+        # Double buffer: halves at this offset from the region base (same buffer, same offsets on
+        # every rank) and half_bytes apart; only configs that ask for it use them.
+        self.half_bytes = workspace.double_buffer_half_bytes if config.double_buffer else 0
+        self.double_offset = 0
+        if self.half_bytes:
+            self.double_offset = workspace.regions[DOUBLE_BUFFER_REGION].offset - region.offset
+        self._variants: dict[tuple, LeanLauncher] = {}
+        self._direct: dict[tuple, Callable[..., None]] = {}
+        self._region_addr = int(self.region_ptrs.data_ptr())  # the workspace keeps these tensors alive
+        self._signal_addr = int(self.signal_ptrs.data_ptr())

@@ -14,12 +14,13 @@ a whole number of 16-byte vectors per rank segment (``16 * world_size`` bytes) f
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..problem import DTYPES, Problem
-from .base import Backend, BackendError, Capabilities, Needs, RunContext
+from .base import Backend, BackendError, Capabilities, Needs, RunContext, ops_available
 
 SUPPORTED_DTYPES = ("bf16", "fp32")
 MIN_STAGING_BYTES = 1 << 20
@@ -28,18 +29,24 @@ _STAGING: dict[tuple[str, str, torch.dtype, int], torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
-def ops_available() -> bool:
-    """True when this torch registers the symm_mem one-shot/two-shot all-reduce ops."""
-    ops = getattr(torch.ops, "symm_mem", None)
-    try:
-        return ops is not None and hasattr(ops, "one_shot_all_reduce_out") and hasattr(ops, "two_shot_all_reduce_")
-    except (RuntimeError, AttributeError):
-        return False
+@dataclass(frozen=True)
+class TorchAlgorithm:
+    """One of torch's symmetric-memory all-reduce ops as a backend runs it: ``op`` (its name in
+    ``torch.ops.symm_mem``) sums the staged tensor into x (``in_place`` False) or in the staging
+    buffer itself, copied back after; ``splits_by_rank``: each rank reduces one segment."""
+
+    name: str
+    op: str
+    in_place: bool
+    splits_by_rank: bool
+
+    def size_multiple(self, world_size: int) -> int:
+        """Bytes the all-reduce size must be a multiple of: 16, or 16 per rank's segment."""
+        return 16 * world_size if self.splits_by_rank else 16
 
 
-def size_multiple(algorithm: str, world_size: int) -> int:
-    """Bytes the all-reduce size must be a multiple of for ``algorithm``."""
-    return 16 * world_size if algorithm == "two_shot" else 16
+ALGORITHMS = {a.name: a for a in (TorchAlgorithm("one_shot", "one_shot_all_reduce_out", False, False),
+                                  TorchAlgorithm("two_shot", "two_shot_all_reduce_", True, True))}
 
 
 def staging_buffer(group_name: str, device: torch.device, dtype: torch.dtype, capacity_bytes: int) -> torch.Tensor:
@@ -61,16 +68,16 @@ class _TorchLauncher:
     """``launcher(x) -> x`` through torch's op, staging ``x`` in ``buffer``."""
 
     def __init__(self, algorithm: str, group_name: str, buffer: torch.Tensor, world_size: int) -> None:
+        record = ALGORITHMS[algorithm]
         self.algorithm = algorithm
         self.group_name = group_name
         self.buffer = buffer
         self.dtype = buffer.dtype
         self.device = buffer.device
         self.elem_bytes = buffer.element_size()
-        self.multiple = size_multiple(algorithm, world_size)
-        self._one_shot = algorithm == "one_shot"
-        ops = torch.ops.symm_mem
-        self._op = ops.one_shot_all_reduce_out if self._one_shot else ops.two_shot_all_reduce_
+        self.multiple = record.size_multiple(world_size)
+        self._in_place = record.in_place
+        self._op = getattr(torch.ops.symm_mem, record.op)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not self.dtype or x.device != self.device or not x.is_contiguous():
@@ -88,11 +95,11 @@ class _TorchLauncher:
         flat = x.view(-1)
         staged = self.buffer[:numel]
         staged.copy_(flat)
-        if self._one_shot:
-            self._op(staged, "sum", self.group_name, flat)
-        else:
+        if self._in_place:
             self._op(staged, "sum", self.group_name)
             flat.copy_(staged)
+        else:
+            self._op(staged, "sum", self.group_name, flat)
         return x
 
 
@@ -102,11 +109,11 @@ class TorchSymmAllReduce(Backend):
     needs = Needs(ops=("all_reduce",), dtypes=SUPPORTED_DTYPES, intra_node=True, torch_symm_ops=True)
 
     def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
+        self.algorithm, self.record = algorithm, ALGORITHMS[algorithm]
         self.name = f"torch_{algorithm}"
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        multiple = size_multiple(self.algorithm, problem.world_size)
+        multiple = self.record.size_multiple(problem.world_size)
         if problem.nbytes % multiple:
             return f"{problem.nbytes} bytes is not a multiple of {multiple}"
         return None

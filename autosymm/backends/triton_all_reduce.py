@@ -1,6 +1,8 @@
 """Backends ``triton_one_shot``, ``triton_one_shot_push``, ``triton_two_shot`` and
-``triton_multimem``: the Triton all-reduce kernels of autosymm.kernels.all_reduce over the
-symmetric workspace.
+``triton_multimem``: the Triton all-reduce kernels of autosymm.kernels.all_reduce (and
+autosymm.kernels.push_all_reduce) over the symmetric workspace. Each is a record of
+:data:`ALGORITHMS` (autosymm.backends.launch.Algorithm: kernel, stage, splits by rank, double
+buffering, multicast) with its search space (:func:`all_reduce_space`) beside it.
 
 A launcher works on any contiguous tensor of the prepared dtype that fits the workspace's
 all-reduce region. A tensor from ``Workspace.empty`` (inside the region) is reduced in place
@@ -32,67 +34,63 @@ call ``Workspace.reset_signals()`` before the next collective kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-from ..configs import AllReduceConfig, all_reduce_space
+from ..configs import WARP_SIZE, AllReduceConfig, useful_counts
+from ..geometry import (ALIGN, ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, max_push_input_bytes, push_stage_bytes,
+                        tensor_stage_bytes)
 from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
 from ..kernels.push_all_reduce import _push_one_shot_all_reduce
-from ..problem import DTYPES, Problem
-from ..geometry import (ALIGN, ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, max_stage_input_bytes, stage_bytes)
+from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
-from .launch import LeanLauncher
+from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, stage_limits
 
-CHANNEL = ALL_REDUCE_REGION
-MAX_NUMEL = 2**31 - 1  # kernels index with int32
+#: Largest all-reduce (bytes) for which the pull one-shot's space offers ``double_buffer``: beyond
+#: it a call reads megabytes over NVLink and the end barrier (about a microsecond) is noise.
+PULL_DOUBLE_BUFFER_MAX_BYTES = 1 << 20
+
+#: The all-reduce algorithms by name (AllReduceConfig.algorithm), each a backend ``triton_<name>``.
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("one_shot", _one_shot_all_reduce, tensor_stage_bytes, double_buffer=True,
+              double_buffer_space_bytes=PULL_DOUBLE_BUFFER_MAX_BYTES),
+    # the stage takes world_size - 1 slots of the tensor, one per peer: a double-buffer half while they fit
+    Algorithm("one_shot_push", _push_one_shot_all_reduce, push_stage_bytes, push=True, double_buffer=True,
+              double_buffer_space_bytes=DOUBLE_BUFFER_HALF_BYTES),
+    Algorithm("two_shot", _two_shot_all_reduce, tensor_stage_bytes, {"MULTIMEM": False}, splits_by_rank=True),
+    # one v4 multimem operation a thread: 16 bytes a thread at least
+    Algorithm("multimem", _two_shot_all_reduce, tensor_stage_bytes, {"MULTIMEM": True}, splits_by_rank=True,
+              multicast=True, min_thread_bytes=16),
+)}
 
 
-class _AllReduceLauncher:
+class _AllReduceLauncher(RegionLauncher):
     """``launcher(x) -> x``: x summed in place over the group. Bound to one workspace and config."""
 
-    def __init__(self, algorithm: str, problem: Problem, config: AllReduceConfig, workspace) -> None:
-        self.algorithm = algorithm
-        self.workspace = workspace
-        self.dtype = DTYPES[problem.dtype]
-        self.elem_bytes = problem.elem_bytes
-        self.device = workspace.device
+    def __init__(self, problem: Problem, config: AllReduceConfig, workspace) -> None:
+        super().__init__(problem, config, workspace)
+        record = self.record
         # Tensor.get_device() of a tensor on the workspace's device (-1: CPU): an int, no torch.device
         self._device_index = self.device.index if self.device.type == "cuda" else -1
-        self.world_size = workspace.world_size
-        self.rank = workspace.rank
-        self.capacity = workspace.capacity(CHANNEL)
-        self._push = algorithm == "one_shot_push"
+        self._push = record.push
         # push: one slot of the rounded-up tensor per peer must fit the region
-        self.max_bytes = min(max_stage_input_bytes(algorithm, self.capacity, self.world_size),
-                             MAX_NUMEL * self.elem_bytes)
-        self.region_start = int(workspace.buffer.data_ptr()) + workspace.regions[CHANNEL].offset
+        fits = max_push_input_bytes(self.capacity, self.world_size) if record.push else self.capacity
+        self.max_bytes = min(fits, MAX_NUMEL * self.elem_bytes)
         self.region_end = self.region_start + self.capacity
-        self.region_ptrs = workspace.region_ptrs(CHANNEL)
-        self.signal_ptrs = workspace.signal_ptrs(CHANNEL)
-        # Double buffer: halves at this offset from the region base (same buffer, same offsets on
-        # every rank) and half_bytes apart; only one-shot configs that ask for it use them.
-        self.half_bytes = workspace.double_buffer_half_bytes if config.double_buffer else 0
-        self.double_offset = 0
         if self.half_bytes:
-            self.double_offset = workspace.regions[DOUBLE_BUFFER_REGION].offset - workspace.regions[CHANNEL].offset
             self.double_start = self.region_start + self.double_offset
             self.double_end = self.double_start + 2 * self.half_bytes
         self.mc_base = 0
-        if algorithm == "multimem":
-            self.mc_base = workspace.multicast_ptr + workspace.regions[CHANNEL].offset
-        self.config = config
-        self._one_shot = algorithm == "one_shot"
-        self._two_shot = not (self._one_shot or self._push)
+        if record.multicast:
+            self.mc_base = workspace.multicast_ptr + workspace.regions[ALL_REDUCE_REGION].offset
+        self._two_shot = record.splits_by_rank
         self._vec = 16 // self.elem_bytes  # elements per 16 bytes
         self._seg_div = self.world_size * self._vec  # elements per 16 bytes of every rank
-        # key: (zero_copy, aligned, x_aligned, phase, double_buffer, tail): tail = the one-shots'
-        # TAIL, elements numel is a multiple of (16 bytes' worth, or 1)
-        self._variants: dict[tuple[bool, bool, bool, int, bool, int], LeanLauncher] = {}
-        self._direct: dict[tuple[bool, bool, bool, int, bool, int], Callable[..., None]] = {}
-        self._region_addr = int(self.region_ptrs.data_ptr())  # the workspace keeps these tensors alive
-        self._signal_addr = int(self.signal_ptrs.data_ptr())
+        # variant key: (zero_copy, aligned, x_aligned, phase, double_buffer, tail): tail = the
+        # one-shots' TAIL, elements numel is a multiple of (16 bytes' worth, or 1)
 
     # -- hot path ---------------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, phase: int = 0) -> torch.Tensor:
@@ -169,7 +167,7 @@ class _AllReduceLauncher:
                     raise BackendError(
                         f"staging {nbytes} bytes would overwrite the {self.workspace.empty_bytes} bytes handed out "
                         f"by autosymm.empty in a {self.capacity}-byte region; raise AUTOSYMM_WORKSPACE_BYTES")
-        if self._one_shot:
+        if not self._two_shot:  # the pull one-shot (push returned above)
             return key, addr, (numel, offset, self.half_bytes)
         # segment length in 16-byte units: segment_vecs(numel, world_size, elem_bytes)
         return key, addr, (numel, offset, (numel + self._seg_div - 1) // self._seg_div, self.mc_base)
@@ -201,27 +199,21 @@ class _AllReduceLauncher:
     def _variant(self, zero_copy: bool, aligned: bool, x_aligned: bool, phase: int, double: bool,
                  tail: int) -> LeanLauncher:
         """The launcher of one kernel specialisation (triton also specialises on x's alignment)."""
-        if self.algorithm == "multimem" and not aligned:
-            raise BackendError("triton_multimem needs a 16-byte aligned tensor; this zero-copy tensor "
+        record = self.record
+        if record.multicast and not aligned:
+            raise BackendError(f"triton_{self.algorithm} needs a 16-byte aligned tensor; this zero-copy tensor "
                                "(inside the all-reduce region) is not: allocate it with Workspace.empty")
-        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, BLOCK=self.config.block_size,
-                          ZERO_COPY=zero_copy, ALIGNED=aligned)
-        if self.algorithm == "one_shot":
-            if phase:
-                raise ValueError("one-shot has no phases")
-            kernel = _one_shot_all_reduce
-            constexprs.update(DOUBLE_BUFFER=double, TAIL=tail)
-        elif self._push:
-            if phase:
-                raise ValueError("push one-shot has no phases")
-            kernel = _push_one_shot_all_reduce
-            del constexprs["ZERO_COPY"]
-            constexprs.update(DOUBLE_BUFFER=double, TAIL=tail)
+        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, BLOCK=self.config.block_size, ALIGNED=aligned)
+        if not record.push:  # a push kernel never reads x from a peer: zero-copy is nothing to it
+            constexprs.update(ZERO_COPY=zero_copy)
+        if record.splits_by_rank:
+            constexprs.update(PHASE=phase)
+        elif phase:
+            raise ValueError(f"{self.algorithm} has no phases")
         else:
-            kernel = _two_shot_all_reduce
-            constexprs.update(MULTIMEM=self.algorithm == "multimem", PHASE=phase)
-        launcher = LeanLauncher(kernel, (self.config.num_blocks,), constexprs, num_warps=self.config.num_warps,
-                                num_stages=1)
+            constexprs.update(DOUBLE_BUFFER=double, TAIL=tail)
+        launcher = LeanLauncher(record.kernel, (self.config.num_blocks,), {**constexprs, **record.flags},
+                                num_warps=self.config.num_warps, num_stages=1)
         self._variants[(zero_copy, aligned, x_aligned, phase, double, tail)] = launcher
         return launcher
 
@@ -236,42 +228,72 @@ class _AllReduceLauncher:
         return BackendError(f"triton_{self.algorithm} cannot reduce tensor {tuple(x.shape)}: " + "; ".join(problems))
 
 
-def stage_limits(need: int, problem: Problem, caps: Capabilities) -> Optional[str]:
-    """Why a Triton kernel staging ``need`` bytes in the all-reduce region cannot serve
-    ``problem`` (the region too small, or more elements than int32 indexing reaches), or None."""
-    if need > caps.all_reduce_bytes:
-        return f"a {need}-byte stage exceeds the {caps.all_reduce_bytes}-byte all-reduce region"
-    if problem.numel > MAX_NUMEL:
-        return f"{problem.numel} elements exceed int32 indexing"
-    return None
+# On 2x H200 the default tune picked the largest BLOCK, grid and warps of the earlier space
+# (16384, 132, 32) for the push one-shot at every size from 8 MiB: the space now reaches past
+# them (two programs per SM, 64 KiB of bf16 per program and chunk).
+ALL_REDUCE_BLOCK_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+ALL_REDUCE_NUM_WARPS = (4, 8, 16, 32)
+ALL_REDUCE_NUM_BLOCKS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 132, 256)
 
 
-def prepared_workspace(backend: Backend, problem: Problem, config: Any, config_type: type, ctx: RunContext):
-    """``ctx.workspace`` once a Triton backend's ``prepare`` arguments fit: a workspace of the
-    problem's world size and a ``config_type`` config of the backend's algorithm (BackendError)."""
-    ws = ctx.workspace
-    if ws is None:
-        raise BackendError(f"{backend.name} needs a symmetric workspace (ctx.workspace is None)")
-    if not isinstance(config, config_type) or config.algorithm != backend.algorithm:
-        raise BackendError(f"{backend.name} needs {config_type.__name__}(algorithm={backend.algorithm!r}, ...), "
-                           f"got {config!r}")
-    if ws.world_size != problem.world_size:
-        raise BackendError(f"{problem.describe()} does not match the workspace's world size {ws.world_size}")
-    return ws
+def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: int) -> list[AllReduceConfig]:
+    """Valid, non-redundant configs of ``algorithm`` for an all-reduce of ``numel`` elements.
+
+    Redundant points are dropped: more programs than there are BLOCK-wide chunks to do, and
+    BLOCK widths far beyond the data (they only mask). Two-shot and multimem split the data in
+    ``world_size`` segments, so their chunk count is per segment. Never empty.
+
+    A double-buffer capable algorithm whose stage is at most its record's
+    ``double_buffer_space_bytes`` (pull one-shot: :data:`PULL_DOUBLE_BUFFER_MAX_BYTES`; push
+    one-shot: its slots fit a :data:`autosymm.geometry.DOUBLE_BUFFER_HALF_BYTES` half) also gets
+    every config again with ``double_buffer=True`` (appended, so the first configs stay the
+    single-buffer ones): there
+    the call is latency-bound and its end barrier (a system-scope round trip over NVLink, about
+    1-1.5 us of 5-6 us at 4-64 KiB on H200) is worth removing; beyond it the copy and the reads
+    dominate, a half of the double-buffer region would not hold the tensor, and the space stays
+    as it was (it is largest there: most grids are useful).
+    """
+    record = ALGORITHMS[algorithm]
+    per_program = record.share(numel, world_size)
+    space: list[AllReduceConfig] = []
+    for block_size in ALL_REDUCE_BLOCK_SIZES:
+        # a BLOCK more than twice the data is only masking; keep the smallest such BLOCK.
+        if block_size > 2 * max(per_program, ALL_REDUCE_BLOCK_SIZES[0]) and block_size != ALL_REDUCE_BLOCK_SIZES[0]:
+            continue
+        chunks = max(1, -(-per_program // block_size))
+        for num_warps in ALL_REDUCE_NUM_WARPS:
+            if num_warps * WARP_SIZE > block_size:
+                continue
+            # fewer than 8 bytes a thread means narrow loads (multimem: 16, one v4 operation a
+            # thread, else threads repeat it): keep only the widest-per-thread warps.
+            if (block_size * elem_bytes // (num_warps * WARP_SIZE) < record.min_thread_bytes
+                    and num_warps != ALL_REDUCE_NUM_WARPS[0]):
+                continue
+            for num_blocks in useful_counts(ALL_REDUCE_NUM_BLOCKS, chunks):
+                space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))
+    if record.double_buffer and record.stage_bytes(numel * elem_bytes, world_size) <= record.double_buffer_space_bytes:
+        space += [dataclasses.replace(config, double_buffer=True) for config in space]
+    return space
+
+
+def largest_stage_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes of the all-reduce region the largest stage of any algorithm takes for ``nbytes``."""
+    return max(a.stage_bytes(nbytes, world_size) for a in ALGORITHMS.values())
 
 
 class TritonAllReduce(Backend):
-    """One Triton all-reduce algorithm (autosymm.configs.ALL_REDUCE_ALGORITHMS) as a Backend."""
+    """One Triton all-reduce algorithm (a record of :data:`ALGORITHMS`) as a Backend."""
 
-    def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
-        self.name = f"triton_{algorithm}"
-        multimem = algorithm == "multimem"
+    def __init__(self, record: Algorithm) -> None:
+        self.record, self.algorithm = record, record.name
+        self.name = f"triton_{record.name}"
+        # multimem instructions need sm_90
         self.needs = Needs(ops=("all_reduce",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
-                           intra_node=True, multicast=multimem, min_compute_capability=(9, 0) if multimem else (0, 0))
+                           intra_node=True, multicast=record.multicast,
+                           min_compute_capability=(9, 0) if record.multicast else (0, 0))
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        return stage_limits(stage_bytes(self.algorithm, problem.nbytes, problem.world_size), problem, caps)
+        return stage_limits(self.record.stage_bytes(problem.nbytes, problem.world_size), problem, caps)
 
     def search_space(self, problem: Problem) -> list[AllReduceConfig]:
         return all_reduce_space(self.algorithm, problem.numel, problem.world_size, problem.elem_bytes)
@@ -279,13 +301,13 @@ class TritonAllReduce(Backend):
     def prepare(self, problem: Problem, config: Optional[AllReduceConfig], ctx: RunContext) -> _AllReduceLauncher:
         """A launcher ``launcher(x) -> x`` for ``problem`` with ``config`` on ``ctx.workspace``."""
         ws = prepared_workspace(self, problem, config, AllReduceConfig, ctx)
-        if self.algorithm == "multimem" and not ws.has_multicast:
+        if self.record.multicast and not ws.has_multicast:
             raise BackendError(f"{self.name} needs multicast; the workspace has none")
-        return _AllReduceLauncher(self.algorithm, problem, config, ws)
+        return _AllReduceLauncher(problem, config, ws)
 
 
-triton_one_shot = TritonAllReduce("one_shot")
-triton_one_shot_push = TritonAllReduce("one_shot_push")
-triton_two_shot = TritonAllReduce("two_shot")
-triton_multimem = TritonAllReduce("multimem")
+triton_one_shot = TritonAllReduce(ALGORITHMS["one_shot"])
+triton_one_shot_push = TritonAllReduce(ALGORITHMS["one_shot_push"])
+triton_two_shot = TritonAllReduce(ALGORITHMS["two_shot"])
+triton_multimem = TritonAllReduce(ALGORITHMS["multimem"])
 BACKENDS = (triton_one_shot, triton_one_shot_push, triton_two_shot, triton_multimem)

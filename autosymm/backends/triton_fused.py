@@ -1,7 +1,8 @@
 """Backends ``triton_fused_one_shot``, ``triton_fused_one_shot_push`` and ``triton_fused_two_shot``:
 the fused all-reduce + residual add + RMSNorm kernels of autosymm.kernels.fused_rmsnorm over the
 symmetric workspace's all-reduce region (and its signal channel: calls are stream-ordered with
-the all-reduces, as theirs are with each other).
+the all-reduces, as theirs are with each other). Each is a record of :data:`ALGORITHMS`
+(autosymm.backends.launch.Algorithm) with its search space (:func:`fused_space`) beside it.
 
 A launcher ``launcher(x, residual, weight, eps) -> out`` serves contiguous x and residual of
 [tokens, hidden] (the prepared dtype and hidden size, any token count whose stage fits) and a
@@ -20,28 +21,37 @@ config with whole rows instead, so a launcher serves any token count whose stage
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import dataclasses
+from typing import Optional
 
 import torch
 
-from ..configs import FusedConfig, fused_block_size, fused_space
-from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET,
-                        FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_REGION, align, stage_bytes)
+from ..configs import FUSED_MAX_TILE_PER_THREAD, WARP_SIZE, FusedConfig, useful_counts
+from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET,
+                        FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_REGION, align, push_stage_bytes,
+                        rows_and_out_stage_bytes, tensor_stage_bytes)
 from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
-from ..problem import DTYPES, Problem
+from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
-from .launch import LeanLauncher
-from .triton_all_reduce import MAX_NUMEL, prepared_workspace, stage_limits
+from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, stage_limits
 
 OP = "all_reduce_rmsnorm"
 
+#: The fused algorithms by name (FusedConfig.algorithm), each a backend ``triton_fused_<name>``:
+#: the one-shots (pull, push) stage as the all-reduce's and may split rows and double-buffer;
+#: the two-shot by rows stages x's rows and the out rows.
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("one_shot", _one_shot_all_reduce_rmsnorm, tensor_stage_bytes, {"PUSH": False}, double_buffer=True,
+              double_buffer_space_bytes=DOUBLE_BUFFER_HALF_BYTES, row_split=True),
+    Algorithm("one_shot_push", _one_shot_all_reduce_rmsnorm, push_stage_bytes, {"PUSH": True}, push=True,
+              double_buffer=True, double_buffer_space_bytes=DOUBLE_BUFFER_HALF_BYTES, row_split=True),
+    Algorithm("two_shot", _two_shot_all_reduce_rmsnorm, rows_and_out_stage_bytes, splits_by_rank=True),
+)}
 
-def fused_stage_bytes(algorithm: str, nbytes: int, world_size: int) -> int:
-    """Bytes of the all-reduce region a fused call of an ``nbytes`` tensor stages in: the
-    all-reduce's stage, or x's rows plus the out rows (two-shot)."""
-    if algorithm == "two_shot":
-        return 2 * align(nbytes)
-    return stage_bytes(algorithm, nbytes, world_size)
+
+def largest_stage_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes of the all-reduce region the largest stage of any fused algorithm takes for ``nbytes``."""
+    return max(a.stage_bytes(nbytes, world_size) for a in ALGORITHMS.values())
 
 
 def split_scratch(workspace) -> tuple:
@@ -58,28 +68,15 @@ def split_scratch(workspace) -> tuple:
     return counts, partials, stash
 
 
-class _FusedLauncher:
+class _FusedLauncher(RegionLauncher):
     """``launcher(x, residual, weight, eps) -> out``. Bound to one workspace, hidden size and config."""
 
     def __init__(self, problem: Problem, config: FusedConfig, workspace) -> None:
-        self.algorithm, self.config, self.workspace = config.algorithm, config, workspace
-        self.dtype, self.hidden = DTYPES[problem.dtype], problem.hidden
-        self.elem_bytes = problem.elem_bytes
-        self.device, self.rank, self.world_size = workspace.device, workspace.rank, workspace.world_size
-        self.capacity = workspace.capacity(ALL_REDUCE_REGION)
-        self.region_start = int(workspace.buffer.data_ptr()) + workspace.regions[ALL_REDUCE_REGION].offset
-        self.region_ptrs = workspace.region_ptrs(ALL_REDUCE_REGION)
-        self.signal_ptrs = workspace.signal_ptrs(ALL_REDUCE_REGION)
-        self.half_bytes = workspace.double_buffer_half_bytes if config.double_buffer else 0
-        self.double_offset = 0
-        if self.half_bytes:
-            self.double_offset = workspace.regions[DOUBLE_BUFFER_REGION].offset - workspace.regions[ALL_REDUCE_REGION].offset
-        self._variants: dict[tuple, LeanLauncher] = {}
-        self._direct: dict[tuple, Callable[..., None]] = {}
-        self._region_addr = int(self.region_ptrs.data_ptr())  # the workspace keeps these tensors alive
-        self._signal_addr = int(self.signal_ptrs.data_ptr())
+        super().__init__(problem, config, workspace)
+        self.hidden = problem.hidden
+        self._rows_by_rank = self.record.splits_by_rank  # the two-shot: its stage holds the out rows too
         self.row_split, self.split_rows, self._scratch = config.row_split, 0, split_scratch(workspace)
-        if self.algorithm == "two_shot":
+        if not self.record.row_split:  # the two-shot kernel takes no split-row scratch
             self._scratch = ()
         elif config.row_split > 1 and FUSED_STASH_REGION in workspace.regions:
             stash_rows = workspace.capacity(FUSED_STASH_REGION) // (4 * self.hidden)
@@ -143,7 +140,7 @@ class _FusedLauncher:
     def _stage(self, nbytes: int) -> tuple[int, int, tuple, bool]:
         """(stage start and end addresses, the kernel's integer arguments after eps, double-buffered?)
         of an ``nbytes`` tensor (per call: ``Workspace.empty`` may have grown since the last)."""
-        need = fused_stage_bytes(self.algorithm, nbytes, self.world_size)
+        need = self.record.stage_bytes(nbytes, self.world_size)
         slot = align(nbytes)
         if need <= self.half_bytes:
             start = self.region_start + self.double_offset
@@ -155,7 +152,7 @@ class _FusedLauncher:
                 f"beside the {self.workspace.empty_bytes} bytes handed out by autosymm.empty; "
                 "raise AUTOSYMM_WORKSPACE_BYTES")
         start = self.region_start + offset
-        if self.algorithm == "two_shot":
+        if self._rows_by_rank:
             return start, start + need, (offset, offset + slot), False
         return start, start + need, (offset, slot, 0), False
 
@@ -166,42 +163,109 @@ class _FusedLauncher:
         cfg = self.config
         constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, HIDDEN=self.hidden, BLOCK=cfg.block_size,
                           ROWS=cfg.rows_per_program)
-        if self.algorithm == "two_shot":
-            kernel = _two_shot_all_reduce_rmsnorm
+        if self.record.splits_by_rank:
             constexprs.update(PHASE=phase)
+        elif phase:
+            raise ValueError(f"the fused {self.algorithm} has no phases")
         else:
-            if phase:
-                raise ValueError(f"the fused {self.algorithm} has no phases")
-            kernel = _one_shot_all_reduce_rmsnorm
-            constexprs.update(SPLIT=split, PUSH=self.algorithm == "one_shot_push", DOUBLE_BUFFER=double)
-        launcher = LeanLauncher(kernel, (cfg.num_blocks,), constexprs, num_warps=cfg.num_warps, num_stages=1)
+            constexprs.update(SPLIT=split, DOUBLE_BUFFER=double)
+        launcher = LeanLauncher(self.record.kernel, (cfg.num_blocks,), {**constexprs, **self.record.flags},
+                                num_warps=cfg.num_warps, num_stages=1)
         self._variants[key] = launcher
         return launcher
 
 
-class TritonFused(Backend):
-    """One fused algorithm (autosymm.configs.FUSED_ALGORITHMS) as a Backend."""
+FUSED_NUM_WARPS = (4, 8, 16, 32)
+FUSED_ROWS_PER_PROGRAM = (1, 2, 4)
+FUSED_NUM_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 132)
+#: Bytes of a row each thread holds, for the warps of the space (fewer: too few loads in flight
+#: per thread to hide NVLink latency; more: registers spill).
+FUSED_ROW_BYTES_PER_THREAD = (16, 64)
+#: Grids per (warps, rows) point: the largest useful ones (a fused call is latency-bound where it
+#: has few rows, and then one of them covers the rows; with many rows the widest grids win).
+FUSED_GRIDS_PER_POINT = 3
+#: Split rows (FusedConfig.row_split) of the one-shots' space: where rows x split programs
+#: stay within one wave of 132 SMs (at 1-64 tokens a program per row leaves most SMs idle, and
+#: one SM moves a whole row over NVLink), with warps holding 16-32 bytes of a part a thread.
+FUSED_ROW_SPLITS = (2, 4, 8)
+FUSED_SPLIT_MAX_PROGRAMS = 132
+FUSED_SPLIT_BYTES_PER_THREAD = (16, 32)
 
-    def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
-        self.name = f"triton_fused_{algorithm}"
+
+def fused_block_size(hidden: int) -> int:
+    """The BLOCK of a fused kernel for rows of ``hidden`` elements: a row group is held in
+    registers, so the next power of two >= hidden (at least the 128 threads of 4 warps)."""
+    return max(128, 1 << max(0, hidden - 1).bit_length())
+
+
+def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, elem_bytes: int) -> list[FusedConfig]:
+    """Valid, non-redundant configs of the fused ``algorithm`` for [n_tokens, hidden] per rank.
+
+    BLOCK is :func:`fused_block_size` (whole rows in registers); warps holding
+    :data:`FUSED_ROW_BYTES_PER_THREAD` bytes of a row a thread (else 4); rows per program that fit
+    :data:`FUSED_MAX_TILE_PER_THREAD` and the rows there are; the :data:`FUSED_GRIDS_PER_POINT`
+    largest grids up to the first one covering the row groups (two-shot: of a rank's
+    ``n_tokens / world_size`` rows). One-shots whose stage fits a double-buffer half get every
+    config again with ``double_buffer=True``. Then the one-shots' split rows where the rows are
+    few (:func:`_split_space`), double-buffered only where the stage fits: such calls are
+    latency-bound, and the end barrier is what double buffering removes. Never empty.
+    """
+    block_size = fused_block_size(hidden)
+    record = ALGORITHMS[algorithm]
+    rows = record.share(n_tokens, world_size)
+    low, high = FUSED_ROW_BYTES_PER_THREAD
+    warps = [w for w in FUSED_NUM_WARPS if low <= block_size * elem_bytes // (w * WARP_SIZE) <= high
+             and w * WARP_SIZE <= block_size] or [FUSED_NUM_WARPS[0]]
+    space: list[FusedConfig] = []
+    for num_warps in warps:
+        for rows_per_program in FUSED_ROWS_PER_PROGRAM:
+            if rows_per_program > 1 and (rows_per_program * block_size > FUSED_MAX_TILE_PER_THREAD * num_warps * WARP_SIZE
+                                         or rows_per_program >= 2 * rows):
+                continue  # spills, or only masked rows
+            groups = -(-rows // rows_per_program)
+            for num_blocks in useful_counts(FUSED_NUM_BLOCKS, groups)[-FUSED_GRIDS_PER_POINT:]:
+                space.append(FusedConfig(algorithm, block_size, num_warps, num_blocks, rows_per_program))
+    stage = record.stage_bytes(n_tokens * hidden * elem_bytes, world_size)
+    double = record.double_buffer and stage <= record.double_buffer_space_bytes
+    if double:
+        space += [dataclasses.replace(config, double_buffer=True) for config in space]
+    if record.row_split:  # latency-bound: double-buffered only, where it fits
+        space += [dataclasses.replace(c, double_buffer=double) for c in _split_space(algorithm, rows, hidden, elem_bytes)]
+    return space
+
+
+def _split_space(algorithm: str, rows: int, hidden: int, elem_bytes: int) -> list[FusedConfig]:
+    """The split-row configs of a one-shot for ``rows`` rows of ``hidden`` (FusedConfig.row_split):
+    :data:`FUSED_ROW_SPLITS` with at most :data:`FUSED_SPLIT_MAX_PROGRAMS` programs, warps holding
+    :data:`FUSED_SPLIT_BYTES_PER_THREAD` bytes of a part, one program per (row, part)."""
+    block_size = fused_block_size(hidden)
+    low, high = FUSED_SPLIT_BYTES_PER_THREAD
+    space = []
+    for split in FUSED_ROW_SPLITS:
+        chunk = block_size // split
+        parts = -(-hidden // chunk)  # parts holding columns < hidden
+        if rows > FUSED_SPLIT_MAX_ROWS or rows * split > FUSED_SPLIT_MAX_PROGRAMS or parts < 2:
+            continue
+        for num_warps in FUSED_NUM_WARPS:
+            if low <= chunk * elem_bytes // (num_warps * WARP_SIZE) <= high and num_warps * WARP_SIZE <= chunk:
+                space.append(FusedConfig(algorithm, block_size, num_warps, rows * parts, 1, row_split=split))
+    return space
+
+
+class TritonFused(Backend):
+    """One fused algorithm (a record of :data:`ALGORITHMS`) as a Backend."""
+
+    def __init__(self, record: Algorithm) -> None:
+        self.record, self.algorithm = record, record.name
+        self.name = f"triton_fused_{record.name}"
         self.needs = Needs(ops=(OP,), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        return stage_limits(fused_stage_bytes(self.algorithm, problem.nbytes, problem.world_size), problem, caps)
+        return stage_limits(self.record.stage_bytes(problem.nbytes, problem.world_size), problem, caps)
 
     def search_space(self, problem: Problem) -> list[FusedConfig]:
         return fused_space(self.algorithm, problem.n_tokens_local, problem.hidden, problem.world_size,
                            problem.elem_bytes)
-
-    def fallback_config(self, problem: Problem) -> Optional[FusedConfig]:
-        """An untuned config (dispatch falls back to NCCL, see autosymm.backends.FALLBACK_ORDER;
-        for callers of the backend itself): whole rows in registers, one row per program."""
-        if problem.op != OP:
-            return None
-        block = fused_block_size(problem.hidden)
-        warps = max(4, min(32, block * problem.elem_bytes // (16 * 32)))  # 16 bytes a thread
-        return FusedConfig(self.algorithm, block, warps, min(132, problem.n_tokens_local), 1)
 
     def prepare(self, problem: Problem, config: Optional[FusedConfig], ctx: RunContext) -> _FusedLauncher:
         """A launcher for ``problem`` with ``config`` on ``ctx.workspace``."""
@@ -214,7 +278,7 @@ class TritonFused(Backend):
         return _FusedLauncher(problem, config, ws)
 
 
-triton_fused_one_shot = TritonFused("one_shot")
-triton_fused_one_shot_push = TritonFused("one_shot_push")
-triton_fused_two_shot = TritonFused("two_shot")
+triton_fused_one_shot = TritonFused(ALGORITHMS["one_shot"])
+triton_fused_one_shot_push = TritonFused(ALGORITHMS["one_shot_push"])
+triton_fused_two_shot = TritonFused(ALGORITHMS["two_shot"])
 BACKENDS = (triton_fused_one_shot, triton_fused_one_shot_push, triton_fused_two_shot)

@@ -175,7 +175,7 @@ def _proxy_fence(token):
 # --------------------------------------------------------------------------------------------
 
 #: Self slots (rows of this rank's own column of the 'all_reduce' signal channel, which no signal
-#: reaches) of the double-buffered one-shot: autosymm.symm.ALL_REDUCE_ARRIVAL_SLOT / _EPOCH_SLOT.
+#: reaches) of the double-buffered kernels: autosymm.geometry.ALL_REDUCE_ARRIVAL_SLOT / _EPOCH_SLOT.
 _ARRIVAL_SLOT: tl.constexpr = tl.constexpr(0)
 _EPOCH_SLOT: tl.constexpr = tl.constexpr(1)
 

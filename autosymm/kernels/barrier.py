@@ -42,7 +42,7 @@ import triton.language as tl
 # the poll limits are settings; this module names them for the kernels' readers (and tests)
 from ..settings import RUNTIME_MAX_POLLS, TUNING_MAX_POLLS, get_or_default  # noqa: F401
 
-#: Slots per program in a signal channel (autosymm.configs.MAX_WORLD_SIZE).
+#: Slots per program in a signal channel (autosymm.geometry.MAX_WORLD_SIZE).
 SLOTS_PER_PROGRAM: tl.constexpr = tl.constexpr(8)
 
 

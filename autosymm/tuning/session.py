@@ -73,21 +73,21 @@ def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: 
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
     """(all-reduce, MoE) region bytes the sweep needs (at least the defaults): the largest stage
-    any all-reduce backend needs (the push one-shot's slot per peer; the fused two-shot's x and out
-    rows), both MoE buffers."""
-    from ..backends.triton_fused import fused_stage_bytes
-    from ..geometry import moe_region_bytes, stage_bytes
+    of any Triton algorithm of the problem's family (``largest_stage_bytes``: e.g. the push
+    one-shot's slot per peer, the fused two-shot's x and out rows), both MoE buffers."""
+    from ..backends import triton_all_reduce, triton_fused
+    from ..geometry import moe_region_bytes
     from ..settings import default_region_bytes
 
     ar, moe = default_region_bytes()
     for p in problems:
         if p.op == "all_reduce_rmsnorm":
-            ar = max(ar, *(fused_stage_bytes(a, p.nbytes, p.world_size) for a in ("one_shot_push", "two_shot")))
+            ar = max(ar, triton_fused.largest_stage_bytes(p.nbytes, p.world_size))
         elif p.op in MOE_OPS:
             moe = max(moe, moe_region_bytes(p.n_tokens_local, p.shape.n_expts_act, p.shape.d_model * p.elem_bytes,
                                             p.world_size))
         else:
-            ar = max(ar, stage_bytes("one_shot_push", p.nbytes, p.world_size))
+            ar = max(ar, triton_all_reduce.largest_stage_bytes(p.nbytes, p.world_size))
     return ar, moe
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autosymm.backends import RunContext
-from autosymm.configs import all_reduce_space
+from autosymm.backends.triton_all_reduce import all_reduce_space
 from autosymm.kernels.barrier import max_wait_s
 from autosymm.problem import Problem
 from autosymm.geometry import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, workspace_layout

@@ -5,7 +5,7 @@ import torch
 
 from autosymm.backends.base import Backend, Needs
 from autosymm.backends import RunContext
-from autosymm.configs import all_reduce_space
+from autosymm.backends.triton_all_reduce import all_reduce_space
 from autosymm.problem import Problem
 
 

@@ -8,7 +8,7 @@ import pytest
 from _gloo import run_gloo
 
 from autosymm.backends.base import Backend, Needs
-from autosymm.configs import all_reduce_space
+from autosymm.backends.triton_all_reduce import all_reduce_space
 from autosymm.problem import Problem
 from autosymm.tuning.session import TuneOptions, TuneSettings
 from autosymm.tuning.sweep import TimingPlan, measure_timeout_s, timing_plan

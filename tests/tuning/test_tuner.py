@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from autosymm.configs import AllReduceConfig, all_reduce_space, config_from_json, moe_space
+from autosymm.backends.triton_all_reduce import all_reduce_space
+from autosymm.configs import AllReduceConfig, config_from_json, moe_space
 from autosymm.problem import MoEShape, Problem
 from autosymm.tuning.timing import Timing
 from autosymm.tuning.search import default_trials, resolve_strategy

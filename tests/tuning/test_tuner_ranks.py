@@ -18,7 +18,8 @@ import pytest
 from _gloo import run_with_deadline
 
 from autosymm.backends.base import Backend, Needs
-from autosymm.configs import all_reduce_space, config_to_json
+from autosymm.backends.triton_all_reduce import all_reduce_space
+from autosymm.configs import config_to_json
 from autosymm.problem import Problem
 from autosymm.tuning.timing import Timing
 from autosymm.tuning.outcome import Candidate, build_candidates
