@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..configs import WARP_SIZE, _useful_counts
+from ..configs import WARP_SIZE, useful_counts
 from ..geometry import ALIGN, ALL_REDUCE_REGION, align
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
@@ -59,7 +59,7 @@ def _space(config_type, blocks, segment_units: int, unit_bytes: int, min_thread_
             threads = warps * WARP_SIZE
             if threads > block or (block * unit_bytes // threads < min_thread_bytes and warps != NUM_WARPS[0]):
                 continue
-            space += [config_type(algorithm, block, grid, warps) for grid in _useful_counts(NUM_BLOCKS, chunks)]
+            space += [config_type(algorithm, block, grid, warps) for grid in useful_counts(NUM_BLOCKS, chunks)]
     return space
 
 
