@@ -1,0 +1,110 @@
+"""``all_reduce``: a tensor reduced in place over the group (``autosymm.all_reduce``, whose hot path
+lives in autosymm.api), and its custom ops ``torch.ops.autosymm.all_reduce_`` / ``all_reduce``.
+
+Problem: ``nbytes`` of the whole tensor; bucket: those bytes (at least 1); no shape. Cache key
+(built by the hot path itself): ``(dtype, numel, contiguous, reduce op name, capturing)``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from ..dist_compat import REDUCE_OP_NAMES
+from ..problem import DTYPE_NAMES, Problem, octave_points
+from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
+
+log = logging.getLogger("autosymm")
+
+#: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
+NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
+
+#: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
+SIZES_SPEC = "4KiB:256MiB:2"
+SIZES = tuple(octave_points(4 << 10, 256 << 20, 2))
+
+
+class AllReduce(Collective):
+    def check_problem(self, problem: Problem) -> None:
+        if problem.nbytes < 0:
+            raise ValueError(f"nbytes={problem.nbytes} must be >= 0")
+
+    def problems(self, request: PointRequest) -> list[Problem]:
+        sizes = self.points.sizes if request.sizes is None else request.sizes
+        return [Problem.all_reduce(n, d, request.world_size) for d in request.dtypes for n in sizes]
+
+    def call_text(self, key: tuple, args: tuple, mode: str) -> str:
+        x, op = args
+        return f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
+
+    def check_call(self, state, key: tuple, args: tuple, mode: str):
+        from ..dispatch import Decision
+        from ..group import Entry, check_tensor, identity
+
+        x, op = args
+        check_tensor(x, state, self.name)
+        if op not in NCCL_OPS:
+            raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(NCCL_OPS)}")
+        if state.world_size == 1:  # any reduction over one rank is the identity
+            return Entry(Decision("noop", None, "world size 1: nothing to exchange", mode=mode), identity)
+        dtype = DTYPE_NAMES.get(x.dtype)
+        if op == "sum" and dtype is not None:
+            return Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size)
+        return _nccl_entry(state, x, op, mode)
+
+    def custom_ops(self) -> tuple[CustomOp, ...]:
+        return (CustomOp("all_reduce_", _all_reduce_, _all_reduce__fake, mutates_args=("tensor",)),
+                CustomOp("all_reduce", _all_reduce, _all_reduce_fake))
+
+
+def _nccl_entry(state, x: Tensor, op: str, mode: str):
+    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike."""
+    import torch.distributed as dist
+
+    from ..dispatch import Decision
+    from ..group import Entry
+
+    reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
+    decision = Decision("nccl", None, f"{reason} has no tuned kernel: NCCL", mode=mode)
+    reduce_op = getattr(dist.ReduceOp, NCCL_OPS[op])
+    group = state.group
+
+    def launcher(t):
+        dist.all_reduce(t, op=reduce_op, group=group)
+        return t
+
+    log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
+    return Entry(decision, launcher)
+
+
+def _all_reduce_(tensor: Tensor, op: str, group_name: str) -> None:
+    """Reduce ``tensor`` in place over the group named ``group_name`` (autosymm.all_reduce)."""
+    from .. import api
+    from ..dist_compat import resolve_group
+
+    api._all_reduce_direct(tensor, op, resolve_group(group_name))
+
+
+def _all_reduce__fake(tensor: Tensor, op: str, group_name: str) -> None:
+    return None
+
+
+def _all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
+    """A new contiguous tensor: ``tensor`` reduced over the group named ``group_name``."""
+    from .. import api
+    from ..dist_compat import resolve_group
+
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    api._all_reduce_direct(out, op, resolve_group(group_name))
+    return out
+
+
+def _all_reduce_fake(tensor: Tensor, op: str, group_name: str) -> Tensor:
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+ALL_REDUCE = AllReduce("all_reduce", "bytes", fallback="nccl", fallback_order=("nccl",),
+                       points=TuningPoints(sizes=SIZES), lookups=Lookups(bf16_same_bytes=True),
+                       identity_on_one_rank=True)

@@ -1,0 +1,104 @@
+"""``all_reduce_rmsnorm``: the all-reduce of a tensor-parallel layer fused with the residual add and
+the RMSNorm after it (``autosymm.all_reduce_rmsnorm``, autosymm.fused), and its custom op
+``torch.ops.autosymm.all_reduce_rmsnorm``.
+
+Problem: ``n_tokens_local`` rows of ``hidden`` elements; bucket: tokens per rank; shape:
+``'h{hidden}'``. Cache key: ``(record, dtype, x shape, capturing)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..problem import Problem, dtype_name
+from .base import Collective, CustomOp, PointRequest, TuningPoints
+from .moe import TOKENS
+
+#: Hidden sizes of the default sweep (the hidden sizes of common tensor-parallel models), at
+#: :data:`TOKENS` and :data:`EXTRA_TOKENS`, eager and graph: 4 x 10 x 2 = 80 (problem, mode) pairs.
+HIDDEN = (4096, 5120, 7168, 8192)
+#: Token counts also tuned, inside the asked-for range: where the op's targets are stated (fused
+#: within 1 us of the all-reduce alone up to 128 tokens, 1.5x NCCL + rms_norm up to 2048), so the
+#: DB holds a measured row there rather than a neighbour's config.
+EXTRA_TOKENS = (128, 2048)
+
+
+def with_extra_tokens(tokens, extra=EXTRA_TOKENS) -> list[int]:
+    """``tokens`` plus the ``extra`` counts within their range, sorted."""
+    if not tokens:
+        return []
+    return sorted(set(tokens) | {t for t in extra if min(tokens) <= t <= max(tokens)})
+
+
+class AllReduceRMSNorm(Collective):
+    def check_problem(self, problem: Problem) -> None:
+        if problem.hidden < 1 or problem.n_tokens_local < 1:
+            raise ValueError(f"all_reduce_rmsnorm needs hidden >= 1 and n_tokens_local >= 1, got "
+                             f"hidden={problem.hidden}, n_tokens_local={problem.n_tokens_local}")
+
+    def shape_key(self, problem: Problem) -> str:
+        return f"h{problem.hidden}"
+
+    def problems(self, request: PointRequest) -> list[Problem]:
+        hidden = self.points.hidden if request.hidden is None else request.hidden
+        tokens = list(self.points.tokens if request.tokens is None else request.tokens)
+        if request.extra_tokens:
+            tokens = with_extra_tokens(tokens, self.points.extra_tokens)
+        return [Problem.all_reduce_rmsnorm(t, h, d, request.world_size)
+                for d in request.dtypes for h in hidden for t in tokens]
+
+    def call_text(self, key: tuple, args: tuple, mode: str) -> str:
+        x = args[0]
+        return f"{self.name} of {x.dtype} {tuple(x.shape)} in {mode} mode"
+
+    def check_call(self, state, key: tuple, args: tuple, mode: str):
+        """This rank's checks (ValueError naming the bad tensor): the Problem, or a 'noop' Entry
+        without rows (the same on every rank: x's shape is replicated)."""
+        from ..dispatch import Decision
+        from ..group import Entry, check_tensor
+
+        x, residual, weight = args
+        for tensor in (x, residual, weight):
+            check_tensor(tensor, state, self.name)
+        if x.dim() != 2 or residual.shape != x.shape:
+            raise ValueError(f"autosymm.{self.name}: x {tuple(x.shape)} and residual {tuple(residual.shape)} must "
+                             "both be [tokens, hidden]")
+        if tuple(weight.shape) != (x.shape[1],):
+            raise ValueError(f"autosymm.{self.name}: weight {tuple(weight.shape)} must be [hidden] = [{x.shape[1]}]")
+        if residual.dtype != x.dtype or weight.dtype != x.dtype:
+            raise ValueError(f"autosymm.{self.name}: x {x.dtype}, residual {residual.dtype} and weight "
+                             f"{weight.dtype} must share one dtype")
+        dtype = dtype_name(x.dtype)  # ValueError naming an unsupported dtype
+        n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
+        if n_tokens == 0 or hidden == 0:
+            return Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), _empty_call)
+        return Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size)
+
+    def custom_ops(self) -> tuple[CustomOp, ...]:
+        # x is declared mutated: the NCCL path sums into it
+        return (CustomOp(self.name, _all_reduce_rmsnorm, _all_reduce_rmsnorm_fake, mutates_args=("x", "residual")),)
+
+
+def _empty_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """No rows (on every rank alike): nothing to exchange."""
+    return torch.empty_like(x)
+
+
+def _all_reduce_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> Tensor:
+    """``torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, group_name)``: the custom
+    op of autosymm.all_reduce_rmsnorm."""
+    from ..dist_compat import resolve_group
+    from ..fused import all_reduce_rmsnorm
+
+    return all_reduce_rmsnorm(x, residual, weight, eps, resolve_group(group_name))
+
+
+def _all_reduce_rmsnorm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+ALL_REDUCE_RMSNORM = AllReduceRMSNorm("all_reduce_rmsnorm", "tokens", fallback="nccl_fused",
+                                      fallback_order=("nccl_fused",), shape_param="hidden",
+                                      points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS),
+                                      tuned_by_default=False)
