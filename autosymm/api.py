@@ -18,19 +18,20 @@ import torch.distributed as dist
 
 from . import moe_room
 from .dispatch import Decision
-from .dist_compat import REDUCE_OP_NAMES, Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import (STATES, Entry, GroupState, check_tensor, current_raw_stream, identity, state_key, state_of,
+from .dist_compat import Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
+from .group import (STATES, Entry, GroupState, current_raw_stream, state_key, state_of,
                     stream_capturing)
 from .logs import configure_from_env
-from .problem import DTYPE_NAMES, MODES, OPS, MoEShape, Problem, dtype_name
+from .collectives import ALL_REDUCE, DP_TO_EP, EP_TO_DP, Collective, prepare_call, prepared
+from .collectives import get as collective, names as op_names
+from .collectives.all_reduce import NCCL_OPS
+from .problem import MODES, Problem, dtype_name
 from .replay import HOT, EagerReplay, HotCall, forget_all
 from .routing import ExptAssignment
 
 log = logging.getLogger("autosymm")
 configure_from_env()  # AUTOSYMM_LOG; a bad value is warned about, never raised
 
-#: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
-_NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
 _SUM = dist.ReduceOp.SUM
 _Tensor = torch.Tensor
 # Bound once: one global lookup and call (~60 ns; torch.compiler.is_compiling costs ~4x more).
@@ -55,7 +56,7 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None)
         from .symm import reserve_moe_bytes
 
         reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
-    moe_room.configure(state_of(group), region_bytes, max_bytes, _moe_problem)
+    moe_room.configure(state_of(group), region_bytes, max_bytes)
 
 
 def _mode() -> str:
@@ -96,7 +97,7 @@ def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum", stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
-        entry = _prepare_all_reduce(state, tensor, "sum", key)
+        entry = prepare_call(state, ALL_REDUCE, key, (tensor, "sum"))
     entry.calls += 1
     launcher = entry.launcher
     launcher(tensor)
@@ -136,7 +137,7 @@ def _all_reduce_entry(tensor: torch.Tensor, op: str, group) -> tuple[GroupState,
            stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
-        entry = _prepare_all_reduce(state, tensor, op, key)
+        entry = prepare_call(state, ALL_REDUCE, key, (tensor, op))
     entry.calls += 1
     return state, entry
 
@@ -149,82 +150,17 @@ def _all_reduce_direct(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
 def _all_reduce_async(tensor: torch.Tensor, op: str, group):
     state, entry = _all_reduce_entry(tensor, op, group)
     if entry.decision.backend == "nccl":
-        return dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _NCCL_OPS[op]), group=state.group, async_op=True)
+        return dist.all_reduce(tensor, op=getattr(dist.ReduceOp, NCCL_OPS[op]), group=state.group, async_op=True)
     entry.launcher(tensor)
     return Work(tensor)
 
 
-def _prepare_all_reduce(state: GroupState, x: torch.Tensor, op: str, key: tuple) -> Entry:
-    mode = "graph" if key[-1] else "eager"
-    call = f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
-    entry = state.agreed_check(call, lambda: _build_all_reduce(state, x, op, mode))
-    entry.bytes_per_call = x.numel() * x.element_size()
-    state.cache[key] = entry
-    return entry
-
-
-def _build_all_reduce(state: GroupState, x: torch.Tensor, op: str, mode: str) -> Entry:
-    check_tensor(x, state, "all_reduce")
-    if op not in _NCCL_OPS:
-        raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(_NCCL_OPS)}")
-    if state.world_size == 1:  # any reduction over one rank is the identity
-        return Entry(Decision("noop", None, "world size 1: nothing to exchange", mode=mode), identity)
-    dtype = DTYPE_NAMES.get(x.dtype)
-    if op == "sum" and dtype is not None:
-        return state.prepare(Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size), mode)
-    # Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
-    reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
-    decision = Decision("nccl", None, f"{reason} has no tuned kernel: NCCL", mode=mode)
-    reduce_op = getattr(dist.ReduceOp, _NCCL_OPS[op])
-    group = state.group
-
-    def launcher(t):
-        dist.all_reduce(t, op=reduce_op, group=group)
-        return t
-
-    log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
-    return Entry(decision, launcher)
-
-
-def _moe_call(op: str, src, expt_assignment, expt_indx, indx, group):
+def _moe_call(record: Collective, src, expt_assignment, expt_indx, indx, group):
+    """A MoE conversion (``record``: DP_TO_EP or EP_TO_DP) of plain tensors, eager or captured."""
     state = STATES.get(group) or state_of(group)
-    mode = _mode()
-    key = (op, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, mode)
-    entry = state.cache.get(key)
-    if entry is None:
-        call = (f"{op} of {src.dtype} {tuple(src.shape)} with {key[3]} experts, expt_indx "
-                f"{tuple(expt_indx.shape)}, in {mode} mode")
-        problem = state.agreed_check(call, lambda: _check_moe(state, key, src, expt_assignment, expt_indx, indx))
-        entry = moe_room.prepare(state, problem, mode, _moe_problem)  # may grow the region: collective
-        entry.bytes_per_call = src.numel() * src.element_size()
-        state.cache[key] = entry
-    entry.calls += 1
-    return entry.launcher(src, expt_assignment, expt_indx, indx)
-
-
-def _check_moe(state: GroupState, key: tuple, src, assignment, expt_indx, indx) -> Problem:
-    """The Problem of a MoE call after this rank's checks of its inputs (local: no collective)."""
-    from .backends.moe_inputs import check_index_ranges, check_inputs
-
-    op, mode = key[0], key[-1]
-    check_tensor(src, state, op)
-    if src.dim() != 2 or expt_indx.dim() != 2:
-        raise ValueError(f"autosymm.{op}: src {tuple(src.shape)} and expt_indx {tuple(expt_indx.shape)} "
-                         f"must be 2-D ([rows, d_model], [n_tokens_global, k])")
-    problem = _moe_problem(key, state.world_size)
-    check_inputs(problem, state.device, state.world_size, src, assignment, expt_indx, indx)
-    if mode == "eager":  # a range check reads the indices back: not inside a capture
-        check_index_ranges(op, expt_indx, indx)
-    return problem
-
-
-def _moe_problem(key: tuple, world_size: int) -> Problem:
-    """The Problem of a MoE call from its cache key (op, dtype, src shape, n_expts_tot, expt_indx shape, mode)."""
-    op, dtype, src_shape, n_expts_tot, indx_shape = key[:5]
-    n_expts_act = int(indx_shape[1])
-    n_tokens_local = int(src_shape[0]) if op == "dp_to_ep" else int(src_shape[0]) // (n_expts_act * world_size)
-    return Problem.moe(op, MoEShape(int(src_shape[1]), n_expts_tot, n_expts_act), max(1, n_tokens_local),
-                       dtype_name(dtype), world_size)
+    key = (record, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, stream_capturing())
+    return prepared(state, record, key, (src, expt_assignment, expt_indx, indx)).launcher(
+        src, expt_assignment, expt_indx, indx)
 
 
 def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, gate_indx: torch.Tensor,
@@ -239,7 +175,7 @@ def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
     if type(src) is not _Tensor or _dynamo_compiling():
         tensors, per_shard = _assignment_args(expt_assignment)
         return torch.ops.autosymm.dp_to_ep(src, tensors, per_shard, expt_indx, gate_indx, group_name(group))
-    return _moe_call("dp_to_ep", src, expt_assignment, expt_indx, gate_indx, group)
+    return _moe_call(DP_TO_EP, src, expt_assignment, expt_indx, gate_indx, group)
 
 
 def convert_ep_to_dp(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, topk_indx: torch.Tensor,
@@ -253,7 +189,7 @@ def convert_ep_to_dp(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
     if type(src) is not _Tensor or _dynamo_compiling():
         tensors, per_shard = _assignment_args(expt_assignment)
         return torch.ops.autosymm.ep_to_dp(src, tensors, per_shard, expt_indx, topk_indx, group_name(group))
-    return _moe_call("ep_to_dp", src, expt_assignment, expt_indx, topk_indx, group)
+    return _moe_call(EP_TO_DP, src, expt_assignment, expt_indx, topk_indx, group)
 
 
 def _assignment_args(a) -> tuple[list[torch.Tensor], list[int]]:
@@ -269,15 +205,16 @@ def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_redu
     expected µs), without running it. Give a tensor (all-reduce) or a Problem."""
     if mode is not None and mode not in MODES:
         raise ValueError(f"explain: mode={mode!r} is not one of {MODES}")
-    if op not in OPS:
-        raise ValueError(f"explain: op={op!r} is not one of {OPS}")
+    if op not in op_names():
+        raise ValueError(f"explain: op={op!r} is not one of {op_names()}")
+    asked = collective(op)
     if problem is None:
         if x is None:
             raise ValueError("explain needs a tensor or a Problem")
-        if op != "all_reduce":
+        if asked is not ALL_REDUCE:
             raise ValueError(f"explain: a tensor describes an all-reduce, not {op}; pass "
                              f"problem=autosymm.Problem.moe({op!r}, shape, n_tokens_local, dtype, world_size)")
-    elif op != "all_reduce" and problem.op != op:
+    elif asked is not ALL_REDUCE and problem.op != op:
         raise ValueError(f"explain: op={op!r} but the problem is a {problem.op}")
     state = state_of(group)
     mode = mode or _mode()

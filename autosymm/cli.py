@@ -14,12 +14,16 @@ import click
 
 from . import __version__
 from .cli_errors import OneLineErrorGroup
+from . import collectives
 from .cli_plans import DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table
-from .problem import DTYPES, MODEL_SHAPES, MODES, MOE_OPS, OPS, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
+from .collectives.all_reduce import SIZES_SPEC
+from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
-#: `autosymm tune --sizes` by default (autosymm.tuning.sweep.ALL_REDUCE_SIZES_SPEC, checked by a test).
-TUNE_SIZES = "4KiB:256MiB:2"
+#: `autosymm tune --sizes` by default: the all-reduce record's default points.
+TUNE_SIZES = SIZES_SPEC
+#: `autosymm tune --ops` (and `bench --ops`) by default: the ops tuned by default, registry order.
+DEFAULT_OPS = ",".join(collectives.default_tuned())
 
 
 def _console():
@@ -97,13 +101,13 @@ def run(ctx: click.Context) -> None:
         sources = open_sources(None, [path])
         combos = sorted({(r.hardware, r.gpu, r.world_size, r.dtype) for s in sources for r in s.db.rows()})
         for hardware, gpu, world_size, dtype in combos:
-            plan(console, Target(hardware, gpu, world_size, dtype), sources, None, list(OPS))
+            plan(console, Target(hardware, gpu, world_size, dtype), sources, None, list(collectives.names()))
 
 
 # --------------------------------------------------------------------------------------- tune
 @main.command()
 @click.option("--nproc", type=int, default=None, help="GPUs (worker processes); default: all local GPUs")
-@click.option("--ops", default="all_reduce,dp_to_ep,ep_to_dp", show_default=True)
+@click.option("--ops", default=DEFAULT_OPS, show_default=True)
 @click.option("--sizes", default=TUNE_SIZES, show_default=True,
               help="all-reduce sizes: a list of bytes, low:high (powers of two) or low:high:N (N per octave)")
 @click.option("--dtypes", default="bf16", show_default=True)
@@ -165,7 +169,8 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
     """Backend names of --backends (None: all); unknown names are a usage error naming the known."""
     if not text:
         return None
-    from .backends import FALLBACK, backend_names
+    from .backends import backend_names
+    from .collectives import ALL
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in backend_names()]
@@ -173,7 +178,7 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
         raise click.BadParameter(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(backend_names())}",
                                  param_hint="--backends")
     # the fallbacks are the baselines every row's speedup is measured against
-    return names + [n for n in dict.fromkeys(FALLBACK.values()) if n not in names]
+    return names + [n for n in dict.fromkeys(record.fallback for record in ALL) if n not in names]
 
 
 def _print_summary(rows: list[dict]) -> None:
@@ -192,7 +197,7 @@ def _print_summary(rows: list[dict]) -> None:
 @click.option("--modes", default="eager,graph", show_default=True)
 @click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True)
 @click.option("--tokens", default="128,1024,4096", show_default=True)
-@click.option("--ops", default="all_reduce,dp_to_ep,ep_to_dp", show_default=True)
+@click.option("--ops", default=DEFAULT_OPS, show_default=True)
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="write all measurements as CSV")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="draw latency/bandwidth vs size (PNG)")
 def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None:
@@ -236,7 +241,7 @@ def show(db_paths, all_rows, as_json, op, world_size) -> None:
     columns = ["gpu", "ws", "op", "dtype", "size/tokens", "shape", "mode", "backend", "config", "us", "NCCL us", "speedup"]
     body = []
     for r in rows:
-        size = format_bytes(r.bucket) if r.op == "all_reduce" else str(r.bucket)
+        size = format_bytes(r.bucket) if _in_bytes(r.op) else str(r.bucket)
         body.append([r.gpu, r.world_size, r.op, r.dtype, size, r.shape or "-", r.mode, r.backend, _short_config(r.config),
                      f"{r.median_us:.2f}", f"{r.nccl_us:.2f}" if r.nccl_us else "-",
                      f"{r.speedup:.2f}x" if r.speedup else "-"])
@@ -280,12 +285,17 @@ def _row_json(r) -> dict:
     out = {"gpu": r.gpu, "hardware": r.hardware, "world_size": r.world_size, "op": r.op, "dtype": r.dtype,
            "mode": r.mode, "backend": r.backend, "config": json.loads(r.config or "{}"), "us": r.median_us,
            "nccl_us": r.nccl_us, "speedup": r.speedup}
-    if r.op == "all_reduce":
+    if _in_bytes(r.op):
         out["size_bytes"] = r.bucket
     else:
         out["shape"] = r.shape
         out["tokens_per_rank"] = r.bucket
     return out
+
+
+def _in_bytes(op: str) -> bool:
+    """Whether a row of ``op`` has a bucket in bytes (else tokens per rank, and a shape)."""
+    return op in collectives.names() and collectives.get(op).bucket_unit == "bytes"
 
 
 def _short_config(config_json: Optional[str]) -> str:
@@ -296,7 +306,7 @@ def _short_config(config_json: Optional[str]) -> str:
 
 # ------------------------------------------------------------------------------------ explain
 @main.command()
-@click.option("--op", type=click.Choice(list(OPS)), default="all_reduce", show_default=True)
+@click.option("--op", type=click.Choice(list(collectives.names())), default=collectives.ALL[0].name, show_default=True)
 @click.option("--bytes", "nbytes", default=None, help="all-reduce size, e.g. 1MiB")
 @click.option("--hidden", type=click.IntRange(min=1), default=None,
               help="all_reduce_rmsnorm: the hidden size (elements per row)")
@@ -319,10 +329,11 @@ def explain(**opts) -> None:
     target = Target(hardware, gpu, opts["world_size"], opts["dtype"])
     op, shape = opts["op"], opts["shape"]
     moe_shape = _parsed(_one_shape, shape, "--shape") if shape else None
-    if op in MOE_OPS and moe_shape is None:
+    shape_param = collectives.get(op).shape_param
+    if shape_param == "moe_shape" and moe_shape is None:
         raise click.BadParameter("MoE ops need --shape", param_hint="--shape")
-    if op == "all_reduce_rmsnorm" and opts["hidden"] is None and not opts["all_sizes"]:
-        raise click.BadParameter("all_reduce_rmsnorm needs --hidden", param_hint="--hidden")
+    if shape_param == "hidden" and opts["hidden"] is None and not opts["all_sizes"]:
+        raise click.BadParameter(f"{op} needs --hidden", param_hint="--hidden")
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
     problem = None if opts["all_sizes"] else \
         explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"])

@@ -9,16 +9,20 @@ as raising, with the remedy, never as served by the backend that cannot take it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import click
 
-from .problem import MODEL_SHAPES, MODES, MoEShape, Problem, format_bytes, parse_bytes, parse_size_range
+from . import collectives
+from .collectives import PointRequest
+from .collectives.moe import TOKENS
+from .problem import MODES, Problem, format_bytes, parse_bytes, parse_size_range
 from .settings import MAX_WORKSPACE_BYTES
 from .units import MAX_SIZE
 
 DEFAULT_SIZES = "4KiB:256MiB"
-DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,8192"  # autosymm.tuning.sweep.MOE_TOKENS
+DEFAULT_TOKENS = ",".join(map(str, TOKENS))  # the MoE records' default tuning points
 
 #: Width of a console that is not a terminal (a pipe, a file, a test): wide enough that no
 #: table is cut or wrapped. On a terminal, columns fold (never cut) to its width.
@@ -82,22 +86,23 @@ def check_hardware(target: Target, sources, whose: str) -> None:
 
 def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: Target,
                       hidden: Optional[int] = None) -> Problem:
-    """The Problem `explain` is asked about; sizes no call can have (or that exceed the
-    workspace's all-reduce region) are usage errors."""
-    if op == "all_reduce":
+    """The Problem `explain` is asked about (``--bytes`` for an op bucketed in bytes, else
+    ``--tokens`` with the op's shape: ``moe_shape`` or ``hidden``); sizes no call can have (or
+    that exceed the workspace's all-reduce region) are usage errors."""
+    record = collectives.get(op)
+    request = PointRequest((target.dtype,), target.world_size, moe_shapes=(moe_shape,), hidden=(hidden,),
+                           extra_tokens=False)
+    if record.bucket_unit == "bytes":
         if nbytes is None:
             raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
         try:
             size = parse_bytes(nbytes)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--bytes") from None
-        return Problem.all_reduce(_checked_bytes(nbytes, size, target), target.dtype, target.world_size)
+        return record.problems(replace(request, sizes=(_checked_bytes(nbytes, size, target),)))[0]
     if tokens is None:
         raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
-    if op == "all_reduce_rmsnorm":
-        problem = Problem.all_reduce_rmsnorm(tokens, hidden, target.dtype, target.world_size)
-    else:
-        problem = Problem.moe(op, moe_shape, tokens, target.dtype, target.world_size)
+    problem = record.problems(replace(request, tokens=(tokens,)))[0]
     if problem.nbytes > MAX_SIZE:
         raise click.BadParameter(f"{tokens} tokens per rank make {problem.nbytes} bytes, over 2^63 - 1",
                                  param_hint="--tokens")
@@ -172,7 +177,8 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
     hardware, gpu, world_size, dtype = target
     caps = offline_caps(target)
     for this_op in ops:
-        problems = _plan_problems(this_op, target, sources, moe_shape, hidden)
+        record = collectives.get(this_op)
+        problems = _plan_problems(record, target, sources, moe_shape, hidden)
         if not problems:
             continue
         body = []
@@ -181,7 +187,7 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
             for m in modes:
                 row += _plan_cells(decide(problem, m, caps, sources, hardware), problem, caps, m)
             body.append(row)
-        columns = ["size" if this_op == "all_reduce" else "shape/tokens"]
+        columns = ["size" if record.bucket_unit == "bytes" else "shape/tokens"]
         for m in modes:
             columns += [f"{m} backend", f"{m} config", f"{m} us", f"{m} vs NCCL"]
         console.print(table(f"{this_op} plan: {world_size}x {gpu} ({hardware}), {dtype}", columns, body, PLAN_CAPTION))
@@ -198,25 +204,24 @@ def _plan_cells(decision, problem: Problem, caps, mode: str) -> list[str]:
             f"{decision.nccl_us / us:.2f}x" if decision.nccl_us and us else "-"]
 
 
-def _plan_problems(op: str, target: Target, sources, moe_shape, hidden: Optional[int]) -> list[tuple[str, Problem]]:
-    """(label, problem) of every default size (MoE: shape, tuned by default) of ``op`` and every
-    size (shape) the sources tuned it at, 1.5 x 2^k too, for the target's hardware and world size."""
+def _plan_problems(record, target: Target, sources, moe_shape, hidden: Optional[int]) -> list[tuple[str, Problem]]:
+    """(label, problem) of every default point of the op (``record``: its sizes; its shapes or
+    hidden sizes, tuned by default) and every point the sources tuned it at, 1.5 x 2^k too, for
+    the target's hardware and world size."""
     hardware, _, world_size, dtype = target
-    rows = [row for source in sources for row in source.db.rows(hardware=hardware, world_size=world_size, op=op)]
+    rows = [row for source in sources
+            for row in source.db.rows(hardware=hardware, world_size=world_size, op=record.name)]
     points = {row.bucket for row in rows}
-    if op == "all_reduce":
-        sizes = sorted(points | set(parse_size_range(DEFAULT_SIZES)))
-        return [(format_bytes(s), Problem.all_reduce(s, dtype, world_size)) for s in sizes]
-    tokens = sorted(points | {int(t) for t in DEFAULT_TOKENS.split(",")})
-    shapes = sorted({row.shape for row in rows if row.shape})
-    if op == "all_reduce_rmsnorm":
-        from .tuning.sweep import FUSED_HIDDEN
-
-        hiddens = [hidden] if hidden else sorted(set(FUSED_HIDDEN) | {int(s[1:]) for s in shapes})
-        return [(f"h{h} {t} tok", Problem.all_reduce_rmsnorm(t, h, dtype, world_size)) for h in hiddens for t in tokens]
-    moe_shapes = [moe_shape] if moe_shape else \
-        [MoEShape.from_key(key) for key in sorted(set(shapes) | {s.key for s in MODEL_SHAPES.values()})]
-    return [(f"{s.key} {t} tok", Problem.moe(op, s, t, dtype, world_size)) for s in moe_shapes for t in tokens]
+    tuned = [record.shape_of_key(key) for key in sorted({row.shape for row in rows if row.shape})]
+    request = PointRequest((dtype,), world_size, sizes=sorted(points | set(parse_size_range(DEFAULT_SIZES))),
+                           tokens=sorted(points | set(TOKENS)), extra_tokens=False)
+    if record.shape_param == "moe_shape":
+        request = replace(request, moe_shapes=[moe_shape] if moe_shape else
+                          sorted(set(tuned) | set(record.points.moe_shapes), key=lambda shape: shape.key))
+    elif record.shape_param == "hidden":
+        request = replace(request, hidden=[hidden] if hidden else sorted(set(tuned) | set(record.points.hidden)))
+    problems = [(record.point_label(p, " "), p) for p in record.problems(request)]
+    return [(f"{label} tok", p) for label, p in problems] if record.bucket_unit == "tokens" else problems
 
 
 def _short_config_obj(config) -> str:

@@ -2,12 +2,13 @@
 
 The decision is a pure function of (problem, mode, capabilities, database rows), so every rank
 that sees the same databases decides the same (api.py checks the databases' digest across ranks
-once per group, and caches each decision per (op, dtype, size, mode)). Rules, in order:
+once per group, and autosymm.group caches each prepared call per key (op, dtype, size, mode)).
+Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth model. Rules, in order:
 
-1. ``AUTOSYMM_DISABLE=1`` -> the fallback backend (NCCL) everywhere.
-2. all-reduce over world size 1 -> ``noop`` (the identity).
+1. ``AUTOSYMM_DISABLE=1`` -> the op's fallback backend (NCCL) everywhere.
+2. an op that is the identity over one rank (all-reduce) at world size 1 -> ``noop``.
 3. a group spanning nodes -> NCCL, the engine for that scale.
-4. the user database, then the shipped ones, under the lookups (dtype, mode, shape) in order:
+4. the user database, then the shipped ones, under the op's lookups (dtype, mode, shape) in order:
    the call's own; the other mode's rows; for all-reduce in fp16/fp32 the bf16 rows of the same
    byte size (the kernels are byte-bound); for a MoE shape without rows, the nearest tuned
    shape (below); each fallback said in the reason.
@@ -24,8 +25,9 @@ once per group, and caches each decision per (op, dtype, size, mode)). Rules, in
    modelled time; the reason names the tuned point and, off it, the neighbours.
    MoE shapes: the shape (d_model, experts, top-k) is matched exactly; without rows for it, the
    nearest tuned (shape, tokens per rank) by bytes per row and rows per rank.
-5. nothing usable -> the fallback: NCCL for all-reduce; for MoE the Triton conversion with its
-   default config where it can serve (no NCCL path is graph-capturable), else NCCL all_to_all.
+5. nothing usable -> the op's fallback order: NCCL for all-reduce; for MoE the Triton conversion
+   with its default config where it can serve (no NCCL path is graph-capturable), else NCCL
+   all_to_all.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import settings
-from .backends import FALLBACK, FALLBACK_ORDER, Capabilities, get_backend
+from .backends import Capabilities, get_backend
 from .configs import AnyConfig, config_fields
 from .db_read import DBSource, Lookup
 from .db_schema import Key, Row, version_mismatch
 from .hardware import running_versions
 from .neighbours import RowCandidate, candidates, floors_of, moe_ratios, nearest_moe_point, points_around
-from .problem import MOE_OPS, Problem, format_bytes
+from .problem import Problem
 
 
 @dataclass(frozen=True)
@@ -77,33 +79,32 @@ class Decision:
 
 def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str) -> Decision:
     """The decision when no tuned row serves ``problem``: the first backend of the op's
-    FALLBACK_ORDER that can serve it, with its ``fallback_config``; else the op's FALLBACK."""
-    for name in FALLBACK_ORDER[problem.op]:
+    ``fallback_order`` that can serve it, with its ``fallback_config``; else the op's ``fallback``."""
+    record = problem.record
+    for name in record.fallback_order:
         backend = get_backend(name)
         if backend.why_not(problem, caps, mode) is None:
             config = backend.fallback_config(problem)
             note = "; untuned default config" if config is not None else ""
             return Decision(name, config, reason + note, bucket=problem.bucket, mode=mode)
-    return Decision(FALLBACK[problem.op], None, reason, bucket=problem.bucket, mode=mode)
+    return Decision(record.fallback, None, reason, bucket=problem.bucket, mode=mode)
 
 
 def _lookups(problem: Problem, mode: str):
-    """(dtype, row mode, nearest shape?, note) lookups in order of preference."""
+    """(dtype, row mode, nearest shape?, note) lookups in order of preference (the op's
+    record's :class:`~autosymm.collectives.Lookups`)."""
+    lookups = problem.record.lookups
     other = "graph" if mode == "eager" else "eager"
     yield problem.dtype, mode, False, ""
-    yield problem.dtype, other, False, f"no {mode}-mode row, using the {other}-mode row"
-    if problem.dtype != "bf16" and problem.op == "all_reduce":
+    if lookups.other_mode:
+        yield problem.dtype, other, False, f"no {mode}-mode row, using the {other}-mode row"
+    if problem.dtype != "bf16" and lookups.bf16_same_bytes:
         yield "bf16", mode, False, f"no {problem.dtype} row, using the bf16 row of the same byte size"
         yield "bf16", other, False, f"no {problem.dtype} row, using the bf16 {other}-mode row"
-    if problem.op in MOE_OPS:
+    if lookups.nearest_shape:
         yield problem.dtype, mode, True, ""
-        yield problem.dtype, other, True, f"no {mode}-mode row, using the {other}-mode row"
-
-
-def _size_text(op: str, size: int) -> str:
-    if op != "all_reduce":
-        return f"{size} tokens/rank"
-    return format_bytes(size) if size % 1024 == 0 else f"{size} B"
+        if lookups.other_mode:
+            yield problem.dtype, other, True, f"no {mode}-mode row, using the {other}-mode row"
 
 
 def _rows_for(problem: Problem, key: Key, nearest: bool,
@@ -130,10 +131,10 @@ def _rows_for(problem: Problem, key: Key, nearest: bool,
 
 def _between(problem: Problem, points: tuple[int, ...]) -> str:
     """How the tuned ``points`` relate to the call ('' when it was tuned at its size)."""
-    size = problem.bucket
-    call = f"call of {_size_text(problem.op, size)}"
+    size, text = problem.bucket, problem.record.size_text
+    call = f"call of {text(size)}"
     if len(points) == 2:
-        return f"{call} between tuned {_size_text(problem.op, points[0])} and {_size_text(problem.op, points[1])}"
+        return f"{call} between tuned {text(points[0])} and {text(points[1])}"
     if not points or points[0] == size:
         return ""
     side = "below the smallest" if points[0] > size else "above the largest"
@@ -142,12 +143,13 @@ def _between(problem: Problem, points: tuple[int, ...]) -> str:
 
 def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str) -> Decision:
     """The decision for ``problem`` in ``mode`` (see the module docstring for the rules)."""
+    record = problem.record
     if settings.disabled():
-        return Decision(FALLBACK[problem.op], None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket, mode=mode)
-    if problem.world_size == 1 and problem.op == "all_reduce":
+        return Decision(record.fallback, None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket, mode=mode)
+    if problem.world_size == 1 and record.identity_on_one_rank:
         return Decision("noop", None, "world size 1: nothing to exchange", bucket=problem.bucket, mode=mode)
     if not caps.intra_node:
-        return Decision(FALLBACK[problem.op], None, "group spans nodes: NCCL", bucket=problem.bucket, mode=mode)
+        return Decision(record.fallback, None, "group spans nodes: NCCL", bucket=problem.bucket, mode=mode)
     skipped: list[str] = []
     key = Key.for_problem(hardware, problem, mode)
     for dtype, row_mode, nearest, note in _lookups(problem, mode):
@@ -174,7 +176,7 @@ def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list
     ``nccl_us`` (measured at its point)."""
     row = candidate.row
     exact = row.bucket == problem.bucket and row.shape == problem.shape_key
-    reason = f"tuned {row.mode} row at {_size_text(problem.op, row.bucket)}"
+    reason = f"tuned {row.mode} row at {problem.record.size_text(row.bucket)}"
     how, note = notes
     if how:
         estimate = "interpolated" if candidate.interpolated else "modelled"
@@ -182,7 +184,7 @@ def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list
     for remark in (note, version_mismatch(row, *running_versions())):
         if remark:
             reason += f" ({remark})"
-    baseline = next((c.modelled_us for c in ranked if c.row.backend == FALLBACK[problem.op]), None)
+    baseline = next((c.modelled_us for c in ranked if c.row.backend == problem.record.fallback), None)
     nccl_us = row.nccl_us if (exact and row.nccl_us) or baseline is None else baseline
     return Decision(row.backend, row.config_obj, reason, source=candidate.source, expected_us=candidate.modelled_us,
                     nccl_us=nccl_us, bucket=row.bucket, mode=mode, skipped=tuple(skipped),

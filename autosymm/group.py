@@ -1,5 +1,5 @@
 """A process group's autosymm state: what the first call found out, agreed by every rank (see
-autosymm.agreement), and the prepared calls keyed by (op, dtype, size, mode). autosymm.api (the
+autosymm.agreement), and the prepared calls (keys: autosymm.collectives.base). autosymm.api (the
 public functions) and autosymm.fused build on it.
 """
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import dispatch, settings
 from .agreement import AgreementError, Exchange, problems
-from .backends import FALLBACK, Capabilities, RunContext, get_backend
+from .backends import Capabilities, RunContext, get_backend
 from .dispatch import Decision
 from .dist_compat import group_device
 from .problem import Problem
@@ -100,7 +100,7 @@ class GroupState:
 
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:
-            return Decision(FALLBACK[problem.op], None, f"ranks failed or disagree at set-up ({self.safe_reason})",
+            return Decision(problem.record.fallback, None, f"ranks failed or disagree at set-up ({self.safe_reason})",
                             bucket=problem.bucket, mode=mode)
         return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware)
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
 from .backends import get_backend
 from .geometry import MOE_REGION, grown_moe_bytes, moe_region_bytes
-from .problem import DTYPES, MODEL_SHAPES, MOE_OPS, MoEShape, Problem, dtype_name
+from .problem import DTYPES, MODEL_SHAPES, MoEShape, Problem, dtype_name
 
 log = logging.getLogger("autosymm")
 
@@ -89,7 +89,7 @@ def agree(group, plans: Sequence[MoEPlan], moe_max_bytes) -> tuple[int, int]:
     return report["settings"]["moe_region_bytes"], report["settings"]["moe_max_bytes"]
 
 
-def configure(state, region_bytes: int, moe_max_bytes: int, problem_of: Callable) -> None:
+def configure(state, region_bytes: int, moe_max_bytes: int) -> None:
     """Apply agreed settings to a group state (collective when the region must grow now)."""
     ws = state.workspace
     if ws is None:
@@ -97,13 +97,13 @@ def configure(state, region_bytes: int, moe_max_bytes: int, problem_of: Callable
     if moe_max_bytes >= 0:
         state.caps = replace(state.caps, moe_max_bytes=max(moe_max_bytes, region_bytes, ws.capacity(MOE_REGION)))
     if region_bytes > ws.capacity(MOE_REGION):
-        grow(state, region_bytes, "declared by autosymm.init(moe=...)", problem_of)
+        grow(state, region_bytes, "declared by autosymm.init(moe=...)")
 
 
-def prepare(state, problem: Problem, mode: str, problem_of: Callable):
+def prepare(state, problem: Problem, mode: str):
     """``state.prepare(problem, mode)`` for a MoE call, after growing the region (eager) or
     raising a clear error (graph) where only room stops the Triton conversion."""
-    if state.workspace is not None and problem.op in MOE_OPS:
+    if state.workspace is not None:
         from .backends.triton_moe import TRITON_MOE, fits, region_bytes_for
 
         caps = state.caps
@@ -111,7 +111,7 @@ def prepare(state, problem: Problem, mode: str, problem_of: Callable):
             decision = state.decide(problem, mode)
             if decision.backend == TRITON_MOE.name and not fits(problem, caps.moe_bytes):
                 target = grown_moe_bytes(caps.moe_bytes, region_bytes_for(problem), caps.moe_room(mode))
-                grow(state, target, problem.describe(), problem_of)
+                grow(state, target, problem.describe())
         elif not fits(problem, caps.moe_bytes) and \
                 TRITON_MOE.why_not(problem, replace(caps, moe_bytes=region_bytes_for(problem)), mode) is None:
             raise RuntimeError(graph_room_message(problem, caps.moe_bytes))
@@ -129,7 +129,7 @@ def graph_room_message(problem: Problem, have: int) -> str:
             f"dtype=torch.{dtype})]), or make this call once eagerly first (the region then grows)")
 
 
-def grow(state, nbytes: int, why: str, problem_of: Callable) -> bool:
+def grow(state, nbytes: int, why: str) -> bool:
     """Move the MoE region of ``state``'s workspace to a new allocation of ``nbytes`` on every rank
     (collective), update the capabilities and prepare the cached Triton MoE launchers again.
     False on every rank when some rank could not allocate: growth stops there (NCCL serves)."""
@@ -138,7 +138,7 @@ def grow(state, nbytes: int, why: str, problem_of: Callable) -> bool:
     if grow_region(ws, MOE_REGION, nbytes):
         new = ws.capacity(MOE_REGION)
         state.caps = replace(state.caps, moe_bytes=new, moe_max_bytes=max(new, state.caps.moe_max_bytes))
-        prepare_again(state, problem_of)
+        prepare_again(state)
         if state.rank == 0:
             log.warning("autosymm: grew the MoE workspace region from %d to %d bytes per rank for %s (declare the "
                         "calls to come with autosymm.init(moe=[autosymm.MoEPlan(...)]) to size it up front)",
@@ -151,12 +151,14 @@ def grow(state, nbytes: int, why: str, problem_of: Callable) -> bool:
     return False
 
 
-def prepare_again(state, problem_of: Callable) -> None:
-    """Re-prepare every cached Triton MoE launcher on the workspace's current MoE region."""
+def prepare_again(state) -> None:
+    """Re-prepare every cached Triton MoE launcher on the workspace's current MoE region (only MoE
+    calls have them; their keys are led by their record, autosymm.collectives.base)."""
     backend = get_backend("triton_moe")
     for key, entry in state.cache.items():
-        if key[0] in MOE_OPS and entry.decision.backend == backend.name:
-            entry.launcher = backend.prepare(problem_of(key, state.world_size), entry.decision.config, state.ctx)
+        if entry.decision.backend == backend.name:
+            entry.launcher = backend.prepare(key[0].problem_of_key(key, state.world_size), entry.decision.config,
+                                             state.ctx)
 
 
 def grow_region(ws, name: str, nbytes: int) -> bool:

@@ -34,7 +34,7 @@ from typing import Iterable, Optional, Sequence
 
 from .configs import AllReduceConfig
 from .db_schema import Row
-from .problem import DTYPES, MOE_OPS, MoEShape, Problem
+from .problem import DTYPES, MoEShape, Problem
 
 _ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 assert set(_ELEM_BYTES) == set(DTYPES)
@@ -60,13 +60,6 @@ def points_around(size: int, tuned: Sequence[int]) -> tuple[int, ...]:
     return tuple(([max(below)] if below else []) + ([min(above)] if above else []))
 
 
-def _moved_bytes(op: str, dtype: str, size: int, shape: Optional[MoEShape]) -> float:
-    """Bytes a call moves, up to a factor common to every row of one lookup."""
-    if op == "all_reduce":
-        return float(size)
-    return float(size) * shape.n_expts_act * shape.d_model * _ELEM_BYTES[dtype]
-
-
 def _rounds(config: AllReduceConfig, nbytes: int, elem_bytes: int, world_size: int) -> int:
     """BLOCK-wide chunks one program of ``config`` handles for an all-reduce of ``nbytes``."""
     numel = max(1, -(-nbytes // elem_bytes))
@@ -77,12 +70,7 @@ def _rounds(config: AllReduceConfig, nbytes: int, elem_bytes: int, world_size: i
 def growth(row: Row, problem: Problem) -> float:
     """How the work on the critical path grows from ``row``'s tuned point to the call ``problem``
     (1.0 at the same point; see the module docstring)."""
-    if problem.op in MOE_OPS:
-        row_shape = MoEShape.from_key(row.shape)
-        moved = (_moved_bytes(problem.op, problem.dtype, problem.bucket, problem.shape)
-                 / _moved_bytes(row.op, row.dtype, row.bucket, row_shape))
-    else:  # all-reduce: bytes; the fused op: tokens per rank of the same hidden size
-        moved = problem.bucket / row.bucket
+    moved = problem.record.moved_ratio(problem, row)  # bytes, tokens, or MoE bytes moved (the op's model)
     config = row.config_obj
     if not isinstance(config, AllReduceConfig):
         return moved

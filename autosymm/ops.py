@@ -6,6 +6,8 @@
                        Tensor gate_indx, str group_name) -> Tensor
     autosymm::ep_to_dp(Tensor src, Tensor[] assignment, SymInt[] n_expts_per_shard, Tensor expt_indx,
                        Tensor topk_indx, str group_name) -> Tensor
+    autosymm::all_reduce_rmsnorm(Tensor(a0!) x, Tensor(a1!) residual, Tensor weight, float eps,
+                                 str group_name) -> Tensor
 
 ``op`` is a reduce op's name ("sum", "avg", "max", "min", "product", "band", "bor", "bxor");
 ``group_name`` the name torch.distributed resolves a group by (``group.group_name``; see
@@ -14,7 +16,8 @@ it. ``assignment`` is an ExptAssignment's tensors ``[expt_bitmask, expt_boolmask
 expt_owner]`` and ``n_expts_per_shard`` its list: the op rebuilds the dataclass from them (no
 device work, no host sync), so a compiled graph passes only tensors and ints.
 
-Each op's implementation is the eager runtime path of autosymm.api: the cached prepared call of
+Each op is declared by its record (autosymm.collectives) and registered here, iterating the
+registry. Its implementation is the eager runtime path of autosymm.api: the cached prepared call of
 (op, dtype, size, contiguity, mode), where the mode is read when the op runs, so a call inside a
 CUDA graph capture (inductor's ``mode="reduce-overhead"`` included) takes the graph-mode rows, and
 the dispatcher decides once per key, not per call. ``autosymm.all_reduce`` and the conversions
@@ -37,35 +40,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import api
-from .dist_compat import resolve_group
+from . import collectives
 from .routing import ExptAssignment
 
-__all__ = ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "assignment_from"]
-
-
-@torch.library.custom_op("autosymm::all_reduce_", mutates_args=("tensor",))
-def all_reduce_(tensor: Tensor, op: str, group_name: str) -> None:
-    """Reduce ``tensor`` in place over the group named ``group_name`` (autosymm.all_reduce)."""
-    api._all_reduce_direct(tensor, op, resolve_group(group_name))
-
-
-@all_reduce_.register_fake
-def _all_reduce__fake(tensor: Tensor, op: str, group_name: str) -> None:
-    return None
-
-
-@torch.library.custom_op("autosymm::all_reduce", mutates_args=())
-def all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
-    """A new contiguous tensor: ``tensor`` reduced over the group named ``group_name``."""
-    out = tensor.clone(memory_format=torch.contiguous_format)
-    api._all_reduce_direct(out, op, resolve_group(group_name))
-    return out
-
-
-@all_reduce.register_fake
-def _all_reduce_fake(tensor: Tensor, op: str, group_name: str) -> Tensor:
-    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+__all__ = ["OPS", "assignment_from"]
 
 
 def assignment_from(assignment: list[Tensor], n_expts_per_shard: list[int]) -> ExptAssignment:
@@ -77,30 +55,16 @@ def assignment_from(assignment: list[Tensor], n_expts_per_shard: list[int]) -> E
     return ExptAssignment(bitmask, boolmask, expt_map, [int(n) for n in n_expts_per_shard], owner)
 
 
-@torch.library.custom_op("autosymm::dp_to_ep", mutates_args=())
-def dp_to_ep(src: Tensor, assignment: list[Tensor], n_expts_per_shard: list[int], expt_indx: Tensor,
-             gate_indx: Tensor, group_name: str) -> Tensor:
-    """autosymm.convert_dp_to_ep, returning [n_tokens_global * k, d_model] rows the caller owns."""
-    rows = api._moe_call("dp_to_ep", src, assignment_from(assignment, n_expts_per_shard), expt_indx, gate_indx,
-                         resolve_group(group_name))
-    return rows.clone(memory_format=torch.contiguous_format)
+def _register() -> dict:
+    """Register every record's custom ops (registry order) under ``autosymm::<name>``."""
+    ops = {}
+    for record in collectives.ALL:
+        for op in record.custom_ops():
+            registered = torch.library.custom_op(f"autosymm::{op.name}", op.impl, mutates_args=op.mutates_args)
+            registered.register_fake(op.fake)
+            ops[op.name] = registered
+    return ops
 
 
-@dp_to_ep.register_fake
-def _dp_to_ep_fake(src, assignment, n_expts_per_shard, expt_indx, gate_indx, group_name):
-    return src.new_empty((expt_indx.shape[0] * expt_indx.shape[1], src.shape[1]))
-
-
-@torch.library.custom_op("autosymm::ep_to_dp", mutates_args=())
-def ep_to_dp(src: Tensor, assignment: list[Tensor], n_expts_per_shard: list[int], expt_indx: Tensor,
-             topk_indx: Tensor, group_name: str) -> Tensor:
-    """autosymm.convert_ep_to_dp, returning [n_tokens_local * k, d_model] rows the caller owns."""
-    rows = api._moe_call("ep_to_dp", src, assignment_from(assignment, n_expts_per_shard), expt_indx, topk_indx,
-                         resolve_group(group_name))
-    return rows.clone(memory_format=torch.contiguous_format)
-
-
-@ep_to_dp.register_fake
-def _ep_to_dp_fake(src, assignment, n_expts_per_shard, expt_indx, topk_indx, group_name):
-    world_size = assignment[2].shape[0]  # expt_map [n_expt_shard, n_expts_tot]: one shard per rank
-    return src.new_empty((expt_indx.shape[0] * expt_indx.shape[1] // world_size, src.shape[1]))
+#: op name -> its registered custom op (``torch.ops.autosymm.<name>`` is the same op).
+OPS = _register()

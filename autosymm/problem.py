@@ -21,10 +21,6 @@ import torch
 
 from .units import format_size, parse_size
 
-OPS = ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm")
-MOE_OPS = ("dp_to_ep", "ep_to_dp")
-#: Ops keyed by tokens per rank (bucket) and a shape (MoE: MoEShape.key; fused: 'h{hidden}').
-TOKEN_OPS = MOE_OPS + ("all_reduce_rmsnorm",)
 MODES = ("eager", "graph")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -104,21 +100,12 @@ class Problem:
     hidden: int = 0  # all_reduce_rmsnorm only: elements per row
 
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"op={self.op!r} is not one of {OPS}")
+        record = collectives.get(self.op)  # ValueError naming the registered ops
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r} must be an integer >= 1")
-        if self.op in MOE_OPS:
-            if self.shape is None or self.n_tokens_local < 1:
-                raise ValueError(f"{self.op} needs a MoEShape and n_tokens_local >= 1")
-        elif self.op == "all_reduce_rmsnorm":
-            if self.hidden < 1 or self.n_tokens_local < 1:
-                raise ValueError(f"all_reduce_rmsnorm needs hidden >= 1 and n_tokens_local >= 1, got "
-                                 f"hidden={self.hidden}, n_tokens_local={self.n_tokens_local}")
-        elif self.nbytes < 0:
-            raise ValueError(f"nbytes={self.nbytes} must be >= 0")
+        record.check_problem(self)
 
     @property
     def elem_bytes(self) -> int:
@@ -130,20 +117,21 @@ class Problem:
         return self.nbytes // self.elem_bytes
 
     @property
+    def record(self):
+        """The op's registered record (autosymm.collectives)."""
+        return collectives.get(self.op)
+
+    @property
     def bucket(self) -> int:
-        """The database bucket: the exact size, tokens per rank for MoE, bytes (at least 1) for
-        all-reduce (see the module docstring)."""
-        if self.op in TOKEN_OPS:
-            return self.n_tokens_local
-        return max(1, self.nbytes)
+        """The database bucket: the exact size, tokens per rank for MoE and the fused op, bytes
+        (at least 1) for all-reduce (see the module docstring; the op's record decides)."""
+        return collectives.get(self.op).bucket(self)
 
     @property
     def shape_key(self) -> str:
         """The database `shape` column: '' for all-reduce, MoEShape.key for MoE, 'h{hidden}' for
-        all_reduce_rmsnorm."""
-        if self.op == "all_reduce_rmsnorm":
-            return f"h{self.hidden}"
-        return self.shape.key if self.shape is not None else ""
+        all_reduce_rmsnorm (the op's record decides)."""
+        return collectives.get(self.op).shape_key(self)
 
     @classmethod
     def all_reduce(cls, nbytes: int, dtype: str = "bf16", world_size: int = 2) -> "Problem":
@@ -168,11 +156,7 @@ class Problem:
                    n_tokens_local=n_tokens_local, hidden=hidden)
 
     def describe(self) -> str:
-        if self.op == "all_reduce_rmsnorm":
-            return f"{self.op} {self.dtype} ws={self.world_size} {self.shape_key} tokens/rank={self.n_tokens_local}"
-        if self.op in MOE_OPS:
-            return f"{self.op} {self.dtype} ws={self.world_size} {self.shape_key} tokens/rank={self.n_tokens_local}"
-        return f"all_reduce {self.dtype} ws={self.world_size} {format_bytes(self.nbytes)}"
+        return collectives.get(self.op).describe(self)
 
 
 def parse_bytes(text: str) -> int:
@@ -229,3 +213,6 @@ def format_bytes(nbytes: int) -> str:
     """4096 -> '4KiB', 1572864 -> '1.5MiB', 3000000 -> '3MB', 1023 -> '1023B': binary units where
     exact, else decimal ones, else bytes (autosymm.units.format_size; parse_bytes reads it back)."""
     return format_size(nbytes)
+
+
+from . import collectives  # noqa: E402  (the op records build Problems: imported once Problem exists)

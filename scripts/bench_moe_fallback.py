@@ -11,7 +11,7 @@ symmetric buffer, every rank at once (as the conversions run), best of a few gri
 MAX over ranks, GB/s per direction. ``% peer`` is against the best of these numbers.
 
 Every path's output is checked first against an expectation built from NCCL all_gathers of
-every rank's inputs (autosymm.tuning.reference.moe_reference_for_rank; the rows each path
+every rank's inputs (autosymm.tuning.ops.moe.moe_reference_for_rank; the rows each path
 writes, bit for bit), the graph one after a replay into a zeroed buffer. Then each is timed
 (CUDA events, median of samples of back-to-back calls, MAX over ranks); graph: a graph of
 ``GRAPH_CALLS`` calls replayed, per-call time. The NCCL paths copy the split sizes to the host:
@@ -214,7 +214,7 @@ class _Case:
     def _check(self, op: str, fns: dict, graph: bool) -> None:
         """Every path's rows against the all_gathered expectation (AssertionError naming the path)."""
         from autosymm.tuning.moe_plain import plain_rows
-        from autosymm.tuning.reference import moe_reference_for_rank
+        from autosymm.tuning.ops.moe import moe_reference_for_rank
 
         args = self.args(op)
         gathered = [torch.empty_like(args[0]) for _ in range(self.world_size)]

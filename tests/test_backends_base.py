@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from autosymm.backends import FALLBACK, FALLBACK_ORDER, backend_names, get_backend
+from autosymm import collectives
+from autosymm.backends import backend_names, get_backend
 from autosymm.backends.base import Backend, Capabilities, Needs
 from autosymm.backends.triton_moe import DEFAULT_MOE_CONFIG
 from autosymm.problem import MODEL_SHAPES, Problem
@@ -69,8 +70,8 @@ def test_each_backend_owns_its_fallback_config():
     problem = Problem.moe("dp_to_ep", MODEL_SHAPES["deepseek-v3"], 4)
     assert get_backend("triton_moe").fallback_config(problem) == DEFAULT_MOE_CONFIG
     assert all(get_backend(name).fallback_config(problem) is None for name in backend_names() if name != "triton_moe")
-    for op, order in FALLBACK_ORDER.items():
-        assert order[-1] == FALLBACK[op], "the op's always-serving backend ends the fallback order"
+    for record in collectives.ALL:
+        assert record.fallback_order[-1] == record.fallback, "the op's always-serving backend ends the fallback order"
 
 
 def test_base_imports_no_backend_module():

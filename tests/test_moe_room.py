@@ -23,7 +23,7 @@ from autosymm.backends.triton_moe import TRITON_MOE, buffer_bytes, region_bytes_
 from autosymm.geometry import DEFAULT_MOE_MAX_BYTES, MOE_REGION_SLACK, grown_moe_bytes, moe_buffer  # noqa: E402
 from autosymm.problem import MoEShape, Problem  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route)
-from autosymm.tuning.reference import reference_dp_to_ep
+from autosymm.tuning.ops.moe import reference_dp_to_ep
 from autosymm.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_with_deadline  # noqa: E402
@@ -141,7 +141,7 @@ def test_an_eager_call_that_does_not_fit_grows_the_region_once_and_relaunches_ca
 
 def test_a_graph_call_that_does_not_fit_names_the_bytes_and_the_reserving_api(monkeypatch):
     state, moves = _one_rank_state(monkeypatch, moe_bytes=4096)
-    monkeypatch.setattr(api, "_mode", lambda: "graph")
+    monkeypatch.setattr(api, "stream_capturing", lambda: True)
     problem = Problem.moe("dp_to_ep", MoEShape(64, 4, 2), 40, "bf16", 1)
     with pytest.raises(RuntimeError, match=rf"needs a MoE workspace region of {region_bytes_for(problem)} bytes.*"
                                            r"autosymm.init\(group, moe=\[autosymm.MoEPlan\('d64_e4_k2', "
@@ -155,12 +155,12 @@ def test_a_graph_call_that_does_not_fit_names_the_bytes_and_the_reserving_api(mo
 def test_declared_room_grows_a_set_up_group_and_limits_apply(monkeypatch):
     state, moves = _one_rank_state(monkeypatch, moe_bytes=4096)
     plan = autosymm.MoEPlan("d64_e4_k2", 40)
-    moe_room.configure(state, moe_room.plans_region_bytes([plan], 1), 0, api._moe_problem)
+    moe_room.configure(state, moe_room.plans_region_bytes([plan], 1), 0)
     assert moves == [plan.region_bytes(1)] and state.caps.moe_max_bytes == state.caps.moe_bytes == moves[0]
-    monkeypatch.setattr(api, "_mode", lambda: "graph")
+    monkeypatch.setattr(api, "stream_capturing", lambda: True)
     out, want, _ = _call(40)  # declared: fits inside a capture
     assert torch.equal(out, want)
-    monkeypatch.setattr(api, "_mode", lambda: "eager")
+    monkeypatch.setattr(api, "stream_capturing", lambda: False)
     problem = Problem.moe("dp_to_ep", MoEShape(64, 4, 2), 4000, "bf16", 1)
     assert state.decide(problem, "eager").backend == "nccl_all_to_all"  # moe_max_bytes=0: no growth past it
 
@@ -169,7 +169,7 @@ def test_a_failed_growth_stops_growing_on_every_rank(monkeypatch):
     state, _ = _one_rank_state(monkeypatch, moe_bytes=4096)
     monkeypatch.setattr(moe_room, "grow_region", lambda ws, name, nbytes: False)
     problem = Problem.moe("dp_to_ep", MoEShape(64, 4, 2), 40, "bf16", 1)
-    assert not moe_room.grow(state, 1 << 20, "test", api._moe_problem)
+    assert not moe_room.grow(state, 1 << 20, "test")
     assert state.caps.moe_max_bytes == 4096 and state.decide(problem, "eager").backend == "nccl_all_to_all"
 
 

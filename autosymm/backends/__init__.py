@@ -1,4 +1,6 @@
-"""Backend registry: every way autosymm knows to run an op, by name.
+"""Backend registry: every way autosymm knows to run an op, by name. Which backend always serves
+an op, and in which order untuned calls try them, is the op's record's (autosymm.collectives:
+``fallback``, ``fallback_order``).
 
 Modules are imported on first use so that a missing optional piece (e.g. torch without
 symmetric-memory ops) only disables its own backends.
@@ -28,14 +30,6 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "triton_fused_two_shot": ("autosymm.backends.triton_fused", "triton_fused_two_shot"),
 }
 
-#: The backend that can always serve an op (the tuner's baseline; the dispatcher's last resort).
-FALLBACK = {"all_reduce": "nccl", "dp_to_ep": "nccl_all_to_all", "ep_to_dp": "nccl_all_to_all",
-            "all_reduce_rmsnorm": "nccl_fused"}
-#: Where no database row serves a call, the first of these that can serve it runs it with its
-#: ``fallback_config`` (the MoE kernels before NCCL: no NCCL path is graph-capturable).
-FALLBACK_ORDER = {"all_reduce": ("nccl",), "dp_to_ep": ("triton_moe", "nccl_all_to_all"),
-                  "ep_to_dp": ("triton_moe", "nccl_all_to_all"), "all_reduce_rmsnorm": ("nccl_fused",)}
-
 _LOADED: dict[str, Backend] = {}
 
 
@@ -55,5 +49,4 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-__all__ = ["Backend", "BackendError", "Capabilities", "FALLBACK", "FALLBACK_ORDER", "Needs", "RunContext",
-           "backend_names", "get_backend"]
+__all__ = ["Backend", "BackendError", "Capabilities", "Needs", "RunContext", "backend_names", "get_backend"]

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ..geometry import MAX_WORLD_SIZE
+from ..collectives import get as collective
 from ..problem import DTYPES, Problem
 from ..routing import ExptAssignment
 from .base import BackendError
@@ -43,7 +44,7 @@ def check_inputs(problem: Problem, device: torch.device, world_size: int, src, a
     dtype = DTYPES[problem.dtype]
     _check_tensor("src", src, device, (dtype,), op)
     _check_tensor("expt_indx", expt_indx, device, INDEX_DTYPES, op)
-    _check_tensor("gate_indx" if op == "dp_to_ep" else "topk_indx", indx, device, INDEX_DTYPES, op)
+    _check_tensor(problem.record.index_name, indx, device, INDEX_DTYPES, op)
     if not isinstance(assignment, ExptAssignment):
         raise BackendError(f"{op}: assignment must be an ExptAssignment, got {type(assignment).__name__}")
     _check_tensor("assignment.expt_owner", assignment.expt_owner, device, (torch.int32,), op)
@@ -61,9 +62,9 @@ def check_inputs(problem: Problem, device: torch.device, world_size: int, src, a
     if indx.numel() != n_pairs:
         raise BackendError(f"{op}: index tensor of shape {tuple(indx.shape)} has {indx.numel()} entries, "
                            f"expected n_tokens_global * k = {n_pairs}")
-    src_rows = n_tokens_local if op == "dp_to_ep" else n_pairs
+    src_rows = problem.record.src_rows(n_tokens_local, n_pairs)
     if src.dim() != 2 or src.shape[1] != shape.d_model or src.shape[0] != src_rows:
-        what = "n_tokens_local" if op == "dp_to_ep" else "n_tokens_global * k"
+        what = "n_tokens_local" if problem.record.to_experts else "n_tokens_global * k"
         raise BackendError(f"{op}: src has shape {tuple(src.shape)}, expected [{src_rows}, {shape.d_model}] "
                            f"([{what}, d_model]; n_tokens_global={expt_indx.shape[0]} must be "
                            f"world size {world_size} * n_tokens_local)")
@@ -80,6 +81,6 @@ def check_index_ranges(op: str, expt_indx: torch.Tensor, indx: torch.Tensor) -> 
     n_pairs = expt_indx.numel()
     low, high = (int(v) for v in torch.aminmax(indx.reshape(-1)))
     if low < 0 or high >= n_pairs:
-        name = "gate_indx" if op == "dp_to_ep" else "topk_indx"
+        name = collective(op).index_name
         raise BackendError(f"{op}: {name} holds values in [{low}, {high}], outside [0, {n_pairs}) "
                            f"(n_tokens_global * k); build it with autosymm.route(expt_indx)")

@@ -32,7 +32,8 @@ from typing import Optional
 
 import torch
 
-from ..problem import MOE_OPS, Problem, next_pow2
+from ..collectives import DP_TO_EP, EP_TO_DP, get as collective
+from ..problem import Problem, next_pow2
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher, interpreter_active
 from .moe_inputs import check_inputs, shape_reason
@@ -53,7 +54,7 @@ class NcclAllToAll(Backend):
 
     name = "nccl_all_to_all"
     # split sizes go through the host (.tolist()): no CUDA-graph capture
-    needs = Needs(ops=MOE_OPS, graph_capturable=False)
+    needs = Needs(ops=(DP_TO_EP.name, EP_TO_DP.name), graph_capturable=False)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         return shape_reason(problem)
@@ -65,7 +66,8 @@ class NcclAllToAll(Backend):
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         if world_size != problem.world_size:
             raise BackendError(f"group has world size {world_size}, the problem {problem.world_size}")
-        plan = dp_to_ep_splits if problem.op == "dp_to_ep" else ep_to_dp_splits
+        to_experts = problem.record.to_experts
+        plan = dp_to_ep_splits if to_experts else ep_to_dp_splits
         device_plan = DeviceSplits(problem.op, rank, world_size)
         outputs: dict[tuple, torch.Tensor] = {}
         tables: dict[tuple, torch.Tensor] = {}
@@ -77,7 +79,7 @@ class NcclAllToAll(Backend):
             else:
                 split = plan(owner_table(assignment, world_size, tables), expt_indx, indx, n_tokens_local, rank,
                              world_size)
-            n_out = expt_indx.numel() // (1 if problem.op == "dp_to_ep" else world_size)
+            n_out = expt_indx.numel() // (1 if to_experts else world_size)
             out = _output(outputs, (n_out, src.shape[1]), src)
             exchange(src, out, split, world_size, group)
             return out
@@ -137,7 +139,7 @@ class DeviceSplits:
         from ..kernels.moe_splits import _moe_splits
 
         one, k = key[:2]
-        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, N_EXPTS_ACT=k, DP_TO_EP=self.op == "dp_to_ep",
+        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, N_EXPTS_ACT=k, DP_TO_EP=collective(self.op).to_experts,
                           KEYS=next_pow2(self.world_size), BLOCK=SPLIT_BLOCK, GRID=1 if one else SPLIT_GRID)
         passes = [(1, 2)] if one else [(SPLIT_GRID, 0), (SPLIT_GRID, 1)]
         launchers = self._launchers[key] = tuple(LeanLauncher(_moe_splits, (grid,), dict(constexprs, PASS=step),

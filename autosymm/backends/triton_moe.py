@@ -32,7 +32,8 @@ import torch
 from ..configs import MoEConfig, moe_space
 from ..kernels.barrier import _barrier_kernel
 from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
-from ..problem import DTYPES, MOE_OPS, Problem, next_pow2
+from ..collectives import DP_TO_EP, EP_TO_DP
+from ..problem import DTYPES, Problem, next_pow2
 from ..geometry import MOE_REGION, MOE_SIGNAL_SLOT, dst_rows, grid_rows, moe_buffer, moe_region_bytes
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
@@ -46,7 +47,7 @@ from .moe_inputs import check_inputs, shape_reason
 FUSED_BARRIER_MAX_PROGRAMS = 256
 #: Config of a conversion no database row serves (TritonMoE.fallback_config).
 DEFAULT_MOE_CONFIG = MoEConfig(block_n=4096, num_warps=8, rows_per_program=2, num_blocks=0)
-_KERNELS = {"dp_to_ep": _convert_dp_to_ep, "ep_to_dp": _convert_ep_to_dp}
+_KERNELS = {DP_TO_EP.name: _convert_dp_to_ep, EP_TO_DP.name: _convert_ep_to_dp}
 
 
 def _vec(d_model: int, elem_bytes: int) -> int:
@@ -123,7 +124,7 @@ class TritonMoE(Backend):
     """The Triton conversion kernels writing into the workspace's MoE region."""
 
     name = "triton_moe"
-    needs = Needs(ops=MOE_OPS, compiles_kernels=True, workspace_region=MOE_REGION, intra_node=True)
+    needs = Needs(ops=(DP_TO_EP.name, EP_TO_DP.name), compiles_kernels=True, workspace_region=MOE_REGION, intra_node=True)
 
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         """The contract of Backend.why_not, then room: the output must fit this op's buffer of

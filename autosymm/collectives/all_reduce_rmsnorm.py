@@ -8,6 +8,8 @@ Problem: ``n_tokens_local`` rows of ``hidden`` elements; bucket: tokens per rank
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,13 @@ class AllReduceRMSNorm(Collective):
 
     def shape_key(self, problem: Problem) -> str:
         return f"h{problem.hidden}"
+
+    def shape_of_key(self, key: str) -> int:
+        """The hidden size of a shape key 'h{hidden}'."""
+        match = re.fullmatch(r"h([1-9][0-9]*)", str(key))
+        if match is None:
+            raise ValueError(f"{key!r} is not a hidden-size key like 'h8192'")
+        return int(match.group(1))
 
     def problems(self, request: PointRequest) -> list[Problem]:
         hidden = self.points.hidden if request.hidden is None else request.hidden

@@ -113,6 +113,11 @@ class Collective:
         """The database ``shape`` column ('' without a shape)."""
         return ""
 
+    def shape_of_key(self, key: str) -> Any:
+        """The shape parameter (:attr:`shape_param`) a database ``shape`` key names; ValueError for
+        an op without shapes or a key it cannot read."""
+        raise ValueError(f"{self.name} has no shape parameter; got the shape key {key!r}")
+
     def describe(self, problem: Problem) -> str:
         if self.bucket_unit == "tokens":
             return (f"{self.name} {problem.dtype} ws={problem.world_size} {self.shape_key(problem)} "

@@ -39,6 +39,9 @@ class MoEConversion(Collective):
     def shape_key(self, problem: Problem) -> str:
         return problem.shape.key
 
+    def shape_of_key(self, key: str) -> MoEShape:
+        return MoEShape.from_key(key)
+
     def moved_ratio(self, problem: Problem, row) -> float:
         """Bytes moved: tokens x top-k x d_model x element bytes, the row's of its own shape."""
         shape, other = problem.shape, MoEShape.from_key(row.shape)

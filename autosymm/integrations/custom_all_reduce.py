@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import autosymm
-from autosymm.backends import FALLBACK
+from autosymm.collectives import ALL_REDUCE, ALL_REDUCE_RMSNORM
 from autosymm.dist_compat import group_device
 from autosymm.problem import DTYPES, Problem, dtype_name
 
@@ -134,7 +134,7 @@ class AutosymmCustomAllReduce:
         use = self._use.get(key)
         if use is None:
             decision = autosymm.explain(x, group=self.group, mode=key[2])
-            use = self._use[key] = decision.backend != FALLBACK["all_reduce"]
+            use = self._use[key] = decision.backend != ALL_REDUCE.fallback
         return use
 
     def should_custom_ar(self, x: torch.Tensor) -> bool:
@@ -176,7 +176,7 @@ class AutosymmCustomAllReduce:
         if use is None:
             problem = Problem.all_reduce_rmsnorm(x.shape[0], x.shape[1], dtype_name(x.dtype), self.world_size)
             decision = autosymm.explain(group=self.group, op="all_reduce_rmsnorm", mode=key[3], problem=problem)
-            use = self._use[key] = decision.backend != FALLBACK["all_reduce_rmsnorm"]
+            use = self._use[key] = decision.backend != ALL_REDUCE_RMSNORM.fallback
         return use
 
     def fused_allreduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

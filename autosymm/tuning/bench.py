@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ..problem import MoEShape, Problem
-from .bench_baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output,
-                              pool_bytes, torch_ops_why_not, zero_copy_why_not)
+from . import ops as tuning_ops
+from .bench_baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output, torch_ops_why_not,
+                              zero_copy_why_not)
 from .bench_report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, moe_link_gbps, print_bench, size_label,
                            write_bench_csv)
 
@@ -124,6 +125,11 @@ def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: in
     return rows
 
 
+def all_reduce_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
+    """The all-reduce's rows at every size of ``options``."""
+    return [row for nbytes in options.sizes for row in _all_reduce_size(nbytes, options.modes, setup)]
+
+
 def _all_reduce_size(nbytes: int, modes: list[str], setup: Setup) -> list[BenchRow]:
     """Every implementation's rows at one size (NCCL's result on the same data is the reference)."""
     world_size = dist.get_world_size(setup.group)
@@ -155,9 +161,9 @@ def _all_reduce_size(nbytes: int, modes: list[str], setup: Setup) -> list[BenchR
 # ------------------------------------------------------------------------------------ MoE
 
 
-def _moe_equal(got, expected, op, expt_indx, assignment, rank) -> bool:
+def _moe_equal(got, expected, to_experts: bool, expt_indx, assignment, rank) -> bool:
     """Compare only rows that the conversion defines (the rest of the buffer is don't-care)."""
-    if op == "dp_to_ep":
+    if to_experts:
         from ..routing import route
 
         owner = assignment.expt_boolmask[rank][expt_indx.long().flatten()]
@@ -175,12 +181,14 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
 
     from ..backends import RunContext, get_backend
     from .moe_plain import NOT_CAPTURABLE, PLAIN_IMPL, plain, plain_rows
+    from .ops import get as tuning_op
 
     rank, world_size = dist.get_rank(setup.group), dist.get_world_size(setup.group)
     nbytes = problem.nbytes * problem.shape.n_expts_act  # the rows each rank sends
     baseline = get_backend("nccl_all_to_all")
     nccl = baseline.prepare(problem, None, RunContext(group=setup.group, workspace=setup.workspace))
-    auto = autosymm.convert_dp_to_ep if problem.op == "dp_to_ep" else autosymm.convert_ep_to_dp
+    record = problem.record
+    auto = tuning_op(problem.op).autosymm_call()
     expected = nccl(*args).clone()
     expt_indx, assignment = args[2], args[1]
     plain_expected = expected[plain_rows(problem.op, assignment, expt_indx, args[3], rank, world_size)]
@@ -188,7 +196,7 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
     for impl, fn in (("autosymm", auto), ("nccl", nccl), (PLAIN_IMPL, plain(problem.op, rank, world_size, setup.group))):
         got = fn(*args)
         right = torch.equal(got, plain_expected) if impl == PLAIN_IMPL else \
-            _moe_equal(got, expected, problem.op, expt_indx, assignment, rank)
+            _moe_equal(got, expected, record.to_experts, expt_indx, assignment, rank)
         ok = _agree(right, setup.group)
         for mode in modes:
             why_not = baseline.why_not(problem, caps, mode) if impl == "nccl" else \
@@ -204,8 +212,9 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
     return rows
 
 
-def _moe_args(op: str, shape: MoEShape, tokens: int, setup: Setup, assignment) -> tuple:
-    """Random routing and rows for ``tokens`` tokens per rank: the arguments of ``op``."""
+def _moe_args(op, shape: MoEShape, tokens: int, setup: Setup, assignment) -> tuple:
+    """Random routing and rows for ``tokens`` tokens per rank: the arguments of ``op`` (a MoE
+    conversion's tuning side)."""
     from ..routing import route
 
     world_size = dist.get_world_size(setup.group)
@@ -214,13 +223,15 @@ def _moe_args(op: str, shape: MoEShape, tokens: int, setup: Setup, assignment) -
     scores = torch.rand(n_global, shape.n_expts_tot, generator=gen, device=setup.device)
     expt_indx = scores.topk(shape.n_expts_act, dim=1).indices.to(torch.int32)
     gate_indx, topk_indx = route(expt_indx)
-    rows = tokens if op == "dp_to_ep" else n_global * shape.n_expts_act
+    rows = op.record.src_rows(tokens, n_global * shape.n_expts_act)
     src = torch.randn(rows, shape.d_model, device=setup.device, dtype=torch.float32).to(setup.dtype)
-    return (src, assignment, expt_indx, gate_indx if op == "dp_to_ep" else topk_indx)
+    return (src, assignment, expt_indx, op.bench_indx(gate_indx, topk_indx))
 
 
-def _moe_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
+def moe_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
+    """The MoE conversions' rows (of those in ``options.ops``): per shape, token count and op."""
     from ..routing import make_expt_assignment, make_expt_dict_uniform
+    from .ops import DP_TO_EP, EP_TO_DP
 
     world_size = dist.get_world_size(setup.group)
     rows = []
@@ -228,8 +239,8 @@ def _moe_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
         assignment = make_expt_assignment(world_size, shape.n_expts_tot,
                                           make_expt_dict_uniform(world_size, shape.n_expts_tot), setup.device)
         for tokens in options.tokens:
-            for op in (o for o in ("dp_to_ep", "ep_to_dp") if o in options.ops):
-                problem = Problem.moe(op, shape, tokens, options.dtype, world_size)
+            for op in (o for o in (DP_TO_EP, EP_TO_DP) if o.name in options.ops):
+                problem = Problem.moe(op.name, shape, tokens, options.dtype, world_size)
                 args = _moe_args(op, shape, tokens, setup, assignment)
                 rows += _moe_op_rows(problem, args, f"{name} {tokens} tok", options.modes, setup, caps)
     return rows
@@ -255,14 +266,13 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
         problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens,
                                   world_size)
         ar_bytes, moe_bytes = workspace_bytes(problems)
-        if "all_reduce" in options.ops:
-            ar_bytes = max(ar_bytes, pool_bytes(options.sizes, world_size))
+        ar_bytes = max(ar_bytes, _pool_bytes(options, world_size))
         get_workspace(group, device, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
     autosymm.init()  # the default group, as `autosymm.all_reduce(x)` finds it
     state = autosymm.api.state_of(None)
     pool = None
-    if state.caps.torch_symm_ops and "all_reduce" in options.ops:
-        pool = SymmetricPool(pool_bytes(options.sizes, world_size), device, group.group_name)
+    if state.caps.torch_symm_ops and _pool_bytes(options, world_size):
+        pool = SymmetricPool(_pool_bytes(options, world_size), device, group.group_name)
     setup = Setup(group, group.group_name, device, DTYPES[options.dtype], pool=pool, workspace=state.workspace)
     return setup, state.caps
 
@@ -278,9 +288,14 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
     read_gbps, write_gbps = peer_bandwidth(workspace, setup.group) if workspace is not None else (0.0, 0.0)
     result = BenchResult(fingerprint().as_dict(), world_size, read_gbps, write_gbps,
                          comm_env=provenance()["comm_env"])
-    if "all_reduce" in options.ops:
-        for nbytes in options.sizes:
-            result.rows += _all_reduce_size(nbytes, options.modes, setup)
-    if any(op in options.ops for op in ("dp_to_ep", "ep_to_dp")):
-        result.rows += _moe_rows(options, setup, caps)
+    # each op's bench function once (the MoE conversions share one), in registry order
+    for rows_of in dict.fromkeys(op.bench_rows() for op in tuning_ops.ALL if op.name in options.ops):
+        if rows_of is not None:
+            result.rows += rows_of(options, setup, caps)
     return result if rank == 0 else None
+
+
+def _pool_bytes(options: BenchOptions, world_size: int) -> int:
+    """Bytes of torch's symmetric pool (and zero-copy inputs) the benched ops need (0: none)."""
+    return max((op.bench_pool_bytes(options.sizes, world_size) for op in tuning_ops.ALL if op.name in options.ops),
+               default=0)

@@ -16,6 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from ..collectives import ALL_REDUCE
 from ..problem import format_bytes, parse_bytes, parse_size_range
 
 #: All-reduce implementations, in table order (see autosymm.tuning.bench_baselines).
@@ -80,10 +81,10 @@ def size_label(nbytes: int) -> str:
 
 
 def others_of(op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(no-copy others, with-copy others) autosymm is compared with for ``op``."""
-    if op == "all_reduce":
-        return NO_COPY_OTHERS, COPY_OTHERS
-    return MOE_OTHERS, MOE_OTHERS
+    """(no-copy others, with-copy others) autosymm is compared with for ``op`` (its tuning module's)."""
+    from .ops import get
+
+    return get(op).bench_others()
 
 
 def best_of(times: dict[str, Optional[float]], impls: tuple[str, ...]) -> Optional[tuple[str, float]]:
@@ -165,13 +166,13 @@ def worst_ratios(rows: list[BenchRow], impl: str = "autosymm") -> list[str]:
     size and over :data:`MID_RANGE`, e.g. 'graph: autosymm / best no-copy <= 1.093 (6kB);
     512KiB-8MiB <= 0.912 (3MB)'."""
     lines = []
-    by_cell = cells(rows, "all_reduce")
+    by_cell = cells(rows, ALL_REDUCE.name)
     for mode in dict.fromkeys(m for _, m in by_cell):
         parts = []
         for kind in ("no-copy", "with-copy") if impl == "autosymm" else ("no-copy",):  # as in losses()
             ratios = []
             for (label, m), cell in by_cell.items():
-                c = compare(cell, "all_reduce", impl)
+                c = compare(cell, ALL_REDUCE.name, impl)
                 ratio = c.vs_no_copy if kind == "no-copy" else c.vs_copy
                 if m == mode and ratio is not None:
                     ratios.append((ratio, label, cell[impl].nbytes))
@@ -213,22 +214,22 @@ def _x(ratio: Optional[float]) -> str:
     return f"{ratio:.3f}" if ratio is not None else "-"
 
 
-def _all_reduce_table(result: BenchResult):
+def all_reduce_table(result: BenchResult):
     from rich.table import Table
 
     table = Table(title="all_reduce: median us per call (MAX over ranks); ratios < 1: autosymm faster")
     ratio_columns = ["autosymm / best no-copy", "autosymm / best with-copy", "zero-copy / best no-copy"]
     for column in ["size", "mode", *[i.replace("_", " ") for i in ALL_REDUCE_IMPLS], "chosen", *ratio_columns]:
         table.add_column(column, overflow="fold")  # long names wrap, never end in an ellipsis
-    for (label, mode), cell in cells(result.rows, "all_reduce").items():
-        plain, zero = compare(cell, "all_reduce"), compare(cell, "all_reduce", "autosymm_zero_copy")
+    for (label, mode), cell in cells(result.rows, ALL_REDUCE.name).items():
+        plain, zero = compare(cell, ALL_REDUCE.name), compare(cell, ALL_REDUCE.name, "autosymm_zero_copy")
         chosen = cell["autosymm"].backend if "autosymm" in cell else "-"
         table.add_row(label, mode, *[_us(cell.get(i)) for i in ALL_REDUCE_IMPLS], chosen or "-",
                       _x(plain.vs_no_copy), _x(plain.vs_copy), _x(zero.vs_no_copy))
     return table
 
 
-def _moe_table(result: BenchResult, op: str):
+def moe_table(result: BenchResult, op: str):
     from rich.table import Table
 
     table = Table(title=f"{op}: median us per call (MAX over ranks); link GB/s = rows leaving the rank / time")
@@ -252,11 +253,12 @@ def print_bench(result: BenchResult, console) -> None:
     """The tables of ``result``, then where autosymm loses and what was not timed."""
     console.print(f"{result.hardware.get('topology')}: peer read {result.peer_read_gbps:.1f} GB/s, "
                   f"peer write {result.peer_write_gbps:.1f} GB/s; {result.comm_env or 'comm env not recorded'}")
-    if any(r.op == "all_reduce" for r in result.rows):
-        console.print(_all_reduce_table(result))
-    for op in ("dp_to_ep", "ep_to_dp"):
-        if any(r.op == op for r in result.rows):
-            console.print(_moe_table(result, op))
+    from . import ops as tuning_ops
+
+    for op in tuning_ops.ALL:  # registry order: each measured op's table
+        table = op.bench_table(result) if any(r.op == op.name for r in result.rows) else None
+        if table is not None:
+            console.print(table)
     for line in worst_ratios(result.rows) + worst_ratios(result.rows, "autosymm_zero_copy"):
         console.print(line)
     lost = losses(result.rows)

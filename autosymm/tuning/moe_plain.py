@@ -74,11 +74,18 @@ def plain_ep_to_dp(rank: int, world_size: int, group=None) -> Callable[..., torc
 
 def plain(op: str, rank: int, world_size: int, group=None) -> Callable[..., torch.Tensor]:
     """The plain path of ``op`` ('dp_to_ep' | 'ep_to_dp') on ``group``."""
-    if op == "dp_to_ep":
-        return plain_dp_to_ep(rank, world_size, group)
-    if op == "ep_to_dp":
-        return plain_ep_to_dp(rank, world_size, group)
-    raise ValueError(f"op={op!r} is not 'dp_to_ep' or 'ep_to_dp'")
+    return (plain_dp_to_ep if _to_experts(op) else plain_ep_to_dp)(rank, world_size, group)
+
+
+def _to_experts(op: str) -> bool:
+    """Whether ``op`` is the MoE conversion to the experts (dp->ep); ValueError naming any op
+    that is not a MoE conversion."""
+    from .ops import get
+    from .ops.moe import MoETuning
+
+    if not isinstance(get(op), MoETuning):
+        raise ValueError(f"op={op!r} is not a MoE conversion (dp_to_ep or ep_to_dp)")
+    return get(op).record.to_experts
 
 
 def plain_rows(op: str, assignment, expt_indx: torch.Tensor, indx: torch.Tensor, rank: int,
@@ -86,10 +93,9 @@ def plain_rows(op: str, assignment, expt_indx: torch.Tensor, indx: torch.Tensor,
     """int64: the rows of ``op``'s output in the routing layout (what autosymm's conversion
     returns on ``rank``) that the plain path returns, in its order; ``indx`` is ``gate_indx``
     (dp_to_ep) or ``topk_indx`` (ep_to_dp). ``plain_out == layout_out[plain_rows(...)]``."""
-    if op not in ("dp_to_ep", "ep_to_dp"):
-        raise ValueError(f"op={op!r} is not 'dp_to_ep' or 'ep_to_dp'")
+    to_experts = _to_experts(op)
     owner = _owners(assignment, expt_indx)
-    if op == "dp_to_ep":  # pairs owned here, in pair order; each lands on its gate row
+    if to_experts:  # pairs owned here, in pair order; each lands on its gate row
         return indx.reshape(-1).long()[torch.nonzero(owner == rank).flatten()]
     n_pairs_local = owner.numel() // world_size
     gate = torch.empty_like(indx, dtype=torch.int64)

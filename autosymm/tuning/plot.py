@@ -11,7 +11,9 @@ def plot_bench(result, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result.rows if r.op == "all_reduce" and r.us]
+    from ..collectives import ALL_REDUCE
+
+    rows = [r for r in result.rows if r.op == ALL_REDUCE.name and r.us]
     if not rows:
         raise ValueError("no all-reduce measurements to plot")
     n = result.world_size

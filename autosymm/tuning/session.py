@@ -16,14 +16,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..problem import MODES, MOE_OPS, MoEShape, Problem
+from .. import collectives
+from ..collectives import PointRequest
+from ..problem import MODES, MoEShape, Problem
 from .evaluator import SweepEvaluator
 from .outcome import TuneOutcome
 from .precompile import precompile
 from .rank_comm import RankComm
 from .reference import ProblemData
-from .sweep import (FUSED_HIDDEN, SweepItem, TimingPlan, candidates_for, control_group_for, default_modes,
-                    fused_tokens, measure_timeout_s, timing_plan)
+from .sweep import SweepItem, TimingPlan, candidates_for, control_group_for, measure_timeout_s, timing_plan
 from .timing import comm_device
 from .tuner import SearchSettings, tune
 
@@ -57,45 +58,28 @@ def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
 
 def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: dict[str, MoEShape],
                    tokens: list[int], world_size: int) -> list[Problem]:
-    """All-reduce sizes x dtypes, then MoE shapes x token counts x ops, then the fused all-reduce
-    + RMSNorm at sweep.FUSED_HIDDEN x sweep.fused_tokens(tokens) (of the ops in ``ops``)."""
-    problems = []
-    if "all_reduce" in ops:
-        problems += [Problem.all_reduce(n, d, world_size) for d in dtypes for n in sizes]
-    for op in (o for o in ops if o in MOE_OPS):
-        problems += [Problem.moe(op, shape, t, d, world_size)
-                     for d in dtypes for shape in shapes.values() for t in tokens]
-    if "all_reduce_rmsnorm" in ops:
-        problems += [Problem.all_reduce_rmsnorm(t, h, d, world_size)
-                     for d in dtypes for h in FUSED_HIDDEN for t in fused_tokens(tokens)]
-    return problems
+    """The problems of the ops in ``ops``, in registry order (autosymm.collectives), each op's
+    points of these: all-reduce sizes x dtypes, MoE shapes x token counts, the fused all-reduce +
+    RMSNorm at its hidden sizes x ``tokens`` (and its extra token counts inside their range)."""
+    request = PointRequest(tuple(dtypes), world_size, sizes=sizes, moe_shapes=tuple(shapes.values()), tokens=tokens)
+    return [p for record in collectives.ALL if record.name in ops for p in record.problems(request)]
 
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
-    """(all-reduce, MoE) region bytes the sweep needs (at least the defaults): the largest stage
-    of any Triton algorithm of the problem's family (``largest_stage_bytes``: e.g. the push
-    one-shot's slot per peer, the fused two-shot's x and out rows), both MoE buffers."""
-    from ..backends import triton_all_reduce, triton_fused
-    from ..geometry import moe_region_bytes
+    """(all-reduce, MoE) region bytes the sweep needs (at least the defaults): each op's needs
+    (autosymm.tuning.ops: the push one-shot's slot per peer; the fused two-shot's x and out rows;
+    both MoE buffers)."""
     from ..settings import default_region_bytes
+    from .ops import workspace_bytes as needs
 
-    ar, moe = default_region_bytes()
-    for p in problems:
-        if p.op == "all_reduce_rmsnorm":
-            ar = max(ar, triton_fused.largest_stage_bytes(p.nbytes, p.world_size))
-        elif p.op in MOE_OPS:
-            moe = max(moe, moe_region_bytes(p.n_tokens_local, p.shape.n_expts_act, p.shape.d_model * p.elem_bytes,
-                                            p.world_size))
-        else:
-            ar = max(ar, triton_all_reduce.largest_stage_bytes(p.nbytes, p.world_size))
-    return ar, moe
+    return needs(problems, default_region_bytes())
 
 
 @dataclass(frozen=True)
 class TuneSettings(SearchSettings):
     """A tune's settings, the same on every rank: the search's (autosymm.tuning.tuner.SearchSettings;
     here ``timeout_s`` defaults to :func:`measure_timeout_s`), the ``modes`` to tune (intersected
-    with :func:`default_modes` per problem; None: the defaults), the ``backends`` by name that
+    with both modes; None: both), the ``backends`` by name that
     :meth:`TuneSession.open` loads (None: every registered one) and ``plan_for(problem, mode)``,
     the :class:`TimingPlan` of a measurement."""
 
@@ -180,9 +164,10 @@ class TuneSession:
         return session
 
     def modes_for(self, problem: Problem) -> tuple[str, ...]:
-        """The modes tuned for ``problem``: its :func:`default_modes` that the settings ask for."""
+        """The modes tuned for ``problem``: both (every op is tuned eager and graph at every size and
+        token count) that the settings ask for."""
         wanted = self.settings.modes
-        return tuple(m for m in default_modes(problem) if wanted is None or m in wanted)
+        return tuple(m for m in MODES if wanted is None or m in wanted)
 
     def sweep(self, problems: Sequence[Problem], progress: Optional[Callable[[SweepItem], None]] = None
               ) -> list[SweepItem]:
@@ -219,10 +204,8 @@ class TuneSession:
         """One (problem, mode), nothing recorded. ``compile_ahead``: precompile the candidates
         first (the problem's first mode; the kernels are the same in both, so the second finds
         them compiled)."""
-        from ..backends import FALLBACK
-
         candidates, why_not = candidates_for(problem, mode, self.backends, self.caps)
-        if not any(name != FALLBACK.get(problem.op) for name in candidates):
+        if not any(name != problem.record.fallback for name in candidates):
             return SweepItem(problem, mode, "skipped", "no backend but the fallback serves it", unsupported=why_not)
         plan = self.settings.plan_for(problem, mode)
         data = ProblemData(problem, self.group, self.device, self.rank, plan.n_inputs)
@@ -248,10 +231,8 @@ class TuneSession:
     def search(self, problem: Problem, candidates: dict[str, list], evaluator) -> TuneOutcome:
         """The search of one problem's ``candidates`` (autosymm.tuning.tuner.tune) with these
         settings, on the control group, against the op's fallback."""
-        from ..backends import FALLBACK
-
         return tune(problem, candidates, evaluator, self.settings, group=self.control_group,
-                    baseline_backend=FALLBACK.get(problem.op))
+                    baseline_backend=problem.record.fallback)
 
     def _record(self, item: SweepItem) -> None:
         """Rank 0 writes a tuned item's rows; a failure lands in ``item.reason``, never raised."""

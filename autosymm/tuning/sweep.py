@@ -6,14 +6,16 @@ problem and mode it asks each backend whether it serves the problem and for its 
 searches with the evaluator of autosymm.tuning.evaluator; rank 0 writes each backend's best row
 under the problem's exact size (autosymm.problem).
 
-Default sizes: all-reduce at two points per octave, 2^k and 1.5 * 2^k bytes from 4 KiB to
-256 MiB (:data:`ALL_REDUCE_SIZES`, 33 sizes; `autosymm tune --sizes` default
-:data:`ALL_REDUCE_SIZES_SPEC`): the dispatcher serves a call between tuned sizes from its two
-neighbours (autosymm.dispatch), and at most 1.5x apart the neighbours' configs stay close to what
-a tune at the call's own size finds; at one point per octave the 4 MiB config served 3 MB 15 %
-slower than a 3 MB tune (2x H200). MoE at :data:`MOE_TOKENS` tokens per rank.
+Default points: each op's record declares them (autosymm.collectives: ``points``). All-reduce at
+two points per octave, 2^k and 1.5 * 2^k bytes from 4 KiB to 256 MiB
+(autosymm.collectives.all_reduce.SIZES, 33 sizes; `autosymm tune --sizes` default
+autosymm.collectives.all_reduce.SIZES_SPEC): the dispatcher serves a call between tuned sizes
+from its two neighbours (autosymm.dispatch), and at most 1.5x apart the neighbours' configs stay
+close to what a tune at the call's own size finds; at one point per octave the 4 MiB config
+served 3 MB 15 % slower than a 3 MB tune (2x H200). MoE at autosymm.collectives.moe.TOKENS
+tokens per rank.
 
-Default modes (:func:`default_modes`): ``eager`` and ``graph`` for every problem: all-reduce at
+Modes: ``eager`` and ``graph`` for every problem: all-reduce at
 every size, the MoE conversions at every token count (decode batches are captured, and so are
 prefill batches where users capture them; the tune's workspace is sized to fit the sweep). A
 (problem, mode) that no tuned backend can serve (e.g. graph mode where only NCCL's host-split
@@ -27,33 +29,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..configs import config_to_json
-from ..problem import MODEL_SHAPES, MODES, MOE_OPS, Problem, format_bytes, octave_points
+from ..problem import Problem
 from .outcome import TuneOutcome
 
-#: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
-ALL_REDUCE_SIZES_SPEC = "4KiB:256MiB:2"
-ALL_REDUCE_SIZES = octave_points(4 << 10, 256 << 20, 2)
-#: MoE tokens per rank of the default sweep: powers of four from 1 to 4096, and 8192. The
-#: dispatcher serves a count in between from its tuned neighbours, so the range 1..8192 is
-#: covered with 8 points instead of 14 (a sweep of minutes, not tens).
-MOE_TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 8192]
-#: Hidden sizes of the fused all-reduce + RMSNorm sweep (``--ops all_reduce_rmsnorm``: the hidden
-#: sizes of common tensor-parallel models), at :func:`fused_tokens` (by default MOE_TOKENS and
-#: FUSED_EXTRA_TOKENS), eager and graph: 4 x 10 x 2 = 80 (problem, mode) pairs.
-FUSED_HIDDEN = (4096, 5120, 7168, 8192)
-#: Token counts the fused op is also tuned at, inside the ``--tokens`` range: where its targets
-#: are stated (fused within 1 us of the all-reduce alone up to 128 tokens, 1.5x NCCL + rms_norm
-#: up to 2048), so the DB holds a measured row there rather than a neighbour's config.
-FUSED_EXTRA_TOKENS = (128, 2048)
-
-
-def fused_tokens(tokens: list[int]) -> list[int]:
-    """Tokens per rank of the fused sweep: ``tokens`` plus the :data:`FUSED_EXTRA_TOKENS` within
-    their range, sorted."""
-    if not tokens:
-        return []
-    extra = [t for t in FUSED_EXTRA_TOKENS if min(tokens) <= t <= max(tokens)]
-    return sorted(set(tokens) | set(extra))
 MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
 
 
@@ -63,22 +41,6 @@ def measure_timeout_s() -> float:
     from ..kernels.barrier import max_wait_s
 
     return max(MEASURE_TIMEOUT_S, 2 * max_wait_s() + 60.0)
-
-
-def default_sweep(world_size: int, dtype: str = "bf16") -> list[Problem]:
-    """All-reduce at :data:`ALL_REDUCE_SIZES`, then dp->ep and ep->dp of every
-    problem.MODEL_SHAPES shape at :data:`MOE_TOKENS` tokens per rank."""
-    problems = [Problem.all_reduce(n, dtype, world_size) for n in ALL_REDUCE_SIZES]
-    for shape in MODEL_SHAPES.values():
-        for op in MOE_OPS:
-            problems += [Problem.moe(op, shape, t, dtype, world_size) for t in MOE_TOKENS]
-    return problems
-
-
-def default_modes(problem: Problem) -> tuple[str, ...]:
-    """Modes tuned by default for ``problem``: both, at every size and token count (module
-    docstring)."""
-    return MODES
 
 
 @dataclass(frozen=True)
@@ -146,7 +108,7 @@ class SweepItem:
         best, base = self.outcome.best, self.outcome.baseline
         p = self.problem
         nccl_us = base.score if base is not None and base.ok else None
-        label = format_bytes(p.nbytes) if p.op == "all_reduce" else f"{p.shape_key} t={p.n_tokens_local}"
+        label = p.record.point_label(p)
         return {"op": p.op, "label": label, "mode": self.mode, "backend": best.candidate.backend,
                 "config": config_to_json(best.candidate.config), "us": best.score, "nccl_us": nccl_us,
                 "speedup": (nccl_us / best.score) if nccl_us else None, "world_size": p.world_size,

@@ -326,9 +326,7 @@ def tune(problem: Problem, candidates_by_backend: dict[str, Sequence[Optional[An
     ``outcome.baseline`` (default: the op's fallback, 'nccl' for all-reduce). Returns the same
     :class:`TuneOutcome` on every rank; failures are reported in it, never raised.
     """
-    from ..backends import FALLBACK
-
-    baseline_backend = baseline_backend or FALLBACK.get(problem.op, "nccl")
+    baseline_backend = baseline_backend or problem.record.fallback
     candidates = build_candidates(candidates_by_backend)
     tuned, plans = _plans(candidates, settings)
     comm = RankComm(group)

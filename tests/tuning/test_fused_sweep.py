@@ -15,7 +15,11 @@ from autosymm.backends.nccl_fused import nccl_fused
 from autosymm.configs import FusedConfig
 from autosymm.problem import MODEL_SHAPES, Problem
 from autosymm.tuning.session import sweep_problems, workspace_bytes
-from autosymm.tuning.sweep import FUSED_HIDDEN, MOE_TOKENS, TimingPlan, fused_tokens
+from autosymm.collectives.all_reduce_rmsnorm import HIDDEN as FUSED_HIDDEN, with_extra_tokens as fused_tokens
+from autosymm.collectives.moe import TOKENS
+from autosymm.tuning.sweep import TimingPlan
+
+MOE_TOKENS = list(TOKENS)
 
 PLAN = TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1, calls_per_graph=2)
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from autosymm import routing as moe_ref
-from autosymm.tuning import reference as refs
-from autosymm.tuning.reference import check_output, moe_reference_for_rank
+from autosymm.tuning.ops import moe as refs
+from autosymm.tuning.ops.moe import moe_reference_for_rank
+from autosymm.tuning.reference import check_output
 
 
 @pytest.mark.parametrize("op", ["dp_to_ep", "ep_to_dp"])

@@ -11,12 +11,20 @@ import pytest
 
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem, parse_size_range
 from autosymm.tuning.outcome import TuneOutcome
-from autosymm.tuning.sweep import (ALL_REDUCE_SIZES, ALL_REDUCE_SIZES_SPEC, MOE_TOKENS, SweepItem, candidates_for,
-                                   default_modes, default_sweep, timing_plan)
+from autosymm import collectives
+from autosymm.collectives import PointRequest
+from autosymm.collectives.all_reduce import SIZES as ALL_REDUCE_SIZES, SIZES_SPEC as ALL_REDUCE_SIZES_SPEC
+from autosymm.collectives.moe import TOKENS as MOE_TOKENS
+from autosymm.tuning.session import TuneSession, TuneSettings, sweep_problems
+from autosymm.tuning.sweep import SweepItem, candidates_for, timing_plan
 
 
 def test_default_sweep_and_modes():
-    problems = default_sweep(8)
+    """The ops tuned by default at their records' default points, in both modes."""
+    request = PointRequest(("bf16",), 8)
+    problems = [p for name in collectives.default_tuned() for p in collectives.get(name).problems(request)]
+    assert problems == sweep_problems(list(collectives.default_tuned()), list(ALL_REDUCE_SIZES), ["bf16"],
+                                      MODEL_SHAPES, list(MOE_TOKENS), 8), "`autosymm tune`'s defaults are the records'"
     ar = [p for p in problems if p.op == "all_reduce"]
     powers = [4096 << i for i in range(17)]
     assert [p.nbytes for p in ar] == sorted(powers + [3 * p // 2 for p in powers[:-1]]) and ar[-1].nbytes == 256 << 20
@@ -25,11 +33,13 @@ def test_default_sweep_and_modes():
     assert len(moe) == 4 * 2 * 8 and {p.n_tokens_local for p in moe} == {1, 4, 16, 64, 256, 1024, 4096, 8192}
     from autosymm.cli import DEFAULT_TOKENS, TUNE_SIZES, _parse_tokens
 
-    assert _parse_tokens(DEFAULT_TOKENS) == MOE_TOKENS, "`autosymm tune`'s default is the default sweep's"
-    assert TUNE_SIZES == ALL_REDUCE_SIZES_SPEC and parse_size_range(TUNE_SIZES) == ALL_REDUCE_SIZES
+    assert _parse_tokens(DEFAULT_TOKENS) == list(MOE_TOKENS), "`autosymm tune`'s default is the default sweep's"
+    assert TUNE_SIZES == ALL_REDUCE_SIZES_SPEC and parse_size_range(TUNE_SIZES) == list(ALL_REDUCE_SIZES)
     assert all(p.world_size == 8 and p.dtype == "bf16" for p in problems)
     # graph mode at every size and token count: decode and prefill batches alike
-    assert {default_modes(p) for p in problems} == {("eager", "graph")}
+    session = object.__new__(TuneSession)
+    session.settings = TuneSettings()
+    assert {session.modes_for(p) for p in problems} == {("eager", "graph")}
     tiny, huge = timing_plan(ar[0], "eager"), timing_plan(ar[-1], "eager")
     assert tiny.calls_per_sample > 1 and huge.calls_per_sample == 1 and huge.n_inputs == 2 and tiny.n_inputs == 8
     assert timing_plan(ar[0], "graph").calls_per_graph >= 8

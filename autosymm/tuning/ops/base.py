@@ -1,0 +1,72 @@
+"""What the tuner needs of an op beyond its record (autosymm.collectives): the inputs of a tuning
+problem, this rank's reference output, how a launcher is called for validation and timing, and
+the workspace the sweep needs (:class:`TuningOp`). autosymm.tuning.reference.ProblemData holds
+the tensors and delegates here; one module per op, registered in autosymm.tuning.ops."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ...collectives import Collective
+from ...problem import Problem
+
+SEED = 1234
+
+
+def quarters(shape: tuple, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Random multiples of 1/4 in [-2, 2]: sums of a few of them are exact in every float dtype."""
+    return torch.randint(-8, 9, shape, generator=gen, device=device, dtype=torch.int8).to(dtype).mul_(0.25)
+
+
+class TuningOp:
+    """The tuning side of one op (``record``); ``exact``: its validation compares bits (copies)."""
+
+    exact = False
+
+    def __init__(self, record: Collective) -> None:
+        self.record = record
+        self.name = record.name
+
+    def allocate(self, data, gen: torch.Generator) -> None:
+        """Set ``data``'s validation input, timing inputs and extra arguments (local: no collective)."""
+        raise NotImplementedError(self.name)
+
+    def build_reference(self, data) -> None:
+        """Set ``data.expected`` (and ``data.mask``) for this rank (collectives on ``data.group``)."""
+        raise NotImplementedError(self.name)
+
+    def validation_args(self, data) -> tuple:
+        return (data.val_input, *data.extra)
+
+    def result(self, data, out: Any, args: tuple) -> Any:
+        """What is checked of a launcher's return value ``out`` for ``args``."""
+        return out
+
+    def timing_args(self, data) -> list[tuple]:
+        return [(t, *data.extra) for t in data.timing]
+
+    def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
+        """(all-reduce, MoE) region bytes ``problem`` needs (0: none of that region)."""
+        raise NotImplementedError(self.name)
+
+    def bench_rows(self):
+        """The `autosymm bench` function measuring this op (ops sharing one are measured by one
+        call), or None when bench does not measure it."""
+        return None
+
+    def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(no-copy others, with-copy others) `bench` compares autosymm with for this op."""
+        return (), ()
+
+    def bench_table(self, result):
+        """The table `bench` prints of this op's rows of ``result`` (None: none)."""
+        return None
+
+    def bench_pool_bytes(self, sizes: list[int], world_size: int) -> int:
+        """Bytes of torch's symmetric pool (and zero-copy inputs) `bench` needs for this op."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"TuningOp({self.name})"
