@@ -1,8 +1,8 @@
 """Problem -> Decision: which backend and config serve a call, and why.
 
 The decision is a pure function of (problem, mode, capabilities, database rows), so every rank
-that sees the same databases decides the same (api.py checks the databases' digest across ranks
-once per group, and autosymm.group caches each prepared call per key (op, dtype, size, mode)).
+that sees the same databases decides the same (autosymm.group agrees on the databases' digest
+across ranks once per group, and caches each prepared call per key: op, dtype, size, mode).
 Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth model. Rules, in order:
 
 1. ``AUTOSYMM_DISABLE=1`` -> the op's fallback backend (NCCL) everywhere.

@@ -20,7 +20,7 @@ from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, DeviceSplits, _w
 from autosymm.configs import MoEConfig  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
                               random_expt_indx, route)
-from autosymm.tuning.ops.moe import reference_dp_to_ep, reference_ep_to_dp, rows_written
+from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_with_deadline  # noqa: E402

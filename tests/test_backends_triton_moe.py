@@ -18,7 +18,7 @@ from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
 from autosymm.backends.triton_moe import TRITON_MOE  # noqa: E402
 from autosymm.configs import MoEConfig  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
-from autosymm.tuning.ops.moe import reference_dp_to_ep, reference_ep_to_dp, rows_written
+from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 from autosymm.geometry import ALIGN, moe_buffer  # noqa: E402
 from autosymm.symm import simulated_workspaces  # noqa: E402

@@ -70,3 +70,53 @@ def test_only_the_settings_module_touches_the_environment():
                  or path.parent != PACKAGE for line in _environment_reads(ast.parse(path.read_text()))]
     assert not offenders, f"read the environment through autosymm.settings: {offenders}"
     assert _environment_reads(ast.parse((PACKAGE / "settings.py").read_text()))  # the check sees real reads
+
+
+#: Comparisons on op names allowed outside the op records (autosymm/collectives/) and the tuning
+#: side's per-op modules (autosymm/tuning/ops/): everything else asks the registry.
+MAX_OP_NAME_COMPARISONS = 5
+
+
+def _names_op(node, op_names) -> bool:
+    """Whether ``node`` is a string literal naming a registered op, or a literal tuple/list/set
+    holding one."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value in op_names
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_op(e, op_names) for e in node.elts)
+    return False
+
+
+def _op_name_comparisons(source: str, op_names) -> list[tuple[int, str]]:
+    """(line, text) of each comparison in ``source`` with an op-name literal, or with a name bound
+    to one in that source (``OP = "all_reduce"``, ``MOE_OPS = ("dp_to_ep", "ep_to_dp")``)."""
+    tree = ast.parse(source)
+    constants = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and _names_op(node.value, op_names)
+                 for target in node.targets if isinstance(target, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(
+                _names_op(side, op_names) or (isinstance(side, ast.Name) and side.id in constants)
+                for side in (node.left, *node.comparators)):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_op_name_check_finds_literals_tuples_and_their_constants():
+    ops = {"all_reduce", "dp_to_ep"}
+    source = ('MOE = ("dp_to_ep", "x")\nif op == "all_reduce": pass\nif op in MOE: pass\n'
+              'if op in ("dp_to_ep",): pass\nif op == "sum" or op is record: pass\n')
+    assert [line for line, _ in _op_name_comparisons(source, ops)] == [2, 3, 4]
+
+
+def test_few_comparisons_on_op_names_outside_the_op_records():
+    from autosymm import collectives
+
+    op_names = set(collectives.names())
+    found = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "collectives" or rel.parts[:2] == ("tuning", "ops"):
+            continue
+        found += [f"{rel}:{line}: {text}" for line, text in _op_name_comparisons(path.read_text(), op_names)]
+    assert len(found) <= MAX_OP_NAME_COMPARISONS, found

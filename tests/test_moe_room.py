@@ -23,7 +23,7 @@ from autosymm.backends.triton_moe import TRITON_MOE, buffer_bytes, region_bytes_
 from autosymm.geometry import DEFAULT_MOE_MAX_BYTES, MOE_REGION_SLACK, grown_moe_bytes, moe_buffer  # noqa: E402
 from autosymm.problem import MoEShape, Problem  # noqa: E402
 from autosymm.routing import (make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route)
-from autosymm.tuning.ops.moe import reference_dp_to_ep
+from _moe_ref import reference_dp_to_ep
 from autosymm.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_with_deadline  # noqa: E402

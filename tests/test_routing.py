@@ -10,7 +10,7 @@ from autosymm.backends.triton_moe import TRITON_MOE
 from autosymm.configs import MoEConfig
 from autosymm.routing import (ExptAssignment, make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
                               random_expt_indx, route)
-from autosymm.tuning.ops.moe import reference_dp_to_ep, reference_ep_to_dp, rows_written
+from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.problem import MoEShape, Problem
 from autosymm.symm import simulated_workspaces
 

@@ -162,7 +162,7 @@ def test_a_moe_conversion_prepared_after_the_move_writes_the_new_region():
     from autosymm.configs import MoEConfig
     from autosymm.problem import MoEShape, Problem
     from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
-    from autosymm.tuning.ops.moe import reference_dp_to_ep
+    from _moe_ref import reference_dp_to_ep
 
     from _moe_sim import check_and_clear, presatisfy
 

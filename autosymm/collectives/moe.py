@@ -99,11 +99,6 @@ class MoEConversion(Collective):
         return (CustomOp(self.name, _ep_to_dp, _ep_to_dp_fake),)
 
 
-def cache_key(record: Collective, src: Tensor, expt_assignment, expt_indx: Tensor, capturing: bool) -> tuple:
-    """The cache key of a MoE call (module docstring)."""
-    return (record, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, capturing)
-
-
 def _call(record: Collective, src, assignment, n_expts_per_shard, expt_indx, indx, group_name) -> Tensor:
     from .. import api
     from ..dist_compat import resolve_group

@@ -13,7 +13,7 @@ import torch
 
 from autosymm.configs import MoEConfig
 from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
-from autosymm.tuning.ops.moe import reference_dp_to_ep, reference_ep_to_dp, rows_written
+from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.problem import DTYPE_NAMES, MoEShape
 
 from ._dist import requires_cuda, run_on_gpus

@@ -7,7 +7,7 @@ import torch
 
 from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
 from autosymm.tuning.moe_plain import plain, plain_rows
-from autosymm.tuning.ops.moe import reference_dp_to_ep, reference_ep_to_dp
+from _moe_ref import reference_dp_to_ep, reference_ep_to_dp
 
 WORLD, TOKENS, EXPERTS, K, D = 3, 5, 7, 2, 4
 

@@ -1,19 +1,14 @@
 """The MoE conversions' tuning side, one :class:`MoETuning` per direction: random rows routed by
 the same expert indices on every rank; the reference is computed by plain torch from a gathered
 copy of every rank's input (:func:`moe_reference_for_rank`), compared bit for bit on the rows the
-conversion writes; both conversions' buffers in the MoE region; `bench` over shapes x tokens. The
-CPU references of every rank at once (:func:`reference_dp_to_ep`, :func:`reference_ep_to_dp`,
-:func:`rows_written`) serve the tests and the tuner's validation alike."""
+conversion writes; both conversions' buffers in the MoE region; `bench` over shapes x tokens."""
 
 from __future__ import annotations
-
-from typing import Optional, Sequence
 
 import torch
 
 from ...collectives import DP_TO_EP as DP_TO_EP_RECORD, EP_TO_DP as EP_TO_DP_RECORD
 from ...problem import Problem
-from ...routing import ExptAssignment
 from .base import SEED, TuningOp
 
 _TO_EXPERTS = {DP_TO_EP_RECORD.name: True, EP_TO_DP_RECORD.name: False}
@@ -95,7 +90,7 @@ def moe_reference_for_rank(op: str, gathered: torch.Tensor, owner_of_pair: torch
     """(expected output, bool mask of the rows the op writes) of ``rank``, on ``gathered``'s
     device. ``gathered`` [R, rows, d] holds every rank's src; ``owner_of_pair`` [n_pairs] the
     rank owning each (token, k) pair's expert (-1: dropped); ``indx`` is gate_indx (dp_to_ep) or
-    topk_indx (ep_to_dp). Same semantics as reference_dp_to_ep / reference_ep_to_dp below (tested against them)."""
+    topk_indx (ep_to_dp). Tested against the tests' CPU references of every rank at once (tests/_moe_ref.py)."""
     world_size, rows, d_model = gathered.shape
     owner = owner_of_pair.reshape(-1).long()
     n_pairs = owner.numel()
@@ -120,77 +115,6 @@ def moe_reference_for_rank(op: str, gathered: torch.Tensor, owner_of_pair: torch
     ref[dest] = gathered[sender[sel], sorted_rows[sel]]
     mask[dest] = True
     return ref, mask
-
-
-def _pair_owner(assignment: ExptAssignment, expt_indx: torch.Tensor) -> torch.Tensor:
-    """int64 [n_pairs]: owning rank of each pair, -1 for a dropped pair."""
-    e = expt_indx.reshape(-1).long().cpu()
-    owner = assignment.expt_owner.long().cpu()
-    valid = (e >= 0) & (e < owner.numel())
-    return torch.where(valid, owner[e.clamp(0, owner.numel() - 1)], -1)
-
-
-def _outputs(out, world_size: int, shape: tuple[int, int], like: torch.Tensor) -> list[torch.Tensor]:
-    if out is None:
-        return [torch.zeros(shape, dtype=like.dtype) for _ in range(world_size)]
-    if len(out) != world_size or any(tuple(o.shape) != shape for o in out):
-        raise ValueError(f"out must be {world_size} tensors of shape {shape}")
-    return [o.detach().cpu().clone() for o in out]
-
-
-def reference_dp_to_ep(srcs: Sequence[torch.Tensor], assignment: ExptAssignment, expt_indx: torch.Tensor,
-                       gate_indx: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
-    """Every rank's dp->ep buffer [n_tokens_global * k, d_model] (CPU), from every rank's ``src``.
-
-    Rows no pair writes are taken from ``out`` (copied, default zeros).
-    """
-    world_size = len(srcs)
-    n_tokens_local, d_model = srcs[0].shape
-    n_expts_act = expt_indx.shape[1]
-    x = torch.cat([s.detach().cpu() for s in srcs])  # [n_tokens_global, d_model]
-    dsts = _outputs(out, world_size, (x.shape[0] * n_expts_act, d_model), x)
-    owner = _pair_owner(assignment, expt_indx)
-    gate = gate_indx.reshape(-1).long().cpu()
-    for rank in range(world_size):
-        pairs = torch.nonzero(owner == rank).flatten()
-        dsts[rank][gate[pairs]] = x[pairs // n_expts_act]
-    return dsts
-
-
-def reference_ep_to_dp(srcs: Sequence[torch.Tensor], assignment: ExptAssignment, expt_indx: torch.Tensor,
-                       topk_indx: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
-    """Every rank's ep->dp buffer [n_tokens_local * k, d_model] (CPU), from every rank's
-    expert-sorted ``src`` [n_tokens_global * k, d_model] (only its own experts' rows are read)."""
-    world_size = len(srcs)
-    n_rows, d_model = srcs[0].shape
-    n_pairs_local = n_rows // world_size
-    dsts = _outputs(out, world_size, (n_pairs_local, d_model), srcs[0])
-    owner = _pair_owner(assignment, expt_indx)
-    topk = topk_indx.reshape(-1).long().cpu()
-    for rank in range(world_size):
-        rows = torch.nonzero(owner[topk] == rank).flatten()
-        pairs = topk[rows]
-        src = srcs[rank].detach().cpu()
-        for home in range(world_size):
-            mine = (pairs // n_pairs_local) == home
-            dsts[home][pairs[mine] - home * n_pairs_local] = src[rows[mine]]
-    return dsts
-
-
-def rows_written(op: str, assignment: ExptAssignment, expt_indx: torch.Tensor, indx: torch.Tensor,
-                 world_size: int) -> list[torch.Tensor]:
-    """bool mask of the destination rows ``op`` writes on each rank (CPU); ``indx`` is
-    gate_indx for 'dp_to_ep', topk_indx for 'ep_to_dp' (unused there: every valid pair's row)."""
-    to_experts = _to_experts(op)
-    owner = _pair_owner(assignment, expt_indx)
-    n_pairs = owner.numel()
-    if to_experts:
-        gate = indx.reshape(-1).long().cpu()
-        masks = [torch.zeros(n_pairs, dtype=torch.bool) for _ in range(world_size)]
-        for rank in range(world_size):
-            masks[rank][gate[owner == rank]] = True
-        return masks
-    return list((owner >= 0).view(world_size, n_pairs // world_size).unbind(0))
 
 
 DP_TO_EP = MoETuning(DP_TO_EP_RECORD)

@@ -1,0 +1,82 @@
+"""The op registry (autosymm.collectives): one record per op, in a fixed order, each declaring
+its problem, key, fallbacks, lookups, growth model, tuning points and custom ops."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from autosymm import collectives
+from autosymm.collectives import ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, PointRequest
+from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
+
+
+def test_the_registry_holds_every_op_once_in_a_fixed_order():
+    assert collectives.names() == ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm")
+    assert tuple(r.name for r in collectives.ALL) == collectives.names()
+    assert all(collectives.get(r.name) is r for r in collectives.ALL)
+    assert collectives.default_tuned() == ("all_reduce", "dp_to_ep", "ep_to_dp")
+    with pytest.raises(ValueError, match=r"op='reduce_scatter' is not one of \('all_reduce'"):
+        collectives.get("reduce_scatter")
+
+
+def test_a_record_checks_its_own_declarations():
+    with pytest.raises(ValueError, match="bucket_unit='rows'"):
+        type(ALL_REDUCE)("x", "rows", fallback="nccl", fallback_order=("nccl",), points=ALL_REDUCE.points)
+    with pytest.raises(ValueError, match="must end with the fallback 'nccl'"):
+        type(ALL_REDUCE)("x", "bytes", fallback="nccl", fallback_order=("nccl", "torch_one_shot"),
+                         points=ALL_REDUCE.points)
+
+
+def test_records_key_problems_by_their_bucket_unit_and_shape():
+    shape = MODEL_SHAPES["deepseek-v3"]
+    ar, moe = Problem.all_reduce(0, "fp16", 4), Problem.moe("ep_to_dp", shape, 64, "bf16", 8)
+    fused = Problem.all_reduce_rmsnorm(16, 8192, "fp32", 2)
+    assert (ar.bucket, ar.shape_key, ar.record) == (1, "", ALL_REDUCE)  # bytes, at least 1
+    assert (moe.bucket, moe.shape_key, moe.record) == (64, shape.key, EP_TO_DP)
+    assert (fused.bucket, fused.shape_key, fused.record) == (16, "h8192", ALL_REDUCE_RMSNORM)
+    assert ALL_REDUCE.size_text(3 << 20) == "3MiB" and ALL_REDUCE.size_text(1000) == "1000 B"
+    assert DP_TO_EP.size_text(8) == "8 tokens/rank"
+    assert (ALL_REDUCE.point_label(Problem.all_reduce(1536 << 10)), DP_TO_EP.point_label(moe)) == \
+        ("1.5MiB", f"{shape.key} t=64")
+
+
+def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
+    assert ALL_REDUCE.lookups.bf16_same_bytes and not ALL_REDUCE.lookups.nearest_shape
+    assert DP_TO_EP.lookups.nearest_shape and not DP_TO_EP.lookups.bf16_same_bytes
+    assert [r.fallback for r in collectives.ALL] == ["nccl", "nccl_all_to_all", "nccl_all_to_all", "nccl_fused"]
+    assert DP_TO_EP.fallback_order == ("triton_moe", "nccl_all_to_all")  # no NCCL path is graph-capturable
+    assert ALL_REDUCE.identity_on_one_rank and not any(r.identity_on_one_rank for r in collectives.ALL[1:])
+    assert not DP_TO_EP.prepare_in_check and ALL_REDUCE.prepare_in_check  # growing the MoE region is collective
+    ops = [op.name for r in collectives.ALL for op in r.custom_ops()]
+    assert ops == ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm"]
+    assert all(hasattr(torch.ops.autosymm, name) for name in ops)
+
+
+def test_the_moe_growth_model_is_bytes_moved_and_the_others_scale_their_bucket():
+    shape = MoEShape(4096, 8, 2)
+    row = _row(shape_key=MoEShape(2048, 8, 4).key, bucket=16, dtype="bf16")
+    call = Problem.moe("dp_to_ep", shape, 64, "fp32", 2)
+    # 64 tokens x 2 x 4096 x 4 bytes over 16 tokens x 4 x 2048 x 2 bytes
+    assert DP_TO_EP.moved_ratio(call, row) == pytest.approx((64 * 2 * 4096 * 4) / (16 * 4 * 2048 * 2))
+    assert ALL_REDUCE.moved_ratio(Problem.all_reduce(6144), _row(bucket=4096)) == 1.5
+
+
+def _row(shape_key: str = "", bucket: int = 1, dtype: str = "bf16"):
+    """The fields of a db_schema.Row the growth model reads."""
+    return SimpleNamespace(shape=shape_key, bucket=bucket, dtype=dtype)
+
+
+def test_tuning_points_are_data_beside_the_mapping_from_a_request():
+    request = PointRequest(("bf16", "fp16"), 2)
+    ar = ALL_REDUCE.problems(request)
+    assert [p.nbytes for p in ar[:3]] == [4096, 6144, 8192] and len(ar) == 2 * 33 and ar[-1].dtype == "fp16"
+    moe = DP_TO_EP.problems(PointRequest(("bf16",), 2, tokens=(1, 4)))
+    assert [(p.shape, p.n_tokens_local) for p in moe] == [(s, t) for s in MODEL_SHAPES.values() for t in (1, 4)]
+    fused = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, hidden=(8192,), tokens=(64, 4096)))
+    assert [p.n_tokens_local for p in fused] == [64, 128, 2048, 4096]  # its extra token counts inside the range
+    plain = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, hidden=(8192,), tokens=(64, 4096),
+                                                     extra_tokens=False))
+    assert [p.n_tokens_local for p in plain] == [64, 4096]

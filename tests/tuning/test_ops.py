@@ -1,0 +1,52 @@
+"""The tuning side's per-op modules (autosymm.tuning.ops): one per registered op, in the registry's
+order, each building its inputs and declaring its workspace needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autosymm import collectives
+from autosymm.problem import MoEShape, Problem
+from autosymm.tuning import ops as tuning_ops
+from autosymm.tuning.reference import ProblemData
+
+
+def test_every_registered_op_has_its_tuning_module_in_registry_order():
+    assert tuple(op.record for op in tuning_ops.ALL) == collectives.ALL
+    assert all(tuning_ops.get(r.name).record is r for r in collectives.ALL)
+    with pytest.raises(ValueError, match="op='x' has no tuning module"):
+        tuning_ops.get("x")
+    assert [op.exact for op in tuning_ops.ALL] == [False, True, True, False]  # the MoE copies: bit for bit
+
+
+def test_workspace_needs_are_each_ops_and_at_least_the_defaults():
+    from autosymm.backends.triton_fused import fused_stage_bytes
+    from autosymm.geometry import moe_region_bytes, stage_bytes
+
+    ar, moe = Problem.all_reduce(64 << 20, "bf16", 8), Problem.moe("ep_to_dp", MoEShape(7168, 256, 8), 4096, "bf16", 8)
+    fused = Problem.all_reduce_rmsnorm(8192, 8192, "bf16", 8)
+    need = tuning_ops.workspace_bytes([ar, moe, fused], (1, 1))
+    assert need == (max(stage_bytes("one_shot_push", ar.nbytes, 8), fused_stage_bytes("two_shot", fused.nbytes, 8),
+                        fused_stage_bytes("one_shot_push", fused.nbytes, 8)),
+                    moe_region_bytes(4096, 8, 7168 * 2, 8))
+    assert tuning_ops.workspace_bytes([], (5, 6)) == (5, 6)
+
+
+@pytest.mark.parametrize("problem", [Problem.all_reduce(256, "bf16", 2),
+                                     Problem.all_reduce_rmsnorm(3, 64, "fp16", 2),
+                                     Problem.moe("dp_to_ep", MoEShape(16, 4, 2), 3, "bf16", 2),
+                                     Problem.moe("ep_to_dp", MoEShape(16, 4, 2), 3, "bf16", 2)])
+def test_inputs_have_the_shapes_the_launchers_take(problem):
+    data = ProblemData(problem, None, torch.device("cpu"), 0, n_inputs=3)
+    data.allocate()
+    args, timing = data.validation_args(), data.timing_args()
+    assert len(timing) == 3 and all(len(t) == len(args) for t in timing)
+    x = args[0]
+    if problem.record.bucket_unit == "bytes":
+        assert x.numel() * x.element_size() == problem.nbytes and x is not data.val_input  # in place: a copy
+    elif problem.record.shape_param == "hidden":
+        assert tuple(x.shape) == (3, 64) and args[3] == pytest.approx(1e-6)
+    else:
+        rows = 3 if problem.record.to_experts else 3 * 2 * 2
+        assert tuple(x.shape) == (rows, 16) and tuple(args[2].shape) == (6, 2)
