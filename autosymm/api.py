@@ -10,26 +10,23 @@ graph: the first call on a group runs collectives that must not be captured.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import moe_room
-from .dispatch import Decision
-from .dist_compat import Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import (STATES, Entry, GroupState, current_raw_stream, state_key, state_of,
-                    stream_capturing)
-from .logs import configure_from_env
 from .collectives import ALL_REDUCE, DP_TO_EP, EP_TO_DP, Collective, prepare_call, prepared
 from .collectives import get as collective, names as op_names
 from .collectives.all_reduce import NCCL_OPS
+from .dispatch import Decision
+from .dist_compat import Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
+from .group import STATES, Entry, GroupState, current_raw_stream, state_key, state_of, stream_capturing
+from .logs import configure_from_env
 from .problem import MODES, Problem, dtype_name
 from .replay import HOT, EagerReplay, HotCall, forget_all
 from .routing import ExptAssignment
 
-log = logging.getLogger("autosymm")
 configure_from_env()  # AUTOSYMM_LOG; a bad value is warned about, never raised
 
 _SUM = dist.ReduceOp.SUM

@@ -16,11 +16,9 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import sqlite_utils
 
+from . import collectives
 from .configs import AllReduceConfig, AnyConfig, FusedConfig, MoEConfig, as_int, config_from_json, config_to_json
 
-#: The config type of each op's rows (a row of another op's type is refused when read).
-_CONFIG_OF_OP = {"all_reduce": AllReduceConfig, "dp_to_ep": MoEConfig, "ep_to_dp": MoEConfig,
-                 "all_reduce_rmsnorm": FusedConfig}
 
 if not hasattr(sqlite_utils.Database, "atomic"):  # 3.x commits an open transaction on every write
     raise ImportError("autosymm.db needs sqlite-utils >= 4.0 (nested transactions): pip install -U sqlite-utils")
@@ -194,7 +192,8 @@ class Row:
             put("_config_obj", config_from_json(self.config))  # parsed once: validated and cached
         except ValueError as exc:
             raise ValueError(f"Row.config: {exc}") from None
-        kind = _CONFIG_OF_OP.get(self.op)
+        # the config type of the op's rows (its record's): a row of another op's type is refused
+        kind = collectives.get(self.op).config_type if self.op in collectives.names() else None
         if self._config_obj is not None and kind is not None and not isinstance(self._config_obj, kind):
             raise ValueError(f"Row.config: config type {type(self._config_obj).__name__} does not belong to op "
                              f"{self.op!r} (its rows hold {kind.__name__})")

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .collectives import get as collective
-
 #: Bytes: every region, every stage and every tensor handed out starts on this boundary.
 ALIGN = 256
 #: Most programs (thread blocks) one collective launch may use: one signal slot per (program, peer).
@@ -167,19 +165,19 @@ def moe_buffer(op: str, moe_bytes: int, world_size: int) -> tuple[int, int]:
     owns the first 1/(world_size + 1), dp->ep the rest (disjoint, so the two ops' peers never
     write a buffer the other op's owner still reads)."""
     ep_to_dp_bytes = moe_bytes // (world_size + 1) // ALIGN * ALIGN
-    if not collective(op).to_experts:
+    if op == "ep_to_dp":
         return 0, ep_to_dp_bytes
     return ep_to_dp_bytes, moe_bytes - ep_to_dp_bytes
 
 
 def dst_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
     """Rows of ``op``'s destination buffer (dp->ep: every global pair; ep->dp: local pairs)."""
-    return n_tokens_local * n_expts_act * (world_size if collective(op).to_experts else 1)
+    return n_tokens_local * n_expts_act * (world_size if op == "dp_to_ep" else 1)
 
 
 def grid_rows(op: str, n_tokens_local: int, n_expts_act: int, world_size: int) -> int:
     """Pair rows the kernel's programs walk over: local pairs (dp->ep), all sorted rows (ep->dp)."""
-    return n_tokens_local * n_expts_act * (1 if collective(op).to_experts else world_size)
+    return n_tokens_local * n_expts_act * (world_size if op == "ep_to_dp" else 1)
 
 
 def moe_region_bytes(n_tokens_local: int, n_expts_act: int, row_bytes: int, world_size: int) -> int:

@@ -14,8 +14,8 @@ rank, and its shape is the hidden size ('h8192').
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -98,9 +98,12 @@ class Problem:
     shape: Optional[MoEShape] = None
     n_tokens_local: int = 0
     hidden: int = 0  # all_reduce_rmsnorm only: elements per row
+    #: The op's registered record (autosymm.collectives), found once: it keys and describes the problem.
+    record: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         record = collectives.get(self.op)  # ValueError naming the registered ops
+        object.__setattr__(self, "record", record)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -117,21 +120,16 @@ class Problem:
         return self.nbytes // self.elem_bytes
 
     @property
-    def record(self):
-        """The op's registered record (autosymm.collectives)."""
-        return collectives.get(self.op)
-
-    @property
     def bucket(self) -> int:
         """The database bucket: the exact size, tokens per rank for MoE and the fused op, bytes
         (at least 1) for all-reduce (see the module docstring; the op's record decides)."""
-        return collectives.get(self.op).bucket(self)
+        return self.record.bucket(self)
 
     @property
     def shape_key(self) -> str:
         """The database `shape` column: '' for all-reduce, MoEShape.key for MoE, 'h{hidden}' for
         all_reduce_rmsnorm (the op's record decides)."""
-        return collectives.get(self.op).shape_key(self)
+        return self.record.shape_key(self)
 
     @classmethod
     def all_reduce(cls, nbytes: int, dtype: str = "bf16", world_size: int = 2) -> "Problem":
@@ -156,7 +154,7 @@ class Problem:
                    n_tokens_local=n_tokens_local, hidden=hidden)
 
     def describe(self) -> str:
-        return collectives.get(self.op).describe(self)
+        return self.record.describe(self)
 
 
 def parse_bytes(text: str) -> int:

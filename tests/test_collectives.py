@@ -24,10 +24,11 @@ def test_the_registry_holds_every_op_once_in_a_fixed_order():
 
 def test_a_record_checks_its_own_declarations():
     with pytest.raises(ValueError, match="bucket_unit='rows'"):
-        type(ALL_REDUCE)("x", "rows", fallback="nccl", fallback_order=("nccl",), points=ALL_REDUCE.points)
+        type(ALL_REDUCE)("x", "rows", fallback="nccl", fallback_order=("nccl",), points=ALL_REDUCE.points,
+                         config_type=None)
     with pytest.raises(ValueError, match="must end with the fallback 'nccl'"):
         type(ALL_REDUCE)("x", "bytes", fallback="nccl", fallback_order=("nccl", "torch_one_shot"),
-                         points=ALL_REDUCE.points)
+                         points=ALL_REDUCE.points, config_type=None)
 
 
 def test_records_key_problems_by_their_bucket_unit_and_shape():
@@ -50,6 +51,8 @@ def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
     assert DP_TO_EP.fallback_order == ("triton_moe", "nccl_all_to_all")  # no NCCL path is graph-capturable
     assert ALL_REDUCE.identity_on_one_rank and not any(r.identity_on_one_rank for r in collectives.ALL[1:])
     assert not DP_TO_EP.prepare_in_check and ALL_REDUCE.prepare_in_check  # growing the MoE region is collective
+    assert [r.config_type.__name__ for r in collectives.ALL] == ["AllReduceConfig", "MoEConfig", "MoEConfig",
+                                                                  "FusedConfig"]  # what a DB row of the op holds
     ops = [op.name for r in collectives.ALL for op in r.custom_ops()]
     assert ops == ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm"]
     assert all(hasattr(torch.ops.autosymm, name) for name in ops)

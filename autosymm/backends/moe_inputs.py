@@ -40,11 +40,11 @@ def _check_tensor(name: str, t, device: torch.device, dtypes, op: str) -> None:
 
 def check_inputs(problem: Problem, device: torch.device, world_size: int, src, assignment, expt_indx, indx) -> int:
     """Validate a call against its problem; return n_tokens_local. BackendError names the culprit."""
-    op, shape = problem.op, problem.shape
+    op, shape, record = problem.op, problem.shape, problem.record
     dtype = DTYPES[problem.dtype]
     _check_tensor("src", src, device, (dtype,), op)
     _check_tensor("expt_indx", expt_indx, device, INDEX_DTYPES, op)
-    _check_tensor(problem.record.index_name, indx, device, INDEX_DTYPES, op)
+    _check_tensor(record.index_name, indx, device, INDEX_DTYPES, op)
     if not isinstance(assignment, ExptAssignment):
         raise BackendError(f"{op}: assignment must be an ExptAssignment, got {type(assignment).__name__}")
     _check_tensor("assignment.expt_owner", assignment.expt_owner, device, (torch.int32,), op)
@@ -62,9 +62,9 @@ def check_inputs(problem: Problem, device: torch.device, world_size: int, src, a
     if indx.numel() != n_pairs:
         raise BackendError(f"{op}: index tensor of shape {tuple(indx.shape)} has {indx.numel()} entries, "
                            f"expected n_tokens_global * k = {n_pairs}")
-    src_rows = problem.record.src_rows(n_tokens_local, n_pairs)
+    src_rows = record.src_rows(n_tokens_local, n_pairs)
     if src.dim() != 2 or src.shape[1] != shape.d_model or src.shape[0] != src_rows:
-        what = "n_tokens_local" if problem.record.to_experts else "n_tokens_global * k"
+        what = "n_tokens_local" if record.to_experts else "n_tokens_global * k"
         raise BackendError(f"{op}: src has shape {tuple(src.shape)}, expected [{src_rows}, {shape.d_model}] "
                            f"([{what}, d_model]; n_tokens_global={expt_indx.shape[0]} must be "
                            f"world size {world_size} * n_tokens_local)")

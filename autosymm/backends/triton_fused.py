@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ..collectives import ALL_REDUCE_RMSNORM
 from ..configs import FUSED_MAX_TILE_PER_THREAD, WARP_SIZE, FusedConfig, useful_counts
 from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET,
                         FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_REGION, align, push_stage_bytes,
@@ -35,7 +36,7 @@ from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, stage_limits
 
-OP = "all_reduce_rmsnorm"
+OP = ALL_REDUCE_RMSNORM.name
 
 #: The fused algorithms by name (FusedConfig.algorithm), each a backend ``triton_fused_<name>``:
 #: the one-shots (pull, push) stage as the all-reduce's and may split rows and double-buffer;

@@ -12,6 +12,7 @@ import logging
 import torch
 from torch import Tensor
 
+from ..configs import AllReduceConfig
 from ..dist_compat import REDUCE_OP_NAMES
 from ..problem import DTYPE_NAMES, Problem, octave_points
 from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
@@ -106,5 +107,5 @@ def _all_reduce_fake(tensor: Tensor, op: str, group_name: str) -> Tensor:
 
 
 ALL_REDUCE = AllReduce("all_reduce", "bytes", fallback="nccl", fallback_order=("nccl",),
-                       points=TuningPoints(sizes=SIZES), lookups=Lookups(bf16_same_bytes=True),
+                       points=TuningPoints(sizes=SIZES), config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
                        identity_on_one_rank=True)

@@ -13,6 +13,7 @@ import re
 import torch
 from torch import Tensor
 
+from ..configs import FusedConfig
 from ..problem import Problem, dtype_name
 from .base import Collective, CustomOp, PointRequest, TuningPoints
 from .moe import TOKENS
@@ -108,6 +109,6 @@ def _all_reduce_rmsnorm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: f
 
 
 ALL_REDUCE_RMSNORM = AllReduceRMSNorm("all_reduce_rmsnorm", "tokens", fallback="nccl_fused",
-                                      fallback_order=("nccl_fused",), shape_param="hidden",
+                                      fallback_order=("nccl_fused",), shape_param="hidden", config_type=FusedConfig,
                                       points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS),
                                       tuned_by_default=False)

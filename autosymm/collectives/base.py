@@ -75,6 +75,7 @@ class Collective:
     ``shape`` column holds: '' none, 'moe_shape', 'hidden'); ``fallback`` (the backend that always
     serves it: the tuner's baseline, the dispatcher's last resort) and ``fallback_order`` (where
     no row serves, the first of these that can serve runs with its ``fallback_config``);
+    ``config_type`` (the config class its database rows hold; None for config-less backends);
     ``lookups`` and the growth model (:meth:`moved_ratio`) of the dispatcher; its default tuning
     ``points``; ``tuned_by_default`` (in `autosymm tune`'s default ``--ops``);
     ``identity_on_one_rank`` (a call over one rank is the identity: backend 'noop');
@@ -87,6 +88,7 @@ class Collective:
     fallback: str
     fallback_order: tuple[str, ...]
     points: TuningPoints
+    config_type: type
     lookups: Lookups = Lookups()
     shape_param: str = ""
     tuned_by_default: bool = True
@@ -99,6 +101,10 @@ class Collective:
         if not self.fallback_order or self.fallback_order[-1] != self.fallback:
             raise ValueError(f"{self.name}: fallback_order {self.fallback_order} must end with the fallback "
                              f"{self.fallback!r} (the backend that always serves)")
+
+    def __reduce__(self):
+        """Pickled by name (a Problem sent to a worker process keeps the registered record)."""
+        return _registered, (self.name,)
 
     # -- the problem and its database key --------------------------------------------------
     def check_problem(self, problem: Problem) -> None:
@@ -171,6 +177,12 @@ class Collective:
     def custom_ops(self) -> tuple[CustomOp, ...]:
         """Its ``torch.ops.autosymm.*`` ops."""
         raise NotImplementedError(self.name)
+
+
+def _registered(name: str) -> Collective:
+    from . import get
+
+    return get(name)
 
 
 def prepare_call(state, record: Collective, key: tuple, args: tuple):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..configs import MoEConfig
 from ..problem import MODEL_SHAPES, MoEShape, Problem, dtype_name
 from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
 
@@ -132,7 +133,7 @@ def _ep_to_dp_fake(src, assignment, n_expts_per_shard, expt_indx, topk_indx, gro
 
 _POINTS = TuningPoints(moe_shapes=tuple(MODEL_SHAPES.values()), tokens=TOKENS)
 # No NCCL path is graph-capturable: where no row serves, the Triton conversion's default config first.
-_FALLBACKS = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"))
+_FALLBACKS = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig)
 DP_TO_EP = MoEConversion("dp_to_ep", "tokens", points=_POINTS, lookups=Lookups(nearest_shape=True),
                          shape_param="moe_shape", prepare_in_check=False, to_experts=True, index_name="gate_indx",
                          **_FALLBACKS)

@@ -5,7 +5,7 @@ the tensors and delegates here; one module per op, registered in autosymm.tuning
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
