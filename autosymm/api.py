@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import moe_room
-from .collectives import ALL_REDUCE, DP_TO_EP, EP_TO_DP, Collective, prepare_call, prepared
+from .collectives import ALL_REDUCE, DP_TO_EP, EP_TO_DP, Collective, prepare_call
 from .collectives import get as collective, names as op_names
 from .collectives.all_reduce import NCCL_OPS
 from .dispatch import Decision
@@ -156,8 +156,11 @@ def _moe_call(record: Collective, src, expt_assignment, expt_indx, indx, group):
     """A MoE conversion (``record``: DP_TO_EP or EP_TO_DP) of plain tensors, eager or captured."""
     state = STATES.get(group) or state_of(group)
     key = (record, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, stream_capturing())
-    return prepared(state, record, key, (src, expt_assignment, expt_indx, indx)).launcher(
-        src, expt_assignment, expt_indx, indx)
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = prepare_call(state, record, key, (src, expt_assignment, expt_indx, indx))
+    entry.calls += 1
+    return entry.launcher(src, expt_assignment, expt_indx, indx)
 
 
 def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor, gate_indx: torch.Tensor,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import ALL_REDUCE_RMSNORM, prepared
+from .collectives import ALL_REDUCE_RMSNORM, prepare_call
 from .dist_compat import group_name as name_of_group
 from .group import STATES, state_of, stream_capturing
 
@@ -32,4 +32,8 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         return torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, name_of_group(group))
     state = STATES.get(group) or state_of(group)
     key = (ALL_REDUCE_RMSNORM, x.dtype, x.shape, stream_capturing())
-    return prepared(state, ALL_REDUCE_RMSNORM, key, (x, residual, weight)).launcher(x, residual, weight, eps)
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = prepare_call(state, ALL_REDUCE_RMSNORM, key, (x, residual, weight))
+    entry.calls += 1
+    return entry.launcher(x, residual, weight, eps)

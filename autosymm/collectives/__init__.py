@@ -11,8 +11,8 @@ subclass of :class:`Collective` giving ``check_problem``, ``problems`` (its tuni
 (impl + fake; entries take ``(output, input)``), and one instance: its name (the DB ``op``),
 ``bucket_unit='bytes'`` (of the full, unsharded tensor), its NCCL fallback backend (registered in
 autosymm.backends) as ``fallback`` and ``fallback_order``, its :class:`TuningPoints`. Add the
-instance to :data:`ALL` below; its public function builds a cache key led by the record and calls
-:func:`prepared`; the tuning side adds ``tuning/ops/reduce_scatter.py`` (inputs, reference,
+instance to :data:`ALL` below; its public function builds a cache key led by the record, looks it
+up in the group state's cache and on a miss calls :func:`prepare_call`; the tuning side adds ``tuning/ops/reduce_scatter.py`` (inputs, reference,
 workspace needs) and one line in its registry (autosymm.tuning.ops).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .all_reduce import ALL_REDUCE
 from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
-from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints, prepare_call, prepared
+from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints, prepare_call
 from .moe import DP_TO_EP, EP_TO_DP
 
 #: Every registered collective, in registry order (the order of `--ops` choices, tables, sweeps).
@@ -47,4 +47,4 @@ def default_tuned() -> tuple[str, ...]:
 
 
 __all__ = ["ALL", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "Collective", "CustomOp", "DP_TO_EP", "EP_TO_DP", "Lookups",
-           "PointRequest", "TuningPoints", "default_tuned", "get", "names", "prepare_call", "prepared"]
+           "PointRequest", "TuningPoints", "default_tuned", "get", "names", "prepare_call"]

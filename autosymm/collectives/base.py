@@ -188,7 +188,8 @@ def _registered(name: str) -> Collective:
 def prepare_call(state, record: Collective, key: tuple, args: tuple):
     """The first call of ``key`` on a group state: checked on this rank, agreed with every rank
     (a bad tensor on one rank raises on all: GroupState.agreed_check), decided, prepared and
-    cached. Every public entry takes this path; a repeated call is ``state.cache[key]``."""
+    cached. Every public entry takes this path on a miss of its key in ``state.cache`` (a repeated
+    call is that lookup, ``entry.calls += 1`` and the launcher, inline in the entry)."""
     mode = "graph" if key[-1] else "eager"
 
     def local():
@@ -201,13 +202,4 @@ def prepare_call(state, record: Collective, key: tuple, args: tuple):
     entry = record.prepare(state, found, mode) if isinstance(found, Problem) else found
     entry.bytes_per_call = record.bytes_per_call(args)
     state.cache[key] = entry
-    return entry
-
-
-def prepared(state, record: Collective, key: tuple, args: tuple):
-    """The prepared call of ``key`` (made on first use, :func:`prepare_call`), counted."""
-    entry = state.cache.get(key)
-    if entry is None:
-        entry = prepare_call(state, record, key, args)
-    entry.calls += 1
     return entry
