@@ -138,7 +138,7 @@ def test_moe_conversions_emulated(world_size, fused_barrier):
     from autosymm.configs import MoEConfig
     from autosymm.geometry import dst_rows, moe_buffer
     from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
-    from autosymm.tuning.reference import reference_dp_to_ep, reference_ep_to_dp
+    from _moe_ref import reference_dp_to_ep, reference_ep_to_dp
 
     n_tokens, d_model, n_experts, k = 5, 264, 4 * world_size, 4
     wss = workspaces(world_size)
