@@ -52,8 +52,16 @@ def run_on_gpus(fn, *args, world_size: int | None = None) -> None:
         pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} present")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size,
-                       join=True, start_method="spawn")
+    for attempt in range(3):  # a port free when picked can be taken before the store binds it
+        try:
+            mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors), nprocs=world_size,
+                               join=True, start_method="spawn")
+            break
+        except mp.ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+            while not errors.empty():  # the failed rendezvous ran no test code
+                errors.get()
     if not errors.empty():
         rank, tb = errors.get()
         pytest.fail(f"rank {rank} failed:\n{tb}")

@@ -37,7 +37,7 @@ def _all_reduce_case(world_size, algorithm, numel, dtype, *, double_buffer=False
     wss = workspaces(world_size)
     config = AllReduceConfig(algorithm, 1024, 4, 4, double_buffer=double_buffer)
     problem = Problem.all_reduce(numel * torch.empty((), dtype=dtype).element_size(), dtype_name(dtype), world_size)
-    launchers = [_AllReduceLauncher(algorithm, problem, config, ws) for ws in wss]
+    launchers = [_AllReduceLauncher(problem, config, ws) for ws in wss]
     xs = [ws.empty((numel,), dtype) if zero_copy else torch.empty(numel, dtype=dtype, device="cuda") for ws in wss]
     inputs = [[random(numel, dtype, seed=100 * k + r) for r in range(world_size)] for k in range(ROUNDS)]
     results = [[torch.empty(numel, dtype=dtype, device="cuda") for _ in range(ROUNDS)] for _ in range(world_size)]
@@ -100,7 +100,8 @@ def test_fused_rmsnorm_emulated(world_size, case):
     from _fused_ref import check as check_fused
 
     from autosymm.backends.triton_fused import _FusedLauncher
-    from autosymm.configs import FusedConfig, fused_block_size
+    from autosymm.backends.triton_fused import fused_block_size
+    from autosymm.configs import FusedConfig
     from autosymm.problem import Problem
 
     algorithm, double_buffer, row_split, rows, n_tokens, hidden = case
