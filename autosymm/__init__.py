@@ -3,6 +3,7 @@
     import autosymm
     autosymm.all_reduce(x)                 # in place, like dist.all_reduce(x); torch.compile-able
     autosymm.explain(x)                    # which backend/config serves it, and why
+    autosymm.reduce_scatter_tensor(out, x)  # and all_gather_into_tensor: like torch.distributed's
     dst = autosymm.convert_dp_to_ep(src, assignment, expt_indx, gate_indx)
 
 See README.md for tuning (`autosymm tune`) and the shipped databases.
@@ -24,6 +25,7 @@ from .api import (  # noqa: E402
 )
 from .dispatch import Decision  # noqa: E402
 from .fused import all_reduce_rmsnorm  # noqa: E402
+from .sharded import all_gather_into_tensor, all_gatherv, reduce_scatter_tensor, reduce_scatterv  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.autosymm.*)
 from .routing import (  # noqa: E402
     ExptAssignment,
@@ -36,7 +38,7 @@ from .problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 from .moe_room import MoEPlan  # noqa: E402
 
 __all__ = [
-    "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEPlan", "MoEShape", "Problem", "__version__", "all_reduce",
-    "all_reduce_rmsnorm", "barrier_errors", "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
+    "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEPlan", "MoEShape", "Problem", "__version__",
+    "all_gather_into_tensor", "all_gatherv", "all_reduce", "all_reduce_rmsnorm", "reduce_scatter_tensor", "reduce_scatterv", "barrier_errors", "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
     "make_expt_dict_random", "make_expt_dict_uniform", "reset", "reset_barriers", "route", "stats",
 ]

@@ -251,6 +251,16 @@ AnyConfig = AllReduceConfig | MoEConfig | FusedConfig
 _CONFIG_TYPES = {"AllReduceConfig": AllReduceConfig, "MoEConfig": MoEConfig, "FusedConfig": FusedConfig}
 
 
+def config_types() -> dict[str, type]:
+    """Config classes by name: this module's and every registered op's (its record's
+    ``config_type``, e.g. the reduce-scatter's, defined beside its kernels)."""
+    from . import collectives
+
+    types = dict(_CONFIG_TYPES)
+    types.update((record.config_type.__name__, record.config_type) for record in collectives.ALL)
+    return types
+
+
 def config_to_json(config: AnyConfig | None) -> str:
     """Serialise a config (or None, for backends without one) as JSON with its type name."""
     if config is None:
@@ -278,10 +288,11 @@ def config_from_json(text: str | None) -> AnyConfig | None:
     if not data:
         return None
     type_name = data.pop("type", None)
-    cls = _CONFIG_TYPES.get(type_name) if isinstance(type_name, str) else None
+    types = config_types()
+    cls = types.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise ValueError(f"unknown config type {type_name!r} in {text[:200]!r}: "
-                         f"expected one of {sorted(_CONFIG_TYPES)}")
+                         f"expected one of {sorted(types)}")
     fields = dataclasses.fields(cls)
     missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING]
     if missing:

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import sqlite_utils
 
 from . import collectives
-from .configs import AllReduceConfig, AnyConfig, FusedConfig, MoEConfig, as_int, config_from_json, config_to_json
+from .configs import AnyConfig, as_int, config_from_json, config_to_json, config_types
 
 
 if not hasattr(sqlite_utils.Database, "atomic"):  # 3.x commits an open transaction on every write
@@ -184,7 +184,7 @@ class Row:
         for name in PROVENANCE_COLUMNS:
             value = getattr(self, name)
             put(name, None if value is None else str(value))
-        if self.config is None or isinstance(self.config, (AllReduceConfig, MoEConfig, FusedConfig)):
+        if self.config is None or isinstance(self.config, tuple(config_types().values())):
             put("config", config_to_json(self.config))
         if not isinstance(self.config, str) or not self.config.strip():
             raise ValueError(f"Row.config={self.config!r} must be a config's JSON text ('{{}}' for none)")

@@ -8,6 +8,8 @@
                        Tensor topk_indx, str group_name) -> Tensor
     autosymm::all_reduce_rmsnorm(Tensor(a0!) x, Tensor(a1!) residual, Tensor weight, float eps,
                                  str group_name) -> Tensor
+    autosymm::reduce_scatter_tensor(Tensor input, str op, int group_size, str group_name) -> Tensor
+    autosymm::all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor
 
 ``op`` is a reduce op's name ("sum", "avg", "max", "min", "product", "band", "bor", "bxor");
 ``group_name`` the name torch.distributed resolves a group by (``group.group_name``; see
@@ -62,6 +64,8 @@ def _register() -> dict:
         for op in record.custom_ops():
             registered = torch.library.custom_op(f"autosymm::{op.name}", op.impl, mutates_args=op.mutates_args)
             registered.register_fake(op.fake)
+            if op.backward is not None:
+                registered.register_autograd(op.backward, setup_context=op.setup_context)
             ops[op.name] = registered
     return ops
 

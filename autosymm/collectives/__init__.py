@@ -19,12 +19,14 @@ workspace needs) and one line in its registry (autosymm.tuning.ops).
 from __future__ import annotations
 
 from .all_reduce import ALL_REDUCE
+from .all_gather import ALL_GATHER
 from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
 from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints, prepare_call
 from .moe import DP_TO_EP, EP_TO_DP
+from .reduce_scatter import REDUCE_SCATTER
 
 #: Every registered collective, in registry order (the order of `--ops` choices, tables, sweeps).
-ALL: tuple[Collective, ...] = (ALL_REDUCE, DP_TO_EP, EP_TO_DP, ALL_REDUCE_RMSNORM)
+ALL: tuple[Collective, ...] = (ALL_REDUCE, DP_TO_EP, EP_TO_DP, ALL_REDUCE_RMSNORM, REDUCE_SCATTER, ALL_GATHER)
 _BY_NAME = {record.name: record for record in ALL}
 
 
@@ -46,5 +48,5 @@ def default_tuned() -> tuple[str, ...]:
     return tuple(record.name for record in ALL if record.tuned_by_default)
 
 
-__all__ = ["ALL", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "Collective", "CustomOp", "DP_TO_EP", "EP_TO_DP", "Lookups",
-           "PointRequest", "TuningPoints", "default_tuned", "get", "names", "prepare_call"]
+__all__ = ["ALL", "ALL_GATHER", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "Collective", "CustomOp", "DP_TO_EP", "EP_TO_DP", "Lookups",
+           "PointRequest", "REDUCE_SCATTER", "TuningPoints", "default_tuned", "get", "names", "prepare_call"]

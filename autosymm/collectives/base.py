@@ -60,12 +60,16 @@ class PointRequest:
 @dataclass(frozen=True)
 class CustomOp:
     """One ``torch.ops.autosymm.<name>``: its implementation (whose annotations make the schema),
-    the arguments it mutates and its fake implementation (autosymm.ops registers them all)."""
+    the arguments it mutates, its fake implementation and, for a differentiable op, its
+    ``backward`` and ``setup_context`` (torch.library.register_autograd's; autosymm.ops registers
+    them all)."""
 
     name: str
     impl: Callable
     fake: Callable
     mutates_args: tuple[str, ...] = ()
+    setup_context: Optional[Callable] = None
+    backward: Optional[Callable] = None
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: cache keys lead with it

@@ -1,0 +1,163 @@
+"""``reduce_scatter``: a tensor summed over the group, each rank keeping its dim-0 shard
+(``autosymm.reduce_scatter_tensor`` / ``reduce_scatterv``, autosymm.sharded), and its custom op
+``torch.ops.autosymm.reduce_scatter_tensor`` (functional, with autograd: the gradient of a
+reduce-scatter is the all-gather of the gradients, torch.distributed.nn.functional's formula).
+
+Problem: ``nbytes`` of the full (unsharded) input; bucket: those bytes; no shape. Cache key:
+``(record, dtype, input shape, output shape, reduce op name, sizes or None, capturing)``; the
+call's arguments ``(output, input, op, sizes)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..backends.rs_ag_layout import ReduceScatterConfig
+from ..problem import DTYPE_NAMES, Problem
+from .all_reduce import NCCL_OPS, SIZES
+from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
+
+log = logging.getLogger("autosymm")
+
+
+def shard_counts(record: Collective, full: Tensor, shard: Tensor, sizes: Optional[Sequence[int]], rank: int,
+                 world_size: int) -> Optional[tuple[int, ...]]:
+    """Per-rank element counts of ``full`` (the reduce-scatter's input, the all-gather's output)
+    cut into dim-0 shards (None: equal ones), this rank's being ``shard``; ValueError naming the
+    shapes unless they fit: ``full`` holds world_size times ``shard``'s elements (the tensor
+    forms, torch.distributed's rule), or ``sizes[r]`` rows of ``shard``'s row shape each."""
+    what = f"autosymm.{record.name}"
+    if full.dtype != shard.dtype:
+        raise ValueError(f"{what}: the full tensor is {full.dtype}, the shard {shard.dtype}: input and output "
+                         "must share one dtype")
+    if sizes is None:
+        if full.numel() != world_size * shard.numel():
+            raise ValueError(f"{what}: the full tensor {tuple(full.shape)} must hold world_size={world_size} times "
+                             f"the {shard.numel()} elements of the shard {tuple(shard.shape)}")
+        return None
+    sizes = tuple(int(s) for s in sizes)
+    if len(sizes) != world_size or min(sizes) < 0:
+        raise ValueError(f"{what}: sizes {list(sizes)} must be {world_size} non-negative dim-0 sizes, one per rank")
+    if full.dim() < 1 or shard.dim() < 1 or full.shape[1:] != shard.shape[1:]:
+        raise ValueError(f"{what}: the full tensor {tuple(full.shape)} and the shard {tuple(shard.shape)} must "
+                         "have one row shape (all dims but the first)")
+    if full.shape[0] != sum(sizes) or shard.shape[0] != sizes[rank]:
+        raise ValueError(f"{what}: sizes {list(sizes)} need a full tensor of {sum(sizes)} rows and a shard of "
+                         f"{sizes[rank]} rows on rank {rank}, got {tuple(full.shape)} and {tuple(shard.shape)}")
+    row = math.prod(shard.shape[1:])
+    return tuple(s * row for s in sizes)
+
+
+def shards_text(shard: Tensor, sizes: Optional[Sequence[int]]) -> str:
+    """A call's shards as every rank states them alike (its own shard's rows differ with sizes)."""
+    if sizes is None:
+        return str(tuple(shard.shape))
+    return f"rows {list(sizes)} of {tuple(shard.shape[1:])}"
+
+
+def single_rank_entry(mode: str):
+    """World size 1: the shard is the whole tensor (one copy, none when they are one tensor)."""
+    from ..dispatch import Decision
+    from ..group import Entry
+
+    def launcher(output: Tensor, input: Tensor, counts=None) -> Tensor:
+        if output.data_ptr() != input.data_ptr():
+            output.view(-1).copy_(input.reshape(-1))
+        return output
+
+    return Entry(Decision("noop", None, "world size 1: the shard is the whole tensor", mode=mode), launcher)
+
+
+def checked_tensors(record: Collective, state, tensors: Sequence[Tensor]) -> None:
+    from ..group import check_tensor
+
+    for t in tensors:
+        check_tensor(t, state, record.name)
+
+
+class ReduceScatter(Collective):
+    def check_problem(self, problem: Problem) -> None:
+        if problem.nbytes < 0:
+            raise ValueError(f"nbytes={problem.nbytes} must be >= 0")
+
+    def problems(self, request: PointRequest) -> list[Problem]:
+        sizes = self.points.sizes if request.sizes is None else request.sizes
+        return [Problem(self.name, d, request.world_size, nbytes=n) for d in request.dtypes for n in sizes]
+
+    def call_text(self, key: tuple, args: tuple, mode: str) -> str:
+        output, input, op, sizes = args
+        return f"{self.name} of {input.dtype} {tuple(input.shape)} -> {shards_text(output, sizes)} op={op} in {mode} mode"
+
+    def check_call(self, state, key: tuple, args: tuple, mode: str):
+        output, input, op, sizes = args
+        checked_tensors(self, state, (output, input))
+        if op not in NCCL_OPS:
+            raise ValueError(f"autosymm.reduce_scatter_tensor: op={op!r} is not one of {sorted(NCCL_OPS)}")
+        shard_counts(self, input, output, sizes, state.rank, state.world_size)
+        if state.world_size == 1:
+            return single_rank_entry(mode)
+        dtype = DTYPE_NAMES.get(input.dtype)
+        if op == "sum" and dtype is not None:
+            return Problem(self.name, dtype, state.world_size, nbytes=input.numel() * input.element_size())
+        return _nccl_entry(state, input, op, mode)
+
+    def bytes_per_call(self, args: tuple) -> int:
+        return args[1].numel() * args[1].element_size()
+
+    def custom_ops(self) -> tuple[CustomOp, ...]:
+        return (CustomOp("reduce_scatter_tensor", _reduce_scatter_tensor, _reduce_scatter_tensor_fake,
+                         setup_context=_setup, backward=_backward),)
+
+
+def _nccl_entry(state, input: Tensor, op: str, mode: str):
+    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike."""
+    import torch.distributed as dist
+
+    from ..backends.nccl_rs_ag import reduce_scatter_launcher
+    from ..dispatch import Decision
+    from ..group import Entry
+
+    reason = f"op {op}" if op != "sum" else f"dtype {input.dtype}"
+    decision = Decision(REDUCE_SCATTER.fallback, None, f"{reason} has no tuned kernel: NCCL", mode=mode)
+    log.info("autosymm: reduce_scatter %s %s -> %s", input.dtype, op, decision.describe())
+    return Entry(decision, reduce_scatter_launcher(state.group, getattr(dist.ReduceOp, NCCL_OPS[op])))
+
+
+def _reduce_scatter_tensor(input: Tensor, op: str, group_size: int, group_name: str) -> Tensor:
+    """A new tensor: this rank's dim-0 shard of ``input`` reduced over the group ``group_name``
+    (of ``group_size`` ranks), [input.shape[0] // group_size, *input.shape[1:]]."""
+    from ..dist_compat import resolve_group
+    from ..sharded import reduce_scatter_tensor
+
+    out = input.new_empty((input.shape[0] // group_size, *input.shape[1:]))
+    reduce_scatter_tensor(out, input.contiguous(), op, resolve_group(group_name))
+    return out
+
+
+def _reduce_scatter_tensor_fake(input: Tensor, op: str, group_size: int, group_name: str) -> Tensor:
+    return input.new_empty((input.shape[0] // group_size, *input.shape[1:]))
+
+
+def _setup(ctx, inputs, output) -> None:
+    _, ctx.op, ctx.group_size, ctx.group_name = inputs
+
+
+def _backward(ctx, grad: Tensor):
+    """d(shard_p)/d(input_q) is the identity on segment p: the input's gradient on every rank is
+    the all-gather of the shards' gradients (``avg``: divided by the group size)."""
+    if ctx.op not in ("sum", "avg"):
+        raise RuntimeError(f"autosymm.reduce_scatter_tensor: no gradient for op={ctx.op!r} (only sum and avg are "
+                           "linear in their inputs)")
+    gathered = torch.ops.autosymm.all_gather_into_tensor(grad.contiguous(), ctx.group_size, ctx.group_name)
+    return (gathered / ctx.group_size if ctx.op == "avg" else gathered), None, None, None
+
+
+REDUCE_SCATTER = ReduceScatter("reduce_scatter", "bytes", fallback="nccl_reduce_scatter",
+                               fallback_order=("nccl_reduce_scatter",), points=TuningPoints(sizes=SIZES),
+                               config_type=ReduceScatterConfig, lookups=Lookups(bf16_same_bytes=True),
+                               tuned_by_default=False)

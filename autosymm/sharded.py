@@ -1,0 +1,150 @@
+"""The sharded collectives: ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (drop-ins for
+torch.distributed's), their per-rank-size forms ``reduce_scatterv`` / ``all_gatherv`` (vLLM's),
+and the DTensor redistributions they serve (:func:`redistribute`). Their records (problem,
+checks, custom ops and autograd) are autosymm.collectives.reduce_scatter / all_gather.
+
+Calls are decided and prepared through the group state of autosymm.group (the same databases,
+rank agreement, workspace and cache of prepared calls as ``all_reduce``): a repeated call is a
+dict lookup and the launcher. Shards are along dim 0 in rank order. Where no tuned row serves
+(as until a node has tuned these ops), NCCL does (``dist.reduce_scatter_tensor`` /
+``all_gather_into_tensor``; per-rank sizes: ``dist.reduce_scatter`` over the segments, and an
+all-gather of the shards padded to the largest).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import ALL_GATHER, REDUCE_SCATTER, prepare_call
+from .dist_compat import Work, group_name, reduce_op_name
+from .group import STATES, state_of, stream_capturing
+
+_SUM = dist.ReduceOp.SUM
+_Tensor = torch.Tensor
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
+def _traced(*tensors: torch.Tensor) -> bool:
+    """torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor): the op path."""
+    return _dynamo_compiling() or any(type(t) is not _Tensor and type(t) is not torch.nn.Parameter for t in tensors)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes: Optional[tuple[int, ...]], group):
+    state = STATES.get(group) or state_of(group)
+    key = (REDUCE_SCATTER, input.dtype, input.shape, output.shape, op, sizes, stream_capturing())
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = prepare_call(state, REDUCE_SCATTER, key, (output, input, op, sizes))
+    entry.calls += 1
+    row = math.prod(output.shape[1:])
+    return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Optional[tuple[int, ...]], group):
+    state = STATES.get(group) or state_of(group)
+    key = (ALL_GATHER, input.dtype, input.shape, output.shape, sizes, stream_capturing())
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = prepare_call(state, ALL_GATHER, key, (output, input, sizes))
+    entry.calls += 1
+    row = math.prod(input.shape[1:])
+    return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=_SUM, group=None, async_op: bool = False):
+    """``dist.reduce_scatter_tensor``: ``output`` = this rank's dim-0 shard of ``input`` reduced over
+    ``group`` (``input`` holds world_size shards of ``output``'s elements, in rank order).
+
+    ``op``: a ``dist.ReduceOp`` or its lower-case name; only sums of bf16/fp16/fp32 have tuned
+    kernels (the fp32 sum in rank order 0..W-1, rounded once: the all-reduce's bits), NCCL serves
+    the rest. ``async_op=True`` returns a handle (``wait()``) of the work queued on the current
+    stream. Both tensors contiguous, on the group's device, one dtype. Under torch.compile the call
+    is ``torch.ops.autosymm.reduce_scatter_tensor`` (functional; copied into ``output``).
+    """
+    name = reduce_op_name(op)
+    if _traced(output, input):
+        if async_op:
+            raise RuntimeError("autosymm.reduce_scatter_tensor: async_op=True cannot be traced; drop async_op")
+        world_size = dist.get_world_size(group)
+        output.copy_(torch.ops.autosymm.reduce_scatter_tensor(input, name, world_size, group_name(group))
+                     .view(output.shape))
+        return None
+    _reduce_scatter(output, input, name, None, group)
+    return Work(output) if async_op else None  # the work is queued on the current stream
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``dist.all_gather_into_tensor``: ``output`` = every rank's ``input`` in rank order along dim 0
+    (``output`` holds world_size times ``input``'s elements). Any dtype (bytes are copied); both
+    tensors contiguous, on the group's device. ``async_op`` as :func:`reduce_scatter_tensor`.
+    Under torch.compile the call is ``torch.ops.autosymm.all_gather_into_tensor``.
+    """
+    if _traced(output, input):
+        if async_op:
+            raise RuntimeError("autosymm.all_gather_into_tensor: async_op=True cannot be traced; drop async_op")
+        world_size = dist.get_world_size(group)
+        output.copy_(torch.ops.autosymm.all_gather_into_tensor(input, world_size, group_name(group))
+                     .view(output.shape))
+        return None
+    _all_gather(output, input, None, group)
+    return Work(output) if async_op else None
+
+
+def _sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
+    if isinstance(sizes, torch.Tensor):
+        raise TypeError(f"autosymm.{what}: sizes must be host ints (a list), not a tensor")
+    return tuple(int(s) for s in sizes)
+
+
+def reduce_scatterv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
+    """Reduce-scatter with per-rank dim-0 ``sizes`` (host ints, the same list on every rank, as
+    vLLM's ``reduce_scatterv``): ``input`` [sum(sizes), ...] summed over ``group``; this rank's
+    ``output`` [sizes[rank], ...] gets rows sizes[:rank].sum() onward. Returns ``output``. Eager
+    only (a per-rank split copies its bounds table to the device on its first call: make that
+    call before capturing a CUDA graph)."""
+    return _reduce_scatter(output, input, "sum", _sizes(sizes, "reduce_scatterv"), group)
+
+
+def all_gatherv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
+    """All-gather with per-rank dim-0 ``sizes`` (host ints, the same on every rank, as vLLM's
+    ``all_gatherv``): ``output`` [sum(sizes), ...] = every rank's ``input`` [sizes[r], ...] in rank
+    order. Returns ``output``. Eager only, as :func:`reduce_scatterv`."""
+    return _all_gather(output, input, _sizes(sizes, "all_gatherv"), group)
+
+
+def redistribute(x, placements):
+    """``x.redistribute(placements=placements)`` for a DTensor on a 1-D mesh, through autosymm
+    where it maps: ``Partial('sum')`` -> ``Shard(0)`` by a reduce-scatter, ``Shard(0)`` ->
+    ``Replicate()`` by an all-gather (uneven shards too: torch's chunking, by per-rank sizes);
+    anything else (other meshes or placements) by torch's own ``redistribute``. A new DTensor;
+    ``x`` keeps its placements and data."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    placements = tuple(placements)
+    mesh = x.device_mesh
+    if mesh.ndim != 1 or len(placements) != 1:
+        return x.redistribute(mesh, placements)
+    source, target = x.placements[0], placements[0]
+    group, world_size = mesh.get_group(0), mesh.size(0)
+    local = x.to_local().contiguous()
+    sizes = [len(chunk) for chunk in torch.arange(x.shape[0]).chunk(world_size)] if x.dim() else []
+    sizes += [0] * (world_size - len(sizes))
+    if type(source) is Partial and source.reduce_op == "sum" and target == Shard(0) and x.dim() > 0:
+        out = local.new_empty((sizes[mesh.get_local_rank()], *x.shape[1:]))
+        if len(set(sizes)) == 1:
+            reduce_scatter_tensor(out, local, group=group)
+        else:
+            reduce_scatterv(out, local, sizes, group=group)
+    elif source == Shard(0) and target == Replicate() and x.dim() > 0:
+        out = local.new_empty(tuple(x.shape))
+        if len(set(sizes)) == 1:
+            all_gather_into_tensor(out, local, group=group)
+        else:
+            all_gatherv(out, local, sizes, group=group)
+    else:
+        return x.redistribute(mesh, placements)
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
