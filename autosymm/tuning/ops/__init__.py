@@ -11,12 +11,14 @@ line in :data:`ALL`.
 from __future__ import annotations
 
 from ...problem import Problem
+from .all_gather import ALL_GATHER
 from .all_reduce import ALL_REDUCE
 from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
 from .base import TuningOp
 from .moe import DP_TO_EP, EP_TO_DP
+from .reduce_scatter import REDUCE_SCATTER
 
-ALL: tuple[TuningOp, ...] = (ALL_REDUCE, DP_TO_EP, EP_TO_DP, ALL_REDUCE_RMSNORM)
+ALL: tuple[TuningOp, ...] = (ALL_REDUCE, DP_TO_EP, EP_TO_DP, ALL_REDUCE_RMSNORM, REDUCE_SCATTER, ALL_GATHER)
 _BY_NAME = {op.name: op for op in ALL}
 
 
@@ -37,4 +39,5 @@ def workspace_bytes(problems: list[Problem], at_least: tuple[int, int]) -> tuple
     return ar, moe
 
 
-__all__ = ["ALL", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "DP_TO_EP", "EP_TO_DP", "TuningOp", "get", "workspace_bytes"]
+__all__ = ["ALL", "ALL_GATHER", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "DP_TO_EP", "EP_TO_DP", "REDUCE_SCATTER", "TuningOp", "get",
+           "workspace_bytes"]

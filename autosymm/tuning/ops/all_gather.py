@@ -1,0 +1,30 @@
+"""The all-gather's tuning side: random shards, the reference NCCL's all-gather of them,
+compared bit for bit (a copy); both Triton algorithms' stages in the all-reduce region. Sizes
+that do not split evenly are tuned with near-even per-rank counts, as the reduce-scatter's."""
+
+from __future__ import annotations
+
+import torch
+
+from ...collectives import ALL_GATHER as RECORD
+from ...problem import Problem
+from .reduce_scatter import ShardedTuning, full_tensor_stage_bytes
+
+
+class AllGatherTuning(ShardedTuning):
+    exact = True  # pure copies: compared bit for bit
+    full_input = False
+
+    def build_reference(self, data) -> None:
+        from ...backends.nccl_rs_ag import all_gather_launcher
+
+        data.expected = torch.empty_like(data.val_output)
+        all_gather_launcher(data.group)(data.expected, data.val_input, data.counts)
+
+    def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
+        from ...backends.rs_ag_layout import ALL_GATHER_ALGORITHMS
+
+        return full_tensor_stage_bytes("all_gather", ALL_GATHER_ALGORITHMS, problem), 0
+
+
+ALL_GATHER = AllGatherTuning(RECORD)
