@@ -14,12 +14,13 @@ from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
 
 
 def test_the_registry_holds_every_op_once_in_a_fixed_order():
-    assert collectives.names() == ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm")
+    assert collectives.names() == ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm", "reduce_scatter",
+                                   "all_gather")
     assert tuple(r.name for r in collectives.ALL) == collectives.names()
     assert all(collectives.get(r.name) is r for r in collectives.ALL)
     assert collectives.default_tuned() == ("all_reduce", "dp_to_ep", "ep_to_dp")
-    with pytest.raises(ValueError, match=r"op='reduce_scatter' is not one of \('all_reduce'"):
-        collectives.get("reduce_scatter")
+    with pytest.raises(ValueError, match=r"op='all_to_all' is not one of \('all_reduce'"):
+        collectives.get("all_to_all")
 
 
 def test_a_record_checks_its_own_declarations():
@@ -47,14 +48,17 @@ def test_records_key_problems_by_their_bucket_unit_and_shape():
 def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
     assert ALL_REDUCE.lookups.bf16_same_bytes and not ALL_REDUCE.lookups.nearest_shape
     assert DP_TO_EP.lookups.nearest_shape and not DP_TO_EP.lookups.bf16_same_bytes
-    assert [r.fallback for r in collectives.ALL] == ["nccl", "nccl_all_to_all", "nccl_all_to_all", "nccl_fused"]
+    assert [r.fallback for r in collectives.ALL] == ["nccl", "nccl_all_to_all", "nccl_all_to_all", "nccl_fused",
+                                                     "nccl_reduce_scatter", "nccl_all_gather"]
     assert DP_TO_EP.fallback_order == ("triton_moe", "nccl_all_to_all")  # no NCCL path is graph-capturable
     assert ALL_REDUCE.identity_on_one_rank and not any(r.identity_on_one_rank for r in collectives.ALL[1:])
     assert not DP_TO_EP.prepare_in_check and ALL_REDUCE.prepare_in_check  # growing the MoE region is collective
     assert [r.config_type.__name__ for r in collectives.ALL] == ["AllReduceConfig", "MoEConfig", "MoEConfig",
-                                                                  "FusedConfig"]  # what a DB row of the op holds
+                                                                  "FusedConfig", "ReduceScatterConfig",
+                                                                  "AllGatherConfig"]  # what a DB row of the op holds
     ops = [op.name for r in collectives.ALL for op in r.custom_ops()]
-    assert ops == ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm"]
+    assert ops == ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm", "reduce_scatter_tensor",
+                   "all_gather_into_tensor"]
     assert all(hasattr(torch.ops.autosymm, name) for name in ops)
 
 
