@@ -226,7 +226,7 @@ def _wrapped_stack_object(rank):
 
     alone = AutosymmCustomAllReduce(device="cpu")
     assert not alone.fully_connected and alone.mnnvl_lamport_ag_multicast_ptr == 0
-    assert not hasattr(alone, "custom_all_gather")  # autosymm's own all-gather comes with phase 2
+    assert alone.custom_all_gather(torch.ones(2)) is None  # autosymm's decision is NCCL: the caller's path
     stack = _StackCA()
     car = AutosymmCustomAllReduce(device="cpu", fallback=stack)
     eight, other = torch.ones(8), torch.ones(16)

@@ -22,9 +22,14 @@ What their code calls on the slot:
   fused convention (``GroupCoordinator.fused_allreduce_rmsnorm``): ``residual_out = residual +
   all_reduce(x)`` (a new tensor; ``residual`` unchanged, ``x`` is scratch) and ``out =
   rmsnorm(residual_out) * weight``; None where autosymm's decision is NCCL and nothing wrapped serves.
-* ``fully_connected`` and every other attribute (``custom_all_gather``, ``custom_reduce_scatter``,
-  ``mnnvl_*``, ``_IS_CAPTURING``, ...): the wrapped object's. Without one, ``fully_connected`` is
-  False (autosymm has no all-gather yet, so the stacks' all-gather paths keep theirs).
+* ``custom_all_gather(x) -> Optional[Tensor]`` ([world_size * n, ...]) and
+  ``custom_reduce_scatter(x) -> Optional[Tensor]`` ([n / world_size, ...]), vLLM's signatures
+  (``CudaCommunicator.custom_all_gather`` / ``custom_reduce_scatter``), with
+  ``should_custom_all_gather`` / ``should_custom_reduce_scatter``: autosymm's
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` where its decision for the full tensor's
+  bytes is not NCCL; else the wrapped object's; else None.
+* ``fully_connected`` and every other attribute (``mnnvl_*``, ``_IS_CAPTURING``, ...): the wrapped
+  object's. Without one, ``fully_connected`` is False.
 * ``close()``: stop serving (``disabled`` becomes True) and close the wrapped object; the
   workspace belongs to autosymm's group state and stays for other users of the group.
 
@@ -40,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 import autosymm
-from autosymm.collectives import ALL_REDUCE, ALL_REDUCE_RMSNORM
+from autosymm.collectives import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, REDUCE_SCATTER
 from autosymm.dist_compat import group_device
 from autosymm.problem import DTYPES, Problem, dtype_name
 
@@ -195,6 +200,56 @@ class AutosymmCustomAllReduce:
         residual_out = residual.clone(memory_format=torch.contiguous_format)
         out = autosymm.all_reduce_rmsnorm(x, residual_out, weight, eps, group=self.group)
         return out, residual_out
+
+    def _serves_sharded(self, record, x: torch.Tensor, full_bytes: int) -> bool:
+        """True when autosymm's decision for ``record``'s call of a ``full_bytes`` full tensor is not
+        its NCCL fallback (a reduce-scatter sums bf16/fp16/fp32 only; an all-gather copies any dtype)."""
+        if not (not self.disabled and x.device == self.device and x.is_contiguous() and x.dim() > 0
+                and x.numel() > 0 and (record is ALL_GATHER or x.dtype in _SUPPORTED)
+                and (self.max_size is None or full_bytes < self.max_size)):
+            return False
+        key = (record.name, x.dtype, full_bytes, self._mode())
+        use = self._use.get(key)
+        if use is None:
+            dtype = dtype_name(x.dtype) if x.dtype in _SUPPORTED else "bf16"  # the all-gather's keying
+            problem = Problem(record.name, dtype, self.world_size, nbytes=full_bytes)
+            decision = autosymm.explain(group=self.group, op=record.name, mode=key[3], problem=problem)
+            use = self._use[key] = decision.backend != record.fallback
+        return use
+
+    def should_custom_all_gather(self, x: torch.Tensor) -> bool:
+        if self._serves_sharded(ALL_GATHER, x, self.world_size * x.numel() * x.element_size()):
+            return True
+        inner = getattr(self.fallback, "should_custom_all_gather", None)
+        return inner is not None and not self.disabled and bool(inner(x))
+
+    def custom_all_gather(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Every rank's ``x`` along dim 0 in rank order, a new [world_size * n, ...] tensor; None
+        for the caller's own path (disabled, or neither autosymm nor the wrapped object serves it)."""
+        if self._serves_sharded(ALL_GATHER, x, self.world_size * x.numel() * x.element_size()):
+            out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
+            autosymm.all_gather_into_tensor(out, x, group=self.group)
+            return out
+        inner = getattr(self.fallback, "custom_all_gather", None)
+        return inner(x) if inner is not None and not self.disabled else None
+
+    def should_custom_reduce_scatter(self, x: torch.Tensor) -> bool:
+        if x.dim() > 0 and x.shape[0] % self.world_size == 0 and \
+                self._serves_sharded(REDUCE_SCATTER, x, x.numel() * x.element_size()):
+            return True
+        inner = getattr(self.fallback, "should_custom_reduce_scatter", None)
+        return inner is not None and not self.disabled and bool(inner(x))
+
+    def custom_reduce_scatter(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's dim-0 shard of the sum of ``x`` over the group, a new [n / world_size, ...]
+        tensor; None for the caller's own path (as :meth:`custom_all_gather`)."""
+        if x.dim() > 0 and x.shape[0] % self.world_size == 0 and \
+                self._serves_sharded(REDUCE_SCATTER, x, x.numel() * x.element_size()):
+            out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
+            autosymm.reduce_scatter_tensor(out, x, group=self.group)
+            return out
+        inner = getattr(self.fallback, "custom_reduce_scatter", None)
+        return inner(x) if inner is not None and not self.disabled else None
 
     def close(self) -> None:
         """Stop serving: ``custom_all_reduce`` returns None from now on; closes the wrapped object."""
