@@ -23,7 +23,8 @@ from ..problem import Problem
 from .base import Backend, BackendError, Needs, RunContext
 
 
-def _pick(*names: str):
+def pick_collective(*names: str):
+    """The first of torch.distributed's functions ``names`` this torch has."""
     import torch.distributed as dist
 
     return next(getattr(dist, name) for name in names if hasattr(dist, name))
@@ -60,7 +61,7 @@ def reduce_scatter_launcher(group, reduce_op):
     """``launcher(output, input, counts=None) -> output`` reducing with ``reduce_op`` on ``group``."""
     import torch.distributed as dist
 
-    single = _pick("reduce_scatter_single", "reduce_scatter_tensor")
+    single = pick_collective("reduce_scatter_single", "reduce_scatter_tensor")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def launcher(output: torch.Tensor, input: torch.Tensor, counts: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -91,7 +92,7 @@ def all_gather_launcher(group):
     """``launcher(output, input, counts=None) -> output`` gathering on ``group``."""
     import torch.distributed as dist
 
-    single = _pick("all_gather_single", "all_gather_into_tensor")
+    single = pick_collective("all_gather_single", "all_gather_into_tensor")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def launcher(output: torch.Tensor, input: torch.Tensor, counts: Optional[Sequence[int]] = None) -> torch.Tensor:

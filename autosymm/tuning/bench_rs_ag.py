@@ -1,0 +1,168 @@
+"""`autosymm bench` of the reduce-scatter and the all-gather: autosymm against NCCL and torch's
+symmetric-memory ops, each run as its users run it at its best (the rules of autosymm.tuning.bench:
+every output checked against NCCL's first, then timed eager and graph, MAX over ranks).
+
+Implementations (:data:`SHARDED_IMPLS`), per size (bytes of the full, unsharded tensor):
+
+* ``nccl``: ``dist.reduce_scatter_tensor`` / ``all_gather_into_tensor`` on plain tensors.
+* ``torch_low_contention``: ``torch.ops.symm_mem._low_contention_reduce_scatter(x, "sum", group)`` /
+  ``_low_contention_all_gather(x, group)`` with ``x`` already in a symmetric buffer (no copy).
+* ``torch_low_contention_copy``: the same ops on a plain tensor (they copy it into torch's
+  symmetric workspace themselves).
+* ``torch_multimem``: ``torch.ops.symm_mem.multimem_all_gather_out`` (all-gather only): needs a
+  multicast address, which autosymm never creates; measured only where the workspace has one.
+* ``autosymm``: ``autosymm.reduce_scatter_tensor`` / ``all_gather_into_tensor`` on plain tensors.
+* ``autosymm_zero_copy``: the same on ``autosymm.empty`` tensors (the reduce-scatter's input, the
+  all-gather's output: what its zero-copy kernels read or write in place).
+
+(torch's ``reduce_scatter_offset`` runs on its NCCL symmetric-memory backend only, not on the CUDA
+backend's buffers autosymm's workspace and torch's other ops use: not measured.)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..backends.nccl_rs_ag import pick_collective
+from ..problem import DTYPE_NAMES, Problem
+from .bench_baselines import Impl, Setup, bench_plan, check_output, pool_bytes
+from .bench_report import BenchRow, cells, compare, size_label
+
+SHARDED_IMPLS = ("nccl", "torch_low_contention", "torch_low_contention_copy", "torch_multimem", "autosymm",
+                 "autosymm_zero_copy")
+NO_COPY_OTHERS = ("nccl", "torch_low_contention", "torch_multimem")
+COPY_OTHERS = ("nccl", "torch_low_contention_copy")
+
+
+def _shapes(op: str, numel: int, world_size: int) -> tuple[int, int]:
+    """(input, output) elements of ``op`` for a full tensor of ``numel``."""
+    return (numel, numel // world_size) if op == "reduce_scatter" else (numel // world_size, numel)
+
+
+def why_not(op: str, name: str, setup: Setup, caps, nbytes: int, world_size: int) -> Optional[str]:
+    """None when implementation ``name`` can run ``op`` of ``nbytes`` here."""
+    if name.startswith("torch_"):
+        if setup.pool is None:
+            return "no torch symmetric memory here (needs CUDA, one node, torch.ops.symm_mem)"
+        if name == "torch_multimem" and (op != "all_gather" or not caps.has_multicast):
+            return "all-gather only, needs multicast (autosymm never enables it)" if op == "all_gather" else \
+                "torch has no multimem reduce-scatter op"
+    if name == "autosymm_zero_copy":
+        if setup.workspace is None:
+            return "no autosymm workspace here (needs CUDA and one node)"
+        count = bench_plan(nbytes, "eager").n_inputs
+        have = setup.workspace.capacity("all_reduce") - setup.workspace.empty_bytes
+        if (count + world_size) * nbytes > have:
+            return f"{count} zero-copy tensors of {nbytes} bytes and a stage exceed the all-reduce region ({have})"
+    return None
+
+
+def build(op: str, name: str, setup: Setup, numel: int, count: int) -> Impl:
+    """Implementation ``name`` of ``op`` for a full tensor of ``numel`` elements, ``count`` inputs;
+    ``launch(input, output) -> output``."""
+    import autosymm
+
+    world_size, group, gname = dist.get_world_size(setup.group), setup.group, setup.group_name
+    n_in, n_out = _shapes(op, numel, world_size)
+    rs = op == "reduce_scatter"
+    if name == "nccl":
+        single = pick_collective("reduce_scatter_single", "reduce_scatter_tensor") if rs else \
+            pick_collective("all_gather_single", "all_gather_into_tensor")
+        return Impl(name, lambda x, out: (single(out, x, group=group), out)[1],
+                    list(zip(setup.plain(count, n_in), setup.plain(count, n_out))), "nccl")
+    if name in ("torch_low_contention", "torch_low_contention_copy"):
+        ops = torch.ops.symm_mem
+        inputs = setup.pool.views(count, n_in, setup.dtype) if name == "torch_low_contention" else \
+            setup.plain(count, n_in)
+        fn = (lambda x, out: out.copy_(ops._low_contention_reduce_scatter(x, "sum", gname))) if rs else \
+            (lambda x, out: out.copy_(ops._low_contention_all_gather(x, gname)))
+        return Impl(name, fn, list(zip(inputs, setup.plain(count, n_out))), f"torch _low_contention_{op}")
+    if name == "torch_multimem":
+        gather = torch.ops.symm_mem.multimem_all_gather_out
+        outputs = setup.pool.views(count, n_out, setup.dtype)
+        return Impl(name, lambda x, out: gather(x, gname, out), list(zip(setup.plain(count, n_in), outputs)),
+                    "torch multimem_all_gather_out")
+    call = autosymm.reduce_scatter_tensor if rs else autosymm.all_gather_into_tensor
+    if name == "autosymm":
+        inputs, outputs = setup.plain(count, n_in), setup.plain(count, n_out)
+    elif rs:  # zero-copy: the input lies in the workspace
+        inputs, outputs = [autosymm.empty((n_in,), setup.dtype) for _ in range(count)], setup.plain(count, n_out)
+    else:
+        inputs, outputs = setup.plain(count, n_in), [autosymm.empty((n_out,), setup.dtype) for _ in range(count)]
+    return Impl(name, lambda x, out: (call(out, x), out)[1], list(zip(inputs, outputs)))
+
+
+def _op_size_rows(op: str, nbytes: int, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
+    """Every implementation's rows of ``op`` at one size (NCCL's result on the same data the reference)."""
+    import autosymm
+
+    from .bench import _agree, _measure
+
+    world_size, rank = dist.get_world_size(setup.group), dist.get_rank(setup.group)
+    elem = torch.empty((), dtype=setup.dtype).element_size()
+    label, numel = size_label(nbytes), nbytes // elem
+    if nbytes % (elem * world_size):
+        note = f"{nbytes} bytes do not split into {world_size} equal shards of {setup.dtype}"
+        return [BenchRow(op, label, nbytes, m, name, None, note=note) for name in SHARDED_IMPLS for m in modes]
+    gen = torch.Generator(device=setup.device).manual_seed(1234 + rank)
+    n_in, n_out = _shapes(op, numel, world_size)
+    pristine = torch.randn(n_in, generator=gen, device=setup.device).to(setup.dtype)
+    count = bench_plan(nbytes, "eager").n_inputs
+    reference = build(op, "nccl", setup, numel, 1).launch(pristine, torch.empty(n_out, dtype=setup.dtype,
+                                                                                     device=setup.device))
+    rows = []
+    for name in SHARDED_IMPLS:
+        reason = why_not(op, name, setup, caps, nbytes, world_size)
+        if reason is not None:
+            rows += [BenchRow(op, label, nbytes, m, name, None, note=reason) for m in modes]
+            continue
+        try:  # the zero-copy tensors are freed after each size (the region's bottom is reused)
+            impl = build(op, name, setup, numel, count)
+            checked = impl.inputs[-1]
+            checked[0].copy_(pristine)
+            wrong = check_output(impl.launch(*checked), reference, world_size)
+        except Exception as exc:  # argument checks: the same shapes raise on every rank
+            impl, wrong = None, f"{type(exc).__name__}: {exc}"
+        ok = _agree(wrong is None, setup.group)
+        for mode in modes:
+            backend = impl.backend if impl is not None and impl.backend else \
+                autosymm.api.state_of(None).decide(Problem(op, DTYPE_NAMES[setup.dtype], world_size, nbytes=nbytes),
+                                                   mode).backend
+            us = _measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) \
+                if ok else None
+            rows.append(BenchRow(op, label, nbytes, mode, name, us, backend,
+                                 "" if ok else f"failed, not timed: {wrong or 'failed on another rank'}"))
+        if name == "autosymm_zero_copy":
+            setup.workspace.reset_empty()
+    return rows
+
+
+def sharded_rows(options, setup: Setup, caps) -> list[BenchRow]:
+    """The reduce-scatter's and the all-gather's rows (those in ``options.ops``) at every size."""
+    return [row for op in ("reduce_scatter", "all_gather") if op in options.ops
+            for nbytes in options.sizes for row in _op_size_rows(op, nbytes, options.modes, setup, caps)]
+
+
+def sharded_table(result, op: str):
+    from rich.table import Table
+
+    table = Table(title=f"{op}: median us per call (MAX over ranks) at the full tensor's bytes; ratios < 1: "
+                        "autosymm faster")
+    for column in ["size", "mode", *[i.replace("_", " ") for i in SHARDED_IMPLS], "chosen",
+                   "autosymm / best no-copy", "autosymm / best with-copy", "zero-copy / best no-copy"]:
+        table.add_column(column, overflow="fold")
+    for (label, mode), cell in cells(result.rows, op).items():
+        plain, zero = compare(cell, op), compare(cell, op, "autosymm_zero_copy")
+        chosen = cell["autosymm"].backend if "autosymm" in cell else "-"
+        table.add_row(label, mode, *[f"{cell[i].us:.2f}" if i in cell and cell[i].us else "-" for i in SHARDED_IMPLS],
+                      chosen or "-", *[f"{r:.3f}" if r is not None else "-"
+                                       for r in (plain.vs_no_copy, plain.vs_copy, zero.vs_no_copy)])
+    return table
+
+
+def sharded_pool_bytes(sizes: list[int], world_size: int) -> int:
+    """Bytes of torch's symmetric pool and the zero-copy tensors: every size's rotating full tensors."""
+    return pool_bytes(sizes, world_size)
