@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from ..problem import MoEShape, Problem
 from . import ops as tuning_ops
-from .bench_baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output, torch_ops_why_not,
-                              zero_copy_why_not)
+from .bench_baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output, nccl_symm_why_not,
+                              torch_ops_why_not, zero_copy_why_not)
 from .bench_report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, moe_link_gbps, print_bench, size_label,
                            write_bench_csv)
 
@@ -96,6 +96,8 @@ def _why_not(name: str, setup: Setup, nbytes: int, count: int, world_size: int) 
         return torch_ops_why_not(setup, nbytes)
     if name == "autosymm_zero_copy":
         return zero_copy_why_not(setup, nbytes, count, world_size)
+    if name.startswith("nccl_symm"):
+        return nccl_symm_why_not(setup, nbytes, count, world_size, zero_copy=name == "nccl_symm")
     return None
 
 
@@ -153,7 +155,7 @@ def _all_reduce_size(nbytes: int, modes: list[str], setup: Setup) -> list[BenchR
         try:
             rows += _time_impl(build(name, setup, numel, count), pristine, reference, nbytes, modes, setup)
         finally:
-            if name == "autosymm_zero_copy":
+            if name in ("autosymm_zero_copy", "nccl_symm"):
                 setup.workspace.reset_empty()  # the region's bottom is free for the next size
     return rows
 

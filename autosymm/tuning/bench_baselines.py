@@ -14,6 +14,9 @@ one size as an :class:`Impl` whose ``launch(*args)`` returns the output tensor:
   ``staging.copy_(x)`` first).
 * ``torch_two_shot_copy``: ``staging.copy_(x)`` then ``two_shot_all_reduce_out(staging, "sum",
   group, x)``, the sum straight into ``x`` (without that op: in place, then copied back).
+* ``nccl_symm``: NCCL's all-reduce on window-registered buffers (autosymm.backends.nccl_symm) on
+  tensors of ``autosymm.empty`` (no copy); ``nccl_symm_copy``: the same on a plain tensor, staged
+  into the window and copied back.
 * ``autosymm``: ``autosymm.all_reduce(x)`` on a plain tensor, in place, as users call it.
 * ``autosymm_zero_copy``: ``autosymm.all_reduce(x)`` on tensors from ``autosymm.empty``.
 
@@ -229,6 +232,37 @@ def zero_copy_why_not(s: Setup, nbytes: int, count: int, world_size: int) -> Opt
     return None if need <= have else f"{need} bytes of zero-copy inputs and stage, the all-reduce region has {have}"
 
 
+def _problem(s: Setup, nbytes: int, world_size: int):
+    from ..problem import DTYPE_NAMES, Problem
+
+    return Problem.all_reduce(nbytes, DTYPE_NAMES[s.dtype], world_size)
+
+
+def nccl_symm_why_not(s: Setup, nbytes: int, count: int, world_size: int, zero_copy: bool) -> Optional[str]:
+    """None when the nccl_symm backend can run a call of ``nbytes`` here (its own eligibility; the
+    zero-copy form also needs ``count`` tensors of ``autosymm.empty``)."""
+    from ..backends import Capabilities, get_backend
+
+    if s.workspace is None:
+        return "no autosymm workspace here (needs CUDA and one node)"
+    why = get_backend("nccl_symm").why_not(_problem(s, nbytes, world_size), Capabilities.of(world_size,
+                                                                                            workspace=s.workspace))
+    return why if why is not None or not zero_copy else zero_copy_why_not(s, nbytes, count, world_size)
+
+
+def _nccl_symm(s: Setup, numel: int, count: int, zero_copy: bool) -> Impl:
+    import autosymm
+
+    from ..backends import RunContext, get_backend
+
+    problem = _problem(s, numel * torch.empty((), dtype=s.dtype).element_size(), s.workspace.world_size)
+    launcher = get_backend("nccl_symm").prepare(problem, None, RunContext(group=s.group, workspace=s.workspace))
+    if zero_copy:
+        tensors = [autosymm.empty((numel,), s.dtype) for _ in range(count)]
+        return Impl("nccl_symm", launcher, [(x,) for x in tensors], "nccl_symm")
+    return Impl("nccl_symm_copy", launcher, [(x,) for x in s.plain(count, numel)], "nccl_symm")
+
+
 def build(name: str, s: Setup, numel: int, count: int) -> Impl:
     """Implementation ``name`` for ``numel`` elements with ``count`` rotating inputs. The torch
     ones need :func:`torch_ops_why_not` to be None, the zero-copy one :func:`zero_copy_why_not`."""
@@ -242,4 +276,6 @@ def build(name: str, s: Setup, numel: int, count: int) -> Impl:
         return _torch_two_shot_copy(s, numel, count)
     if name in ("autosymm", "autosymm_zero_copy"):
         return _autosymm(s, numel, count, zero_copy=name == "autosymm_zero_copy")
+    if name in ("nccl_symm", "nccl_symm_copy"):
+        return _nccl_symm(s, numel, count, zero_copy=name == "nccl_symm")
     raise ValueError(f"unknown all-reduce implementation {name!r}")

@@ -20,15 +20,15 @@ from ..collectives import ALL_REDUCE
 from ..problem import format_bytes, parse_bytes, parse_size_range
 
 #: All-reduce implementations, in table order (see autosymm.tuning.bench_baselines).
-ALL_REDUCE_IMPLS = ("nccl", "torch_one_shot", "torch_two_shot", "torch_one_shot_copy", "torch_two_shot_copy",
-                    "autosymm", "autosymm_zero_copy")
+ALL_REDUCE_IMPLS = ("nccl", "nccl_symm", "torch_one_shot", "torch_two_shot", "nccl_symm_copy", "torch_one_shot_copy",
+                    "torch_two_shot_copy", "autosymm", "autosymm_zero_copy")
 #: MoE conversion implementations: autosymm's dispatcher, its NCCL all_to_all path (backend
 #: nccl_all_to_all) and the plain path a user writes (autosymm.tuning.moe_plain).
 MOE_IMPLS = ("autosymm", "nccl", "plain_all_to_all")
 MOE_OTHERS = ("nccl", "plain_all_to_all")
 AUTOSYMM_IMPLS = ("autosymm", "autosymm_zero_copy")
-NO_COPY_OTHERS = ("nccl", "torch_one_shot", "torch_two_shot")
-COPY_OTHERS = ("nccl", "torch_one_shot_copy", "torch_two_shot_copy")
+NO_COPY_OTHERS = ("nccl", "nccl_symm", "torch_one_shot", "torch_two_shot")
+COPY_OTHERS = ("nccl", "nccl_symm_copy", "torch_one_shot_copy", "torch_two_shot_copy")
 #: Default `autosymm bench --sizes`: powers of two from 4 KiB to 64 MiB, and sizes between them
 #: (decimal ones too: 6000 B, 100 kB, 3 MB, ...) where a bucketed dispatcher is weakest.
 DEFAULT_SIZES = "4KiB:64MiB,6000,100000,768KiB,3000000,5000000,12000000"
