@@ -1,6 +1,7 @@
-"""`autosymm bench --ops reduce_scatter,all_gather` over 2 gloo processes (gloo stands in for NCCL):
-NCCL and autosymm validated and timed, torch's ops and the zero-copy form reported with why they
-do not run here, the tables and the ratios of the sharded ops."""
+"""`autosymm bench --ops all_reduce,reduce_scatter,all_gather` over 2 gloo processes (gloo stands
+in for NCCL): NCCL and autosymm validated and timed, torch's ops and the zero-copy form reported
+with why they do not run here, the tables and the ratios of the sharded ops; the all-reduce's
+nccl_symm baselines."""
 
 import pytest
 from _gloo import run_gloo
@@ -20,7 +21,7 @@ def _bench(rank, world_size, options):
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     options = BenchOptions(sizes=[4096, 6000, 6002], modes=["eager", "graph"], shapes={}, tokens=[],
-                           ops=["reduce_scatter", "all_gather"])
+                           ops=["all_reduce", "reduce_scatter", "all_gather"])
     db = str(tmp_path_factory.mktemp("bench") / "none.sqlite")
     return run_gloo(_bench, 2, options, env={"all": {"AUTOSYMM_DB": db}})[0]
 
@@ -49,3 +50,11 @@ def test_tables_print_each_op(result):
     text = console.export_text()
     assert "reduce_scatter: median us per call" in text and "all_gather: median us per call" in text
     assert all("x nccl" in line for line in losses(result.rows))
+
+
+def test_the_all_reduce_has_the_nccl_symm_baselines(result):
+    notes = {r.impl: r.note for r in result.rows if r.op == "all_reduce" and r.label == "4KiB"}
+    assert "no autosymm workspace" in notes["nccl_symm"] and "no autosymm workspace" in notes["nccl_symm_copy"]
+    from autosymm.tuning.bench_report import COPY_OTHERS, NO_COPY_OTHERS
+
+    assert "nccl_symm" in NO_COPY_OTHERS and "nccl_symm_copy" in COPY_OTHERS
