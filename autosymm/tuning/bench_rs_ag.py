@@ -77,8 +77,9 @@ def build(op: str, name: str, setup: Setup, numel: int, count: int) -> Impl:
         ops = torch.ops.symm_mem
         inputs = setup.pool.views(count, n_in, setup.dtype) if name == "torch_low_contention" else \
             setup.plain(count, n_in)
-        fn = (lambda x, out: out.copy_(ops._low_contention_reduce_scatter(x, "sum", gname))) if rs else \
-            (lambda x, out: out.copy_(ops._low_contention_all_gather(x, gname)))
+        wait = torch.ops._c10d_functional.wait_tensor  # the ops run on torch's side stream: join it
+        fn = (lambda x, out: out.copy_(wait(ops._low_contention_reduce_scatter(x, "sum", gname)))) if rs else \
+            (lambda x, out: out.copy_(wait(ops._low_contention_all_gather(x, gname))))
         return Impl(name, fn, list(zip(inputs, setup.plain(count, n_out))), f"torch _low_contention_{op}")
     if name == "torch_multimem":
         gather = torch.ops.symm_mem.multimem_all_gather_out
