@@ -36,7 +36,7 @@ def test_bad_counts_are_refused(counts):
 def test_push_slots_hold_the_largest_segment_on_16_bytes():
     assert push_slot_units([5, 0, 17], vec=8) == 24 and push_slot_units([16, 16], vec=4) == 16
     counts = even_counts(1001, 7)
-    assert 7 * push_slot_units(counts, 8) * 2 <= stage_bytes("reduce_scatter", "push", 1001 * 2, 7)
+    assert 7 * push_slot_units(counts, 8) * 2 <= stage_bytes(False, 1001 * 2, 7)
 
 
 def test_even_counts():
@@ -49,9 +49,9 @@ def test_stage_bytes_bound_every_even_layout():
     for nbytes, world_size in [(2 * 7 * 3, 3), (4096, 8), (2 * 1001 * 2, 2)]:
         counts = even_counts(nbytes // 2, world_size)
         need = stage_units(segments(counts, 8, True), False) * 2
-        assert need <= stage_bytes("reduce_scatter", "pull", nbytes, world_size)
-        assert stage_bytes("all_gather", "pull", nbytes, world_size) >= nbytes // world_size
-    assert stage_bytes("all_gather", "push", 4096, 8) == 4096 and stage_bytes("all_gather", "pull", 4096, 8) == 512
+        assert need <= stage_bytes(False, nbytes, world_size)
+        assert stage_bytes(True, nbytes, world_size) >= nbytes // world_size
+    assert stage_bytes(False, 4096, 8) == 4096 and stage_bytes(True, 4096, 8) == 512
 
 
 def test_configs_reject_illegal_combinations():

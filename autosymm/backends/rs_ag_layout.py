@@ -134,13 +134,13 @@ def push_slot_units(counts: Sequence[int], vec: int) -> int:
     return align(max(counts), vec)
 
 
-def stage_bytes(op: str, algorithm: str, nbytes: int, world_size: int) -> int:
-    """Bytes of the all-reduce region a staged call of ``op`` takes for a full tensor of
-    ``nbytes`` split evenly (the reduce-scatter's input, the all-gather's output): every
-    segment at a 16-byte aligned start (the push reduce-scatter: one slot per sender, the same
-    bytes), except the all-gather pull's, which stages its own shard only. A per-rank split
-    needs up to ``16 * world_size`` more, or its largest shard (pull: once, push: per sender)."""
+def stage_bytes(own_shard_only: bool, nbytes: int, world_size: int) -> int:
+    """Bytes of the all-reduce region a staged call takes for a full tensor of ``nbytes`` split
+    evenly (the reduce-scatter's input, the all-gather's output): every segment at a 16-byte
+    aligned start (the push reduce-scatter: one slot per sender, the same bytes), or, with
+    ``own_shard_only`` (the all-gather pull), this rank's own shard only. A per-rank split needs
+    up to ``16 * world_size`` more, or its largest shard (pull: once, push: per sender)."""
     shard = -(-nbytes // world_size)
-    if op == "all_gather" and algorithm == "pull":
+    if own_shard_only:
         return align(shard, ALIGN)
     return align(world_size * align(shard, 16), ALIGN)

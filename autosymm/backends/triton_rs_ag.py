@@ -85,6 +85,8 @@ class _SegmentLauncher:
 
     #: 'reduce_scatter' | 'all_gather'; the all-gather's units are bytes
     op = ""
+    #: whether the kernel has a ZERO_COPY constexpr (all but the push reduce-scatter's)
+    zero_copy_kernel = True
 
     def __init__(self, kernel, config, workspace, dtype: Optional[torch.dtype]) -> None:
         self.kernel = kernel
@@ -126,8 +128,8 @@ class _SegmentLauncher:
         zero_copy, aligned, seg_aligned, even = key[:4]
         constexprs = dict(WORLD_SIZE=self.world_size, BLOCK=self.config.block_size, ZERO_COPY=zero_copy,
                           ALIGNED=aligned, SEG_ALIGNED=seg_aligned, EVEN=even)
-        if self.config.algorithm == "push" and self.op == "reduce_scatter":
-            del constexprs["ZERO_COPY"]  # its input is only read locally: no zero-copy variant
+        if not self.zero_copy_kernel:
+            del constexprs["ZERO_COPY"]  # the push reduce-scatter reads its input locally only
         launcher = LeanLauncher(self.kernel, (self.config.num_blocks,), constexprs, num_warps=self.config.num_warps,
                                 num_stages=1)
         self._variants[key] = launcher
@@ -220,6 +222,7 @@ class ReduceScatterLauncher(_SegmentLauncher):
         from ..kernels.reduce_scatter import _reduce_scatter, _reduce_scatter_push
 
         self.push = config.algorithm == "push"
+        self.zero_copy_kernel = not self.push
         super().__init__(_reduce_scatter_push if self.push else _reduce_scatter, config, workspace, dtype)
         self.elem_bytes = dtype.itemsize
         self._vec = 16 // self.elem_bytes
@@ -330,7 +333,7 @@ class TritonReduceScatter(Backend):
                            intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        return _stage_limits(stage_bytes("reduce_scatter", self.algorithm, problem.nbytes, problem.world_size),
+        return _stage_limits(stage_bytes(False, problem.nbytes, problem.world_size),
                              problem.numel, caps)
 
     def search_space(self, problem: Problem) -> list[ReduceScatterConfig]:
@@ -352,7 +355,7 @@ class TritonAllGather(Backend):
                            intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
-        return _stage_limits(stage_bytes("all_gather", self.algorithm, problem.nbytes, problem.world_size),
+        return _stage_limits(stage_bytes(self.algorithm == "pull", problem.nbytes, problem.world_size),
                              problem.nbytes, caps)
 
     def search_space(self, problem: Problem) -> list[AllGatherConfig]:

@@ -37,19 +37,22 @@ NO_COPY_OTHERS = ("nccl", "torch_low_contention", "torch_multimem")
 COPY_OTHERS = ("nccl", "torch_low_contention_copy")
 
 
-def _shapes(op: str, numel: int, world_size: int) -> tuple[int, int]:
-    """(input, output) elements of ``op`` for a full tensor of ``numel``."""
-    return (numel, numel // world_size) if op == "reduce_scatter" else (numel // world_size, numel)
+def _shapes(reduces: bool, numel: int, world_size: int) -> tuple[int, int]:
+    """(input, output) elements for a full tensor of ``numel``: the reduce-scatter's (``reduces``)
+    or the all-gather's."""
+    return (numel, numel // world_size) if reduces else (numel // world_size, numel)
 
 
-def why_not(op: str, name: str, setup: Setup, caps, nbytes: int, world_size: int) -> Optional[str]:
-    """None when implementation ``name`` can run ``op`` of ``nbytes`` here."""
+def why_not(reduces: bool, name: str, setup: Setup, caps, nbytes: int, world_size: int) -> Optional[str]:
+    """None when implementation ``name`` can run the reduce-scatter (``reduces``) or the
+    all-gather of ``nbytes`` here."""
     if name.startswith("torch_"):
         if setup.pool is None:
             return "no torch symmetric memory here (needs CUDA, one node, torch.ops.symm_mem)"
-        if name == "torch_multimem" and (op != "all_gather" or not caps.has_multicast):
-            return "all-gather only, needs multicast (autosymm never enables it)" if op == "all_gather" else \
-                "torch has no multimem reduce-scatter op"
+        if name == "torch_multimem" and reduces:
+            return "torch has no multimem reduce-scatter op"
+        if name == "torch_multimem" and not caps.has_multicast:
+            return "needs multicast (autosymm never enables it)"
     if name == "autosymm_zero_copy":
         if setup.workspace is None:
             return "no autosymm workspace here (needs CUDA and one node)"
@@ -60,14 +63,14 @@ def why_not(op: str, name: str, setup: Setup, caps, nbytes: int, world_size: int
     return None
 
 
-def build(op: str, name: str, setup: Setup, numel: int, count: int) -> Impl:
-    """Implementation ``name`` of ``op`` for a full tensor of ``numel`` elements, ``count`` inputs;
-    ``launch(input, output) -> output``."""
+def build(reduces: bool, name: str, setup: Setup, numel: int, count: int) -> Impl:
+    """Implementation ``name`` of the reduce-scatter (``reduces``) or the all-gather for a full
+    tensor of ``numel`` elements, ``count`` inputs; ``launch(input, output) -> output``."""
     import autosymm
 
     world_size, group, gname = dist.get_world_size(setup.group), setup.group, setup.group_name
-    n_in, n_out = _shapes(op, numel, world_size)
-    rs = op == "reduce_scatter"
+    n_in, n_out = _shapes(reduces, numel, world_size)
+    rs = reduces
     if name == "nccl":
         single = pick_collective("reduce_scatter_single", "reduce_scatter_tensor") if rs else \
             pick_collective("all_gather_single", "all_gather_into_tensor")
@@ -78,9 +81,10 @@ def build(op: str, name: str, setup: Setup, numel: int, count: int) -> Impl:
         inputs = setup.pool.views(count, n_in, setup.dtype) if name == "torch_low_contention" else \
             setup.plain(count, n_in)
         wait = torch.ops._c10d_functional.wait_tensor  # the ops run on torch's side stream: join it
-        fn = (lambda x, out: out.copy_(wait(ops._low_contention_reduce_scatter(x, "sum", gname)))) if rs else \
-            (lambda x, out: out.copy_(wait(ops._low_contention_all_gather(x, gname))))
-        return Impl(name, fn, list(zip(inputs, setup.plain(count, n_out))), f"torch _low_contention_{op}")
+        torch_op = "_low_contention_reduce_scatter" if rs else "_low_contention_all_gather"
+        call_op, extra = getattr(ops, torch_op), (("sum",) if rs else ())
+        return Impl(name, lambda x, out: out.copy_(wait(call_op(x, *extra, gname))),
+                    list(zip(inputs, setup.plain(count, n_out))), f"torch {torch_op}")
     if name == "torch_multimem":
         gather = torch.ops.symm_mem.multimem_all_gather_out
         outputs = setup.pool.views(count, n_out, setup.dtype)
@@ -96,32 +100,34 @@ def build(op: str, name: str, setup: Setup, numel: int, count: int) -> Impl:
     return Impl(name, lambda x, out: (call(out, x), out)[1], list(zip(inputs, outputs)))
 
 
-def _op_size_rows(op: str, nbytes: int, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
-    """Every implementation's rows of ``op`` at one size (NCCL's result on the same data the reference)."""
+def _op_size_rows(tuning, nbytes: int, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
+    """Every implementation's rows of one op (``tuning``: its tuning side) at one size (NCCL's
+    result on the same data the reference)."""
     import autosymm
 
     from .bench import _agree, _measure
 
     world_size, rank = dist.get_world_size(setup.group), dist.get_rank(setup.group)
+    op, reduces = tuning.name, tuning.full_input
     elem = torch.empty((), dtype=setup.dtype).element_size()
     label, numel = size_label(nbytes), nbytes // elem
     if nbytes % (elem * world_size):
         note = f"{nbytes} bytes do not split into {world_size} equal shards of {setup.dtype}"
         return [BenchRow(op, label, nbytes, m, name, None, note=note) for name in SHARDED_IMPLS for m in modes]
     gen = torch.Generator(device=setup.device).manual_seed(1234 + rank)
-    n_in, n_out = _shapes(op, numel, world_size)
+    n_in, n_out = _shapes(reduces, numel, world_size)
     pristine = torch.randn(n_in, generator=gen, device=setup.device).to(setup.dtype)
     count = bench_plan(nbytes, "eager").n_inputs
-    reference = build(op, "nccl", setup, numel, 1).launch(pristine, torch.empty(n_out, dtype=setup.dtype,
+    reference = build(reduces, "nccl", setup, numel, 1).launch(pristine, torch.empty(n_out, dtype=setup.dtype,
                                                                                      device=setup.device))
     rows = []
     for name in SHARDED_IMPLS:
-        reason = why_not(op, name, setup, caps, nbytes, world_size)
+        reason = why_not(reduces, name, setup, caps, nbytes, world_size)
         if reason is not None:
             rows += [BenchRow(op, label, nbytes, m, name, None, note=reason) for m in modes]
             continue
         try:  # the zero-copy tensors are freed after each size (the region's bottom is reused)
-            impl = build(op, name, setup, numel, count)
+            impl = build(reduces, name, setup, numel, count)
             checked = impl.inputs[-1]
             checked[0].copy_(pristine)
             wrong = check_output(impl.launch(*checked), reference, world_size)
@@ -143,8 +149,11 @@ def _op_size_rows(op: str, nbytes: int, modes: list[str], setup: Setup, caps) ->
 
 def sharded_rows(options, setup: Setup, caps) -> list[BenchRow]:
     """The reduce-scatter's and the all-gather's rows (those in ``options.ops``) at every size."""
-    return [row for op in ("reduce_scatter", "all_gather") if op in options.ops
-            for nbytes in options.sizes for row in _op_size_rows(op, nbytes, options.modes, setup, caps)]
+    from . import ops as tuning_ops
+
+    sharded = [op for op in tuning_ops.ALL if op.bench_rows() is sharded_rows and op.name in options.ops]
+    return [row for op in sharded for nbytes in options.sizes
+            for row in _op_size_rows(op, nbytes, options.modes, setup, caps)]
 
 
 def sharded_table(result, op: str):

@@ -22,9 +22,7 @@ class AllGatherTuning(ShardedTuning):
         all_gather_launcher(data.group)(data.expected, data.val_input, data.counts)
 
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
-        from ...backends.rs_ag_layout import ALL_GATHER_ALGORITHMS
-
-        return full_tensor_stage_bytes("all_gather", ALL_GATHER_ALGORITHMS, problem), 0
+        return full_tensor_stage_bytes(problem), 0
 
 
 ALL_GATHER = AllGatherTuning(RECORD)

@@ -23,12 +23,12 @@ def tuning_counts(numel: int, world_size: int) -> Optional[list[int]]:
     return [base + (r < extra) for r in range(world_size)]
 
 
-def full_tensor_stage_bytes(op: str, algorithms, problem: Problem) -> int:
-    """All-reduce region bytes the largest stage of ``op``'s ``algorithms`` takes for ``problem``
-    (a per-rank split: up to 16 bytes more per rank)."""
+def full_tensor_stage_bytes(problem: Problem) -> int:
+    """All-reduce region bytes the largest Triton stage of either op takes for ``problem`` (every
+    segment staged; a per-rank split: up to 16 bytes more per rank)."""
     from ...backends.rs_ag_layout import stage_bytes
 
-    return max(stage_bytes(op, a, problem.nbytes, problem.world_size) for a in algorithms) + 16 * problem.world_size
+    return stage_bytes(False, problem.nbytes, problem.world_size) + 16 * problem.world_size
 
 
 class ShardedTuning(TuningOp):
@@ -85,9 +85,7 @@ class ReduceScatterTuning(ShardedTuning):
         reduce_scatter_launcher(data.group, dist.ReduceOp.SUM)(data.expected, data.val_input, data.counts)
 
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
-        from ...backends.rs_ag_layout import REDUCE_SCATTER_ALGORITHMS
-
-        return full_tensor_stage_bytes("reduce_scatter", REDUCE_SCATTER_ALGORITHMS, problem), 0
+        return full_tensor_stage_bytes(problem), 0
 
 
 REDUCE_SCATTER = ReduceScatterTuning(RECORD)
