@@ -174,8 +174,9 @@ def test_tune_backends_option_names_known_backends_and_keeps_the_baselines():
 
     assert _parse_backends(None) is None and _parse_backends("") is None
     # the fallbacks are every row's baseline: always measured
-    assert _parse_backends("triton_one_shot_push") == ["triton_one_shot_push", "nccl", "nccl_all_to_all", "nccl_fused"]
-    assert _parse_backends("nccl, triton_moe") == ["nccl", "triton_moe", "nccl_all_to_all", "nccl_fused"]
+    fallbacks = ["nccl_all_to_all", "nccl_fused", "nccl_reduce_scatter", "nccl_all_gather"]
+    assert _parse_backends("triton_one_shot_push") == ["triton_one_shot_push", "nccl", *fallbacks]
+    assert _parse_backends("nccl, triton_moe") == ["nccl", "triton_moe", *fallbacks]
     with pytest.raises(click.BadParameter, match="unknown backend.*triton_three_shot.*known: nccl"):
         _parse_backends("triton_three_shot")
 
