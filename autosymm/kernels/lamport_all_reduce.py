@@ -81,15 +81,6 @@ _HEADER_BYTES: tl.constexpr = tl.constexpr(256)
 
 
 @triton.jit
-def _wire_type(ELEM: tl.constexpr):
-    """The unsigned integer type of ELEM's bits (the wire form)."""
-    if ELEM.primitive_bitwidth == 16:
-        return tl.uint16
-    else:
-        return tl.uint32
-
-
-@triton.jit
 def _buffer_ptr(region_ptrs, receiver, buffer, slot, slot_bytes, WORLD_SIZE: tl.constexpr, WIRE: tl.constexpr):
     """Slot ``slot`` of receive buffer ``buffer`` (0..2) in ``receiver``'s Lamport region."""
     offset = _HEADER_BYTES + (buffer.to(tl.int64) * (WORLD_SIZE - 1) + slot) * slot_bytes
@@ -115,7 +106,7 @@ def _from_wire(wire, ELEM: tl.constexpr):
 def _push(x_ptr, region_ptrs, buffer, slot_bytes, offs, end, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
           MASKED: tl.constexpr):
     """Store x[offs] (wire form) into this rank's slot of ``buffer`` of every peer."""
-    WIRE: tl.constexpr = _wire_type(x_ptr.dtype.element_ty)
+    WIRE: tl.constexpr = tl.uint16 if x_ptr.dtype.element_ty.primitive_bitwidth == 16 else tl.uint32
     if MASKED:
         wire = _to_wire(tl.load(x_ptr + offs, mask=offs < end), WIRE)
     else:
@@ -132,7 +123,10 @@ def _push(x_ptr, region_ptrs, buffer, slot_bytes, offs, end, RANK: tl.constexpr,
 @triton.jit
 def _rearm(region_ptrs, buffer, slot_bytes, count, pid, n_programs, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
            BLOCK: tl.constexpr, WIRE: tl.constexpr):
-    """Store the sentinel over the first ``count`` elements of every slot of our ``buffer``."""
+    """Store the sentinel over the first ``count`` elements of every slot of our ``buffer``,
+    rounded up to whole 16-byte vectors (past ``count`` a slot holds the sentinel already)."""
+    VEC: tl.constexpr = 128 // WIRE.primitive_bitwidth
+    count = (count + VEC - 1) // VEC * VEC
     lane = tl.arange(0, BLOCK)
     zeros = tl.zeros((BLOCK,), WIRE)
     for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
@@ -175,7 +169,7 @@ def _reduce(x_ptr, region_ptrs, errors, buffer, slot_bytes, offs, end, RANK: tl.
             WORLD_SIZE: tl.constexpr, MASKED: tl.constexpr):
     """x[offs] = fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order): our x, the peers' arrivals."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    WIRE: tl.constexpr = _wire_type(ELEM)
+    WIRE: tl.constexpr = tl.uint16 if ELEM.primitive_bitwidth == 16 else tl.uint32  # ELEM's bits
     acc = tl.zeros(offs.shape, tl.float32)
     for peer in tl.static_range(WORLD_SIZE):
         if peer == RANK:
@@ -215,11 +209,11 @@ def _lamport_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, slot_b
     ``region_ptrs[r]``: rank r's Lamport region; ``signal_ptrs[WORLD_SIZE]``: this rank's error
     slot of the 'all_reduce' channel (the only entry used). ``slot_bytes``: the region's slot
     stride (autosymm.geometry.LAMPORT_SLOT_BYTES, a multiple of 256, at least the bytes of x), the
-    same in every call: the re-arm finds the previous call's data with it. PHASE 0 runs everything; 1 only the pushes, 2 the re-arm, the
-    reads and the rotation (tests run phase 1 on every simulated rank, then phase 2).
+    same in every call: the re-arm finds the previous call's data with it. PHASE 0 runs
+    everything; 1 only the pushes, 2 the re-arm, the reads and the rotation (tests run phase 1 on every simulated rank, then phase 2).
     """
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    WIRE: tl.constexpr = _wire_type(ELEM)
+    WIRE: tl.constexpr = tl.uint16 if ELEM.primitive_bitwidth == 16 else tl.uint32  # ELEM's bits
     numel = _whole_vectors(numel, TAIL)
     pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     header = tl.load(region_ptrs + RANK).to(tl.pointer_type(tl.int32))
