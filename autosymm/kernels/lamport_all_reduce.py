@@ -7,7 +7,8 @@ rank spins with volatile loads on its own buffer until every element of its chun
 sums in fp32 in the fixed peer order 0..W-1 (its own x read locally), rounds once and writes x.
 
 Layout of a rank's Lamport region (bytes): a 256-byte header of this rank's own words (int32:
-``[0]`` the rotation index k, the number of Lamport calls since the last reset; ``[1]`` the
+``[0]`` the rotation index, k mod 3 for the k-th Lamport call since the last reset (stored
+reduced, so it never overflows in a long-running server); ``[1]`` the
 arrival counter of the call's programs, 0 between calls; ``[2]`` the element count of the
 previous call), then 3 buffers of ``WORLD_SIZE - 1`` slots of ``slot_bytes``; sender s writes
 slot ``(s - receiver - 1) mod WORLD_SIZE`` of the receiver's buffer (as the push one-shot).
@@ -22,11 +23,12 @@ and in round-to-nearest a sum is -0.0 only when both addends are, so the accumul
 subnormals) crosses bit for bit. The result is thus bit-identical to the other one-shots'
 (autosymm.kernels.all_reduce): same fp32 sum, same order, one rounding.
 
-Rotation (k is read from the header by every program; the last program to finish stores k + 1,
-exactly as the double-buffer epoch advances: autosymm.kernels.all_reduce._advance_epoch, so any
-grid advances it by one and a CUDA graph replays with the same arguments). Call k writes buffer
-``k % 3`` of every peer, reads ``k % 3`` of its own, and re-arms ``(k + 2) % 3``, the buffer of
-call k - 1 (its element count is header word ``[2]``), at once after its pushes, while they fly.
+Rotation (k % 3 is read from the header by every program; the last program to finish stores
+(k + 1) % 3, exactly as the double-buffer epoch advances: autosymm.kernels.all_reduce's
+``_advance_epoch``, so any grid advances it by one and a CUDA graph replays with the same
+arguments). Call k writes buffer ``k % 3`` of every peer, reads ``k % 3`` of its own, and
+re-arms ``(k + 2) % 3``, the buffer of call k - 1 (its element count is header word ``[2]``), at
+once after its pushes, while they fly.
 
 Invariants (every rank runs the same sequence of Lamport calls since the last reset, so k and
 the counts agree on all ranks):
@@ -44,9 +46,11 @@ the counts agree on all ranks):
   needs, and no reader of call k can see call k + 3's data. The re-arm of ``(k + 2) % 3`` in call
   k is equally safe from any program over any range: r finished reading it (call k - 1 ended)
   and a peer writes it next in call k + 2, after r's call k + 1 pushes.
-* Three buffers, not two, because the re-arm runs at the start of the call, unordered with the
-  call's reads and its peers' next pushes: call k + 1's pushes (buffer ``(k + 1) % 3``) may
-  land while r reads ``k % 3`` and re-arms ``(k + 2) % 3``.
+* Three buffers, not two: while r runs call k, a peer may already run call k + 1 (it needs only
+  r's call k pushes, done first) and store into buffer ``(k + 1) % 3``; r reads ``k % 3`` and
+  re-arms call k - 1's buffer. With two buffers call k - 1's buffer would be ``(k + 1) % 2``,
+  the one that peer writes. A peer is never two calls ahead (call k + 1 ends only with r's call
+  k + 1 data), so three suffice, and the re-arm needs no ordering with the call's reads.
 
 Memory ordering: no flag guards the data, the data is the flag, so there is nothing to order
 between a flag and a payload. Each element is read with a volatile load (``ld.volatile``, never
@@ -59,8 +63,8 @@ kernels named above; there is no release/acquire pair on the hot path.
 
 Bounded waits: a slot's chunk that is still incomplete after ``MAX_POLLS`` polls
 (autosymm.kernels.barrier, AUTOSYMM_BARRIER_MAX_POLLS) is given up, counted in this rank's
-error slot of the 'all_reduce' channel (``signal_ptrs[WORLD_SIZE]``), and the sentinels read
-as +0.0 in the sum; once the error slot is non-zero, later waits give up at once (fail fast),
+error slot of the 'all_reduce' channel (``signal_ptrs[WORLD_SIZE]``), and the missing elements
+add -0.0 (nothing) to the sum; once the error slot is non-zero, later waits give up at once (fail fast),
 so a dead peer never hangs the GPU. A late peer may then store into a buffer after its re-arm:
 as after any barrier timeout, every result since the last clean ``Workspace.barrier_errors()``
 is suspect and ``Workspace.reset_signals()`` (which re-arms the region and zeroes the header)
@@ -189,15 +193,16 @@ def _reduce(x_ptr, region_ptrs, errors, buffer, slot_bytes, offs, end, RANK: tl.
 
 
 @triton.jit
-def _advance(header, index, numel):
+def _advance(header, buffer, numel):
     """Count this program's arrival; the grid's last program resets the count and stores the
-    next rotation index and this call's element count (every program read the old ones first)."""
+    next rotation index (mod 3) and this call's element count (every program read the old ones
+    first: its loads precede its acq_rel arrival, which the last program's arrival acquires)."""
     tl.debug_barrier()  # every thread of this program is past its header loads
     arrived = tl.atomic_add(header + _ARRIVAL_WORD, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:
         tl.atomic_xchg(header + _ARRIVAL_WORD, 0, sem="relaxed", scope="gpu")
         tl.store(header + _COUNT_WORD, numel)
-        tl.store(header + _INDEX_WORD, index + 1)
+        tl.store(header + _INDEX_WORD, (buffer + 1) % 3)
 
 
 @triton.jit(do_not_specialize=["numel", "slot_bytes"])
@@ -217,8 +222,7 @@ def _lamport_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, slot_b
     numel = _whole_vectors(numel, TAIL)
     pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     header = tl.load(region_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    index = tl.load(header + _INDEX_WORD)
-    buffer = index % 3
+    buffer = tl.load(header + _INDEX_WORD)  # the rotation index k % 3: this call's receive buffer
     if PHASE != 2:
         for chunk in range(pid, n_chunks, n_programs):
             offs = chunk * BLOCK + lane
@@ -228,7 +232,7 @@ def _lamport_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, slot_b
                 _push(x_ptr, region_ptrs, buffer, slot_bytes, offs, numel, RANK, WORLD_SIZE, True)
     if PHASE != 1:
         previous = tl.load(header + _COUNT_WORD)
-        _rearm(region_ptrs, (index + 2) % 3, slot_bytes, previous, pid, n_programs, RANK, WORLD_SIZE, BLOCK, WIRE)
+        _rearm(region_ptrs, (buffer + 2) % 3, slot_bytes, previous, pid, n_programs, RANK, WORLD_SIZE, BLOCK, WIRE)
         errors = tl.load(signal_ptrs + WORLD_SIZE).to(tl.pointer_type(tl.int32))
         for chunk in range(pid, n_chunks, n_programs):
             offs = chunk * BLOCK + lane
@@ -236,4 +240,4 @@ def _lamport_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, slot_b
                 _reduce(x_ptr, region_ptrs, errors, buffer, slot_bytes, offs, numel, RANK, WORLD_SIZE, False)
             else:
                 _reduce(x_ptr, region_ptrs, errors, buffer, slot_bytes, offs, numel, RANK, WORLD_SIZE, True)
-        _advance(header, index, numel)
+        _advance(header, buffer, numel)
