@@ -353,7 +353,8 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
     :func:`reserve_moe_bytes` reserved. Later calls return the cached workspace; asking for more
     bytes than it has raises (only autosymm.moe_room grows the MoE region, collectively).
     Besides the requested regions it holds the all-reduce double buffer (2 x
-    :data:`DOUBLE_BUFFER_HALF_BYTES`, not counted in AUTOSYMM_WORKSPACE_BYTES).
+    :data:`DOUBLE_BUFFER_HALF_BYTES`) and the Lamport receive buffers
+    (autosymm.geometry.LAMPORT_BYTES), not counted in AUTOSYMM_WORKSPACE_BYTES.
     """
     import torch.distributed as dist
 
