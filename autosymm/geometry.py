@@ -5,7 +5,7 @@ Every rank lays out its workspace buffer identically, so a peer's region is the 
 address plus the same offset. Regions are reserved by name, in order, each on an
 :data:`ALIGN`-byte boundary (:class:`Layout`); the standard layout (:func:`workspace_layout`) is::
 
-    [ signal pads | all-reduce region | MoE region | all-reduce double buffer | fused stash ]
+    [ signal pads | all-reduce region | MoE region | all-reduce double buffer | fused stash | Lamport ]
 
 Users of these numbers: ``autosymm.symm`` (the buffer and its regions), the backends (where a
 call stages its data, what fits, which search-space points fit: each Triton algorithm record
@@ -66,6 +66,17 @@ DOUBLE_BUFFER_REGION = "all_reduce_double_buffer"
 #: with whole rows.
 FUSED_STASH_REGION = "fused_stash"
 FUSED_STASH_BYTES = 2 << 20
+#: The Lamport one-shot's receive buffers (autosymm.kernels.lamport_all_reduce): a header of this
+#: rank's own words (rotation index, arrival counter, previous element count), then 3 buffers of
+#: MAX_WORLD_SIZE - 1 slots of LAMPORT_SLOT_BYTES. Peers store into it at any time between their
+#: calls, and a zero word is "not arrived", so nothing else may write there, it never moves, and
+#: it is zeroed (armed) with the signal pads.
+LAMPORT_REGION = "lamport"
+LAMPORT_HEADER_BYTES = 256
+LAMPORT_BUFFERS = 3
+#: Largest input (bytes per rank) of a Lamport call, and the stride of its slots.
+LAMPORT_SLOT_BYTES = 256 * 1024
+LAMPORT_BYTES = LAMPORT_HEADER_BYTES + LAMPORT_BUFFERS * (MAX_WORLD_SIZE - 1) * LAMPORT_SLOT_BYTES
 #: Bytes of each half of the double-buffer region.
 DOUBLE_BUFFER_HALF_BYTES = 4 << 20
 DEFAULT_ALL_REDUCE_BYTES = 256 * 1024**2
@@ -109,7 +120,8 @@ class Layout:
 
 def workspace_layout(all_reduce_bytes: int, moe_bytes: int, double_buffer_half_bytes: int = 0) -> Layout:
     """The standard layout (module docstring); no double-buffer region when its half is 0 bytes
-    (appended after the others, so they keep their offsets either way), then the fused stash."""
+    (appended after the others, so they keep their offsets either way), then the fused stash
+    and the Lamport receive buffers."""
     layout = Layout()
     layout.reserve(SIGNAL_REGION, SIGNAL_BYTES)
     layout.reserve(ALL_REDUCE_REGION, all_reduce_bytes)
@@ -117,6 +129,7 @@ def workspace_layout(all_reduce_bytes: int, moe_bytes: int, double_buffer_half_b
     if double_buffer_half_bytes > 0:
         layout.reserve(DOUBLE_BUFFER_REGION, 2 * align(double_buffer_half_bytes))
     layout.reserve(FUSED_STASH_REGION, FUSED_STASH_BYTES)
+    layout.reserve(LAMPORT_REGION, LAMPORT_BYTES)
     return layout
 
 
@@ -135,6 +148,11 @@ def tensor_stage_bytes(nbytes: int, world_size: int) -> int:
 def push_stage_bytes(nbytes: int, world_size: int) -> int:
     """Bytes of a push stage for a tensor of ``nbytes``: one slot (:func:`push_slot_bytes`) per peer."""
     return (world_size - 1) * push_slot_bytes(nbytes)
+
+
+def lamport_stage_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes of the all-reduce region a Lamport call stages in: none (peers write the Lamport region)."""
+    return 0
 
 
 def rows_and_out_stage_bytes(nbytes: int, world_size: int) -> int:

@@ -44,6 +44,9 @@ peer's base address plus the same offset)::
   poisoning of the other regions, and the halves must not move with the tensor's size.
 * fused stash (``FUSED_STASH_REGION``): the split-row fused kernels' fp32 row sums, this rank's
   own (autosymm.geometry).
+* Lamport receive buffers (``LAMPORT_REGION``, autosymm.kernels.lamport_all_reduce): a zero word
+  there means "not arrived yet", so the region is zeroed with the signal pads, at creation and by
+  :meth:`Workspace.reset_signals` (its header, the rotation index, must restart on every rank).
 
 Multicast is never created here: ``multicast_ptr`` is what torch's handle reports (0 when the
 driver, the group or ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` says no), and multimem kernels run only
@@ -58,7 +61,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION,
+from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, LAMPORT_REGION,
                        DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION,
                        Layout, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL,
                        SIGNAL_SLOTS_PER_RANK, MOE_SIGNAL_SLOT, align, moe_buffer, workspace_layout)
@@ -293,11 +296,18 @@ class Workspace:
 
         local(self._synchronize)
         self._host_barrier(group)
-        local(lambda: self.buffer[:SIGNAL_BYTES].zero_())
+        local(self._zero_control)
         local(self._synchronize)
         self._host_barrier(group)
         if errors:
             raise errors[0]
+
+    def _zero_control(self) -> None:
+        """Zero the signal pads and arm the Lamport receive buffers (this rank's buffer)."""
+        self.buffer[:SIGNAL_BYTES].zero_()
+        lamport = self.regions.get(LAMPORT_REGION)
+        if lamport is not None:
+            self.buffer[lamport.offset:lamport.offset + lamport.nbytes].zero_()
 
     @staticmethod
     def _host_barrier(group) -> None:
@@ -343,7 +353,8 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
     :func:`reserve_moe_bytes` reserved. Later calls return the cached workspace; asking for more
     bytes than it has raises (only autosymm.moe_room grows the MoE region, collectively).
     Besides the requested regions it holds the all-reduce double buffer (2 x
-    :data:`DOUBLE_BUFFER_HALF_BYTES`, not counted in AUTOSYMM_WORKSPACE_BYTES).
+    :data:`DOUBLE_BUFFER_HALF_BYTES`) and the Lamport receive buffers
+    (autosymm.geometry.LAMPORT_BYTES), not counted in AUTOSYMM_WORKSPACE_BYTES.
     """
     import torch.distributed as dist
 
@@ -378,6 +389,8 @@ def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: i
     layout = workspace_layout(all_reduce_bytes, moe_bytes, double_buffer_bytes)
     buffer = symm_mem.empty((layout.total_bytes,), dtype=torch.uint8, device=device)
     buffer[:SIGNAL_BYTES].zero_()  # signal pads start at zero: no signal pending
+    lamport = layout.regions[LAMPORT_REGION]
+    buffer[lamport.offset:lamport.offset + lamport.nbytes].zero_()  # Lamport buffers armed
     torch.cuda.synchronize(device)
     peers, handle, base_offset = peer_buffers(buffer, group)
     multicast = int(getattr(handle, "multicast_ptr", 0) or 0)

@@ -43,7 +43,7 @@ def _launcher(world_size=3, region=1 << 16, half=4096, double_buffer=True, rank=
 def test_stage_bytes_counts_one_slot_per_peer():
     assert push_slot_bytes(1) == 256 and push_slot_bytes(256) == 256 and push_slot_bytes(257) == 512
     stage = {name: a.stage_bytes(1000, 4) for name, a in ALGORITHMS.items()}
-    assert stage == {"one_shot_push": 3 * 1024, "one_shot": 1000, "two_shot": 1000, "multimem": 1000}
+    assert stage == {"one_shot_push": 3 * 1024, "one_shot": 1000, "two_shot": 1000, "multimem": 1000, "lamport": 0}
 
 
 def test_slots_go_to_a_half_when_they_fit_else_to_the_top_of_the_region(recorded_launches):

@@ -78,7 +78,7 @@ def test_configs_name_their_family_records():
         assert AllReduceConfig(name, 1024, 1, 4).record is record
         if record.double_buffer:
             assert AllReduceConfig(name, 1024, 1, 4, double_buffer=True).double_buffer
-    with pytest.raises(ValueError, match=r"not one of \('one_shot', 'one_shot_push', 'two_shot', 'multimem'\)"):
+    with pytest.raises(ValueError, match=r"not one of \('one_shot', 'one_shot_push', 'two_shot', 'multimem', 'lamport'\)"):
         AllReduceConfig("three_shot", 1024, 1, 4)
     assert [n for n, a in triton_all_reduce.ALGORITHMS.items() if a.double_buffer] == ["one_shot", "one_shot_push"]
     for name, record in triton_fused.ALGORITHMS.items():

@@ -9,7 +9,8 @@ from autosymm.symm import simulated_workspaces
 def test_regions_are_reserved_by_name_in_order_on_aligned_offsets():
     layout = g.workspace_layout(1000, 3000, 5000)
     names = list(layout.regions)
-    assert names == [g.SIGNAL_REGION, g.ALL_REDUCE_REGION, g.MOE_REGION, g.DOUBLE_BUFFER_REGION, g.FUSED_STASH_REGION]
+    assert names == [g.SIGNAL_REGION, g.ALL_REDUCE_REGION, g.MOE_REGION, g.DOUBLE_BUFFER_REGION, g.FUSED_STASH_REGION,
+                     g.LAMPORT_REGION]
     end = 0
     for region in layout.regions.values():
         assert region.offset == end and region.offset % g.ALIGN == 0 and region.nbytes % g.ALIGN == 0
@@ -17,7 +18,8 @@ def test_regions_are_reserved_by_name_in_order_on_aligned_offsets():
     assert layout.total_bytes == end
     assert layout.regions[g.DOUBLE_BUFFER_REGION].nbytes == 2 * g.align(5000)
     assert layout.regions[g.FUSED_STASH_REGION].nbytes == g.FUSED_STASH_BYTES
-    assert list(g.workspace_layout(1000, 3000).regions)[-2:] == [g.MOE_REGION, g.FUSED_STASH_REGION]
+    assert layout.regions[g.LAMPORT_REGION].nbytes == g.LAMPORT_BYTES
+    assert list(g.workspace_layout(1000, 3000).regions)[-3:] == [g.MOE_REGION, g.FUSED_STASH_REGION, g.LAMPORT_REGION]
     with pytest.raises(ValueError, match="reserved already"):
         layout.reserve(g.MOE_REGION, 1)
 

@@ -6,7 +6,7 @@ import torch
 from autosymm.geometry import (ERROR_SLOTS_OFFSET, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET, FUSED_SPLIT_MAX,
                                FUSED_SPLIT_MAX_ROWS, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, SIGNAL_BYTES, SIGNAL_CHANNEL,
                                SIGNAL_SLOTS_PER_RANK, align, moe_buffer)
-from autosymm.geometry import DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES
+from autosymm.geometry import DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES, LAMPORT_REGION
 from autosymm.settings import MAX_WORKSPACE_BYTES, default_region_bytes
 from autosymm.symm import Workspace, simulated_workspaces
 
@@ -54,13 +54,16 @@ def test_barrier_errors_read_the_error_slots():
     assert peer.barrier_errors() == 0  # each rank has its own
 
 
-def test_reset_signals_zeroes_this_ranks_signal_region_only():
+def test_reset_signals_zeroes_this_ranks_signal_region_and_lamport_buffers_only():
     ws, peer = simulated_workspaces(2, all_reduce_bytes=1024, moe_bytes=1024)
     for w in (ws, peer):
         w.buffer.fill_(7)
     ws.reset_signals()
     assert int(ws.buffer[:SIGNAL_BYTES].count_nonzero()) == 0 and ws.barrier_errors() == 0
-    assert bool((ws.buffer[SIGNAL_BYTES:] == 7).all()), "data regions are left alone"
+    lamport = ws.regions[LAMPORT_REGION]
+    assert int(ws.buffer[lamport.offset:lamport.offset + lamport.nbytes].count_nonzero()) == 0, "re-armed"
+    assert bool((ws.buffer[SIGNAL_BYTES:lamport.offset] == 7).all()), "data regions are left alone"
+    assert bool((ws.buffer[lamport.offset + lamport.nbytes:] == 7).all())
     assert bool((peer.buffer == 7).all()), "a peer's pads are its own to reset"
 
 

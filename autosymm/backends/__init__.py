@@ -22,6 +22,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "triton_one_shot_push": ("autosymm.backends.triton_all_reduce", "triton_one_shot_push"),
     "triton_two_shot": ("autosymm.backends.triton_all_reduce", "triton_two_shot"),
     "triton_multimem": ("autosymm.backends.triton_all_reduce", "triton_multimem"),
+    "triton_lamport": ("autosymm.backends.triton_lamport", "triton_lamport"),
     "triton_moe": ("autosymm.backends.triton_moe", "TRITON_MOE"),
     "nccl_all_to_all": ("autosymm.backends.nccl_all_to_all", "NCCL_ALL_TO_ALL"),
     "nccl_fused": ("autosymm.backends.nccl_fused", "nccl_fused"),

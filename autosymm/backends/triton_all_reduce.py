@@ -1,6 +1,7 @@
 """Backends ``triton_one_shot``, ``triton_one_shot_push``, ``triton_two_shot`` and
 ``triton_multimem``: the Triton all-reduce kernels of autosymm.kernels.all_reduce (and
-autosymm.kernels.push_all_reduce) over the symmetric workspace. Each is a record of
+autosymm.kernels.push_all_reduce) over the symmetric workspace. The family's ``lamport`` record
+is served by its own backend, autosymm.backends.triton_lamport. Each is a record of
 :data:`ALGORITHMS` (autosymm.backends.launch.Algorithm: kernel, stage, splits by rank, double
 buffering, multicast) with its search space (:func:`all_reduce_space`) beside it.
 
@@ -41,9 +42,10 @@ from typing import Callable, Optional
 import torch
 
 from ..configs import WARP_SIZE, AllReduceConfig, useful_counts
-from ..geometry import (ALIGN, ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, max_push_input_bytes, push_stage_bytes,
-                        tensor_stage_bytes)
+from ..geometry import (ALIGN, ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, lamport_stage_bytes, max_push_input_bytes,
+                        push_stage_bytes, tensor_stage_bytes)
 from ..kernels.all_reduce import _one_shot_all_reduce, _two_shot_all_reduce
+from ..kernels.lamport_all_reduce import _lamport_all_reduce
 from ..kernels.push_all_reduce import _push_one_shot_all_reduce
 from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
@@ -64,6 +66,9 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     # one v4 multimem operation a thread: 16 bytes a thread at least
     Algorithm("multimem", _two_shot_all_reduce, tensor_stage_bytes, {"MULTIMEM": True}, splits_by_rank=True,
               multicast=True, min_thread_bytes=16),
+    # peers push into the Lamport region, not the all-reduce region: backend triton_lamport
+    # (autosymm.backends.triton_lamport: its own launcher and size cap)
+    Algorithm("lamport", _lamport_all_reduce, lamport_stage_bytes),
 )}
 
 

@@ -3,8 +3,8 @@ launches of one process (tests/gpu/_emulated.py), so kernel changes are checked 
 hardware whenever any GPU is lent.
 
 Families: the all-reduces (pull one-shot staged, zero-copy and double-buffered; push one-shot,
-single and double-buffered; two-shot staged and zero-copy), the fused all-reduce + RMSNorm
-(pull one-shot, double-buffered, push, two-shot by rows, split rows), the MoE dp->ep and ep->dp
+single and double-buffered; two-shot staged and zero-copy; the Lamport one-shot), the fused
+all-reduce + RMSNorm (pull one-shot, double-buffered, push, two-shot by rows, split rows), the MoE dp->ep and ep->dp
 conversions (fused and separate end barrier), the stream-ordered barrier, and, where their kernels
 are on the branch, the reduce-scatter and all-gather (push, pull; even and ragged). Three rounds each
 (the double buffer's halves alternate; the pads must balance). Sums are compared bit-exactly
@@ -82,6 +82,50 @@ def test_all_reduce_fp32_emulated():
     wss, launch, check = _all_reduce_case(4, "one_shot", 9_999, torch.float32)
     run_ranks(wss, launch, ROUNDS)
     check()
+
+
+#: Lamport one-shot: element counts of its rounds, larger and smaller than the round before (the
+#: re-arm's range), five rounds so the 3-buffer rotation wraps. One kernel variant per run (every
+#: module is loaded before a rank spins): ragged counts (TAIL=1), or whole 16-byte vectors (TAIL).
+LAMPORT_COUNTS = [(40_003, 777, 131_071, 1, 20_001), (40_000, 8, 131_072, 1024, 16)]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("counts", LAMPORT_COUNTS, ids=["ragged", "whole_vectors"])
+def test_lamport_all_reduce_emulated(world_size, counts):
+    """The Lamport one-shot (no barrier: peers spin on their receive buffers until the data is
+    there), -0.0 inputs included; bit-exact with the fp32 in-order sum every round. Its load
+    step runs the ranks one after another, so each rank's buffer of round 0 is pre-filled with
+    non-sentinel words there (as the barrier pads are pre-set); reset_signals re-arms it."""
+    from autosymm.backends.triton_lamport import _LamportLauncher
+    from autosymm.configs import AllReduceConfig
+    from autosymm.geometry import LAMPORT_HEADER_BYTES, LAMPORT_REGION, LAMPORT_SLOT_BYTES
+    from autosymm.problem import Problem
+
+    wss = workspaces(world_size)
+    problem = Problem.all_reduce(2 * max(counts), "bf16", world_size)
+    launchers = [_LamportLauncher(problem, AllReduceConfig("lamport", 1024, 4, 4), ws) for ws in wss]
+    inputs = [[random(n, BF16, seed=100 * k + r) for r in range(world_size)] for k, n in enumerate(counts)]
+    for k, per_rank in enumerate(inputs):
+        for r, t in enumerate(per_rank):
+            t[r::7] = -0.0  # the sentinel's value: must arrive (as +0.0, same sums)
+    xs = [[torch.empty_like(t) for t in per_rank] for per_rank in zip(*inputs)]
+    results = [[torch.empty_like(t) for t in per_rank] for per_rank in zip(*inputs)]
+    loading = [True]
+
+    def launch(rank, round_):
+        if loading[0]:  # load step: ranks run one after another; nothing may wait for a later one
+            start = wss[rank].regions[LAMPORT_REGION].offset + LAMPORT_HEADER_BYTES
+            wss[rank].buffer[start:start + (world_size - 1) * LAMPORT_SLOT_BYTES].fill_(0x55)
+        xs[rank][round_].copy_(inputs[round_][rank])
+        launchers[rank](xs[rank][round_])
+        results[rank][round_].copy_(xs[rank][round_])
+
+    run_ranks(wss, launch, len(counts), reset=lambda: loading.__setitem__(0, False))
+    for round_, per_rank in enumerate(inputs):
+        want = fp32_sum(per_rank)
+        for rank in range(world_size):
+            assert_bits(results[rank][round_], want, f"lamport rank {rank} round {round_}")
 
 
 FUSED = [  # (algorithm, double_buffer, row_split, rows_per_program, n_tokens, hidden)

@@ -1,0 +1,77 @@
+"""The Lamport one-shot compiles for Hopper (sm_90) on the CPU, and its PTX has what matters:
+volatile polls (16-byte where aligned), no barrier (no release signal, no acquire poll), bounded
+waits counted in the error slot, one arrival count and reset for the rotation, and 16-byte
+stores (pushes, re-arm, sum) wherever the element count is whole 16-byte vectors.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from _sm90 import compile_in_subprocesses, compile_ptx, ptx_features
+
+# (dtype, world_size, block, warps, x_aligned, tail)
+CASES = [
+    ("bf16", 2, 1024, 4, True, 8),
+    ("fp16", 4, 2048, 4, True, 8),
+    ("fp32", 8, 4096, 8, True, 4),
+    ("bf16", 3, 1024, 4, True, 1),
+    ("fp32", 8, 4096, 8, False, 4),
+]
+
+
+def _compile_cases(indices: list[int]) -> dict:
+    """Runs in a subprocess: compile CASES[i] for sm_90, return {i: features}."""
+    from autosymm.kernels.lamport_all_reduce import _lamport_all_reduce
+
+    out = {}
+    for i in indices:
+        dtype, world_size, block, warps, x_aligned, tail = CASES[i]
+        signature = {"x_ptr": f"*{dtype}", "region_ptrs": "*i64", "signal_ptrs": "*i64", "numel": "i32",
+                     "slot_bytes": "i64"}
+        constexprs = dict(RANK=world_size - 1, WORLD_SIZE=world_size, BLOCK=block, TAIL=tail, PHASE=0)
+        ptx = compile_ptx(_lamport_all_reduce, signature, constexprs, (0, 1, 2) if x_aligned else (1, 2), warps)
+        features = ptx_features(ptx)
+        features.update(
+            volatile_v4=len(re.findall(r"ld\.volatile\.global\.v4\.b32", ptx)),
+            volatile_scalar=len(re.findall(r"ld\.volatile\.global\.(?:b16|b32) ", ptx)),
+            fences=len(re.findall(r"\bfence\.|\bmembar\.", ptx)),
+        )
+        out[i] = features
+    return out
+
+
+@pytest.fixture(scope="module")
+def features():
+    return compile_in_subprocesses("test_compile_lamport_all_reduce", len(CASES))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
+def test_compiles_for_sm90(features, case):
+    dtype, world_size, block, warps, x_aligned, tail = CASES[case]
+    got = features[case]
+    peers = world_size - 1
+    # no barrier anywhere: the data is its own arrival mark
+    assert got["signals"] == 0 and got["acquire_polls"] == 0 and got["fences"] == 0, got
+    # every peer's slot is polled with volatile loads, first and in the bounded loop, in the full
+    # and the ragged chunk's path; 16 bytes each where the count is whole vectors
+    assert got["volatile_v4"] + got["volatile_scalar"] > 0
+    assert got["volatile_v4"] >= 2 * peers, got
+    if tail > 1:
+        assert got["volatile_scalar"] == 0, got
+    # bounded: compared against MAX_POLLS; a give-up is one relaxed add per wait site (peer, path)
+    assert got["poll_limit"] and got["error_adds"] == 2 * peers, got
+    # the rotation: one gpu-scope acq_rel arrival and one counter reset
+    assert (got["arrivals"], got["counter_resets"]) == (1, 1), got
+    # 16-byte pushes into every peer's slot, re-arm of every slot, the sum's store
+    assert got["v4_stores"] >= 2 * peers + 1, got
+    if tail > 1:
+        assert got["scalar_stores"] == 0, got
+
+
+def test_a_ragged_count_costs_scalar_polls(features):
+    """The TAIL=1 case (any element count) polls its ragged chunk per element; the TAIL cases
+    never do (the host passes TAIL whenever numel is whole 16-byte vectors)."""
+    ragged = [i for i, c in enumerate(CASES) if c[5] == 1]
+    assert ragged and all(features[i]["volatile_scalar"] > 0 for i in ragged)

@@ -1,0 +1,185 @@
+"""The Lamport one-shot all-reduce under the Triton interpreter, through its launcher.
+
+Ranks run one after another, so a rank's reads would wait for pushes of ranks that have not run
+yet: every call runs phase 1 (the pushes) on every rank first, then phase 2 (re-arm, reads,
+rotation) on each. Results are compared bit for bit with the fp32 in-order sum rounded once
+(what every one-shot computes), over several rounds of changing sizes (the rotation wraps and
+the re-arm covers a larger previous call), and the receive buffers are checked after each round:
+only the current buffer holds data, only over the call's elements.
+"""
+
+import pytest
+import torch
+
+from autosymm.backends import get_backend
+from autosymm.backends.base import BackendError, RunContext
+from autosymm.configs import AllReduceConfig
+from autosymm.geometry import LAMPORT_BUFFERS, LAMPORT_HEADER_BYTES, LAMPORT_REGION, LAMPORT_SLOT_BYTES
+from autosymm.problem import Problem
+from autosymm.symm import simulated_workspaces
+
+from _all_reduce_sim import error_counts, random_inputs, requires_interpreter, tiny_poll_limit
+from _rs_ag_sim import reference_sum
+
+pytestmark = requires_interpreter
+
+SENTINEL = 12345.0
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def workspaces(world_size):
+    return simulated_workspaces(world_size, all_reduce_bytes=1 << 12, moe_bytes=1 << 12, double_buffer_bytes=0)
+
+
+def launchers(wss, dtype, numel, block=256, programs=2, warps=2):
+    problem = Problem.all_reduce(numel * torch.tensor([], dtype=dtype).element_size(), DTYPES[dtype], len(wss))
+    config = AllReduceConfig("lamport", block, programs, warps)
+    return [get_backend("triton_lamport").prepare(problem, config, RunContext(workspace=ws)) for ws in wss]
+
+
+def in_order_sum(inputs):
+    """fp32 sum over ranks 0..W-1 from +0.0, rounded once (by triton's conversion, as the
+    kernels round): the one-shots' result bits."""
+    return reference_sum(inputs, inputs[0].dtype)
+
+
+def bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def header(ws):
+    """(rotation index, arrival counter, previous element count) of a rank's Lamport region."""
+    start = ws.regions[LAMPORT_REGION].offset
+    return tuple(ws.buffer[start:start + 12].view(torch.int32).tolist())
+
+
+def slot_words(ws, buffer, slot, elem_bytes):
+    """Rank ``ws.rank``'s slot ``slot`` of receive buffer ``buffer`` (raw words)."""
+    start = (ws.regions[LAMPORT_REGION].offset + LAMPORT_HEADER_BYTES
+             + (buffer * (ws.world_size - 1) + slot) * LAMPORT_SLOT_BYTES)
+    raw = ws.buffer[start:start + LAMPORT_SLOT_BYTES]
+    return raw.view({2: torch.int16, 4: torch.int32}[elem_bytes])
+
+
+def run_call(launch_of, inputs, *, dead=()):
+    """One call on every simulated rank (pushes first, then each reader); ranks in ``dead`` never
+    launch. Returns each rank's x, inside a sentinel-filled backing (a write past its end shows)."""
+    xs, backings = [], []
+    for t in inputs:
+        backing = torch.full((t.numel() + 64,), SENTINEL, dtype=t.dtype)
+        backing[:t.numel()] = t
+        xs.append(backing[:t.numel()])
+        backings.append(backing)
+    live = [r for r in range(len(inputs)) if r not in dead]
+    for r in live:
+        launch_of[r](xs[r], phase=1)
+    for r in live:
+        launch_of[r](xs[r], phase=2)
+    for backing, t in zip(backings, inputs):
+        assert bool((backing[t.numel():] == SENTINEL).all()), "a write past the end of x"
+    return xs
+
+
+def assert_only_current_buffer(wss, round_, numel, elem_bytes):
+    for ws in wss:
+        assert header(ws) == ((round_ + 1) % LAMPORT_BUFFERS, 0, numel)
+        for buffer in range(LAMPORT_BUFFERS):
+            for slot in range(ws.world_size - 1):
+                words = slot_words(ws, buffer, slot, elem_bytes)
+                if buffer == round_ % LAMPORT_BUFFERS:
+                    assert int(words[:numel].eq(0).sum()) == 0, f"rank {ws.rank}: an element never arrived"
+                    assert int(words[numel:].count_nonzero()) == 0, f"rank {ws.rank}: a store past the call"
+                else:
+                    assert int(words.count_nonzero()) == 0, f"rank {ws.rank} buffer {buffer} slot {slot} not re-armed"
+
+
+# (world_size, dtype, element counts per round): odd counts, single elements, a count of whole
+# 16-byte vectors (TAIL), larger and smaller than the round before (the re-arm's range).
+CASES = [
+    (2, torch.bfloat16, (1001, 17, 4096, 1)),
+    (3, torch.float16, (999, 1000, 3, 513)),
+    (4, torch.float32, (257, 1024, 31, 600)),
+    (8, torch.bfloat16, (777, 1, 2048, 129)),
+]
+
+
+@pytest.mark.parametrize("world_size,dtype,counts", CASES, ids=lambda v: str(v))
+def test_lamport_bit_exact_over_rounds(world_size, dtype, counts, monkeypatch):
+    tiny_poll_limit(monkeypatch)  # a bug that misses an arrival ends in an error count, not a hang
+    wss = workspaces(world_size)
+    elem_bytes = torch.tensor([], dtype=dtype).element_size()
+    for round_, numel in enumerate(counts + counts[:2]):  # six rounds: the rotation wraps twice
+        inputs = random_inputs(world_size, numel, dtype, seed=round_)
+        xs = run_call(launchers(wss, dtype, numel), inputs)
+        want = bits(in_order_sum(inputs))
+        for rank, x in enumerate(xs):
+            assert torch.equal(bits(x), want), f"rank {rank} round {round_}: bits differ from the in-order sum"
+        assert all(error_counts(ws)["all_reduce"] == 0 for ws in wss)
+        assert_only_current_buffer(wss, round_, numel, elem_bytes)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=lambda d: DTYPES[d])
+def test_negative_zero_and_special_values(dtype, monkeypatch):
+    """-0.0 (the sentinel's value) arrives as +0.0; sums keep the other one-shots' bits, the
+    sign of all-zero sums included; infinities and NaNs cross unchanged."""
+    tiny_poll_limit(monkeypatch)
+    world_size, numel = 3, 40
+    wss = workspaces(world_size)
+    inputs = [torch.full((numel,), -0.0, dtype=dtype) for _ in range(world_size)]
+    inputs[1][:10] = 0.0  # mixed signs of zero
+    inputs[2][10:20] = torch.tensor(1.5, dtype=dtype)
+    inputs[0][20:21] = float("inf")
+    inputs[1][21:22] = float("-inf")
+    inputs[0][22:23] = float("nan")
+    launch_of = launchers(wss, dtype, numel)
+    for round_ in range(4):
+        xs = run_call(launch_of, inputs)
+        want = bits(in_order_sum(inputs))
+        for rank, x in enumerate(xs):
+            assert torch.equal(bits(x), want), f"rank {rank} round {round_}"
+        assert all(error_counts(ws)["all_reduce"] == 0 for ws in wss), "a -0.0 input read as not arrived"
+    assert int(bits(xs[0])[20]) == int(bits(torch.tensor([float("inf")], dtype=dtype))[0])
+
+
+def test_dead_peer_counts_an_error_and_ends(monkeypatch):
+    """A peer that never launches: the others' waits give up after the poll limit (then at once,
+    fail fast), count it in the 'all_reduce' error slot, and the kernel ends; reset_signals
+    re-arms the buffers and restarts the rotation."""
+    tiny_poll_limit(monkeypatch)
+    world_size, numel = 4, 600
+    wss = workspaces(world_size)
+    inputs = random_inputs(world_size, numel, torch.bfloat16)
+    run_call(launchers(wss, torch.bfloat16, numel), inputs, dead=(3,))
+    for ws in wss[:3]:
+        assert error_counts(ws)["all_reduce"] >= 1, f"rank {ws.rank} did not count the dead peer"
+        assert header(ws)[:2] == (1, 0)  # the call ran to its end
+    assert error_counts(wss[3])["all_reduce"] == 0
+    for ws in wss:
+        ws.reset_signals()
+        region = ws.regions[LAMPORT_REGION]
+        assert int(ws.buffer[region.offset:region.offset + region.nbytes].count_nonzero()) == 0
+        assert ws.barrier_errors() == 0
+    xs = run_call(launchers(wss, torch.bfloat16, numel), inputs)  # healthy again
+    assert all(torch.equal(bits(x), bits(in_order_sum(inputs))) for x in xs)
+
+
+def test_one_rank_and_empty_launch_nothing():
+    wss = workspaces(2)
+    launch = launchers(wss, torch.float32, 0)[0]
+    x = torch.empty(0)
+    assert launch(x) is x and header(wss[0]) == (0, 0, 0)
+
+
+def test_launcher_rejects_what_it_cannot_serve():
+    wss = workspaces(2)
+    launch = launchers(wss, torch.bfloat16, 16)[0]
+    with pytest.raises(BackendError, match="dtype|prepared for"):
+        launch(torch.zeros(16, dtype=torch.float16))
+    with pytest.raises(BackendError, match="at most"):
+        launch(torch.zeros(LAMPORT_SLOT_BYTES // 2 + 1, dtype=torch.bfloat16))
+    with pytest.raises(BackendError, match="contiguous"):
+        launch(torch.zeros(32, dtype=torch.bfloat16)[::2])
+    region = wss[0].regions[LAMPORT_REGION]
+    inside = wss[0].buffer[region.offset + 4096:region.offset + 4096 + 32].view(torch.bfloat16)
+    with pytest.raises(BackendError, match="Lamport receive buffers"):
+        launch(inside)
