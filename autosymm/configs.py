@@ -62,6 +62,18 @@ def _check_block(name: str, value: int, smallest: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two in {smallest}..{MAX_BLOCK} (elements)")
 
 
+#: How an eager Triton call launches (``eager_launch`` of the all-reduce and fused configs, tuned
+#: and stored per eager row; autosymm.replay): 'replay' a cached one-kernel CUDA graph (the least
+#: host time: loops the host bounds), 'direct' a bound launch (a shorter gap between back-to-back
+#: kernels: loops the kernel bounds). Rows written before the field read as 'replay'.
+EAGER_LAUNCHES = ("replay", "direct")
+
+
+def _check_eager_launch(config) -> None:
+    if config.eager_launch not in EAGER_LAUNCHES:
+        raise ValueError(f"eager_launch={config.eager_launch!r} must be one of {EAGER_LAUNCHES}")
+
+
 _FAMILIES: dict[str, Mapping[str, "Algorithm"]] = {}
 
 
@@ -116,6 +128,8 @@ class AllReduceConfig:
     staging halves and the kernel has no end barrier (autosymm.kernels.all_reduce); a tensor too
     large for a half, or a zero-copy one, takes the single-buffer path. Absent from the JSON when
     False, so rows written before the field existed read back, and serialise, unchanged.
+    ``eager_launch`` (:data:`EAGER_LAUNCHES`, eager rows): how an eager call launches; absent from
+    the JSON at its default 'replay', as are graph rows' (where it means nothing).
     """
 
     algorithm: str
@@ -123,11 +137,13 @@ class AllReduceConfig:
     num_blocks: int
     num_warps: int
     double_buffer: bool = field(default=False, metadata={"json_omit_default": True})
+    eager_launch: str = field(default="replay", metadata={"json_omit_default": True})
     #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
     FAMILY: ClassVar[str] = "autosymm.backends.triton_all_reduce"
 
     def __post_init__(self) -> None:
         _check_algorithm(self)
+        _check_eager_launch(self)
         _check_ints(self, "block_size", "num_blocks", "num_warps")
         _check_num_warps(self.num_warps)
         _check_block("block_size", self.block_size, 1)
@@ -198,6 +214,7 @@ class FusedConfig:
     programs sharing a row, each holding
     ``block_size / row_split`` columns, the row's last one normalising it; calls of more than
     :data:`autosymm.geometry.FUSED_SPLIT_MAX_ROWS` rows run with whole rows instead.
+    ``eager_launch``: as AllReduceConfig's.
     """
 
     algorithm: str
@@ -207,11 +224,13 @@ class FusedConfig:
     rows_per_program: int = 1
     double_buffer: bool = False
     row_split: int = field(default=1, metadata={"json_omit_default": True})
+    eager_launch: str = field(default="replay", metadata={"json_omit_default": True})
     #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
     FAMILY: ClassVar[str] = "autosymm.backends.triton_fused"
 
     def __post_init__(self) -> None:
         record = _check_algorithm(self)
+        _check_eager_launch(self)
         _check_ints(self, "block_size", "num_warps", "num_blocks", "rows_per_program", "row_split")
         _check_num_warps(self.num_warps)
         _check_block("block_size", self.block_size, 16)

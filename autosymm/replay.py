@@ -74,6 +74,10 @@ log = logging.getLogger("autosymm")
 
 #: Graphs cached per prepared call (per live tensor address it serves).
 MAX_GRAPHS = 32
+#: Graphs cached per prepared fused call (per (x, residual, weight, out) it serves): a model's
+#: layers each have their own norm weight, and two outputs alternate (the last one is still held
+#: while the next is allocated), so a 32-layer model with two norms a layer has 128 of them.
+FUSED_MAX_GRAPHS = 128
 #: The call at an address that captures its graph (earlier ones launch directly).
 CAPTURE_AFTER = 2
 
@@ -113,30 +117,43 @@ def replay_enabled() -> bool:
 
 
 def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Callable[[], None], Any], Any]] = None,
-               max_graphs: int = MAX_GRAPHS, capture_after: int = CAPTURE_AFTER) -> Any:
+               max_graphs: Optional[int] = None, capture_after: int = CAPTURE_AFTER) -> Any:
     """The launcher api should run for an eager call of ``decision``: an :class:`EagerReplay`
-    around a Triton all-reduce launcher (one that has ``bind`` and a ``workspace``), else
-    ``launcher`` itself (graph mode, NCCL, torch's ops, MoE). ``capture(launch, device) ->
-    graph`` (``graph.replay()``) defaults to :func:`capture_cuda_graph` on CUDA devices; none
-    (CPU, or AUTOSYMM_EAGER_REPLAY=0): bound launches are memoised instead of replayed.
+    around a Triton all-reduce launcher (one that has ``bind`` and a ``workspace``), a
+    :class:`FusedReplay` around one that returns a new tensor (``eager_call = "new_output"``:
+    the fused op's), else ``launcher`` itself (graph mode, NCCL, torch's ops, MoE).
+    ``capture(launch, device) -> graph`` (``graph.replay()``) defaults to
+    :func:`capture_cuda_graph` on CUDA devices; none (CPU, AUTOSYMM_EAGER_REPLAY=0, or a config
+    whose ``eager_launch`` is 'direct': autosymm.configs.EAGER_LAUNCHES): bound launches are memoised
+    instead of replayed. ``max_graphs``: the wrapper's default (:data:`MAX_GRAPHS`,
+    :data:`FUSED_MAX_GRAPHS`).
 
-    Contract: the caller hands the result only tensors of one (dtype, numel, contiguity), as
-    autosymm.api's cache key (dtype, numel, is_contiguous, op, capturing) guarantees; a hit
-    checks the address, device and ``empty_bytes`` alone. Read at prepare time: set
-    AUTOSYMM_EAGER_REPLAY before a size's first call."""
+    Contract: the caller hands the result only tensors of one prepared call (all-reduce: one
+    (dtype, numel, contiguity); fused: one x dtype and shape), as autosymm.api's and
+    autosymm.fused's cache keys guarantee. Read at prepare time: set AUTOSYMM_EAGER_REPLAY
+    before a size's first call."""
     if getattr(decision, "mode", None) != "eager" or not str(getattr(decision, "backend", "")).startswith("triton_"):
         return launcher
     if not callable(getattr(launcher, "bind", None)) or getattr(launcher, "workspace", None) is None:
         return launcher
-    if not replay_enabled():
+    if not replay_enabled() or eager_launch(getattr(decision, "config", None)) == "direct":
         capture = None
     elif capture is None and launcher.workspace.device.type == "cuda":
         capture = capture_cuda_graph
-    return EagerReplay(launcher, capture, max_graphs=max_graphs, capture_after=capture_after)
+    cls = FusedReplay if getattr(launcher, "eager_call", "in_place") == "new_output" else EagerReplay
+    return cls(launcher, capture, max_graphs=max_graphs or cls.MAX_GRAPHS, capture_after=capture_after)
+
+
+def eager_launch(config: Any) -> str:
+    """How an eager call of ``config`` launches (one of EAGER_LAUNCHES): the config's
+    ``eager_launch`` field (Triton configs), 'replay' for configs without one."""
+    return getattr(config, "eager_launch", "replay")
 
 
 class EagerReplay:
     """``launcher(x) -> x`` for one prepared eager call; plans cached per tensor address."""
+
+    MAX_GRAPHS = MAX_GRAPHS
 
     def __init__(self, launcher: Any, capture: Optional[Callable[[Callable[[], None], Any], Any]], *,
                  max_graphs: int = MAX_GRAPHS, capture_after: int = CAPTURE_AFTER) -> None:
@@ -153,8 +170,8 @@ class EagerReplay:
         # compare, no torch.device per call. The launcher's own checks tell CPU from CUDA.
         self.device_index = device.index if device.type == "cuda" else -1
         self._empty_bytes = self._workspace.empty_bytes  # host state the plans depend on
-        self._plans: "OrderedDict[int, Callable[[], None]]" = OrderedDict()  # address -> replay or launch
-        self._seen: dict[int, int] = {}  # address -> calls so far, before its capture
+        self._plans: "OrderedDict[Any, Callable[[], None]]" = OrderedDict()  # address -> replay or launch
+        self._seen: dict[Any, int] = {}  # address -> calls so far, before its capture
         self._lock = threading.Lock()  # the cold path only
         self.captures = 0
         self.evictions = 0
@@ -183,12 +200,7 @@ class EagerReplay:
         """A call without a valid plan: through the launcher (all checks), or, at an address's
         ``capture_after``-th call, capture (or bind) its launch and plan it from then on."""
         with self._lock:
-            if self._workspace.empty_bytes != self._empty_bytes:  # staging limits moved: replan all
-                for addr, plan in self._plans.items():
-                    forget(addr, plan)
-                self._plans.clear()
-                self._seen.clear()
-                self._empty_bytes = self._workspace.empty_bytes
+            self._replan_if_moved()
             if x.get_device() != self.device_index:
                 return self.launcher(x)  # it raises, naming the device
             addr = x.data_ptr()
@@ -216,29 +228,110 @@ class EagerReplay:
         launch = self.launcher.bind(x)  # the launcher's checks run here, before any capture
         if launch is None:  # nothing to launch (one rank, empty tensor) or no bound variant yet
             return self.launcher(x)
+        self._plan_launch(addr, launch)()
+        return x
+
+    def _plan_launch(self, key: Any, launch: Callable[[], None]) -> Callable[[], None]:
+        """The plan of ``key``, remembered: a replay of ``launch`` captured in a graph, or the
+        bound launch itself when capturing fails (then never again for this call)."""
         try:
             graph = self.capture(launch, self.device)
         except Exception as exc:  # noqa: BLE001 - any capture failure: launch instead, from now on
             log.warning("autosymm: eager replay off for %s: capturing its launch failed (%s: %s)",
                         getattr(self.launcher, "algorithm", "this call"), type(exc).__name__, exc)
             self.capture = None
-            launch()
-            self._remember(addr, launch)
-            return x
+            self._remember(key, launch)
+            return launch
         self.captures += 1
         replay = replay_function(graph)
-        self._remember(addr, replay)
-        replay()
-        return x
+        self._remember(key, replay)
+        return replay
 
-    def _remember(self, addr: int, plan: Callable[[], None]) -> None:
+    def _replan_if_moved(self) -> None:
+        """Drop every plan when the staging limits (``empty_bytes``) moved since they were made."""
+        if self._workspace.empty_bytes != self._empty_bytes:
+            for key, plan in self._plans.items():
+                forget(key, plan)
+            self._plans.clear()
+            self._seen.clear()
+            self._empty_bytes = self._workspace.empty_bytes
+
+    def _remember(self, key: Any, plan: Callable[[], None]) -> None:
         plans = self._plans
-        plans[addr] = plan
-        plans.move_to_end(addr)
+        plans[key] = plan
+        plans.move_to_end(key)
         while len(plans) > self.max_graphs:
             dropped, old = plans.popitem(last=False)  # a dropped graph is freed once its replays complete
             forget(dropped, old)
             self.evictions += 1
+
+
+class FusedReplay(EagerReplay):
+    """``launcher(x, residual, weight, eps) -> out`` for one prepared eager fused call (a launcher
+    with ``bind(x, residual, weight, out, eps)``); plans cached per (x, residual, weight, out)
+    addresses and eps.
+
+    ``out`` is a new tensor every call, allocated as the launcher allocates it
+    (``torch.empty_like(x)``, the caller's stream) *before* the plan is looked up: its address is
+    part of the key, so a plan only ever writes the tensor this call returns. A result the caller
+    still holds keeps its memory, so the next call's ``out`` has another address (another plan,
+    or the checked launcher); when the caller drops it, the caching allocator hands the block out
+    again and the same plan serves. A graph holds the one launch on existing buffers (nothing is
+    allocated while capturing), so it pins no memory. The hit checks what the cache key does not
+    fix: residual's and weight's dtype and shape, the three tensors' contiguity, x's device and
+    the workspace's ``empty_bytes``; any miss takes the launcher's checks."""
+
+    MAX_GRAPHS = FUSED_MAX_GRAPHS
+
+    def __init__(self, launcher: Any, capture: Optional[Callable[[Callable[[], None], Any], Any]], *,
+                 max_graphs: int = FUSED_MAX_GRAPHS, capture_after: int = CAPTURE_AFTER) -> None:
+        super().__init__(launcher, capture, max_graphs=max_graphs, capture_after=capture_after)
+        self._weight_shape = (launcher.hidden,)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                 eps: float = 1e-6) -> torch.Tensor:
+        out = _empty_like(x)
+        key = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), eps)
+        plans = self._plans
+        plan = plans.get(key)
+        if (plan is not None and residual.shape == x.shape and residual.dtype is x.dtype and weight.dtype is x.dtype
+                and weight.shape == self._weight_shape and x.is_contiguous() and residual.is_contiguous()
+                and weight.is_contiguous() and x.get_device() == self.device_index
+                and self._workspace.empty_bytes == self._empty_bytes):
+            plans.move_to_end(key)
+            plan()
+            return out
+        return self._miss_fused(key, x, residual, weight, eps, out)
+
+    def _miss_fused(self, key: tuple, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    out: torch.Tensor) -> torch.Tensor:
+        """A call without a valid plan: the launcher (all checks), or at the key's
+        ``capture_after``-th call its bound launch (checked by ``bind``), captured or memoised."""
+        launcher = self.launcher
+        with self._lock:
+            self._replan_if_moved()
+            calls = self._seen.get(key, 0) + 1
+            if calls < self.capture_after or x.get_device() != self.device_index:
+                launcher(x, residual, weight, eps, out=out)  # checks (raises, naming the bad tensor), binds
+                if len(self._seen) >= 4 * self.max_graphs:
+                    self._seen.clear()  # keys that never repeat (outputs the caller keeps): forget them
+                self._seen[key] = calls
+                return out
+            self._seen.pop(key, None)
+            if not self.capturing:
+                launcher(x, residual, weight, eps, out=out)
+                launch = launcher.bind(x, residual, weight, out, eps)
+                if launch is not None:
+                    self._remember(key, launch)
+                return out
+            launch = launcher.bind(x, residual, weight, out, eps)  # the checks, before any capture
+            if launch is None:  # no rows, or no bound variant yet
+                return launcher(x, residual, weight, eps, out=out)
+            self._plan_launch(key, launch)()
+            return out
+
+
+_empty_like = torch.empty_like
 
 
 def capture_cuda_graph(launch: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":

@@ -22,7 +22,8 @@ config with whole rows instead, so a launcher serves any token count whose stage
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 
@@ -72,6 +73,8 @@ def split_scratch(workspace) -> tuple:
 class _FusedLauncher(RegionLauncher):
     """``launcher(x, residual, weight, eps) -> out``. Bound to one workspace, hidden size and config."""
 
+    eager_call = "new_output"  # autosymm.replay wraps eager calls in a FusedReplay
+
     def __init__(self, problem: Problem, config: FusedConfig, workspace) -> None:
         super().__init__(problem, config, workspace)
         self.hidden = problem.hidden
@@ -89,6 +92,42 @@ class _FusedLauncher(RegionLauncher):
                  phase: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """residual += all-reduce(x); returns RMSNorm(residual) * weight. ``phase`` != 0 runs one
         phase of the two-shot kernel into ``out`` (tests: every phase writes the same tensor)."""
+        self._check(x, residual, weight)
+        out = torch.empty_like(x) if out is None else out
+        plan = self._plan(x, residual, weight, out, eps, phase)
+        if plan is None:
+            return out
+        key, ptrs, tail = plan
+        direct = self._direct.get(key)
+        if direct is not None:  # bound: int addresses, no per-pointer driver query
+            direct(*ptrs, self._region_addr, self._signal_addr, *self._scratch_addrs, *tail)
+            return out
+        launch = self._variants.get(key) or self._variant(key)
+        launch(x, residual, weight, out, self.region_ptrs, self.signal_ptrs, *self._scratch, *tail)
+        if launch.direct is not None:
+            self._direct[key] = launch.direct
+        return out
+
+    def bind(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+             eps: float = 1e-6) -> Optional[Callable[[], None]]:
+        """``launch()``: this call's kernel launch writing ``out``, its arguments bound (int
+        addresses), on the current stream, without any check; None when it launches nothing or
+        its variant is not bound yet (call ``self(...)`` first). Valid for every call with
+        tensors at these four addresses, of these dtypes, shapes and devices, and this ``eps``,
+        while ``workspace.empty_bytes`` is unchanged (autosymm.replay relies on it): the variant
+        and the integer arguments are a function of those alone; the split-row counters return
+        to 0 after every call, so a bound launch, or a CUDA graph of one, stays right."""
+        self._check(x, residual, weight)
+        plan = self._plan(x, residual, weight, out, eps, 0)
+        if plan is None:
+            return None
+        key, ptrs, tail = plan
+        direct = self._direct.get(key)
+        if direct is None:
+            return None
+        return partial(direct, *ptrs, self._region_addr, self._signal_addr, *self._scratch_addrs, *tail)
+
+    def _check(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
         dtype, device = self.dtype, self.device
         if not (x.dtype is dtype and residual.dtype is dtype and weight.dtype is dtype and x.device == device
                 and residual.device == device and weight.device == device and x.is_contiguous()
@@ -96,10 +135,14 @@ class _FusedLauncher(RegionLauncher):
                 and x.shape[1] == self.hidden and residual.shape == x.shape and weight.shape[0] == self.hidden
                 and weight.dim() == 1 and x.numel() <= MAX_NUMEL):
             raise self._bad_input(x, residual, weight)
+
+    def _plan(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+              phase: int) -> Optional[tuple[tuple, tuple, tuple]]:
+        """(variant key, the four tensors' addresses, the kernel's arguments after the scratch) of
+        a checked call, or None without rows; BackendError when x or residual overlaps the stage."""
         n_rows, nbytes, eps = x.shape[0], x.numel() * self.elem_bytes, float(eps)  # an int eps: another signature
-        out = torch.empty_like(x) if out is None else out
         if n_rows == 0:
-            return out
+            return None
         stage, stage_end, sizes, double = self._stage(nbytes)
         ptrs = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr())
         if (ptrs[0] < stage_end and ptrs[0] + nbytes > stage) or (ptrs[1] < stage_end and ptrs[1] + nbytes > stage):
@@ -107,15 +150,7 @@ class _FusedLauncher(RegionLauncher):
                                "region, where peers write")
         split = self.row_split if n_rows <= self.split_rows else 1  # rows the split scratch holds
         key = (double, phase, split) + tuple(a % 16 == 0 for a in ptrs)
-        direct = self._direct.get(key)
-        if direct is not None:  # bound: int addresses, no per-pointer driver query
-            direct(*ptrs, self._region_addr, self._signal_addr, *self._scratch_addrs, n_rows, eps, *sizes)
-            return out
-        launch = self._variants.get(key) or self._variant(key)
-        launch(x, residual, weight, out, self.region_ptrs, self.signal_ptrs, *self._scratch, n_rows, eps, *sizes)
-        if launch.direct is not None:
-            self._direct[key] = launch.direct
-        return out
+        return key, ptrs, (n_rows, eps, *sizes)
 
     run = __call__
 

@@ -24,6 +24,7 @@ not capturable, so graph-mode MoE rows carry no ``nccl_us``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -128,8 +129,17 @@ def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[d
         if reason is not None:
             why_not[name] = reason
             continue
-        out[name] = list(backend.search_space(problem))
+        out[name] = with_eager_launches(list(backend.search_space(problem)), mode)
     return out, why_not
+
+
+def with_eager_launches(configs: list, mode: str) -> list:
+    """``configs``, and in eager mode each one that has an ``eager_launch`` field (the Triton
+    all-reduce and fused configs) again as a bound direct launch: the tuner times both launch
+    styles (autosymm.configs.EAGER_LAUNCHES) and the eager row stores the winner's."""
+    if mode != "eager":
+        return configs
+    return configs + [dataclasses.replace(c, eager_launch="direct") for c in configs if hasattr(c, "eager_launch")]
 
 
 def control_group_for(group):
