@@ -99,6 +99,22 @@ class HotCall:
 HOT: dict[int, HotCall] = {}
 
 
+class HotFused:
+    """The eager fused call autosymm.fused may make at once on a ``group`` argument: the last one
+    prepared there, valid for its x dtype and shape (the cache key's); ``call`` is its
+    :class:`FusedReplay`, whose hit path checks the rest."""
+
+    __slots__ = ("dtype", "shape", "device_index", "entry", "call")
+
+    def __init__(self, dtype: torch.dtype, shape: torch.Size, device_index: int, entry: Any, call: Any) -> None:
+        self.dtype, self.shape, self.device_index, self.entry, self.call = dtype, shape, device_index, entry, call
+
+
+#: ``group`` argument of autosymm.all_reduce_rmsnorm -> its HotFused (a model's fused calls share
+#: one x shape a step, so the last prepared call is the one that repeats).
+FUSED_HOT: dict[Any, HotFused] = {}
+
+
 def forget(addr: int, plan: Callable[[], None]) -> None:
     """Drop the hot call of ``addr`` if it runs ``plan`` (an evicted or replaced plan)."""
     hot = HOT.get(addr)
@@ -109,6 +125,7 @@ def forget(addr: int, plan: Callable[[], None]) -> None:
 def forget_all() -> None:
     """Drop every hot call (staging limits moved, or autosymm.reset)."""
     HOT.clear()
+    FUSED_HOT.clear()
 
 
 def replay_enabled() -> bool:

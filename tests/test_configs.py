@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from autosymm.backends.triton_all_reduce import all_reduce_space
 from autosymm.configs import (
     AllReduceConfig,
+    FusedConfig,
     MoEConfig,
     config_fields,
     config_from_json,
@@ -161,7 +162,20 @@ def test_moe_space():
 
 def test_iter_space_fields():
     fields = dict(iter_space_fields(all_reduce_space("two_shot", 1 << 20, 2, 2)))
-    assert set(fields) == {"algorithm", "block_size", "num_blocks", "num_warps", "double_buffer"}
+    assert set(fields) == {"algorithm", "block_size", "num_blocks", "num_warps", "double_buffer", "eager_launch"}
     assert fields["algorithm"] == ["two_shot"] and fields["double_buffer"] == [False]
+    assert fields["eager_launch"] == ["replay"]  # the eager twins are the sweep's (with_eager_launches)
     assert fields["num_warps"] == sorted(fields["num_warps"])
     assert dict(iter_space_fields(all_reduce_space("one_shot", 8192, 2, 2)))["double_buffer"] == [False, True]
+
+
+@pytest.mark.parametrize("config", [AllReduceConfig("one_shot", 1024, 4, 4), FusedConfig("one_shot", 8192, 8, 4)])
+def test_eager_launch_is_replay_unless_a_row_says_direct(config):
+    """Rows written before the field read as 'replay' and serialise unchanged; 'direct' round-trips;
+    anything else is a ValueError naming the field."""
+    assert config.eager_launch == "replay" and "eager_launch" not in config_to_json(config)
+    direct = dataclasses.replace(config, eager_launch="direct")
+    assert '"eager_launch": "direct"' in config_to_json(direct)
+    assert config_from_json(config_to_json(direct)) == direct != config
+    with pytest.raises(ValueError, match="eager_launch='graph' must be one of"):
+        dataclasses.replace(config, eager_launch="graph")

@@ -125,6 +125,26 @@ def test_cpu_launchers_get_no_graphs_by_default(monkeypatch):
     assert replay.wrap_eager(FakeLauncher("cuda"), EAGER).capture is replay.capture_cuda_graph
 
 
+def test_a_direct_launch_row_binds_without_graphs():
+    """An eager row whose config says eager_launch='direct' (the kernel bounds its loop): bound
+    launches, never a graph, however replay is set; the replayed row (the default) captures."""
+    import dataclasses
+
+    config = AllReduceConfig("one_shot", 256, 2, 4)
+    direct = Decision("triton_one_shot", dataclasses.replace(config, eager_launch="direct"), "test", mode="eager")
+    launcher = FakeLauncher()
+    wrapped = replay.wrap_eager(launcher, direct, capture=lambda launch, device: pytest.fail("captured"))
+    assert isinstance(wrapped, replay.EagerReplay) and wrapped.capture is None and not wrapped.capturing
+    x = torch.zeros(8, dtype=torch.bfloat16)
+    for _ in range(3):
+        wrapped(x)
+    assert launcher.log == [("call", x.data_ptr()), ("call", x.data_ptr()), ("bound", x.data_ptr())]
+    replayed = Decision("triton_one_shot", config, "test", mode="eager")
+    assert replay.wrap_eager(FakeLauncher("cuda"), replayed).capture is replay.capture_cuda_graph
+    assert replay.wrap_eager(FakeLauncher("cuda"), direct).capture is None
+    assert replay.eager_launch(direct.config) == "direct" and replay.eager_launch(None) == "replay"
+
+
 @pytest.mark.parametrize("decision", [
     Decision("nccl", None, "test", mode="eager"),
     Decision("torch_two_shot", None, "test", mode="eager"),

@@ -175,3 +175,50 @@ def test_thrashing_keys_stop_captures_and_bind(launches, monkeypatch):
         monkeypatch.setattr(replay, "_empty_like", lambda t, out=out: out)
         assert wrapped(x, residual, weight) is out and launches[-1][3] == out.data_ptr()
     assert len(captured) == 4 and not wrapped.capturing and len(wrapped._plans) == 2
+
+
+@pytest.fixture
+def fused_group(tmp_path, monkeypatch, launches):
+    """A 1-rank gloo world whose eager fused entry for bf16 [4, HIDDEN] runs a FusedReplay of the
+    real launcher (fake launches); yields (autosymm, the entry, the wrapper)."""
+    import torch.distributed as dist
+
+    import autosymm
+    from autosymm import api
+    from autosymm.collectives import ALL_REDUCE_RMSNORM
+
+    monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "user.sqlite"))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    autosymm.reset()
+    try:
+        x, residual, weight = _tensors()
+        autosymm.all_reduce_rmsnorm(x.clone(), residual.clone(), weight)  # prepares the entry (NCCL's at 1 rank)
+        entry = api.STATES[None].cache[(ALL_REDUCE_RMSNORM, torch.bfloat16, x.shape, False)]
+        launcher, config = _launcher()
+        entry.launcher = _wrapped(launcher, config, [])
+        yield autosymm, entry, entry.launcher
+    finally:
+        autosymm.reset()
+        dist.destroy_process_group()
+
+
+def test_the_groups_last_eager_call_takes_the_hot_path(fused_group, monkeypatch):
+    autosymm, entry, wrapped = fused_group
+    from autosymm import fused, replay as rp
+
+    x, residual, weight = _tensors()
+    out = autosymm.all_reduce_rmsnorm(x, residual, weight)  # the key path: the entry becomes hot
+    hot = rp.FUSED_HOT[None]
+    assert (hot.entry, hot.call, hot.shape, hot.dtype) == (entry, wrapped, x.shape, torch.bfloat16)
+    assert out.shape == x.shape
+    keyed, states = [], fused.STATES
+    spy = type("Spy", (dict,), {"get": lambda self, g: keyed.append(g) or states.get(g)})
+    monkeypatch.setattr(fused, "STATES", spy())
+    calls = entry.calls
+    for _ in range(3):
+        autosymm.all_reduce_rmsnorm(x, residual, weight)
+    assert entry.calls == calls + 3 and not keyed and wrapped._plans  # no key, replayed
+    autosymm.all_reduce_rmsnorm(x[:2].clone(), residual[:2].clone(), weight)  # another shape: the key path
+    assert keyed == [None] and rp.FUSED_HOT[None].call is wrapped  # NCCL's launcher never becomes hot
+    autosymm.reset()
+    assert not rp.FUSED_HOT

@@ -4,6 +4,8 @@ skips), and the `tune` options (--shapes, --tokens, --sizes) that make the sweep
 
 from __future__ import annotations
 
+import dataclasses
+
 from autosymm.backends.base import Backend, Needs
 from autosymm.backends import Capabilities
 from autosymm.configs import moe_space
@@ -16,7 +18,7 @@ from autosymm.collectives import PointRequest
 from autosymm.collectives.all_reduce import SIZES as ALL_REDUCE_SIZES, SIZES_SPEC as ALL_REDUCE_SIZES_SPEC
 from autosymm.collectives.moe import TOKENS as MOE_TOKENS
 from autosymm.tuning.session import TuneSession, TuneSettings, sweep_problems
-from autosymm.tuning.sweep import SweepItem, candidates_for, timing_plan
+from autosymm.tuning.sweep import SweepItem, candidates_for, timing_plan, with_eager_launches
 
 
 def test_default_sweep_and_modes():
@@ -102,6 +104,25 @@ def test_candidates_for_skips_unsupported_and_uncapturable():
     assert sorted(eager) == ["nccl_all_to_all", "triton_moe"] and why == {"broken": "no workspace"}
     graph, why = candidates_for(problem, "graph", backends, caps)
     assert sorted(graph) == ["triton_moe"] and why["nccl_all_to_all"] == "not CUDA-graph capturable"
+
+
+def test_eager_candidates_are_timed_in_both_launch_styles():
+    """Eager: every Triton config again as a bound direct launch (configs without the field, as
+    MoE's, once); graph: the space as it is."""
+    from autosymm.backends.triton_all_reduce import all_reduce_space
+
+    problem = Problem.all_reduce(1 << 16, "bf16", 2)
+    space = all_reduce_space("one_shot", 1 << 16, 2, 2)
+    backends = {"triton_one_shot": _FakeBackend("triton_one_shot", ("all_reduce",), space),
+                "nccl": _FakeBackend("nccl", ("all_reduce",), [None])}
+    caps = Capabilities(world_size=2)
+    eager, _ = candidates_for(problem, "eager", backends, caps)
+    assert eager["triton_one_shot"][:len(space)] == space and eager["nccl"] == [None]
+    assert eager["triton_one_shot"][len(space):] == [dataclasses.replace(c, eager_launch="direct") for c in space]
+    graph, _ = candidates_for(problem, "graph", backends, caps)
+    assert graph["triton_one_shot"] == space and {c.eager_launch for c in space} == {"replay"}
+    moe = moe_space(2048, 4)
+    assert with_eager_launches(moe, "eager") == moe
 
 
 def test_an_item_reports_a_failed_or_aborted_search_and_a_failed_database_write():
