@@ -12,8 +12,19 @@ returned as they are) in an :class:`EagerReplay`:
   stream from then on. At most ``max_graphs`` plans per prepared call (least recently used
   dropped); after ``max_graphs`` evictions (more live addresses than plans, e.g. a fresh
   tensor per call) no more graphs are captured and bound launches are planned instead;
-* ``AUTOSYMM_EAGER_REPLAY=0``, no CUDA, or a capture that failed: the plan of a repeated address
-  is its bound launch (``launcher.bind(x)``: no checks, no per-call planning, one launch).
+* ``AUTOSYMM_EAGER_REPLAY=0``, no CUDA, a capture that failed, or a row whose config says
+  ``eager_launch='direct'``: the plan of a repeated address is its bound launch
+  (``launcher.bind(x)``: no checks, no per-call planning, one launch).
+
+The launch style. A graph replay costs the least host time; a bound launch leaves the shorter
+gap between back-to-back kernels (2x H200: 1.1-1.6 us against 1.8-3.9 us for replays), so it
+wins where the kernel, not the host, bounds a loop of eager calls. Which one an eager row uses is
+its config's ``eager_launch`` (autosymm.configs.EAGER_LAUNCHES), measured by the tuner (every
+eager Triton candidate both ways: autosymm.tuning.sweep.with_eager_launches) and decided, like
+the rest of a row, from the agreed database.
+
+The fused op (:class:`FusedReplay`, for launchers with ``eager_call = "new_output"``): plans per
+(x, residual, weight, out) addresses and eps, ``out`` allocated before the lookup (see there).
 
 Why an address is enough. The wrapper serves one prepared call, keyed in autosymm.api by
 (dtype, numel, contiguity, op, mode): the launcher's variant and integer arguments are then a

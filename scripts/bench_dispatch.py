@@ -10,11 +10,16 @@ On GPUs (one process per GPU, default 2; NVLink multicast off as scripts/_node_e
   ``x.add_(1)``), torch's two-shot on a symmetric buffer (no copy) and NCCL;
 * device latency per call (CUDA events around a burst) of the same eager loops at ``--sizes``
   (default 4 KiB, 64 KiB, 1, 4 and 8 MiB, bf16), MAX over ranks;
-* ``floor gap``: autosymm's host us/call minus the cheapest floor row (issue #13: <= 1 us).
+* ``floor gap``: autosymm's host us/call minus the cheapest floor row (issue #13: <= 1 us);
+* both eager launch styles (``eager_launch=replay``: a one-kernel graph replay, ``=direct``: a
+  bound launch) of the all-reduce at ``--sizes`` and of the fused all-reduce + RMSNorm at
+  ``--fused-tokens`` x 8192 (bf16), beside the row's own pick and the unwrapped launcher: the
+  device column says which style leaves less time per call where the kernel bounds the loop.
 
-With ``--cpu-stub`` (any machine, no GPU): Python ns per call of the all-reduce launcher with a
-stub launch (what the host path adds to the launch itself), through the launcher's checked path,
-a memoised bound launch and a (stub) graph replay, and autosymm.all_reduce's dispatch in front.
+With ``--cpu-stub`` (any machine, no GPU): Python ns per call of the all-reduce and fused
+launchers with a stub launch (what the host path adds to the launch itself), through the
+launcher's checked path, a memoised bound launch and a (stub) graph replay, and
+autosymm.all_reduce's and autosymm.all_reduce_rmsnorm's dispatch in front.
 
     source scripts/_node_env.sh && python3 scripts/bench_dispatch.py [--world-size 2]
     PYTHONPATH=$PWD python3 scripts/bench_dispatch.py --cpu-stub
@@ -35,6 +40,9 @@ import triton.language as tl
 #: one-kernel graph replays ("autosymm") with one of bound direct launches ("replay off").
 SIZES = "4096,65536,1048576,4194304,8388608"
 HOST_BYTES = 4 << 10
+#: Token counts (x FUSED_HIDDEN, bf16) of the fused op's eager loops.
+FUSED_TOKENS = "1,128,2048"
+FUSED_HIDDEN = 8192
 
 
 def main() -> None:
@@ -43,6 +51,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="bursts per row")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sizes", default=SIZES, help="all-reduce sizes in bytes, comma-separated (bf16)")
+    parser.add_argument("--fused-tokens", default=FUSED_TOKENS, help="fused op token counts (x 8192 bf16)")
     parser.add_argument("--cpu-stub", action="store_true", help="Python overhead with stub launches (no GPU)")
     args = parser.parse_args()
     if args.cpu_stub or not torch.cuda.is_available():
@@ -111,6 +120,9 @@ def _measure(rank: int, world_size: int, args) -> dict[str, tuple[float, float, 
         label = f"{nbytes >> 10} KiB"
         for name, fn in _all_reduce_loops(numel).items():
             rows[f"{name} @ {label}"] = measure(fn)
+    for n_tokens in (int(t) for t in args.fused_tokens.split(",")):
+        for name, fn in _fused_loops(n_tokens).items():
+            rows[f"{name} @ {n_tokens} x {FUSED_HIDDEN}"] = measure(fn)
     return rows
 
 
@@ -176,13 +188,14 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
 
 
 def _all_reduce_loops(numel: int) -> dict:
-    """Eager all-reduce loops of ``numel`` bf16 elements: autosymm four ways, torch, NCCL."""
+    """Eager all-reduce loops of ``numel`` bf16 elements: autosymm (the row's pick, zero-copy, both
+    eager launch styles, the unwrapped launcher), torch's two-shot, NCCL."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
     import autosymm
     from autosymm import api
-    from autosymm.replay import EagerReplay, forget_all, wrap_eager
+    from autosymm.replay import EagerReplay, capture_cuda_graph, eager_launch, wrap_eager
 
     x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
     zero_copy = autosymm.empty((numel,), torch.bfloat16).zero_()
@@ -190,27 +203,71 @@ def _all_reduce_loops(numel: int) -> dict:
     entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", False)]
     wired = isinstance(entry.launcher, EagerReplay)
     raw = entry.launcher.launcher if wired else entry.launcher
-    replaying = entry.launcher if wired else wrap_eager(raw, entry.decision)  # what api's prepare makes
-    memoised = EagerReplay(raw, None) if replaying is not raw else raw
+    tuned = entry.launcher if wired else wrap_eager(raw, entry.decision)  # what api's prepare makes
     group_name = dist.group.WORLD.group_name
     symm = symm_mem.empty(numel, dtype=torch.bfloat16, device="cuda").zero_()
     symm_mem.rendezvous(symm, group_name)
+    tag = f"{entry.decision.backend}, row: {eager_launch(entry.decision.config)}"
+    loops = {f"autosymm [{tag}{'' if wired else '; api not wired, wrapped here'}]": _with(entry, tuned, x),
+             "autosymm zero-copy": _with(entry, tuned, zero_copy)}
+    if tuned is not raw:
+        loops.update({"autosymm eager_launch=replay": _with(entry, EagerReplay(raw, capture_cuda_graph), x),
+                      "autosymm eager_launch=direct": _with(entry, EagerReplay(raw, None), x)})
+    loops.update({"autosymm no wrapper": _with(entry, raw, x),
+                  "torch two-shot (symm)": lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name),
+                  "nccl": lambda: dist.all_reduce(x)})
+    return loops
 
-    def autosymm_with(launcher, tensor):
-        def call():
-            if entry.launcher is not launcher:  # the api entry runs this launcher; hot plans of another are dropped
-                entry.launcher = launcher
-                forget_all()
-            return autosymm.all_reduce(tensor)
-        return call
 
-    tag = entry.decision.backend + ("" if wired else "; api not wired, wrapped here")
-    return {f"autosymm [{tag}]": autosymm_with(replaying, x),
-            "autosymm zero-copy": autosymm_with(replaying, zero_copy),
-            "autosymm replay off": autosymm_with(memoised, x),
-            "autosymm no wrapper": autosymm_with(raw, x),
-            "torch two-shot (symm)": lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name),
-            "nccl": lambda: dist.all_reduce(x)}
+def _with(entry, launcher, *args):
+    """One autosymm call of ``args`` whose api entry runs ``launcher`` (hot plans of another are
+    dropped when it is swapped in)."""
+    import autosymm
+    from autosymm.replay import forget_all
+
+    call = autosymm.all_reduce if len(args) == 1 else autosymm.all_reduce_rmsnorm
+
+    def run():
+        if entry.launcher is not launcher:
+            entry.launcher = launcher
+            forget_all()
+        return call(*args)
+    return run
+
+
+def _fused_loops(n_tokens: int) -> dict:
+    """Eager fused all-reduce + RMSNorm loops of [n_tokens, FUSED_HIDDEN] bf16: the row's pick, both
+    launch styles and the unwrapped launcher of its Triton launcher (the first config of the pull
+    one-shot where the DB picks NCCL), and NCCL + add + rms_norm."""
+    import torch.distributed as dist
+
+    import autosymm
+    from autosymm import api
+    from autosymm.backends.triton_fused import triton_fused_one_shot
+    from autosymm.collectives import ALL_REDUCE_RMSNORM
+    from autosymm.replay import FusedReplay, capture_cuda_graph, eager_launch
+
+    x = torch.zeros(n_tokens, FUSED_HIDDEN, dtype=torch.bfloat16, device="cuda")  # zeros: nothing overflows
+    residual, weight = torch.ones_like(x), torch.ones(FUSED_HIDDEN, dtype=torch.bfloat16, device="cuda")
+    autosymm.all_reduce_rmsnorm(x, residual, weight)
+    state = api.STATES[None]
+    entry = state.cache[(ALL_REDUCE_RMSNORM, x.dtype, x.shape, False)]
+    tuned = entry.launcher
+    loops = {f"fused autosymm [{entry.decision.backend}, row: {eager_launch(entry.decision.config)}]":
+             _with(entry, tuned, x, residual, weight)}
+    raw, tag = (tuned.launcher, "") if isinstance(tuned, FusedReplay) else (None, " (one_shot, not the DB's pick)")
+    if raw is None and state.workspace is not None:
+        problem = autosymm.Problem.all_reduce_rmsnorm(n_tokens, FUSED_HIDDEN, "bf16", state.world_size)
+        raw = triton_fused_one_shot.prepare(problem, triton_fused_one_shot.search_space(problem)[0], state.ctx)
+    if raw is not None:
+        for style, capture in (("replay", capture_cuda_graph), ("direct", None)):
+            loops[f"fused autosymm eager_launch={style}{tag}"] = _with(entry, FusedReplay(raw, capture), x, residual,
+                                                                       weight)
+        loops[f"fused autosymm no wrapper{tag}"] = _with(entry, raw, x, residual, weight)
+    rms_norm = torch.nn.functional.rms_norm
+    loops["fused nccl + add + rms_norm"] = lambda: (dist.all_reduce(x), residual.add_(x),
+                                                    rms_norm(residual, (FUSED_HIDDEN,), weight, 1e-6))
+    return loops
 
 
 def _print(gathered: list, world_size: int, args) -> None:
@@ -291,7 +348,57 @@ def _stub_report(calls: int, repeats: int) -> None:
     entry.launcher = launcher
     api.forget_all()
     print(f"  autosymm.all_reduce -> launcher (checked):   {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
+    _stub_fused(ns, stub, empty_call)
     dist.destroy_process_group()
+
+
+def _stub_fused(ns, stub, empty_call: float) -> None:
+    """The fused op's rows of the stub report: [1, FUSED_HIDDEN] bf16 on a simulated one-rank
+    workspace (the launcher's host path is the same at any world size), launcher, bound launch and
+    graph replay, then autosymm.all_reduce_rmsnorm in front (its hot call, and the key path)."""
+    import autosymm
+    import autosymm.backends.triton_fused as tf
+    from autosymm import api
+    from autosymm.backends.base import RunContext
+    from autosymm.collectives import ALL_REDUCE_RMSNORM
+    from autosymm.configs import FusedConfig
+    from autosymm.problem import Problem
+    from autosymm.replay import FusedReplay, forget_all
+    from autosymm.symm import simulated_workspaces
+
+    class StubLean:  # binds at once; every launch is the stub
+        direct = staticmethod(stub)
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        __call__ = staticmethod(stub)
+
+    tf.LeanLauncher = StubLean
+    (ws,) = simulated_workspaces(1, all_reduce_bytes=1 << 20, moe_bytes=256)
+    problem = Problem.all_reduce_rmsnorm(1, FUSED_HIDDEN, "bf16", 1)
+    launcher = tf.triton_fused_one_shot.prepare(problem, FusedConfig("one_shot", FUSED_HIDDEN, 8, 1),
+                                                RunContext(workspace=ws))
+    x = torch.zeros(1, FUSED_HIDDEN, dtype=torch.bfloat16)
+    residual, weight = torch.zeros_like(x), torch.ones(FUSED_HIDDEN, dtype=torch.bfloat16)
+    graphed = FusedReplay(launcher, lambda launch, device: type("G", (), {"replay": staticmethod(stub)}))
+    memoised = FusedReplay(launcher, None)
+    for fn in (launcher, graphed, memoised):
+        fn(x, residual, weight), fn(x, residual, weight)  # bind, plan (the output's block comes back)
+    print(f"  fused [1, {FUSED_HIDDEN}]              launcher (checked): "
+          f"{ns(lambda: launcher(x, residual, weight)) - empty_call:6.0f}   "
+          f"bound launch: {ns(lambda: memoised(x, residual, weight)) - empty_call:6.0f}   "
+          f"graph replay: {ns(lambda: graphed(x, residual, weight)) - empty_call:6.0f}   "
+          f"(torch.empty_like of the output: {ns(lambda: torch.empty_like(x)) - empty_call:.0f})")
+    autosymm.all_reduce_rmsnorm(x, residual, weight)  # a 1-rank group: NCCL's composition; its entry runs ours
+    entry = api.STATES[None].cache[(ALL_REDUCE_RMSNORM, x.dtype, x.shape, False)]
+    entry.launcher = graphed
+    autosymm.all_reduce_rmsnorm(x, residual, weight)  # the key path makes it the group's hot call
+    call = lambda: autosymm.all_reduce_rmsnorm(x, residual, weight)  # noqa: E731
+    print(f"  autosymm.all_reduce_rmsnorm -> graph replay (stub, hot call): {ns(call) - empty_call:6.0f}")
+    entry.launcher = launcher
+    forget_all()
+    print(f"  autosymm.all_reduce_rmsnorm -> launcher (checked):            {ns(call) - empty_call:6.0f}")
 
 
 if __name__ == "__main__":
