@@ -256,8 +256,8 @@ def _fused_loops(n_tokens: int) -> dict:
     loops = {f"fused autosymm [{entry.decision.backend}, row: {eager_launch(entry.decision.config)}]":
              _with(entry, tuned, x, residual, weight)}
     raw, tag = (tuned.launcher, "") if isinstance(tuned, FusedReplay) else (None, " (one_shot, not the DB's pick)")
-    if raw is None and state.workspace is not None:
-        problem = autosymm.Problem.all_reduce_rmsnorm(n_tokens, FUSED_HIDDEN, "bf16", state.world_size)
+    problem = autosymm.Problem.all_reduce_rmsnorm(n_tokens, FUSED_HIDDEN, "bf16", state.world_size)
+    if raw is None and triton_fused_one_shot.why_not(problem, state.caps, "eager") is None:
         raw = triton_fused_one_shot.prepare(problem, triton_fused_one_shot.search_space(problem)[0], state.ctx)
     if raw is not None:
         for style, capture in (("replay", capture_cuda_graph), ("direct", None)):
@@ -275,10 +275,10 @@ def _print(gathered: list, world_size: int, args) -> None:
     worst = {name: tuple(max(rows[name][i] for rows in gathered) for i in range(3)) for name in names}
     print(f"torch {torch.__version__}, {world_size} x {torch.cuda.get_device_name()}, "
           f"{args.calls} calls x {args.repeats} bursts, MAX over ranks")
-    print(f"{'call':<62} {'host best':>10} {'host med':>10} {'device/call':>12}")
+    print(f"{'call':<84} {'host best':>10} {'host med':>10} {'device/call':>12}")
     for name in names:
         best, median, device = worst[name]
-        print(f"{name:<62} {best:>10.2f} {median:>10.2f} {device:>12.2f}")
+        print(f"{name:<84} {best:>10.2f} {median:>10.2f} {device:>12.2f}")
     floor = min(v[0] for k, v in worst.items() if k.startswith("floor"))
     host = f"@ {HOST_BYTES >> 10} KiB"
     for name in names:
