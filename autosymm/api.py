@@ -68,8 +68,8 @@ def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False
     name; only sums of bf16/fp16/fp32 have tuned kernels, NCCL serves the rest. ``async_op=True``
     returns a work handle (``wait()``, ``is_completed()``): torch's own where NCCL serves, else
     an autosymm ``Work`` for kernels already queued on the current stream. A DTensor with
-    ``Partial`` placements is reduced over those mesh dimensions; a new ``Replicate`` DTensor
-    sharing its local tensor is returned. Under torch.compile the call is
+    ``Partial`` placements is reduced over those mesh dimensions into a new ``Replicate``
+    DTensor (the input keeps its placements and data, as with ``redistribute``). Under torch.compile the call is
     ``torch.ops.autosymm.all_reduce_`` (no graph break); in eager it skips the op dispatcher.
     """
     # The hot path: an eager SUM of a plain tensor at an address that has a plan (replay.HOT).

@@ -4,8 +4,10 @@
   its lower-case name (``"sum"``); autosymm's ops and cache keys carry the name.
 * ``async_op=True``: :class:`Work`, a handle like torch's ``Work`` for a call whose kernels are
   already queued on the current CUDA stream (where NCCL serves, torch's own Work is returned).
-* A DTensor with ``Partial`` placements: its local tensor is reduced over the mesh dimensions
-  that are partial and a DTensor with ``Replicate`` there is returned.
+* A DTensor with ``Partial`` placements: a copy of its local tensor is reduced over the mesh
+  dimensions that are partial and a new DTensor with ``Replicate`` there is returned; the input
+  keeps its placements and its data (``redistribute``'s semantics: a Partial DTensor never holds
+  summed data).
 * Groups by name: ``group.group_name``, what ``torch.ops.autosymm.*`` (and torch's ``symm_mem``
   ops) take, and back; the device a group serves on (:func:`group_device`).
 """
@@ -82,9 +84,11 @@ def is_dtensor(x) -> bool:
 
 
 def reduce_dtensor(x, op: str, op_given: bool, reduce: Callable[..., torch.Tensor]):
-    """``x`` with every ``Partial`` placement reduced (``reduce(local, op, group)`` per partial mesh
-    dimension, in place on the local tensor) and made ``Replicate``; a new DTensor sharing the
-    local tensor (``x`` itself keeps its old placements: use the result).
+    """A new DTensor: ``x`` with every ``Partial`` placement reduced (``reduce(local, op, group)``
+    per partial mesh dimension, in place on a copy of the local tensor) and made ``Replicate``.
+    ``x`` keeps its placements and its local data, as with ``x.redistribute(...)``: reducing its
+    local tensor in place would leave a Partial DTensor holding the sum (``full_tensor()`` would
+    sum it again).
 
     ``op_given``: the caller passed an op, which must then match the placements' reduce op.
     ValueError names the placements when there is nothing partial, or a partial kind autosymm
@@ -104,7 +108,7 @@ def reduce_dtensor(x, op: str, op_given: bool, reduce: Callable[..., torch.Tenso
         if op_given and p.reduce_op != op:
             raise ValueError(f"autosymm.all_reduce: op={op!r} differs from the placement {p!r} (mesh dim {d}) "
                              f"of a DTensor with placements {placements}")
-    local = x.to_local()
+    local = x.to_local().clone()
     for d in partial_dims:
         local = reduce(local, placements[d].reduce_op, x.device_mesh.get_group(d))
     new = tuple(Replicate() if d in partial_dims else p for d, p in enumerate(placements))

@@ -44,3 +44,30 @@ def test_group_name_of_a_group_and_of_the_default_one():
     assert not dist.is_initialized()  # this process: the gloo tests spawn their own
     with pytest.raises(RuntimeError, match="torch.distributed initialised"):
         group_name()
+
+
+def _partial_dtensor_is_left_untouched(rank, world_size):
+    import autosymm
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.full((2,), float(rank + 1))
+    partial = DTensor.from_local(local, mesh, [Partial()])
+    out = autosymm.all_reduce(partial)
+    want = partial.redistribute(mesh, [Replicate()])  # torch's semantics, the reference
+    assert out.placements == want.placements == (Replicate(),)
+    assert torch.equal(out.to_local(), want.to_local()) and torch.equal(out.to_local(), torch.full((2,), 3.0))
+    assert partial.placements == (Partial(),), "the input keeps its placements"
+    assert torch.equal(partial.to_local(), torch.full((2,), float(rank + 1))), "the input's local data is untouched"
+    assert torch.equal(local, torch.full((2,), float(rank + 1)))
+    assert torch.equal(partial.full_tensor(), torch.full((2,), 3.0)), "full_tensor() of the input still reads the sum"
+    assert torch.equal(out.full_tensor(), torch.full((2,), 3.0))
+    assert out.to_local().data_ptr() != local.data_ptr()
+    return True
+
+
+def test_a_partial_dtensor_never_holds_summed_data():
+    from _gloo import run_gloo
+
+    assert run_gloo(_partial_dtensor_is_left_untouched, 2, deadline_s=120) == {0: True, 1: True}
