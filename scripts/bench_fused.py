@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1:2048", help="low:high (powers of two) or a list")
     parser.add_argument("--csv", default=None, help="also write the rows as CSV")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fused.py times CUDA-graph replays on GPUs: nothing to measure on this machine (no CUDA GPU)")
     from autosymm.tuning.workers import run_workers
 
     if ":" in args.tokens:

@@ -69,7 +69,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         from autosymm.tuning.workers import run_workers
 
         result = run_workers(_bench, args.nproc, shapes, tokens, args.repeats)
-    rows = finish(result["rows"], result["peer"])
+    rows = finish(result["rows"], result["peer"], measured=result["measured"])
     text = markdown(rows, result["peer"], result["note"])
     print(text)
     if args.md:
@@ -89,7 +89,8 @@ def _bench(rank, world_size, shapes, tokens, repeats) -> dict:
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     peer = peer_write(device, repeats) if cuda else {}
-    note = "" if cuda else "gloo on the CPU: no peer write, no CUDA graphs (a smoke run)"
+    note = "" if cuda else ("gloo on the CPU: nothing to measure, so no times and no ratios (a smoke run: every "
+                            "path ran and was checked); no peer write, no CUDA graphs")
     autosymm.init(moe=[autosymm.MoEPlan(s, max(tokens)) for s in shapes])
     rows = []
     for shape_key in shapes:
@@ -98,7 +99,7 @@ def _bench(rank, world_size, shapes, tokens, repeats) -> dict:
             for op in ("dp_to_ep", "ep_to_dp"):
                 rows.append(case.measure(op, repeats, graphs=cuda))
             del case
-    return {"peer": peer, "rows": rows, "note": note}
+    return {"peer": peer, "rows": rows, "note": note, "measured": cuda}
 
 
 # ------------------------------------------------------------------------------------ peer write
@@ -323,11 +324,14 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[
     return numerator / denominator if numerator and denominator else None
 
 
-def finish(rows: list[dict], peer: dict[str, float]) -> list[dict]:
-    """The measured rows with GB/s, % of the best peer write and plain/autosymm added."""
+def finish(rows: list[dict], peer: dict[str, float], measured: bool = True) -> list[dict]:
+    """The measured rows with GB/s, % of the best peer write and plain/autosymm added; not
+    ``measured`` (a CPU smoke run): no times either (gloo's and Python's: they compare nothing)."""
     best = max(peer.values(), default=None)
     out = []
     for r in rows:
+        if not measured:
+            r = {**r, **{k: None for k in ("autosymm_us", "plain_nccl_us", "autosymm_nccl_us", "autosymm_graph_us")}}
         eager, graph = gbps(r["remote_MB"], r["autosymm_us"]), gbps(r["remote_MB"], r["autosymm_graph_us"])
         out.append({**r, "autosymm_GBps": _round(eager), "autosymm_graph_GBps": _round(graph),
                     "autosymm_pct_peer": _round(pct(eager, best)), "autosymm_graph_pct_peer": _round(pct(graph, best)),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -30,6 +31,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type != "cuda":
+        print(f"on {device}: nothing to measure (the interpreter runs the kernels); each path runs once, no times")
     print(f"{'experts/k':>9} {'tok':>5} {'items':>7} {'op':>8} | {'torch us':>8} {'ops':>4} | "
           f"{'one program':>11} {'ops':>4} | {'two passes':>10} {'ops':>4} | chosen")
     for n_expts, k in SHAPES:
@@ -60,12 +63,17 @@ def _row(op, world_size, n_tokens, n_expts, k, device, calls, repeats) -> None:
         nccl.ONE_PROGRAM_MAX_ITEMS = limit
     chosen = "one program" if expt_indx.numel() <= limit else "two passes"
     print(f"{n_expts:>5}/{k:<3} {n_tokens:>5} {expt_indx.numel():>7} {op:>8} | "
-          + " | ".join(f"{us:>{w}.1f} {ops:>4}" for (us, ops), w in zip(cells, (8, 11, 10))) + f" | {chosen}",
+          + " | ".join(f"{'-' if us is None else f'{us:.1f}':>{w}} {ops:>4}" for (us, ops), w in zip(cells, (8, 11, 10)))
+          + f" | {chosen}",
           flush=True)
 
 
-def _time(call, device, calls, repeats) -> tuple[float, int]:
-    """(median us per call over bursts of back-to-back calls, GPU ops per call)."""
+def _time(call, device, calls, repeats) -> tuple[Optional[float], int]:
+    """(median us per call over bursts of back-to-back calls, GPU ops per call); off a GPU the
+    call runs once and is not timed (None, -1)."""
+    if device.type != "cuda":
+        call()
+        return None, -1
     for _ in range(5):
         call()
     bursts = []
