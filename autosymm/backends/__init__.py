@@ -26,6 +26,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "triton_moe": ("autosymm.backends.triton_moe", "TRITON_MOE"),
     "nccl_all_to_all": ("autosymm.backends.nccl_all_to_all", "NCCL_ALL_TO_ALL"),
     "nccl_fused": ("autosymm.backends.nccl_fused", "nccl_fused"),
+    "nccl_ordered": ("autosymm.backends.nccl_ordered", "nccl_ordered"),
+    "nccl_ordered_fused": ("autosymm.backends.nccl_ordered", "nccl_ordered_fused"),
     "triton_fused_one_shot": ("autosymm.backends.triton_fused", "triton_fused_one_shot"),
     "triton_fused_one_shot_push": ("autosymm.backends.triton_fused", "triton_fused_one_shot_push"),
     "triton_fused_two_shot": ("autosymm.backends.triton_fused", "triton_fused_two_shot"),

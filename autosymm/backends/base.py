@@ -114,10 +114,17 @@ Launcher = Callable[..., Any]
 
 
 class Backend:
-    """Base of every backend: ``name``, ``needs`` and the eligibility contract."""
+    """Base of every backend: ``name``, ``needs`` and the eligibility contract.
+
+    ``batch_invariant``: every element of its result is a function of that element's inputs
+    alone, the same at every call size, config, grid and mode, and the same as every other
+    batch-invariant backend of the op gives (for sums: the fp32 sum of ranks 0..W-1 in order
+    from +0.0, rounded once; for data movement: the rows moved). The ``deterministic`` setting
+    (autosymm.settings) restricts dispatch to such backends."""
 
     name: str
     needs: Needs
+    batch_invariant: bool = False
 
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         """None when this backend can serve ``problem`` on ``caps`` in ``mode``, else why not."""
