@@ -13,8 +13,8 @@ import torch
 
 from autosymm.backends.base import RunContext
 from autosymm.backends.triton_all_reduce import triton_one_shot, triton_one_shot_push, triton_two_shot
-from autosymm.backends.triton_fused import (fused_stage_bytes, triton_fused_one_shot, triton_fused_one_shot_push,
-                                            triton_fused_two_shot)
+from autosymm.backends.triton_fused import ALGORITHMS as FUSED_ALGORITHMS
+from autosymm.backends.triton_fused import triton_fused_one_shot, triton_fused_one_shot_push, triton_fused_two_shot
 from autosymm.geometry import ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, align, stage_offset
 from autosymm.problem import Problem, dtype_name
 from autosymm.symm import simulated_workspaces
@@ -108,7 +108,7 @@ def run_fused(config, xs: list[torch.Tensor], residual: torch.Tensor, weight: to
     wss = workspaces(world_size, region_bytes, half_bytes)
     problem = Problem.all_reduce_rmsnorm(n_rows, hidden, dtype_name(dtype), world_size)
     backend = FUSED_BACKENDS[config.algorithm]
-    need = fused_stage_bytes(config.algorithm, nbytes, world_size)
+    need = FUSED_ALGORITHMS[config.algorithm].stage_bytes(nbytes, world_size)
     double = config.double_buffer and need <= half_bytes
     base = _double_offset(wss[0]) if double else wss[0].capacity(ALL_REDUCE_REGION) - need
     residuals = [residual.clone() for _ in range(world_size)]

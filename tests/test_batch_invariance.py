@@ -27,6 +27,7 @@ import os
 import pytest
 import torch
 
+from autosymm.backends import backend_names, get_backend
 from autosymm.configs import AllReduceConfig, FusedConfig
 
 from _all_reduce_sim import requires_interpreter
@@ -150,3 +151,15 @@ def test_fused_residual_rows_have_the_same_bits_at_every_size(config):
         for rank, (new_residual, out) in enumerate(results):
             _assert_same_bits(new_residual, want, f"{_fused_id(config)}, {n_tokens} tokens, rank {rank}")
             _assert_same_bits(out, results[0][1], f"{_fused_id(config)}, {n_tokens} tokens: out of rank {rank}")
+
+
+def test_the_backends_declared_batch_invariant_are_the_ones_shown_so():
+    """Backend.batch_invariant (what the deterministic setting dispatches to) holds for the
+    all-reduce families tested above, the ordered NCCL fallbacks (tests/test_backends_nccl_ordered)
+    and the MoE conversions (rows are copied, never summed); not for multimem (the switch adds in
+    an unspecified order), NCCL's all-reduce (ring order per chunk, a rounding per step at W > 2),
+    torch's symm_mem ops (bf16 adds rounded per peer) or the fused kernels (out's tree, above)."""
+    invariant = {name for name in backend_names() if get_backend(name).batch_invariant}
+    assert invariant == {"triton_one_shot", "triton_one_shot_push", "triton_two_shot", "nccl_ordered",
+                         "nccl_ordered_fused", "triton_moe", "nccl_all_to_all"}
+    assert {case[0] for case in ALL_REDUCE_CASES} == {"one_shot", "one_shot_push", "two_shot"}

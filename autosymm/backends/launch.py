@@ -181,6 +181,8 @@ class Algorithm:
     ``double_buffer_space_bytes``. ``row_split``: programs may share a row (fused). ``multicast``:
     needs the workspace's multicast address (multimem, sm_90). ``min_thread_bytes``: bytes per
     thread below which the all-reduce space keeps only the fewest warps of a BLOCK.
+    ``batch_invariant``: its result element is the fp32 sum of ranks 0..W-1 in order, rounded
+    once, whatever the call's size and config (Backend.batch_invariant; tests/test_batch_invariance).
     """
 
     name: str
@@ -194,6 +196,7 @@ class Algorithm:
     row_split: bool = False
     multicast: bool = False
     min_thread_bytes: int = 8
+    batch_invariant: bool = False
 
     def share(self, count: int, world_size: int) -> int:
         """How many of ``count`` elements (or rows) one rank's programs reduce."""

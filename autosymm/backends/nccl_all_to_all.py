@@ -53,6 +53,7 @@ class NcclAllToAll(Backend):
     """``dist.all_to_all_single`` with device-computed split sizes (eager only)."""
 
     name = "nccl_all_to_all"
+    batch_invariant = True  # rows are copied, never summed
     # split sizes go through the host (.tolist()): no CUDA-graph capture
     needs = Needs(ops=(DP_TO_EP.name, EP_TO_DP.name), graph_capturable=False)
 

@@ -58,12 +58,14 @@ PULL_DOUBLE_BUFFER_MAX_BYTES = 1 << 20
 #: The all-reduce algorithms by name (AllReduceConfig.algorithm), each a backend ``triton_<name>``.
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("one_shot", _one_shot_all_reduce, tensor_stage_bytes, double_buffer=True,
-              double_buffer_space_bytes=PULL_DOUBLE_BUFFER_MAX_BYTES),
+              double_buffer_space_bytes=PULL_DOUBLE_BUFFER_MAX_BYTES, batch_invariant=True),
     # the stage takes world_size - 1 slots of the tensor, one per peer: a double-buffer half while they fit
     Algorithm("one_shot_push", _push_one_shot_all_reduce, push_stage_bytes, push=True, double_buffer=True,
-              double_buffer_space_bytes=DOUBLE_BUFFER_HALF_BYTES),
-    Algorithm("two_shot", _two_shot_all_reduce, tensor_stage_bytes, {"MULTIMEM": False}, splits_by_rank=True),
-    # one v4 multimem operation a thread: 16 bytes a thread at least
+              double_buffer_space_bytes=DOUBLE_BUFFER_HALF_BYTES, batch_invariant=True),
+    Algorithm("two_shot", _two_shot_all_reduce, tensor_stage_bytes, {"MULTIMEM": False}, splits_by_rank=True,
+              batch_invariant=True),
+    # one v4 multimem operation a thread: 16 bytes a thread at least. Not batch-invariant: the
+    # switch's ld_reduce adds the ranks in an order PTX does not specify.
     Algorithm("multimem", _two_shot_all_reduce, tensor_stage_bytes, {"MULTIMEM": True}, splits_by_rank=True,
               multicast=True, min_thread_bytes=16),
     # peers push into the Lamport region, not the all-reduce region: backend triton_lamport
@@ -292,6 +294,7 @@ class TritonAllReduce(Backend):
     def __init__(self, record: Algorithm) -> None:
         self.record, self.algorithm = record, record.name
         self.name = f"triton_{record.name}"
+        self.batch_invariant = record.batch_invariant
         # multimem instructions need sm_90
         self.needs = Needs(ops=("all_reduce",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
                            intra_node=True, multicast=record.multicast,

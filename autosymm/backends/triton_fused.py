@@ -41,7 +41,10 @@ OP = ALL_REDUCE_RMSNORM.name
 
 #: The fused algorithms by name (FusedConfig.algorithm), each a backend ``triton_fused_<name>``:
 #: the one-shots (pull, push) stage as the all-reduce's and may split rows and double-buffer;
-#: the two-shot by rows stages x's rows and the out rows.
+#: the two-shot by rows stages x's rows and the out rows. None is batch-invariant: the residual
+#: is (the fp32 in-order sum, rounded once), but out's sum of squares is a tl.sum whose tree
+#: follows the layout (BLOCK, warps, rows per program, the alignment it vectorises for) and the
+#: split rows' parts, so its bits may change with the config.
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("one_shot", _one_shot_all_reduce_rmsnorm, tensor_stage_bytes, {"PUSH": False}, double_buffer=True,
               double_buffer_space_bytes=DOUBLE_BUFFER_HALF_BYTES, row_split=True),
@@ -294,6 +297,7 @@ class TritonFused(Backend):
     def __init__(self, record: Algorithm) -> None:
         self.record, self.algorithm = record, record.name
         self.name = f"triton_fused_{record.name}"
+        self.batch_invariant = record.batch_invariant
         self.needs = Needs(ops=(OP,), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:

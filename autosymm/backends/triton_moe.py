@@ -124,6 +124,7 @@ class TritonMoE(Backend):
     """The Triton conversion kernels writing into the workspace's MoE region."""
 
     name = "triton_moe"
+    batch_invariant = True  # rows are copied, never summed
     needs = Needs(ops=(DP_TO_EP.name, EP_TO_DP.name), compiles_kernels=True, workspace_region=MOE_REGION, intra_node=True)
 
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
