@@ -144,6 +144,8 @@ VARIABLES: tuple[Variable, ...] = (
              "polls before a signal-pad wait gives up; read when autosymm is imported", agreed=True),
     Variable("AUTOSYMM_AGREE_TIMEOUT_S", _seconds, DEFAULT_AGREE_TIMEOUT_S,
              "seconds a rank waits for its peers' reports in a rank agreement"),
+    Variable("AUTOSYMM_DETERMINISTIC", parse_bool, False,
+             "switch: only batch-invariant backends (a row's bits follow its inputs alone)", agreed=True),
     Variable("AUTOSYMM_EAGER_REPLAY", parse_bool, True,
              "switch: eager Triton all-reduces replay a cached CUDA graph per tensor address"),
     Variable("AUTOSYMM_DB", _path, None, "path of the user's tuning database"),
@@ -236,6 +238,11 @@ def export(values: Mapping[str, str], *, overwrite: bool = True) -> None:
 def disabled() -> bool:
     """AUTOSYMM_DISABLE: True when every call should use NCCL."""
     return get("AUTOSYMM_DISABLE")
+
+
+def deterministic() -> bool:
+    """AUTOSYMM_DETERMINISTIC: True when dispatch may pick only batch-invariant backends."""
+    return get("AUTOSYMM_DETERMINISTIC")
 
 
 def multicast_disabled_by_env() -> bool:
