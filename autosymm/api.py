@@ -37,14 +37,17 @@ _Tensor = torch.Tensor
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None) -> None:
+def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None,
+         deterministic: Optional[bool] = None) -> None:
     """Set up autosymm on ``group`` now (collective): workspace, databases, rank agreement.
 
     ``moe``: the MoE conversions to come, a list of ``autosymm.MoEPlan(shape, max_tokens_per_rank,
     dtype)``: the workspace's MoE region is sized for the largest (grown now, collectively, if
     the group is set up already), so those calls run the Triton conversion, CUDA-graph capture
     included. ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (bytes; default
-    geometry.DEFAULT_MOE_MAX_BYTES; 0: never grow). Every rank must pass the same values.
+    geometry.DEFAULT_MOE_MAX_BYTES; 0: never grow). ``deterministic``: True restricts this group's
+    calls to batch-invariant backends, False lifts it (default: AUTOSYMM_DETERMINISTIC; README,
+    "Batch-invariant bits"). Every rank must pass the same values.
     """
     if not dist.is_initialized():
         raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
@@ -54,6 +57,9 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None)
 
         reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
     moe_room.configure(state_of(group), region_bytes, max_bytes)
+    if deterministic is not None:
+        state_of(group).set_deterministic(bool(deterministic))
+        forget_all()  # hot plans were made under the old setting
 
 
 def _mode() -> str:
@@ -69,13 +75,17 @@ def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False
     returns a work handle (``wait()``, ``is_completed()``): torch's own where NCCL serves, else
     an autosymm ``Work`` for kernels already queued on the current stream. A DTensor with
     ``Partial`` placements is reduced over those mesh dimensions into a new ``Replicate``
-    DTensor (the input keeps its placements and data, as with ``redistribute``). Under torch.compile the call is
+    DTensor (the input keeps its placements and data, as with ``redistribute``). A tensor that
+    requires grad (grad mode on) takes the differentiable ``torch.ops.autosymm.all_reduce`` and
+    the result is copied back (the gradient of torch.distributed.nn.functional.all_reduce); a
+    non-contiguous tensor is copied in and out. Under torch.compile the call is
     ``torch.ops.autosymm.all_reduce_`` (no graph break); in eager it skips the op dispatcher.
     """
     # The hot path: an eager SUM of a plain tensor at an address that has a plan (replay.HOT).
     # The address fixes the device (unified addressing); dtype, numel and contiguity fix the
     # prepared call (its key below) with the group; on torch's default stream nothing captures.
-    if op is _SUM and not async_op and type(tensor) is _Tensor and not _dynamo_compiling():
+    if (op is _SUM and not async_op and type(tensor) is _Tensor and not tensor.requires_grad
+            and not _dynamo_compiling()):
         hot = HOT.get(tensor.data_ptr())
         if (hot is not None and hot.group is group and hot.dtype is tensor.dtype and hot.numel == tensor.numel()
                 and tensor.is_contiguous()
@@ -92,6 +102,8 @@ def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     one counter; an eager call whose launcher then has a plan for the address makes it hot."""
     state = STATES.get(group) or state_of(group)
     key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum", stream_capturing())
+    if not key[2]:
+        return _all_reduce_direct(tensor, "sum", group)
     entry = state.cache.get(key)
     if entry is None:
         entry = prepare_call(state, ALL_REDUCE, key, (tensor, "sum"))
@@ -119,6 +131,10 @@ def _all_reduce_general(tensor, op, group, async_op: bool):
             raise RuntimeError("autosymm.all_reduce: async_op=True cannot be traced by torch.compile; the "
                                "traced op is already ordered on the stream: drop async_op")
         return _all_reduce_async(tensor, name, group)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        # as torch.distributed.nn.functional.all_reduce, copied back: autograd records the copy
+        # (a leaf that requires grad raises torch's in-place error)
+        return tensor.copy_(torch.ops.autosymm.all_reduce(tensor, name, group_name(group)))
     if (type(tensor) is _Tensor or type(tensor) is torch.nn.Parameter) and not _dynamo_compiling():
         return _all_reduce_direct(tensor, name, group)
     # torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor under export or make_fx):
@@ -140,11 +156,16 @@ def _all_reduce_entry(tensor: torch.Tensor, op: str, group) -> tuple[GroupState,
 
 
 def _all_reduce_direct(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
-    """The eager path for any op name (``all_reduce``'s hot path, generalised; ops.py's impls)."""
+    """The eager path for any op name (``all_reduce``'s hot path, generalised; ops.py's impls).
+    A non-contiguous tensor is copied in and out, as ``dist.all_reduce`` does."""
+    if not tensor.is_contiguous():
+        return tensor.copy_(_all_reduce_direct(tensor.contiguous(), op, group))
     return _all_reduce_entry(tensor, op, group)[1].launcher(tensor)
 
 
 def _all_reduce_async(tensor: torch.Tensor, op: str, group):
+    if not tensor.is_contiguous():  # copied in and out: done when this returns
+        return Work(_all_reduce_direct(tensor, op, group))
     state, entry = _all_reduce_entry(tensor, op, group)
     if entry.decision.backend == "nccl":
         return dist.all_reduce(tensor, op=getattr(dist.ReduceOp, NCCL_OPS[op]), group=state.group, async_op=True)
@@ -170,9 +191,10 @@ def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
     ``src`` [n_tokens_local, d_model]; ``expt_indx`` [n_tokens_global, k] global expert ids;
     ``gate_indx`` from ``autosymm.route``. Returns this rank's [n_tokens_global * k, d_model]
     expert-ordered buffer. Eager: a workspace view, valid until the next dp->ep call (no copy).
-    Under torch.compile: ``torch.ops.autosymm.dp_to_ep``, a tensor the caller owns (one copy).
+    Under torch.compile, or for a ``src`` that requires grad: ``torch.ops.autosymm.dp_to_ep``, a
+    tensor the caller owns (one copy; differentiable: its backward is ep->dp).
     """
-    if type(src) is not _Tensor or _dynamo_compiling():
+    if type(src) is not _Tensor or src.requires_grad or _dynamo_compiling():
         tensors, per_shard = _assignment_args(expt_assignment)
         return torch.ops.autosymm.dp_to_ep(src, tensors, per_shard, expt_indx, gate_indx, group_name(group))
     return _moe_call(DP_TO_EP, src, expt_assignment, expt_indx, gate_indx, group)
@@ -184,9 +206,10 @@ def convert_ep_to_dp(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
 
     ``src`` [n_tokens_global * k, d_model] in expert order; returns this rank's
     [n_tokens_local * k, d_model] rows. Eager: a workspace view, valid until the next ep->dp
-    call. Under torch.compile: ``torch.ops.autosymm.ep_to_dp``, a tensor the caller owns.
+    call. Under torch.compile, or for a ``src`` that requires grad: ``torch.ops.autosymm.ep_to_dp``,
+    a tensor the caller owns (differentiable: its backward is dp->ep).
     """
-    if type(src) is not _Tensor or _dynamo_compiling():
+    if type(src) is not _Tensor or src.requires_grad or _dynamo_compiling():
         tensors, per_shard = _assignment_args(expt_assignment)
         return torch.ops.autosymm.ep_to_dp(src, tensors, per_shard, expt_indx, topk_indx, group_name(group))
     return _moe_call(EP_TO_DP, src, expt_assignment, expt_indx, topk_indx, group)

@@ -98,7 +98,7 @@ def dp_to_ep_backward(ctx, grad_rows):
     start = _rank(ctx.group_name) * n_tokens_local
     mine = _valid(expt_indx[start:start + n_tokens_local], assignment[2].shape[1]).reshape(-1, 1)
     pairs = torch.where(mine, pairs, torch.zeros((), dtype=pairs.dtype, device=pairs.device))
-    return pairs.view(n_tokens_local, k, -1).sum(1), None, None, None, None, None
+    return pairs.view(n_tokens_local, k, -1).sum(1), [None] * len(assignment), None, None, None, None
 
 
 def ep_to_dp_backward(ctx, grad_pairs):
@@ -112,4 +112,4 @@ def ep_to_dp_backward(ctx, grad_pairs):
     valid = _valid(experts, assignment[2].shape[1])
     mine = valid & (expt_owner[experts.clamp(0, expt_owner.numel() - 1).long()] == _rank(ctx.group_name))
     rows = torch.where(mine.view(-1, 1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-    return rows, None, None, None, None, None
+    return rows, [None] * len(assignment), None, None, None, None

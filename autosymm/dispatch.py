@@ -28,6 +28,12 @@ Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth 
 5. nothing usable -> the op's fallback order: NCCL for all-reduce; for MoE the Triton conversion
    with its default config where it can serve (no NCCL path is graph-capturable), else NCCL
    all_to_all.
+
+``deterministic`` (AUTOSYMM_DETERMINISTIC or ``autosymm.init(deterministic=True)``, agreed by the
+ranks): only backends declaring ``batch_invariant`` serve (autosymm.backends.base); rows of the
+others are skipped (said in ``skipped``), and every NCCL fallback above becomes the first
+batch-invariant backend of the op's fallback order, else its ``invariant_fallback``
+(autosymm.backends.nccl_ordered): :func:`last_resort`.
 """
 
 from __future__ import annotations
@@ -77,17 +83,32 @@ class Decision:
         return text
 
 
-def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str) -> Decision:
-    """The decision when no tuned row serves ``problem``: the first backend of the op's
-    ``fallback_order`` that can serve it, with its ``fallback_config``; else the op's ``fallback``."""
+def last_resort(problem: Problem, deterministic: bool = False) -> str:
+    """The backend that always serves ``problem``: the op's ``fallback``; with ``deterministic``,
+    its ``invariant_fallback`` unless the fallback is batch-invariant itself (RuntimeError for an
+    op that has neither: no call of it may break the setting)."""
     record = problem.record
-    for name in record.fallback_order:
+    if not deterministic or get_backend(record.fallback).batch_invariant:
+        return record.fallback
+    if not record.invariant_fallback:
+        raise RuntimeError(f"autosymm: {problem.describe()} has no batch-invariant backend; "
+                           "unset AUTOSYMM_DETERMINISTIC (or init(deterministic=False)) for it")
+    return record.invariant_fallback
+
+
+def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str,
+                      deterministic: bool = False) -> Decision:
+    """The decision when no tuned row serves ``problem``: the first backend of the op's
+    ``fallback_order`` that can serve it (batch-invariant, with ``deterministic``), with its
+    ``fallback_config``; else :func:`last_resort`."""
+    for name in problem.record.fallback_order:
         backend = get_backend(name)
-        if backend.why_not(problem, caps, mode) is None:
+        if (not deterministic or backend.batch_invariant) and backend.why_not(problem, caps, mode) is None:
             config = backend.fallback_config(problem)
             note = "; untuned default config" if config is not None else ""
             return Decision(name, config, reason + note, bucket=problem.bucket, mode=mode)
-    return Decision(record.fallback, None, reason, bucket=problem.bucket, mode=mode)
+    note = "; deterministic: batch-invariant backends only" if deterministic else ""
+    return Decision(last_resort(problem, deterministic), None, reason + note, bucket=problem.bucket, mode=mode)
 
 
 def _lookups(problem: Problem, mode: str):
@@ -141,15 +162,18 @@ def _between(problem: Problem, points: tuple[int, ...]) -> str:
     return f"{call} {side} tuned size"
 
 
-def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str) -> Decision:
+def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str,
+           deterministic: bool = False) -> Decision:
     """The decision for ``problem`` in ``mode`` (see the module docstring for the rules)."""
     record = problem.record
     if settings.disabled():
-        return Decision(record.fallback, None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket, mode=mode)
+        return Decision(last_resort(problem, deterministic), None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket,
+                        mode=mode)
     if problem.world_size == 1 and record.identity_on_one_rank:
         return Decision("noop", None, "world size 1: nothing to exchange", bucket=problem.bucket, mode=mode)
     if not caps.intra_node:
-        return Decision(record.fallback, None, "group spans nodes: NCCL", bucket=problem.bucket, mode=mode)
+        return Decision(last_resort(problem, deterministic), None, "group spans nodes: NCCL", bucket=problem.bucket,
+                        mode=mode)
     skipped: list[str] = []
     key = Key.for_problem(hardware, problem, mode)
     for dtype, row_mode, nearest, note in _lookups(problem, mode):
@@ -157,7 +181,7 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
         ranked = candidates(problem, chosen, floors_of(family))
         for candidate in ranked:
             row = candidate.row
-            why_not = _why_not(row.backend, problem, caps, mode)
+            why_not = _why_not(row.backend, problem, caps, mode, deterministic)
             if why_not is not None:
                 text = f"{row.backend}: {why_not}"
                 if text not in skipped:
@@ -165,7 +189,7 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
                 continue
             return _decision(problem, mode, candidate, ranked, (how, note), skipped)
     reason = "no tuned row for this hardware/world size/shape" if not skipped else "no tuned backend can serve the call"
-    decision = fallback_decision(problem, mode, caps, reason)
+    decision = fallback_decision(problem, mode, caps, reason, deterministic)
     return replace(decision, skipped=tuple(skipped))
 
 
@@ -191,9 +215,12 @@ def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list
                     measured=exact and row.dtype == problem.dtype and row.mode == mode)
 
 
-def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str) -> Optional[str]:
+def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str,
+             deterministic: bool = False) -> Optional[str]:
     try:
         backend = get_backend(backend_name)
     except (KeyError, ImportError) as exc:
         return f"not available here ({exc})"
+    if deterministic and not backend.batch_invariant:
+        return "not batch-invariant (deterministic)"
     return backend.why_not(problem, caps, mode)

@@ -32,7 +32,14 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rank ends with bit-identical ``residual`` and output. ``x`` is scratch: the Triton kernels
     leave it unchanged, the NCCL path leaves the sum in it. Under torch.compile (or another tracer,
     which hands over tensor subclasses) the call is ``torch.ops.autosymm.all_reduce_rmsnorm``.
+    Where an input requires grad it is ``all_reduce_rmsnorm_functional`` (differentiable:
+    autosymm.autograd) and the new residual is copied into ``residual``.
     """
+    if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+        out, new_residual = torch.ops.autosymm.all_reduce_rmsnorm_functional(x, residual, weight, eps,
+                                                                             name_of_group(group))
+        residual.copy_(new_residual)
+        return out
     if type(x) is not torch.Tensor or _dynamo_compiling():
         return torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, name_of_group(group))
     # The hot path: the group's last prepared eager call (replay.FUSED_HOT), of x's dtype and shape,
@@ -42,6 +49,11 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
             and (current_raw_stream(hot.device_index) == 0 or not stream_capturing())):
         hot.entry.calls += 1
         return hot.call(x, residual, weight, eps)
+    return fused_call(x, residual, weight, eps, group)
+
+
+def fused_call(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group) -> torch.Tensor:
+    """The keyed eager path of :func:`all_reduce_rmsnorm` for plain tensors (the custom ops' impls)."""
     state = STATES.get(group) or state_of(group)
     key = (ALL_REDUCE_RMSNORM, x.dtype, x.shape, stream_capturing())
     entry = state.cache.get(key)

@@ -85,6 +85,8 @@ class GroupState:
         self.fingerprint, self.hardware = local.fingerprint, local.fingerprint.hardware_slug
         #: why every call takes the fallback (NCCL), when the ranks failed or disagree at set-up
         self.safe_reason = problems(reports)
+        #: AUTOSYMM_DETERMINISTIC as every rank has it (a rank that failed counts as off: all agree)
+        self.deterministic = all(report["settings"].get("deterministic", False) for report in reports)
         if self.safe_reason and self.rank == 0:
             warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
         self.workspace = None
@@ -100,9 +102,20 @@ class GroupState:
 
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:
-            return Decision(problem.record.fallback, None, f"ranks failed or disagree at set-up ({self.safe_reason})",
-                            bucket=problem.bucket, mode=mode)
-        return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware)
+            return Decision(dispatch.last_resort(problem, self.deterministic), None,
+                            f"ranks failed or disagree at set-up ({self.safe_reason})", bucket=problem.bucket, mode=mode)
+        return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware, self.deterministic)
+
+    def set_deterministic(self, value: bool) -> None:
+        """``autosymm.init(deterministic=...)``: agreed with every rank (AgreementError naming the
+        difference otherwise), then the calls prepared so far are decided again on their next use."""
+        self.prepared_calls += 1
+        report = {"ok": True, "error": "", "settings": {"deterministic": value}}
+        trouble = problems(self.channel.exchange(f"call{self.prepared_calls}", report))
+        if trouble is not None:
+            raise AgreementError(f"autosymm: ranks disagree on init(deterministic=...): {trouble}")
+        self.deterministic = value
+        self.cache.clear()
 
     def prepare(self, problem: Problem, mode: str) -> Entry:
         decision = self.decide(problem, mode)
@@ -167,7 +180,8 @@ class LocalSetup:
         self.fingerprint = fingerprint()
         disabled = settings.disabled()
         agreed = self.report["settings"]
-        agreed.update(hardware=self.fingerprint.hardware_slug, disabled=disabled)
+        agreed.update(hardware=self.fingerprint.hardware_slug, disabled=disabled,
+                      deterministic=settings.deterministic())
         self.sources = open_sources(user_db_path(), shipped_db_paths())
         agreed["databases"] = hashlib.sha256("".join(s.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)

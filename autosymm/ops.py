@@ -10,6 +10,8 @@
                                  str group_name) -> Tensor
     autosymm::reduce_scatter_tensor(Tensor input, str op, int group_size, str group_name) -> Tensor
     autosymm::all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor
+    autosymm::all_reduce_rmsnorm_functional(Tensor x, Tensor residual, Tensor weight, float eps,
+                                            str group_name) -> (Tensor out, Tensor new_residual)
 
 ``op`` is a reduce op's name ("sum", "avg", "max", "min", "product", "band", "bor", "bxor");
 ``group_name`` the name torch.distributed resolves a group by (``group.group_name``; see
@@ -35,6 +37,13 @@ graph cannot see (it may reorder, fuse or keep two results alive at once). An ``
 would not save the copy, since the rows must land in symmetric memory that peers write, and
 ``out`` is a plain tensor; it would only save an allocation, which the caching allocator (and a
 CUDA graph's private pool) makes nearly free, at the price of a mutating op. So: clone out.
+
+Autograd. The functional ops (``all_reduce``, ``all_reduce_rmsnorm_functional``, ``dp_to_ep``,
+``ep_to_dp``) carry the formulas of autosymm.autograd (torch.distributed.nn.functional's where it
+has one), ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` theirs (each the other's
+gradient: autosymm.collectives.reduce_scatter / all_gather); the mutating ones have none (torch cannot differentiate a custom op that mutates), so
+``autosymm.all_reduce`` and ``autosymm.all_reduce_rmsnorm`` take the functional op and copy back
+when an input requires grad.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """``all_reduce``: a tensor reduced in place over the group (``autosymm.all_reduce``, whose hot path
-lives in autosymm.api), and its custom ops ``torch.ops.autosymm.all_reduce_`` / ``all_reduce``.
+lives in autosymm.api), and its custom ops ``torch.ops.autosymm.all_reduce_`` / ``all_reduce`` (the
+functional one differentiable: autosymm.autograd).
 
 Problem: ``nbytes`` of the whole tensor; bucket: those bytes (at least 1); no shape. Cache key
 (built by the hot path itself): ``(dtype, numel, contiguous, reduce op name, capturing)``.
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..configs import AllReduceConfig
+from .. import autograd
 from ..dist_compat import REDUCE_OP_NAMES
 from ..problem import DTYPE_NAMES, Problem, octave_points
 from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
@@ -57,7 +59,8 @@ class AllReduce(Collective):
 
     def custom_ops(self) -> tuple[CustomOp, ...]:
         return (CustomOp("all_reduce_", _all_reduce_, _all_reduce__fake, mutates_args=("tensor",)),
-                CustomOp("all_reduce", _all_reduce, _all_reduce_fake))
+                CustomOp("all_reduce", _all_reduce, _all_reduce_fake, backward=autograd.all_reduce_backward,
+                         setup_context=autograd.all_reduce_setup))
 
 
 def _nccl_entry(state, x: Tensor, op: str, mode: str):
@@ -108,4 +111,4 @@ def _all_reduce_fake(tensor: Tensor, op: str, group_name: str) -> Tensor:
 
 ALL_REDUCE = AllReduce("all_reduce", "bytes", fallback="nccl", fallback_order=("nccl",),
                        points=TuningPoints(sizes=SIZES), config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
-                       identity_on_one_rank=True)
+                       identity_on_one_rank=True, invariant_fallback="nccl_ordered")

@@ -1,6 +1,6 @@
 """``all_reduce_rmsnorm``: the all-reduce of a tensor-parallel layer fused with the residual add and
-the RMSNorm after it (``autosymm.all_reduce_rmsnorm``, autosymm.fused), and its custom op
-``torch.ops.autosymm.all_reduce_rmsnorm``.
+the RMSNorm after it (``autosymm.all_reduce_rmsnorm``, autosymm.fused), and its custom ops
+``torch.ops.autosymm.all_reduce_rmsnorm`` and ``all_reduce_rmsnorm_functional`` (differentiable).
 
 Problem: ``n_tokens_local`` rows of ``hidden`` elements; bucket: tokens per rank; shape:
 ``'h{hidden}'``. Cache key: ``(record, dtype, x shape, capturing)``.
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..configs import FusedConfig
+from .. import autograd
 from ..problem import Problem, dtype_name
 from .base import Collective, CustomOp, PointRequest, TuningPoints
 from .moe import TOKENS
@@ -87,7 +88,9 @@ class AllReduceRMSNorm(Collective):
 
     def custom_ops(self) -> tuple[CustomOp, ...]:
         # x is declared mutated: the NCCL path sums into it
-        return (CustomOp(self.name, _all_reduce_rmsnorm, _all_reduce_rmsnorm_fake, mutates_args=("x", "residual")),)
+        return (CustomOp(self.name, _all_reduce_rmsnorm, _all_reduce_rmsnorm_fake, mutates_args=("x", "residual")),
+                CustomOp(f"{self.name}_functional", _functional, _functional_fake, backward=autograd.fused_backward,
+                         setup_context=autograd.fused_setup))
 
 
 def _empty_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -99,16 +102,33 @@ def _all_reduce_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
     """``torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, group_name)``: the custom
     op of autosymm.all_reduce_rmsnorm."""
     from ..dist_compat import resolve_group
-    from ..fused import all_reduce_rmsnorm
+    from ..fused import fused_call
 
-    return all_reduce_rmsnorm(x, residual, weight, eps, resolve_group(group_name))
+    return fused_call(x, residual, weight, eps, resolve_group(group_name))
 
 
 def _all_reduce_rmsnorm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> Tensor:
     return torch.empty_like(x)
 
 
+def _functional(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> tuple[Tensor, Tensor]:
+    """``torch.ops.autosymm.all_reduce_rmsnorm_functional``: (out, new residual), the inputs left
+    unchanged (copies are reduced): the differentiable form (autosymm.autograd)."""
+    from ..dist_compat import resolve_group
+    from ..fused import fused_call
+
+    new_residual = residual.clone(memory_format=torch.contiguous_format)
+    out = fused_call(x.clone(memory_format=torch.contiguous_format), new_residual, weight.contiguous(), eps,
+                     resolve_group(group_name))
+    return out, new_residual
+
+
+def _functional_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x, memory_format=torch.contiguous_format), \
+        torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+
 ALL_REDUCE_RMSNORM = AllReduceRMSNorm("all_reduce_rmsnorm", "tokens", fallback="nccl_fused",
                                       fallback_order=("nccl_fused",), shape_param="hidden", config_type=FusedConfig,
                                       points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS),
-                                      tuned_by_default=False)
+                                      tuned_by_default=False, invariant_fallback="nccl_ordered_fused")

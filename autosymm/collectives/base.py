@@ -84,8 +84,10 @@ class Collective:
     ``points``; ``tuned_by_default`` (in `autosymm tune`'s default ``--ops``);
     ``identity_on_one_rank`` (a call over one rank is the identity: backend 'noop');
     ``prepare_in_check`` (the decision and launcher are made inside the agreed check; False when
-    preparing may run a collective, as growing the MoE region does). Subclasses (one module per
-    op) give the methods below that raise NotImplementedError here."""
+    preparing may run a collective, as growing the MoE region does); ``invariant_fallback`` (the
+    batch-invariant backend that always serves it under the ``deterministic`` setting, where the
+    ``fallback_order`` has none: autosymm.backends.nccl_ordered; '' when that order has one).
+    Subclasses (one module per op) give the methods below that raise NotImplementedError here."""
 
     name: str
     bucket_unit: str
@@ -98,6 +100,7 @@ class Collective:
     tuned_by_default: bool = True
     identity_on_one_rank: bool = False
     prepare_in_check: bool = True
+    invariant_fallback: str = ""
 
     def __post_init__(self) -> None:
         if self.bucket_unit not in BUCKET_UNITS:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import autograd
 from ..configs import MoEConfig
 from ..problem import MODEL_SHAPES, MoEShape, Problem, dtype_name
 from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
@@ -95,9 +96,12 @@ class MoEConversion(Collective):
                            dtype_name(dtype), world_size)
 
     def custom_ops(self) -> tuple[CustomOp, ...]:
+        # differentiable: each direction's backward is the other one with the same routing
         if self.to_experts:
-            return (CustomOp(self.name, _dp_to_ep, _dp_to_ep_fake),)
-        return (CustomOp(self.name, _ep_to_dp, _ep_to_dp_fake),)
+            return (CustomOp(self.name, _dp_to_ep, _dp_to_ep_fake, backward=autograd.dp_to_ep_backward,
+                             setup_context=autograd.moe_setup),)
+        return (CustomOp(self.name, _ep_to_dp, _ep_to_dp_fake, backward=autograd.ep_to_dp_backward,
+                         setup_context=autograd.moe_setup),)
 
 
 def _call(record: Collective, src, assignment, n_expts_per_shard, expt_indx, indx, group_name) -> Tensor:
