@@ -57,9 +57,16 @@ def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
                                                                   "FusedConfig", "ReduceScatterConfig",
                                                                   "AllGatherConfig"]  # what a DB row of the op holds
     ops = [op.name for r in collectives.ALL for op in r.custom_ops()]
-    assert ops == ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm", "reduce_scatter_tensor",
-                   "all_gather_into_tensor"]
+    assert ops == ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm",
+                   "all_reduce_rmsnorm_functional", "reduce_scatter_tensor", "all_gather_into_tensor"]
     assert all(hasattr(torch.ops.autosymm, name) for name in ops)
+    # the functional ops are differentiable (autosymm.autograd), the mutating ones cannot be
+    differentiable = [op.name for r in collectives.ALL for op in r.custom_ops() if op.backward is not None]
+    assert differentiable == ["all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm_functional",
+                              "reduce_scatter_tensor", "all_gather_into_tensor"]
+    # the deterministic setting's last resorts (the MoE and all-gather fallbacks are batch-invariant
+    # themselves; a reduce-scatter has none yet: it raises under the setting)
+    assert [r.invariant_fallback for r in collectives.ALL] == ["nccl_ordered", "", "", "nccl_ordered_fused", "", ""]
 
 
 def test_the_moe_growth_model_is_bytes_moved_and_the_others_scale_their_bucket():
