@@ -103,7 +103,8 @@ class GroupState:
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:
             return Decision(dispatch.last_resort(problem, self.deterministic), None,
-                            f"ranks failed or disagree at set-up ({self.safe_reason})", bucket=problem.bucket, mode=mode)
+                            f"ranks failed or disagree at set-up ({self.safe_reason})", bucket=problem.bucket,
+                            mode=mode)
         return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware, self.deterministic)
 
     def set_deterministic(self, value: bool) -> None:

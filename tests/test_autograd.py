@@ -33,14 +33,21 @@ def _all_reduce_grads(rank, world_size):
     def theirs(x):
         return (dnn.all_reduce(x * 2) * coeff).sum()
 
+    def in_place(x):
+        y = x * 2
+        autosymm.all_reduce(y)  # the drop-in, in place: traced as the functional op and a copy
+        return (y * coeff).sum()
+
     compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    compiled_in_place = torch.compile(in_place, backend="aot_eager", fullgraph=True)
     grads = {}
-    for name, fn in (("ours", ours), ("theirs", theirs), ("compiled", compiled)):
+    paths = (("ours", ours), ("theirs", theirs), ("compiled", compiled), ("compiled_in_place", compiled_in_place))
+    for name, fn in paths:
         x = x0.clone().requires_grad_()
         loss = fn(x)
         loss.backward()
         grads[name] = (loss.detach(), x.grad)
-    for name in ("ours", "compiled"):
+    for name in ("ours", "compiled", "compiled_in_place"):
         torch.testing.assert_close(grads[name], grads["theirs"])
     # the in-place drop-in on a tensor that requires grad: as the functional all-reduce
     x = x0.clone().requires_grad_()
@@ -105,7 +112,8 @@ def _moe_case(rank, world_size):
     gen = torch.Generator().manual_seed(7)  # the same routing on every rank
     expt_indx = torch.stack([torch.randperm(n_expts, generator=gen)[:k] for _ in range(world_size * n_local)])
     expt_indx[3, 1] = -1  # a dropped pair
-    assignment = make_expt_assignment(world_size, n_expts, {r: list(range(r * 2, r * 2 + 2)) for r in range(world_size)})
+    owned = {r: list(range(r * 2, r * 2 + 2)) for r in range(world_size)}  # 2 experts a rank
+    assignment = make_expt_assignment(world_size, n_expts, owned)
     gate, topk = route(expt_indx)
     return n_local, k, d_model, expt_indx.to(torch.int32), assignment, gate, topk
 

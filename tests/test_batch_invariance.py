@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 
-from autosymm.backends import backend_names, get_backend
+from autosymm.backends import backend_names, get_backend, nccl_ordered
 from autosymm.configs import AllReduceConfig, FusedConfig
 
 from _all_reduce_sim import requires_interpreter
@@ -54,11 +54,9 @@ def round_like_kernels(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def ordered_sum(rows) -> torch.Tensor:
-    """fp32 accumulator from 0, the ranks' values added in order 0..W-1 (unrounded)."""
-    acc = torch.zeros(rows[0].shape, dtype=torch.float32)
-    for row in rows:
-        acc = acc + row.float()
-    return acc
+    """fp32 accumulator from +0.0, the ranks' values added in order 0..W-1 (unrounded): the
+    formula of the deterministic fallback nccl_ordered, so kernels equal to it equal the fallback."""
+    return nccl_ordered.ordered_sum(torch.stack(list(rows)))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
