@@ -69,6 +69,10 @@ class Entry:
 class GroupState:
     """What the first call on a group found out, agreed by every rank (see autosymm.agreement)."""
 
+    #: only batch-invariant backends serve (AUTOSYMM_DETERMINISTIC as every rank has it, or
+    #: autosymm.init(deterministic=...)); see autosymm.dispatch
+    deterministic: bool = False
+
     def __init__(self, group) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -85,7 +89,7 @@ class GroupState:
         self.fingerprint, self.hardware = local.fingerprint, local.fingerprint.hardware_slug
         #: why every call takes the fallback (NCCL), when the ranks failed or disagree at set-up
         self.safe_reason = problems(reports)
-        #: AUTOSYMM_DETERMINISTIC as every rank has it (a rank that failed counts as off: all agree)
+        # a rank that failed counts as off: every rank computes the same value
         self.deterministic = all(report["settings"].get("deterministic", False) for report in reports)
         if self.safe_reason and self.rank == 0:
             warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
