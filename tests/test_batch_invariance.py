@@ -154,10 +154,13 @@ def test_fused_residual_rows_have_the_same_bits_at_every_size(config):
 def test_the_backends_declared_batch_invariant_are_the_ones_shown_so():
     """Backend.batch_invariant (what the deterministic setting dispatches to) holds for the
     all-reduce families tested above, the ordered NCCL fallbacks (tests/test_backends_nccl_ordered)
-    and the MoE conversions (rows are copied, never summed); not for multimem (the switch adds in
+    and the MoE conversions and all-gathers (rows are copied, never summed); not for multimem (the switch adds in
     an unspecified order), NCCL's all-reduce (ring order per chunk, a rounding per step at W > 2),
-    torch's symm_mem ops (bf16 adds rounded per peer) or the fused kernels (out's tree, above)."""
+    torch's symm_mem ops (bf16 adds rounded per peer), the fused kernels (out's tree, above), nor
+    (not yet shown here) the Lamport one-shot and the reduce-scatters."""
     invariant = {name for name in backend_names() if get_backend(name).batch_invariant}
+    gathers = {name for name in backend_names() if get_backend(name).needs.ops == ("all_gather",)}
     assert invariant == {"triton_one_shot", "triton_one_shot_push", "triton_two_shot", "nccl_ordered",
-                         "nccl_ordered_fused", "triton_moe", "nccl_all_to_all"}
+                         "nccl_ordered_fused", "triton_moe", "nccl_all_to_all"} | gathers  # gathers copy too
+    assert "nccl_all_gather" in gathers
     assert {case[0] for case in ALL_REDUCE_CASES} == {"one_shot", "one_shot_push", "two_shot"}

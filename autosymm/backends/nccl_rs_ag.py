@@ -82,6 +82,7 @@ class NcclAllGather(Backend):
     """Every rank's input in rank order: serves every all-gather, no config."""
 
     name = "nccl_all_gather"
+    batch_invariant = True  # rows are copied, never summed
     needs = Needs(ops=("all_gather",))
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):

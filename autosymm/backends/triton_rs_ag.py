@@ -351,6 +351,7 @@ class TritonAllGather(Backend):
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
         self.name = f"triton_all_gather_{algorithm}"
+        self.batch_invariant = True  # rows are copied, never summed
         self.needs = Needs(ops=("all_gather",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
                            intra_node=True)
 
