@@ -60,6 +60,9 @@ def test_each_op_has_a_last_resort_that_keeps_the_guarantee():
     assert decide(fused, "eager", CAPS, [], HW, True).backend == "nccl_ordered_fused"
     assert decide(moe, "eager", CAPS, [], HW, True).backend == "triton_moe"  # rows are copied: invariant
     assert [last_resort(p) for p in (Problem.all_reduce(4096), fused)] == ["nccl", "nccl_fused"]
+    assert last_resort(Problem("all_gather", "bf16", 4, nbytes=4096), True) == "nccl_all_gather"  # copies
+    with pytest.raises(RuntimeError, match="reduce_scatter .* has no batch-invariant backend"):
+        last_resort(Problem("reduce_scatter", "bf16", 4, nbytes=4096), True)  # never a silent NCCL sum
 
 
 def test_disable_keeps_the_guarantee(monkeypatch):
