@@ -7,6 +7,10 @@ waiting until the process-group timeout (minutes to hours). Every rank publishes
 (``AUTOSYMM_AGREE_TIMEOUT_S``, default 300 s); a peer that never reports (it crashed, or took
 another path) turns into an :class:`AgreementError` naming it, on every rank that waits.
 
+The store lives in the process of global rank 0 (torch.distributed's c10d store host): when that
+process dies, every store call of its peers fails ("DistNetworkError: Broken pipe"); that too
+becomes an :class:`AgreementError`, naming rank 0 as the store host.
+
 Keys are ``autosymm/<group name>/<generation>/<tag>/<rank>``. The generation counts the group
 states this process made for the group name (``autosymm.reset()`` then a new first call gives
 the next one), so keys of an earlier state are never read again. Every rank of a group makes
@@ -18,6 +22,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from typing import Any, Optional, Sequence
+
+import torch.distributed as dist
 
 from . import settings
 from .dist_compat import group_name
@@ -42,8 +48,6 @@ class Exchange:
     (default :func:`timeout_s`)."""
 
     def __init__(self, group, rank: int, world_size: int, store=None, wait_s: Optional[float] = None) -> None:
-        import torch.distributed as dist
-
         self.rank, self.world_size = rank, world_size
         self.timeout = timedelta(seconds=timeout_s() if wait_s is None else wait_s)
         self.rounds: dict[str, int] = {}
@@ -57,20 +61,38 @@ class Exchange:
 
     def exchange(self, tag: str, report: dict[str, Any]) -> list[dict[str, Any]]:
         """Publish this rank's ``report`` under ``tag``; return all ranks' reports in rank order.
-        AgreementError naming the ranks that did not report within the deadline."""
+        AgreementError naming the ranks that did not report within the deadline, or naming rank 0
+        when the store itself is gone (its host process died or is unreachable)."""
         if self.world_size == 1:
             return [report]
         keys = [f"{self.prefix}{tag}/{rank}" for rank in range(self.world_size)]
-        self.store.set(keys[self.rank], json.dumps(report, sort_keys=True, default=str))
+        try:
+            self.store.set(keys[self.rank], json.dumps(report, sort_keys=True, default=str))
+            self._wait(tag, keys)
+            return [json.loads(self.store.get(key)) for key in keys]
+        except dist.DistNetworkError as exc:
+            raise AgreementError(
+                f"autosymm: lost the c10d store{_store_address(self.store)} at '{tag}': it lives in the process "
+                f"of global rank 0 (the store host), which exited, crashed or became unreachable "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+
+    def forget(self, tag: str) -> None:
+        """Delete this rank's key of ``tag`` (a tag every peer has read: the store stays small
+        when a channel exchanges on every call)."""
+        if self.world_size > 1:
+            self.store.delete_key(f"{self.prefix}{tag}/{self.rank}")
+
+    def _wait(self, tag: str, keys: list[str]) -> None:
         try:
             self.store.wait(keys, self.timeout)
+        except dist.DistNetworkError:
+            raise
         except RuntimeError:  # DistStoreError (a RuntimeError): some peer never reported
             missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
             raise AgreementError(
                 f"autosymm: rank(s) {missing} of the group did not reach '{tag}' within "
                 f"{self.timeout.total_seconds():g} s (AUTOSYMM_AGREE_TIMEOUT_S): a peer failed, exited or "
                 f"made a different call") from None
-        return [json.loads(self.store.get(key)) for key in keys]
 
     def all_ok(self, tag: str, ok: bool, error: str = "") -> list[str]:
         """Publish whether this rank succeeded at the next round of ``tag`` (call it as often as
@@ -83,6 +105,14 @@ class Exchange:
         same on every rank, since every rank makes the same exchanges in the same order."""
         self.rounds[tag] = self.rounds.get(tag, 0) + 1
         return f"{tag}.{self.rounds[tag]}"
+
+
+def _store_address(store) -> str:
+    """' (host:port)' of the TCP store under ``store`` (PrefixStores unwrapped), or ''."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f" ({host}:{port})" if host is not None and port is not None else ""
 
 
 def failures(reports: Sequence[dict[str, Any]]) -> list[str]:

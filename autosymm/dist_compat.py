@@ -29,7 +29,9 @@ _BY_ENUM = dict(_ENUMS)
 
 
 def reduce_op_name(op) -> str:
-    """The name ("sum", "max", ...) of ``op``, a ``dist.ReduceOp`` or a name; ValueError otherwise."""
+    """The name ("sum", "max", ...) of ``op``, a ``dist.ReduceOp`` or a name. ValueError for a
+    reduce op or name autosymm does not take, TypeError for anything else (a list, a group);
+    both name what is accepted."""
     if isinstance(op, str):
         if op in REDUCE_OP_NAMES:
             return op
@@ -37,14 +39,18 @@ def reduce_op_name(op) -> str:
         for enum, name in _ENUMS:
             if op is enum:
                 return name
-        name = _BY_ENUM.get(getattr(op, "op", op))  # a ReduceOp instance wraps its RedOpType in .op
+        inner = getattr(op, "op", op)  # a ReduceOp instance wraps its RedOpType in .op
+        name = _BY_ENUM.get(inner) if isinstance(inner, dist.ReduceOp.RedOpType) else None
         if name is not None:
             return name
+    accepted = (f"a dist.ReduceOp of {', '.join(n.upper() for n in REDUCE_OP_NAMES)} or one of the names "
+                f"{list(REDUCE_OP_NAMES)}")
     if isinstance(op, dist.ProcessGroup):
         raise TypeError("autosymm.all_reduce: the second argument is op, as in dist.all_reduce(tensor, op, group); "
                         "pass the group as group=")
-    raise ValueError(f"autosymm.all_reduce: op={op!r} is not a dist.ReduceOp of "
-                     f"{', '.join(n.upper() for n in REDUCE_OP_NAMES)} nor one of the names {list(REDUCE_OP_NAMES)}")
+    if isinstance(op, (str, dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        raise ValueError(f"autosymm.all_reduce: op={op!r} is not {accepted}")
+    raise TypeError(f"autosymm.all_reduce: op={op!r} ({type(op).__name__}) is not a reduce op: pass {accepted}")
 
 
 class Work:
@@ -115,10 +121,20 @@ def reduce_dtensor(x, op: str, op_given: bool, reduce: Callable[..., torch.Tenso
     return DTensor.from_local(local, x.device_mesh, new, run_check=False, shape=x.shape, stride=x.stride())
 
 
+def check_group(group) -> None:
+    """TypeError naming what was passed unless ``group`` is None (the world group) or a
+    ``torch.distributed`` ProcessGroup (or an object carrying its ``group_name``)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup) and not hasattr(group, "group_name"):
+        raise TypeError(f"autosymm: group={group!r} ({type(group).__name__}) is not a torch.distributed "
+                        f"ProcessGroup: pass None (the world group) or a group from dist.new_group")
+
+
 def group_name(group=None) -> str:
     """The name torch.distributed resolves ``group`` by (default: the world group), the same
     string on every rank: the ``group_name`` argument of ``torch.ops.autosymm.*`` and
-    ``torch.ops.symm_mem.*``, and the key of the group's workspace and agreement channel."""
+    ``torch.ops.symm_mem.*``, and the key of the group's workspace and agreement channel.
+    TypeError for what is not a group (:func:`check_group`)."""
+    check_group(group)
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")

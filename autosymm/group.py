@@ -20,7 +20,7 @@ from . import dispatch, settings
 from .agreement import AgreementError, Exchange, problems
 from .backends import Capabilities, RunContext, get_backend
 from .dispatch import Decision
-from .dist_compat import group_device
+from .dist_compat import check_group, group_device
 from .problem import Problem
 from .replay import wrap_eager
 
@@ -230,6 +230,7 @@ def state_of(group) -> GroupState:
     """``group``'s state, made on first use (collective: every rank of the group together)."""
     state = STATES.get(group)
     if state is None:
+        check_group(group)
         if not dist.is_initialized():
             raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
         key = state_key(group)

@@ -45,3 +45,40 @@ def test_a_peer_that_never_reports_is_an_error_naming_it_within_the_deadline():
     channel = _channels(2, wait_s=0.2)[0]
     with pytest.raises(AgreementError, match=r"rank\(s\) \[1\] of the group did not reach 'step.1' within 0.2 s"):
         channel.all_ok("step", True)
+
+
+def _store_host_dies(rank, world_size, port, queue):
+    """Rank 0 (the c10d store host) exits after a first exchange; rank 1's next one must say so."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOSYMM_AGREE_TIMEOUT_S="5")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    channel = Exchange(None, rank, world_size)
+    channel.exchange("first", {"rank": rank})
+    if rank == 0:
+        queue.put((rank, "exiting", None))
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # the store's server goes with this process
+    import time
+
+    time.sleep(1.0)
+    try:
+        channel.exchange("second", {"rank": rank})
+        queue.put((rank, "no error", None))
+    except AgreementError as exc:
+        queue.put((rank, str(exc), None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "", f"{type(exc).__name__}: {exc}"))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # no process-group teardown: its peer is gone
+
+
+def test_the_store_host_dying_is_an_agreement_error_naming_rank_0():
+    from _gloo import run_with_deadline
+
+    reports = run_with_deadline(_store_host_dies, 2, deadline_s=60)
+    assert reports[0] == "exiting"
+    assert "global rank 0 (the store host)" in reports[1] and "lost the c10d store (127.0.0.1:" in reports[1]
+    assert "'second'" in reports[1] and "DistNetworkError" in reports[1]

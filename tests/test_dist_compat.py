@@ -1,12 +1,14 @@
 """What dist.all_reduce accepts, mapped onto autosymm (the multi-rank cases, DTensor included,
 run in tests/test_ops.py's gloo spawn)."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from autosymm import dist_compat
-from autosymm.dist_compat import Work, group_device, group_name, reduce_op_name
+from autosymm.dist_compat import Work, check_group, group_device, group_name, reduce_op_name
 
 
 def test_reduce_ops_as_dist_takes_them():
@@ -17,6 +19,21 @@ def test_reduce_ops_as_dist_takes_them():
         reduce_op_name("xor")
     with pytest.raises(ValueError, match="PREMUL_SUM"):
         reduce_op_name(dist.ReduceOp.PREMUL_SUM)
+
+
+@pytest.mark.parametrize("op", [["sum"], {"op": "sum"}, 0, None, 1.5])
+def test_what_is_not_a_reduce_op_is_a_type_error_naming_what_is(op):
+    with pytest.raises(TypeError, match=r"op=.* is not a reduce op: pass a dist.ReduceOp of SUM, AVG, MAX.*"
+                                        r"one of the names \['sum', 'avg'"):
+        reduce_op_name(op)
+
+
+@pytest.mark.parametrize("group", ["bogus", 3, object(), ["world"]])
+def test_what_is_not_a_process_group_is_a_type_error_naming_it(group):
+    for check in (check_group, group_name):
+        with pytest.raises(TypeError, match=rf"group={re.escape(repr(group))} \({type(group).__name__}\) is not a "
+                                            r"torch.distributed ProcessGroup"):
+            check(group)
 
 
 def test_work_of_a_cpu_call_is_complete():
