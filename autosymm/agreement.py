@@ -69,7 +69,7 @@ class Exchange:
         try:
             self.store.set(keys[self.rank], json.dumps(report, sort_keys=True, default=str))
             self._wait(tag, keys)
-            return [json.loads(self.store.get(key)) for key in keys]
+            return [json.loads(value) for value in self.store.multi_get(keys)]
         except dist.DistNetworkError as exc:
             raise AgreementError(
                 f"autosymm: lost the c10d store{_store_address(self.store)} at '{tag}': it lives in the process "

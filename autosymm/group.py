@@ -91,6 +91,8 @@ class GroupState:
         self.safe_reason = problems(reports)
         # a rank that failed counts as off: every rank computes the same value
         self.deterministic = all(report["settings"].get("deterministic", False) for report in reports)
+        #: AUTOSYMM_CHECK_CALLS on any rank: every call agrees on its fingerprint (autosymm.call_check)
+        self.check_calls = any(report["settings"].get("check_calls") for report in reports)
         if self.safe_reason and self.rank == 0:
             warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
         self.workspace = None
@@ -186,7 +188,7 @@ class LocalSetup:
         disabled = settings.disabled()
         agreed = self.report["settings"]
         agreed.update(hardware=self.fingerprint.hardware_slug, disabled=disabled,
-                      deterministic=settings.deterministic())
+                      deterministic=settings.deterministic(), check_calls=settings.check_calls())
         self.sources = open_sources(user_db_path(), shipped_db_paths())
         agreed["databases"] = hashlib.sha256("".join(s.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)

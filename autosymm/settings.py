@@ -6,7 +6,7 @@ One boolean vocabulary for every switch: ``1, true, yes, on`` and ``0, false, no
 is a ValueError naming the variable and the value. A bad value never raises on one rank alone
 during a group's first call: autosymm.group reports :func:`check`'s error in the rank agreement,
 and every rank then uses NCCL. The agreed settings (disable flag, workspace sizes, barrier poll
-limit, multicast switch) are compared across ranks there.
+limit, multicast switch, checked mode) are compared across ranks there.
 
 Variables of other programs (torch, NCCL, NVSHMEM, CUDA, torchrun, XDG) are declared too, with
 ``owner`` naming whose meaning they carry; autosymm never sets the multicast / NVLS variables
@@ -142,6 +142,9 @@ VARIABLES: tuple[Variable, ...] = (
              "size of the symmetric workspace, split in halves between all-reduce and MoE", agreed=True),
     Variable("AUTOSYMM_BARRIER_MAX_POLLS", _polls, RUNTIME_MAX_POLLS,
              "polls before a signal-pad wait gives up; read when autosymm is imported", agreed=True),
+    Variable("AUTOSYMM_CHECK_CALLS", parse_bool, False,
+             "switch: every call agrees on its op, dtypes, shapes and reduce op with every rank before it runs "
+             "(autosymm.call_check)", agreed=True),
     Variable("AUTOSYMM_AGREE_TIMEOUT_S", _seconds, DEFAULT_AGREE_TIMEOUT_S,
              "seconds a rank waits for its peers' reports in a rank agreement"),
     Variable("AUTOSYMM_DETERMINISTIC", parse_bool, False,
@@ -243,6 +246,11 @@ def disabled() -> bool:
 def deterministic() -> bool:
     """AUTOSYMM_DETERMINISTIC: True when dispatch may pick only batch-invariant backends."""
     return get("AUTOSYMM_DETERMINISTIC")
+
+
+def check_calls() -> bool:
+    """AUTOSYMM_CHECK_CALLS: True when every call agrees on its fingerprint across ranks."""
+    return get("AUTOSYMM_CHECK_CALLS")
 
 
 def multicast_disabled_by_env() -> bool:

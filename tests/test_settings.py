@@ -24,7 +24,8 @@ def no_env(monkeypatch):
 
 
 def test_the_switches_are_the_ones_that_say_on_or_off():
-    assert sorted(SWITCHES) == ["AUTOSYMM_DETERMINISTIC", "AUTOSYMM_DISABLE", "AUTOSYMM_EAGER_REPLAY",
+    assert sorted(SWITCHES) == ["AUTOSYMM_CHECK_CALLS", "AUTOSYMM_DETERMINISTIC", "AUTOSYMM_DISABLE",
+                                "AUTOSYMM_EAGER_REPLAY",
                                 "TORCH_SYMM_MEM_DISABLE_MULTICAST"]
 
 
