@@ -1,4 +1,17 @@
-"""Input checks shared by the MoE conversion backends (triton_moe, nccl_all_to_all)."""
+"""Input checks shared by the MoE conversion backends (triton_moe, nccl_all_to_all): one contract
+for every path.
+
+* :func:`check_inputs` (every call, local, no device read-back, capture-safe): types, devices,
+  dtypes, contiguity, shapes, the assignment's size against the problem and the group.
+* :func:`check_index_ranges` (an eager call's first use of its shape: it reads values back):
+  every owner of ``assignment.expt_owner`` is a rank of the group, and ``gate_indx`` /
+  ``topk_indx`` is a permutation of the pairs ``[0, n_tokens_global * k)`` (what
+  ``autosymm.route`` builds). BackendError names what is wrong.
+* Expert ids need no check: an id outside ``[0, n_expts_tot)`` marks a dropped pair, of any
+  width (an int64 id of 2**32 or more included), and the Triton kernels, the split kernel and
+  the torch planning of the NCCL path all skip it alike. ``expt_indx`` must be the same on every
+  rank: an eager call's first use compares :func:`ids_digest` across ranks.
+"""
 
 from __future__ import annotations
 
@@ -48,6 +61,9 @@ def check_inputs(problem: Problem, device: torch.device, world_size: int, src, a
     if not isinstance(assignment, ExptAssignment):
         raise BackendError(f"{op}: assignment must be an ExptAssignment, got {type(assignment).__name__}")
     _check_tensor("assignment.expt_owner", assignment.expt_owner, device, (torch.int32,), op)
+    if assignment.expt_owner.dim() != 1 or assignment.expt_owner.numel() != assignment.n_expts_tot:
+        raise BackendError(f"{op}: assignment.expt_owner has shape {tuple(assignment.expt_owner.shape)}, expected "
+                           f"[{assignment.n_expts_tot}] (one owner per expert)")
     if assignment.n_expt_shard != world_size:
         raise BackendError(f"{op}: assignment has {assignment.n_expt_shard} shards, the group {world_size} ranks")
     if assignment.n_expts_tot != shape.n_expts_tot:
@@ -71,16 +87,38 @@ def check_inputs(problem: Problem, device: torch.device, world_size: int, src, a
     return n_tokens_local
 
 
-def check_index_ranges(op: str, expt_indx: torch.Tensor, indx: torch.Tensor) -> None:
-    """BackendError unless every entry of ``indx`` (gate_indx / topk_indx) is a pair index in
-    [0, n_tokens_global * k). Expert ids need no check: any id outside [0, n_expts_tot) marks a
-    dropped pair, which every backend skips alike. Reads two numbers back from the device: call
-    it once per prepared call, outside a CUDA-graph capture."""
+def ids_digest(expt_indx: torch.Tensor) -> str:
+    """12 hex digits of a SHA-1 over the values of ``expt_indx`` (as int64): the ranks compare it
+    at a call's first use, since every rank must pass the same ids. Reads the ids back."""
+    import hashlib
+
+    return hashlib.sha1(expt_indx.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:12]
+
+
+def check_index_ranges(op: str, expt_indx: torch.Tensor, indx: torch.Tensor, expt_owner: torch.Tensor,
+                       world_size: int) -> None:
+    """BackendError unless every owner in ``expt_owner`` is a rank in [0, world_size) and ``indx``
+    (gate_indx / topk_indx) holds every pair index of [0, n_tokens_global * k) exactly once.
+    Reads a few numbers back from the device: call it once per prepared call, outside a
+    CUDA-graph capture (after :func:`check_inputs`, which fixed the sizes)."""
+    if expt_owner.numel():
+        low, high = (int(v) for v in torch.aminmax(expt_owner))
+        if low < 0 or high >= world_size:
+            raise BackendError(f"{op}: assignment.expt_owner holds ranks in [{low}, {high}], outside the group's "
+                               f"[0, {world_size}); build it with autosymm.make_expt_assignment({world_size}, ...)")
     if indx.numel() == 0:
         return
     n_pairs = expt_indx.numel()
-    low, high = (int(v) for v in torch.aminmax(indx.reshape(-1)))
+    name = collective(op).index_name
+    flat = indx.reshape(-1)
+    low, high = (int(v) for v in torch.aminmax(flat))
     if low < 0 or high >= n_pairs:
-        name = collective(op).index_name
         raise BackendError(f"{op}: {name} holds values in [{low}, {high}], outside [0, {n_pairs}) "
                            f"(n_tokens_global * k); build it with autosymm.route(expt_indx)")
+    counts = torch.bincount(flat.long(), minlength=n_pairs)
+    repeated = int(counts.argmax())
+    times = int(counts[repeated])
+    if times > 1:  # n_pairs values in range, one repeated: not a permutation (some row never written)
+        raise BackendError(f"{op}: {name} is not a permutation of [0, {n_pairs}) (n_tokens_global * k): "
+                           f"{int((counts == 0).sum())} value(s) missing, {repeated} given {times} times; "
+                           f"build it with autosymm.route(expt_indx)")

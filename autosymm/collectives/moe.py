@@ -62,8 +62,13 @@ class MoEConversion(Collective):
 
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         src, _, expt_indx, _ = args
-        return (f"{self.name} of {src.dtype} {tuple(src.shape)} with {key[3]} experts, expt_indx "
+        text = (f"{self.name} of {src.dtype} {tuple(src.shape)} with {key[3]} experts, expt_indx "
                 f"{tuple(expt_indx.shape)}, in {mode} mode")
+        if mode == "eager":  # the ids must be the same on every rank: compared by digest (a read-back)
+            from ..backends.moe_inputs import ids_digest
+
+            text += f", expt_indx digest {ids_digest(expt_indx)}"
+        return text
 
     def check_call(self, state, key: tuple, args: tuple, mode: str) -> Problem:
         from ..backends.moe_inputs import check_index_ranges, check_inputs
@@ -77,7 +82,7 @@ class MoEConversion(Collective):
         problem = self.problem_of_key(key, state.world_size)
         check_inputs(problem, state.device, state.world_size, src, assignment, expt_indx, indx)
         if mode == "eager":  # a range check reads the indices back: not inside a capture
-            check_index_ranges(self.name, expt_indx, indx)
+            check_index_ranges(self.name, expt_indx, indx, assignment.expt_owner, state.world_size)
         return problem
 
     def prepare(self, state, problem: Problem, mode: str):

@@ -17,7 +17,8 @@ With ``p = t * K + j`` (``t`` a global token, ``j`` its top-k slot, ``e = expt_i
 Any top-k works without padding: pairs are flattened, K only divides. Any world size 1..8
 works without padding: a row's destination base address is gathered from the int64 tensor
 ``dst_ptrs`` [WORLD_SIZE] at its owner/home rank. Invalid pairs are skipped (nothing is
-written for them): an expert id < 0 or >= n_expts_tot (-1 marks a dropped pair), or an
+written for them): an expert id < 0 or >= n_expts_tot (-1 marks a dropped pair; compared at
+the ids' own width, so an int64 id of 2**32 or more is skipped, never wrapped), or an
 index (gate/topk row, owner) out of range, so a bad index never writes outside a buffer.
 
 Launch shape: a program copies ``ROWS`` pair rows per step, ``BLOCK_N`` columns at a time, and
@@ -105,8 +106,9 @@ def _convert_dp_to_ep(
     for group in range(tl.program_id(0), tl.cdiv(n_pairs_local, ROWS), tl.num_programs(0)):
         pair = group * ROWS + offs
         valid = (offs < ROWS) & (pair < n_pairs_local)
-        expt = tl.load(expt_indx_ptr + first_pair + pair, mask=valid, other=-1).to(tl.int32)
-        valid &= (expt >= 0) & (expt < n_expts_tot)
+        expt = tl.load(expt_indx_ptr + first_pair + pair, mask=valid, other=-1)
+        valid &= (expt >= 0) & (expt < n_expts_tot)  # at the ids' own width: an int64 id >= 2**32 is dropped
+        expt = expt.to(tl.int32)  # in range now where valid: narrowing is exact
         owner = tl.load(expt_owner_ptr + expt, mask=valid, other=-1)
         dst_row = tl.load(gate_indx_ptr + first_pair + pair, mask=valid, other=-1)
         valid &= (owner >= 0) & (owner < WORLD_SIZE) & (dst_row >= 0) & (dst_row < n_dst_rows)
@@ -138,8 +140,9 @@ def _convert_ep_to_dp(
         valid = (offs < ROWS) & (row < n_rows)
         pair = tl.load(topk_indx_ptr + row, mask=valid, other=-1)
         valid &= (pair >= 0) & (pair < n_rows)
-        expt = tl.load(expt_indx_ptr + pair, mask=valid, other=-1).to(tl.int32)
-        valid &= (expt >= 0) & (expt < n_expts_tot)
+        expt = tl.load(expt_indx_ptr + pair, mask=valid, other=-1)
+        valid &= (expt >= 0) & (expt < n_expts_tot)  # at the ids' own width: an int64 id >= 2**32 is dropped
+        expt = expt.to(tl.int32)
         owner = tl.load(expt_owner_ptr + expt, mask=valid, other=-1)
         valid &= owner == RANK
         # Only 1/WORLD_SIZE of the sorted rows are this rank's: skip idle groups outright.
