@@ -18,9 +18,12 @@ measured cost per call.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-from .agreement import AgreementError, Exchange, differences
+import torch
+
+from .agreement import AgreementError, Exchange, differences, failures
+from .routing import ExptAssignment
 
 _TAG = "check"
 
@@ -29,29 +32,46 @@ class CallMismatchError(AgreementError):
     """The ranks of a group made different calls (checked mode); raised on every rank."""
 
 
-def fingerprint(op: str, tensors: Sequence[Any], **params: Any) -> dict[str, Any]:
-    """What the ranks compare: ``op``, every tensor's dtype and shape (None for an absent
-    tensor), and ``params`` (reduce op, mode, ...), as JSON-able values."""
+def describe(value: Any) -> Any:
+    """One argument as the ranks compare it: a tensor's dtype and shape ('float32[4, 512]'), an
+    expert assignment's size, a plain value itself."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    if isinstance(value, ExptAssignment):
+        return f"{value.n_expts_tot} experts on {value.n_expt_shard} shards, {list(value.n_expts_per_shard)} each"
+    return value if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
+
+
+def fingerprint(op: str, args: Sequence[Any], names: Sequence[str] = (), **params: Any) -> dict[str, Any]:
+    """What the ranks compare: ``op``, every argument (:func:`describe`) by its name in ``names``
+    (else 'arg<i>'), and ``params`` (mode, digests, ...), as JSON-able values."""
     found: dict[str, Any] = {"op": op}
-    found["dtypes"] = [str(t.dtype).replace("torch.", "") if t is not None else None for t in tensors]
-    found["shapes"] = [list(t.shape) if t is not None else None for t in tensors]
+    for i, value in enumerate(args):
+        found[names[i] if i < len(names) else f"arg{i}"] = describe(value)
     found.update(params)
     return found
 
 
-def check_call(channel: Exchange, op: str, tensors: Sequence[Any], **params: Any) -> None:
-    """Agree on this call's :func:`fingerprint` with every rank of ``channel``'s group;
-    CallMismatchError on every rank naming each field that differs ('shapes: rank 0 [[256]],
-    rank 1 [[512]]'), AgreementError when a peer does not make a call within the deadline."""
+def check_call(channel: Exchange, call: dict[str, Any], error: Optional[BaseException] = None) -> None:
+    """Agree on ``call`` (a :func:`fingerprint`) and on this rank's verdict (``error``: what its
+    local checks of the call raised, or None) with every rank of ``channel``'s group. Then a rank
+    whose checks failed raises its own error; every other rank raises CallMismatchError naming
+    each field that differs ('x: rank 0 'float32[256]', rank 1 'float32[512]'') and each rank that
+    failed; AgreementError when a peer makes no call within the deadline."""
     if channel.world_size == 1:
+        if error is not None:
+            raise error
         return
     tag = channel.round_tag(_TAG)
-    reports = channel.exchange(tag, {"call": fingerprint(op, tensors, **params)})
+    report = {"call": call, "ok": error is None, "error": f"{type(error).__name__}: {error}" if error else ""}
+    reports = channel.exchange(tag, report)
     # every peer published this round, so every peer read the previous one: drop this rank's
     previous = channel.rounds[_TAG] - 1
     if previous:
         channel.forget(f"{_TAG}.{previous}")
-    found = differences(reports, "call")
+    if error is not None:
+        raise error
+    found = failures(reports) + differences(reports, "call")
     if found:
         raise CallMismatchError(f"autosymm (AUTOSYMM_CHECK_CALLS): call {channel.rounds[_TAG]} on this group "
-                                f"differs across ranks: {'; '.join(found)}")
+                                f"differs across ranks or failed: {'; '.join(found)}")
