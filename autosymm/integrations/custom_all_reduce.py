@@ -127,6 +127,8 @@ class AutosymmCustomAllReduce:
         return "graph" if capturing else "eager"
 
     def _fits(self, x: torch.Tensor) -> bool:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"AutosymmCustomAllReduce: x must be a torch.Tensor, got {type(x).__name__}")
         return (not self.disabled and x.dtype in _SUPPORTED and x.device == self.device and x.is_contiguous()
                 and x.numel() > 0 and (self.max_size is None or x.numel() * x.element_size() < self.max_size))
 
@@ -150,16 +152,24 @@ class AutosymmCustomAllReduce:
 
     def all_reduce(self, x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of ``x`` over the group in ``out`` (a new tensor by default); ``x`` unchanged.
+        A wrong ``out`` raises after the sum (taken in a scratch tensor), so that no peer is left
+        waiting in the collective.
 
         Runs whatever autosymm decides (NCCL included); ``custom_all_reduce`` is the gated call.
         """
+        bad_out = None
+        if out is not None and not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype
+                                    and out.device == x.device and out.is_contiguous()):
+            bad_out = ValueError(f"out {tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)} "
+                                 f"on {getattr(out, 'device', '?')} must be a contiguous {tuple(x.shape)} {x.dtype} "
+                                 f"tensor on {x.device}")
+            out = None  # this rank still joins the collective (its peers wait in it), then raises
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
-            raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} must be a contiguous "
-                             f"{tuple(x.shape)} {x.dtype} tensor on {x.device}")
         out.copy_(x)
         autosymm.all_reduce(out, group=self.group, op="sum")
+        if bad_out is not None:
+            raise bad_out
         return out
 
     def custom_all_reduce(self, x: torch.Tensor) -> Optional[torch.Tensor]:

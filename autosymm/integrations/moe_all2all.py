@@ -31,6 +31,15 @@ rank: pad with tokens whose ids are all -1):
 
 A pair whose expert id is outside ``[0, n_experts)`` (e.g. -1) is dropped: it is sent nowhere
 and contributes nothing to ``combine``.
+
+No rank is left waiting because another raised: before its first collective, every
+``dispatch`` / ``combine`` all-gathers a fixed-size header from every rank (its checks' verdict
+and the call's shape: tokens, top-k, d_model, dtype), so a bad argument on one rank, or ranks
+holding different token counts or top-k, raise on every rank (the failing one its own error,
+the others a ValueError naming it) instead of one rank raising while its peers wait in the
+id all-gather. Eager calls all-gather the header on the group (one small collective and a read
+back); inside a CUDA-graph capture the ranks compare it through autosymm's agreement channel
+(host only, with its deadline, AUTOSYMM_AGREE_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import torch.distributed as dist
 
 import autosymm
 from autosymm.dist_compat import group_device
+from autosymm.group import state_of, stream_capturing
 from autosymm.routing import ExptAssignment, make_expt_assignment, make_expt_dict_uniform
 
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
@@ -104,11 +114,16 @@ class AutosymmAll2AllManager:
         return torch.nonzero(self.assignment.expt_boolmask[self.rank].cpu()).flatten().tolist()
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: Optional[torch.Tensor] = None) -> Dispatched:
-        """Send each local token's row to its top-k experts' ranks (see the module docstring)."""
-        self._check_inputs(hidden_states, topk_ids, topk_weights)
+                 topk_weights: Optional[torch.Tensor] = None, *, caller_error: Optional[Exception] = None) -> Dispatched:
+        """Send each local token's row to its top-k experts' ranks (see the module docstring).
+        ``caller_error``: what an adapter's own checks of the call raised, agreed like the manager's."""
+        error = caller_error or error_of(self._check_inputs, hidden_states, topk_ids, topk_weights)
+        self._agree("dispatch", error, (_dim(topk_ids, 0), _dim(topk_ids, 1), _dim(hidden_states, 1),
+                                        _dtype_code(hidden_states)))
         hidden_states = hidden_states.contiguous()
         n_tokens_local, k = topk_ids.shape
+        if topk_ids.dtype == torch.int64:  # an id outside int32 is dropped, never wrapped into range
+            topk_ids = torch.where((topk_ids >= 0) & (topk_ids < self.n_experts), topk_ids, -1)
         expt_indx = self._gather_ids(topk_ids.to(torch.int32).contiguous())
         gate_indx, topk_indx = autosymm.route(expt_indx, self.n_experts)
         rows = autosymm.convert_dp_to_ep(hidden_states, self.assignment, expt_indx, gate_indx, group=self.group)
@@ -125,13 +140,12 @@ class AutosymmAll2AllManager:
         handle = DispatchHandle(expt_indx, topk_indx, valid, topk_weights)
         return Dispatched(rows, local_ids.to(torch.int32), tokens_per_expert, handle)
 
-    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle, reduce: bool = True) -> torch.Tensor:
-        """Return processed rows to their tokens' ranks; weighted sum per token when ``reduce``."""
-        n_pairs = handle.expt_indx.numel()
-        if expert_output.dim() != 2 or expert_output.shape[0] != n_pairs or expert_output.device != self.device:
-            raise ValueError(f"combine: expert_output has shape {tuple(expert_output.shape)} on "
-                             f"{expert_output.device}; expected [n_tokens_global * k = {n_pairs}, d_model] "
-                             f"on {self.device}")
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle, reduce: bool = True, *,
+                caller_error: Optional[Exception] = None) -> torch.Tensor:
+        """Return processed rows to their tokens' ranks; weighted sum per token when ``reduce``
+        (``caller_error``: as :meth:`dispatch`)."""
+        error = caller_error or error_of(self._check_output, expert_output, handle)
+        self._agree("combine", error, (_dim(expert_output, 0), -1, _dim(expert_output, 1), _dtype_code(expert_output)))
         rows = autosymm.convert_ep_to_dp(expert_output.contiguous(), self.assignment, handle.expt_indx,
                                          handle.topk_indx, group=self.group)
         n_tokens_local, k = handle.valid.shape
@@ -155,9 +169,43 @@ class AutosymmAll2AllManager:
         gather(gathered, topk_ids, group=self.group)
         return gathered
 
+    def _agree(self, call: str, error: Optional[Exception], shape: tuple[int, ...]) -> None:
+        """Every rank learns every rank's verdict and ``shape`` (tokens, top-k, d_model, dtype code)
+        of this ``call`` before any collective of it; raises on every rank when one failed or the
+        shapes differ (this rank's own ``error`` where it has one)."""
+        header = (int(error is None), *shape)
+        if stream_capturing():  # no read-back inside a capture: the host-side agreement channel
+            channel = state_of(self.group).channel
+            reports = channel.exchange(channel.round_tag(f"moe_{call}"), {"header": header})
+            rows = [tuple(report["header"]) for report in reports]
+        else:
+            mine = torch.tensor(header, dtype=torch.int64).to(self.device)
+            rows = [tuple(row) for row in self._gather_ids(mine.view(1, -1)).tolist()]
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(rows) if not row[0]]
+        if failed:
+            raise ValueError(f"{call}: rank(s) {failed} of the group failed their checks of this {call} (their own "
+                             f"error names the argument); no rank went on")
+        if len({row[1:] for row in rows}) > 1:
+            said = ", ".join(f"rank {rank} {_described(row)}" for rank, row in enumerate(rows))
+            raise ValueError(f"{call}: the ranks' calls differ ({said}); every rank must hold the same number "
+                             f"of tokens (pad with ids -1), top-k, d_model and dtype")
+
+    def _check_output(self, expert_output, handle: DispatchHandle) -> None:
+        n_pairs = handle.expt_indx.numel()
+        if (not isinstance(expert_output, torch.Tensor) or expert_output.dim() != 2
+                or expert_output.shape[0] != n_pairs or expert_output.device != self.device):
+            raise ValueError(f"combine: expert_output has shape {tuple(getattr(expert_output, 'shape', ()))} on "
+                             f"{getattr(expert_output, 'device', type(expert_output).__name__)}; expected "
+                             f"[n_tokens_global * k = {n_pairs}, d_model] on {self.device}")
+
     def _check_inputs(self, hidden_states, topk_ids, topk_weights) -> None:
         if self.destroyed:
             raise RuntimeError("AutosymmAll2AllManager.dispatch after destroy()")
+        for name, value in (("hidden_states", hidden_states), ("topk_ids", topk_ids)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"dispatch: {name} must be a torch.Tensor, got {type(value).__name__}")
         if hidden_states.dim() != 2 or hidden_states.device != self.device:
             raise ValueError(f"dispatch: hidden_states has shape {tuple(hidden_states.shape)} on "
                              f"{hidden_states.device}; expected [n_tokens_local, d_model] on {self.device}")
@@ -166,6 +214,38 @@ class AutosymmAll2AllManager:
             raise ValueError(f"dispatch: topk_ids has shape {tuple(topk_ids.shape)}, dtype {topk_ids.dtype} on "
                              f"{topk_ids.device}; expected integer [n_tokens_local={hidden_states.shape[0]}, k] "
                              f"on {self.device}")
-        if topk_weights is not None and (topk_weights.shape != topk_ids.shape or topk_weights.device != self.device):
-            raise ValueError(f"dispatch: topk_weights has shape {tuple(topk_weights.shape)} on {topk_weights.device}; "
-                             f"expected {tuple(topk_ids.shape)} on {self.device}")
+        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor) or topk_weights.shape !=
+                                         topk_ids.shape or topk_weights.device != self.device):
+            raise ValueError(f"dispatch: topk_weights has shape {tuple(getattr(topk_weights, 'shape', ()))} on "
+                             f"{getattr(topk_weights, 'device', type(topk_weights).__name__)}; expected "
+                             f"{tuple(topk_ids.shape)} on {self.device}")
+
+
+#: dtype codes of the agreement header (the row dtypes the conversions take; 0: anything else)
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_CODE_NAMES = {code: str(dtype).replace("torch.", "") for dtype, code in _DTYPE_CODES.items()}
+
+
+def error_of(check, *args) -> Optional[Exception]:
+    """What ``check(*args)`` raised (agreed before it propagates), or None."""
+    try:
+        check(*args)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return exc
+    return None
+
+
+def _dim(t, axis: int) -> int:
+    """``t.shape[axis]``, or -1 where ``t`` has no such dimension (a bad argument, agreed as such)."""
+    shape = getattr(t, "shape", ())
+    return int(shape[axis]) if isinstance(t, torch.Tensor) and len(shape) > axis else -1
+
+
+def _dtype_code(t) -> int:
+    return _DTYPE_CODES.get(getattr(t, "dtype", None), 0)
+
+
+def _described(row: tuple) -> str:
+    tokens, k, d_model, code = row[1:]
+    return (f"{tokens} tokens" + (f" x top-{k}" if k >= 0 else "") + f", d_model {d_model}, "
+            f"{_CODE_NAMES.get(code, 'another dtype')}")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from autosymm.dist_compat import group_device
 
 from .groups import device_group_for, serving_backend
-from .moe_all2all import AutosymmAll2AllManager, DispatchHandle
+from .moe_all2all import AutosymmAll2AllManager, DispatchHandle, error_of
 
 
 def _gather_rows(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
@@ -79,11 +79,8 @@ class VllmAll2AllManager:
                  is_sequence_parallel: bool = False, extra_tensors: Optional[list[torch.Tensor]] = None):
         """(hidden_states, topk_weights, topk_ids[, extras]) of every rank's tokens, in rank order;
         ``hidden_states`` holds only the rows of tokens routed to this rank's experts (zeros elsewhere)."""
-        self._check(is_sequence_parallel)
-        if topk_weights.shape != topk_ids.shape:
-            raise ValueError(f"dispatch: topk_weights {tuple(topk_weights.shape)} and topk_ids "
-                             f"{tuple(topk_ids.shape)} must both be [n_tokens_local, k]")
-        out = self.manager.dispatch(hidden_states, topk_ids)
+        error = error_of(self._check_dispatch, is_sequence_parallel, topk_weights, topk_ids)
+        out = self.manager.dispatch(hidden_states, topk_ids, caller_error=error)  # every rank learns of an error
         self._handle = handle = out.handle
         n_global, k = handle.expt_indx.shape
         # token of each expert-ordered row; rows of other ranks' experts go to a scratch row
@@ -99,14 +96,13 @@ class VllmAll2AllManager:
     def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> torch.Tensor:
         """This rank's [n_tokens_local, d_model] rows of the sum over ranks of ``hidden_states``
         [n_tokens_global, d_model] (each rank's partial output for every token)."""
-        self._check(is_sequence_parallel)
         handle = self._handle
         if handle is None:
             raise RuntimeError("VllmAll2AllManager.combine before dispatch")
+        error = error_of(self._check_combine, is_sequence_parallel, hidden_states)
+        if error is not None:  # every rank learns of it in the manager's combine
+            return self.manager.combine(None, handle, caller_error=error)
         n_global, k = handle.expt_indx.shape
-        if hidden_states.dim() != 2 or hidden_states.shape[0] != n_global:
-            raise ValueError(f"combine: hidden_states has shape {tuple(hidden_states.shape)}; expected "
-                             f"[n_tokens_global = {n_global}, d_model]")
         expt = handle.expt_indx.long()
         local_map = self.manager.assignment.expt_map[self.rank].to(expt.device)
         in_range = (expt >= 0) & (expt < self.manager.n_experts)
@@ -118,6 +114,19 @@ class VllmAll2AllManager:
         rows = torch.where(send[:, None], hidden_states[token], torch.zeros((), dtype=hidden_states.dtype,
                                                                                device=hidden_states.device))
         return self.manager.combine(rows, handle, reduce=True)
+
+    def _check_dispatch(self, is_sequence_parallel: bool, topk_weights, topk_ids) -> None:
+        self._check(is_sequence_parallel)
+        if getattr(topk_weights, "shape", None) != getattr(topk_ids, "shape", ()):
+            raise ValueError(f"dispatch: topk_weights {tuple(getattr(topk_weights, 'shape', ()))} and topk_ids "
+                             f"{tuple(getattr(topk_ids, 'shape', ()))} must both be [n_tokens_local, k]")
+
+    def _check_combine(self, is_sequence_parallel: bool, hidden_states) -> None:
+        self._check(is_sequence_parallel)
+        n_global = self._handle.expt_indx.shape[0]
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[0] != n_global:
+            raise ValueError(f"combine: hidden_states has shape {tuple(getattr(hidden_states, 'shape', ()))}; "
+                             f"expected [n_tokens_global = {n_global}, d_model]")
 
     def destroy(self) -> None:
         self.manager.destroy()
@@ -144,10 +153,12 @@ class TitanTokenDispatcher:
         """(routed_input_RD, num_tokens_per_local_expert_e, metadata): the rows of this rank's
         experts, expert-major. ``num_local_tokens_per_expert_E`` [n_experts] is checked for shape
         only: the counts follow from the gathered ids."""
-        if tuple(num_local_tokens_per_expert_E.shape) != (self.manager.n_experts,):
-            raise ValueError(f"dispatch: num_local_tokens_per_expert_E has shape "
-                             f"{tuple(num_local_tokens_per_expert_E.shape)}; expected ({self.manager.n_experts},)")
-        out = self.manager.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK)
+        error = None
+        if tuple(getattr(num_local_tokens_per_expert_E, "shape", ())) != (self.manager.n_experts,):
+            error = ValueError(f"dispatch: num_local_tokens_per_expert_E has shape "
+                               f"{tuple(getattr(num_local_tokens_per_expert_E, 'shape', ()))}; expected "
+                               f"({self.manager.n_experts},)")
+        out = self.manager.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK, caller_error=error)
         rows = torch.nonzero(out.local_expert_ids >= 0).flatten()  # host sync, as torchtitan's splits
         metadata = TitanDispatchMetadata(out.handle, rows, out.hidden_states.shape[0])
         return out.hidden_states[rows], out.tokens_per_expert, metadata
@@ -155,9 +166,11 @@ class TitanTokenDispatcher:
     def combine(self, routed_output_RD: torch.Tensor, metadata: TitanDispatchMetadata,
                 x_TD: torch.Tensor) -> torch.Tensor:
         """out_TD: each token's sum over its top-k pairs of score * expert output, in x_TD's dtype."""
-        if routed_output_RD.dim() != 2 or routed_output_RD.shape[0] != metadata.rows.numel():
-            raise ValueError(f"combine: routed_output_RD has shape {tuple(routed_output_RD.shape)}; expected "
-                             f"[R = {metadata.rows.numel()}, D]")
+        if (not isinstance(routed_output_RD, torch.Tensor) or routed_output_RD.dim() != 2
+                or routed_output_RD.shape[0] != metadata.rows.numel()):
+            error = ValueError(f"combine: routed_output_RD has shape {tuple(getattr(routed_output_RD, 'shape', ()))}; "
+                               f"expected [R = {metadata.rows.numel()}, D]")
+            return self.manager.combine(None, metadata.handle, caller_error=error)  # every rank learns of it
         full = routed_output_RD.new_zeros((metadata.n_rows, routed_output_RD.shape[1]))
         full.index_copy_(0, metadata.rows, routed_output_RD)
         return self.manager.combine(full, metadata.handle, reduce=True).to(x_TD.dtype)

@@ -1,0 +1,102 @@
+"""AutosymmAll2AllManager on 2 gloo ranks: a bad argument, or a different token count, top-k,
+d_model or dtype, on one rank after a first good call raises on every rank within the deadline
+(the header every dispatch and combine agree on before their collectives), eagerly and through
+the agreement channel used inside a CUDA-graph capture; int64 ids beyond 32 bits are dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gloo import run_gloo
+
+N_TOKENS, D_MODEL, N_EXPERTS, K = 6, 32, 5, 2
+
+
+def _inputs(rank, n_tokens=N_TOKENS, k=K, d_model=D_MODEL, seed=0):
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    x = torch.randn(n_tokens, d_model, generator=gen)
+    ids = torch.stack([torch.randperm(N_EXPERTS, generator=gen)[:k] for _ in range(n_tokens)])
+    return x, ids, torch.rand(n_tokens, k, generator=gen)
+
+
+def _everyone_raises(rank, bad_rank, call, mine, theirs):
+    """``call()`` raises on every rank: ``mine`` (a regex) on ``bad_rank``, ``theirs`` elsewhere."""
+    with pytest.raises((ValueError, TypeError), match=mine if rank == bad_rank else theirs):
+        call()
+
+
+def _round_trip(manager, rank, x, ids, weights):
+    out = manager.dispatch(x, ids, weights)
+    return manager.combine(out.hidden_states, out.handle, reduce=False)
+
+
+def _faults(manager, rank):
+    x, ids, weights = _inputs(rank)
+    good = _round_trip(manager, rank, x, ids, weights)  # the first good call
+    failed = r"rank\(s\) \[1\] of the group failed their checks of this dispatch"
+    cases = [  # (what rank 1 passes, its own error)
+        ((x, ids.float(), weights), "topk_ids has shape .* dtype torch.float32"),
+        ((x, ids[:4], weights[:4]), r"topk_ids has shape \(4, 2\)"),
+        ((x, ids, weights[:, :1]), "topk_weights has shape"),
+        ((x, [[0, 1]] * N_TOKENS, weights), "topk_ids must be a torch.Tensor, got list"),
+    ]
+    for args, error in cases:
+        mine = args if rank == 1 else (x, ids, weights)
+        _everyone_raises(rank, 1, lambda: manager.dispatch(*mine), error, failed)
+    differ = r"dispatch: the ranks' calls differ \(rank 0 6 tokens x top-2, d_model 32, float32, rank 1 "
+    for other, said in ((_inputs(rank, n_tokens=5), "5 tokens x top-2"), (_inputs(rank, k=3), "6 tokens x top-3"),
+                        (_inputs(rank, d_model=16), "6 tokens x top-2, d_model 16")):
+        mine = other if rank == 1 else (x, ids, weights)
+        with pytest.raises(ValueError, match=differ + said):
+            manager.dispatch(*mine)
+    half = (x.half(), ids, weights) if rank == 0 else (x, ids, weights)
+    with pytest.raises(ValueError, match="d_model 32, float16, rank 1 6 tokens x top-2, d_model 32, float32"):
+        manager.dispatch(*half)
+    out = manager.dispatch(x, ids, weights)
+    rows = out.hidden_states if rank == 1 else out.hidden_states[:-1]
+    _everyone_raises(rank, 0, lambda: manager.combine(rows, out.handle), "combine: expert_output has shape",
+                     r"rank\(s\) \[0\] of the group failed their checks of this combine")
+    assert torch.equal(_round_trip(manager, rank, x, ids, weights), good)  # every rank still in step
+    return good
+
+
+def _wide_ids(manager, rank):
+    x, ids, weights = _inputs(rank, seed=3)
+    wide, dropped = ids.clone(), ids.clone()
+    wide[::2, 0] += 1 << 32  # an id in range modulo 2**32
+    dropped[::2, 0] = -1
+    got, want = _round_trip(manager, rank, x, wide, weights), _round_trip(manager, rank, x, dropped, weights)
+    assert torch.equal(got, want) and not torch.equal(got, _round_trip(manager, rank, x, ids, weights))
+
+
+def _captured(manager, rank, monkeypatch_module):
+    """Inside a capture the header goes through the agreement channel (no read-back)."""
+    x, ids, weights = _inputs(rank)
+    monkeypatch_module.stream_capturing = lambda: True
+    try:
+        mine = (x, ids.float(), weights) if rank == 1 else (x, ids, weights)
+        _everyone_raises(rank, 1, lambda: manager.dispatch(*mine), "dtype torch.float32",
+                         r"rank\(s\) \[1\] of the group failed")
+        other = _inputs(rank, n_tokens=4) if rank == 0 else (x, ids, weights)
+        with pytest.raises(ValueError, match=r"rank 0 4 tokens x top-2, d_model 32, float32, rank 1 6 tokens"):
+            manager.dispatch(*other)
+        channel = __import__("autosymm").api.STATES[None].channel
+        assert channel.rounds == {"moe_dispatch": 2}
+    finally:
+        monkeypatch_module.stream_capturing = __import__("autosymm").group.stream_capturing
+
+
+def _body(rank, world_size):
+    from autosymm.integrations import AutosymmAll2AllManager
+    from autosymm.integrations import moe_all2all
+
+    manager = AutosymmAll2AllManager(N_EXPERTS)
+    _faults(manager, rank)
+    _wide_ids(manager, rank)
+    _captured(manager, rank, moe_all2all)
+    return True
+
+
+def test_one_ranks_bad_or_different_dispatch_raises_on_every_rank(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"}}
+    assert run_gloo(_body, 2, env=env, deadline_s=150) == {0: True, 1: True}
