@@ -1,8 +1,8 @@
 """autosymm.backends.moe_inputs: one index contract on every MoE path. The checks themselves;
 expert ids of any width (an int64 id of 2**32 or more is dropped, never wrapped) written alike
 by the Triton kernels (interpreter, simulated ranks) and the NCCL path's plans; and the public
-calls over gloo (the NCCL path) refusing a bad owner table or indices that are not a
-permutation, on every rank."""
+calls over gloo (the NCCL path) refusing a bad owner table, indices that are not a permutation
+or ids that differ across ranks, on every rank."""
 
 from __future__ import annotations
 
@@ -142,6 +142,11 @@ def _public_calls(rank, world_size):
     mine = twice if rank == 1 else gate  # on one rank only: it raises its error, the peer names it
     _expect(BackendError if rank == 1 else AgreementError, "gate_indx is not a permutation",
             lambda: autosymm.convert_dp_to_ep(src, assignment, expt_indx, mine))
+    other = expt_indx.clone()
+    other[0] = other[0].flip(0)  # one rank's ids differ from its peer's
+    mine = other if rank == 1 else expt_indx
+    _expect(AgreementError, r"expt_indx digest [0-9a-f]{12}', rank 1 .*expt_indx digest [0-9a-f]{12}'",
+            lambda: autosymm.convert_dp_to_ep(src, assignment, mine, route(mine, N_EXPERTS)[0]))
     wide = expt_indx.clone()
     wide.view(-1)[::5] += 1 << 32  # dropped, never wrapped: the round trip returns only the others
     gate, topk = route(wide, N_EXPERTS)
