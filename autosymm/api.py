@@ -1,7 +1,7 @@
 """The public runtime: ``all_reduce``, the MoE conversions, ``explain``, ``stats``, ``init``.
 
 Per process group a ``GroupState`` (autosymm.group) holds what the first call found out, agreed
-by every rank, and a dict of prepared calls keyed by (op, dtype, size, mode). A repeated call is a
+by every rank, and a dict of prepared calls keyed by (op, dtype, size, device, mode). A repeated call is a
 dict lookup, one counter increment and the backend's launcher; a repeated eager all-reduce of a
 tensor whose address has a plan (autosymm.replay.HOT) skips even the key: five attribute checks
 and the plan. Call ``init(group)`` (or make one eager call) before capturing a CUDA
@@ -21,7 +21,7 @@ from .collectives import get as collective, names as op_names
 from .collectives.all_reduce import NCCL_OPS
 from .dispatch import Decision
 from .dist_compat import Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import STATES, Entry, GroupState, current_raw_stream, state_key, state_of, stream_capturing
+from .group import STATES, Entry, GroupState, check_traced, current_raw_stream, state_key, state_of, stream_capturing
 from .logs import configure_from_env
 from .problem import MODES, Problem, dtype_name
 from .replay import HOT, EagerReplay, HotCall, forget_all
@@ -101,7 +101,7 @@ def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     """An eager or captured SUM of a plain tensor without a hot plan: one key, one dict lookup,
     one counter; an eager call whose launcher then has a plan for the address makes it hot."""
     state = STATES.get(group) or state_of(group)
-    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum", stream_capturing())
+    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), "sum", tensor.device, stream_capturing())
     if not key[2]:
         return _all_reduce_direct(tensor, "sum", group)
     entry = state.cache.get(key)
@@ -110,7 +110,7 @@ def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     entry.calls += 1
     launcher = entry.launcher
     launcher(tensor)
-    if not key[-1] and key[2] and type(launcher) is EagerReplay:
+    if not key[-1] and key[2] and type(launcher) is EagerReplay and not state.check_calls:  # checked: never hot
         addr = tensor.data_ptr()
         plan = launcher.plan_for(addr)
         if plan is not None:
@@ -139,6 +139,7 @@ def _all_reduce_general(tensor, op, group, async_op: bool):
         return _all_reduce_direct(tensor, name, group)
     # torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor under export or make_fx):
     # the op dispatcher routes it (fake impl, functionalization, or the real impl)
+    check_traced(tensor, "all_reduce")
     torch.ops.autosymm.all_reduce_(tensor, name, group_name(group))
     return tensor
 
@@ -146,8 +147,7 @@ def _all_reduce_general(tensor, op, group, async_op: bool):
 def _all_reduce_entry(tensor: torch.Tensor, op: str, group) -> tuple[GroupState, Entry]:
     """The prepared call of ``tensor`` (op by name) on ``group`` in the current mode, counted."""
     state = STATES.get(group) or state_of(group)
-    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), op,
-           stream_capturing())
+    key = (tensor.dtype, tensor.numel(), tensor.is_contiguous(), op, tensor.device, stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = prepare_call(state, ALL_REDUCE, key, (tensor, op))
@@ -176,7 +176,8 @@ def _all_reduce_async(tensor: torch.Tensor, op: str, group):
 def _moe_call(record: Collective, src, expt_assignment, expt_indx, indx, group):
     """A MoE conversion (``record``: DP_TO_EP or EP_TO_DP) of plain tensors, eager or captured."""
     state = STATES.get(group) or state_of(group)
-    key = (record, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, stream_capturing())
+    key = (record, src.dtype, src.shape, int(expt_assignment.expt_map.shape[1]), expt_indx.shape, src.device,
+           stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = prepare_call(state, record, key, (src, expt_assignment, expt_indx, indx))
@@ -195,6 +196,7 @@ def convert_dp_to_ep(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
     tensor the caller owns (one copy; differentiable: its backward is ep->dp).
     """
     if type(src) is not _Tensor or src.requires_grad or _dynamo_compiling():
+        check_traced(src, "convert_dp_to_ep")
         tensors, per_shard = _assignment_args(expt_assignment)
         return torch.ops.autosymm.dp_to_ep(src, tensors, per_shard, expt_indx, gate_indx, group_name(group))
     return _moe_call(DP_TO_EP, src, expt_assignment, expt_indx, gate_indx, group)
@@ -210,6 +212,7 @@ def convert_ep_to_dp(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
     a tensor the caller owns (differentiable: its backward is dp->ep).
     """
     if type(src) is not _Tensor or src.requires_grad or _dynamo_compiling():
+        check_traced(src, "convert_ep_to_dp")
         tensors, per_shard = _assignment_args(expt_assignment)
         return torch.ops.autosymm.ep_to_dp(src, tensors, per_shard, expt_indx, topk_indx, group_name(group))
     return _moe_call(EP_TO_DP, src, expt_assignment, expt_indx, topk_indx, group)

@@ -11,9 +11,10 @@ In checked mode nothing is served from a cache before the check: the entry path
 never makes the call leaves its peers an AgreementError naming it. Calls inside a CUDA-graph
 capture are checked when captured; replays run no Python, so they are not.
 
-Cost: one store round trip to publish, one to wait, one to read every rank's fingerprint and
-one to delete the previous one (the store stays small): README's Environment section gives the
-measured cost per call.
+Cost: this rank's checks of the call, one store round trip to publish, one to wait, one to read
+every rank's fingerprint and one to delete the previous one (the store stays small): README's
+Environment section gives the measured cost per call. Off, nothing of this runs: the entry
+paths' cache lookups hit as before (a :class:`CheckedCache` makes them miss only when on).
 """
 
 from __future__ import annotations
@@ -75,3 +76,26 @@ def check_call(channel: Exchange, call: dict[str, Any], error: Optional[BaseExce
     if found:
         raise CallMismatchError(f"autosymm (AUTOSYMM_CHECK_CALLS): call {channel.rounds[_TAG]} on this group "
                                 f"differs across ranks or failed: {'; '.join(found)}")
+
+
+class CheckedCache(dict):
+    """A group's prepared calls in checked mode. The entry paths look their key up with ``get``,
+    which always misses here, so every call takes ``prepare_call``, which checks it with every
+    rank (:func:`checked_entry`) before it reads the entry itself; ``items`` and ``values``
+    (``autosymm.stats``, the MoE region's re-preparing) see every entry as in a plain dict."""
+
+    def get(self, key, default=None):
+        return default
+
+
+def checked_entry(state, record, key: tuple, args: tuple, mode: str):
+    """Checked mode, every call: this rank's checks of it (``record.check_call``, local), then
+    :func:`check_call` with every rank on ``record.fingerprint`` and that verdict; returns the
+    prepared entry of ``key`` (None on its first use: the caller prepares it)."""
+    error = None
+    try:
+        record.check_call(state, key, args, mode)
+    except Exception as exc:  # agreed before it propagates
+        error = exc
+    check_call(state.channel, record.fingerprint(key, args, mode), error)
+    return dict.get(state.cache, key)

@@ -4,9 +4,11 @@ and the RMSNorm that follow it. Its record (problem, checks, custom op
 
 Calls are decided and prepared through the group state of autosymm.group (the same databases,
 rank agreement, workspace and cache of prepared calls as ``all_reduce``), keyed by
-(record, dtype, x shape, capturing): a repeated call is a dict lookup and the launcher. An
+(record, dtype, x shape, capturing): a repeated call is its arguments' checks (shapes, dtypes,
+devices, contiguity, no aliasing: before anything runs), a dict lookup and the launcher. An
 eager call whose launcher replays (autosymm.replay.FusedReplay) becomes the group's hot call
-(autosymm.replay.FUSED_HOT): a repeat of its dtype and shape skips the key.
+(autosymm.replay.FUSED_HOT): a repeat of its dtype and shape skips the key, and its replay checks
+the arguments (a plan only at the checked call's addresses, a miss through check_args).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from .collectives import ALL_REDUCE_RMSNORM, prepare_call
+from .collectives.all_reduce_rmsnorm import check_args
 from .dist_compat import group_name as name_of_group
-from .group import STATES, current_raw_stream, state_of, stream_capturing
+from .group import STATES, check_traced, current_raw_stream, state_of, stream_capturing
 from .replay import FUSED_HOT, FusedReplay, HotFused
 
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -41,6 +44,7 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         residual.copy_(new_residual)
         return out
     if type(x) is not torch.Tensor or _dynamo_compiling():
+        check_traced(x, "all_reduce_rmsnorm")
         return torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, name_of_group(group))
     # The hot path: the group's last prepared eager call (replay.FUSED_HOT), of x's dtype and shape,
     # while nothing captures (on torch's default stream nothing can); its replay checks the rest.
@@ -56,11 +60,17 @@ def fused_call(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, ep
     """The keyed eager path of :func:`all_reduce_rmsnorm` for plain tensors (the custom ops' impls)."""
     state = STATES.get(group) or state_of(group)
     key = (ALL_REDUCE_RMSNORM, x.dtype, x.shape, stream_capturing())
+    try:
+        check_args(x, residual, weight, state.device)  # every call, before anything runs (the key names x only)
+    except ValueError:
+        if state.check_calls:  # every rank learns of it: prepare_call checks the call with every rank, then raises
+            prepare_call(state, ALL_REDUCE_RMSNORM, key, (x, residual, weight))
+        raise
     entry = state.cache.get(key)
     if entry is None:
         entry = prepare_call(state, ALL_REDUCE_RMSNORM, key, (x, residual, weight))
     entry.calls += 1
     launcher = entry.launcher
-    if not key[-1] and type(launcher) is FusedReplay:
+    if not key[-1] and type(launcher) is FusedReplay and not state.check_calls:  # checked: never hot
         FUSED_HOT[group] = HotFused(x.dtype, x.shape, launcher.device_index, entry, launcher)
     return launcher(x, residual, weight, eps)

@@ -15,9 +15,11 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import dispatch, settings
 from .agreement import AgreementError, Exchange, problems
+from .call_check import CheckedCache
 from .backends import Capabilities, RunContext, get_backend
 from .dispatch import Decision
 from .dist_compat import check_group, group_device
@@ -48,7 +50,23 @@ def _no_stream(device_index: int) -> int:
 current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_stream) if HAS_CUDA else _no_stream
 
 
+def check_traced(x, what: str) -> None:
+    """ValueError for a fake or meta tensor outside tracing: it holds no data, so no collective
+    can run on it (tracers, torch.compile's included, run with a dispatch mode active; Dynamo
+    itself only while compiling)."""
+    if torch.compiler.is_dynamo_compiling() or _current_dispatch_mode() is not None:
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(x, FakeTensor) or getattr(x, "is_meta", False):
+        kind = "fake" if isinstance(x, FakeTensor) else "meta"
+        raise ValueError(f"autosymm.{what}: a {kind} tensor {tuple(x.shape)} {x.dtype} outside tracing holds no data "
+                         f"to reduce; pass a real tensor on the group's device (fake and meta tensors serve only "
+                         f"inside torch.compile, torch.export or make_fx)")
+
+
 def check_tensor(x: torch.Tensor, state: GroupState, what: str) -> None:
+    check_traced(x, what)
     if x.device.type != state.device.type or (x.device.type == "cuda" and x.device != state.device):
         raise ValueError(f"autosymm.{what}: tensor is on {x.device}, the group's device is {state.device}")
     if not x.is_contiguous():
@@ -72,6 +90,9 @@ class GroupState:
     #: only batch-invariant backends serve (AUTOSYMM_DETERMINISTIC as every rank has it, or
     #: autosymm.init(deterministic=...)); see autosymm.dispatch
     deterministic: bool = False
+
+    #: AUTOSYMM_CHECK_CALLS on any rank of the group: every call is checked with every rank
+    check_calls = False
 
     def __init__(self, group) -> None:
         self.group = group
@@ -104,7 +125,7 @@ class GroupState:
                                     compute_capability=self.fingerprint.compute_capability)
         self.sources = local.sources if self.safe_reason is None else []
         self.ctx = RunContext(group=group, workspace=self.workspace)
-        self.cache: dict[tuple, Entry] = {}
+        self.cache: dict[tuple, Entry] = CheckedCache() if self.check_calls else {}
 
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:

@@ -80,13 +80,33 @@ def agree(group, plans: Sequence[MoEPlan], moe_max_bytes) -> tuple[int, int]:
     report = {"ok": True, "error": "", "settings": {}}
     try:
         report["settings"] = {"moe_region_bytes": plans_region_bytes(plans, world_size),
-                              "moe_max_bytes": -1 if moe_max_bytes is None else int(moe_max_bytes)}
+                              "moe_max_bytes": -1 if moe_max_bytes is None else checked_max_bytes(moe_max_bytes)}
     except Exception as exc:  # a bad plan on one rank: every rank hears it
         report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     trouble = problems(Exchange(group, dist.get_rank(group), world_size).exchange("init_moe", report))
     if trouble is not None:
-        raise ValueError(f"autosymm.init: ranks must pass the same moe= and moe_max_bytes=: {trouble}")
+        raise ValueError(f"autosymm.init: ranks must pass the same moe= and moe_max_bytes=, each valid: {trouble}")
     return report["settings"]["moe_region_bytes"], report["settings"]["moe_max_bytes"]
+
+
+def checked_max_bytes(moe_max_bytes) -> int:
+    """``moe_max_bytes`` of ``autosymm.init``: a whole number of bytes >= 0 (0: never grow), at most
+    settings.MAX_WORKSPACE_BYTES; TypeError or ValueError naming the value otherwise."""
+    from .settings import MAX_WORKSPACE_BYTES
+
+    import operator
+
+    try:
+        nbytes = operator.index(moe_max_bytes)  # ints (numpy's too), never floats
+    except TypeError:
+        nbytes = None
+    if nbytes is None or isinstance(moe_max_bytes, bool):
+        raise TypeError(f"autosymm.init: moe_max_bytes={moe_max_bytes!r} ({type(moe_max_bytes).__name__}) must be "
+                        f"a whole number of bytes")
+    if not 0 <= nbytes <= MAX_WORKSPACE_BYTES:
+        raise ValueError(f"autosymm.init: moe_max_bytes={nbytes} must be in 0..{MAX_WORKSPACE_BYTES} bytes "
+                         f"(0: the MoE region never grows)")
+    return nbytes
 
 
 def configure(state, region_bytes: int, moe_max_bytes: int) -> None:

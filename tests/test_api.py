@@ -146,7 +146,7 @@ def hot_group(tmp_path, monkeypatch):
     try:
         x = torch.zeros(64, dtype=torch.bfloat16)
         autosymm.all_reduce(x)  # prepares the entry (world size 1: the identity)
-        entry = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)]
+        entry = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)]
         launcher = FakeLauncher()
         entry.launcher = replay.EagerReplay(launcher, lambda launch, device: FakeGraph(launch, launcher.log))
         slow = []
@@ -165,11 +165,11 @@ def test_a_planned_address_takes_the_hot_path(hot_group):
     for _ in range(2):  # checked call, then capture + replay: the plan exists afterwards
         assert autosymm.all_reduce(x) is x
     assert len(slow) == 2 and addr in api.HOT
-    calls = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)].calls
+    calls = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)].calls
     before = len(launcher.log)
     assert autosymm.all_reduce(x) is x
     assert len(slow) == 2 and launcher.log[before:] == ["replay", ("bound", addr)]  # the plan ran
-    assert api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)].calls == calls + 1  # stats count it
+    assert api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)].calls == calls + 1  # stats count it
 
 
 def test_the_hot_path_refuses_another_dtype_layout_group_or_a_capture(hot_group, monkeypatch):
@@ -189,12 +189,12 @@ def test_the_hot_path_refuses_another_dtype_layout_group_or_a_capture(hot_group,
     monkeypatch.setattr(api, "current_raw_stream", lambda index: 1234)  # a side stream ...
     monkeypatch.setattr(api, "stream_capturing", lambda: True)  # ... that captures
     autosymm.all_reduce(base, group=dist.group.WORLD)  # graph mode: its own key
-    assert len(slow) == n + 5 and (torch.bfloat16, 64, True, "sum", True) in api.STATES[None].cache
+    assert len(slow) == n + 5 and (torch.bfloat16, 64, True, "sum", torch.device("cpu"), True) in api.STATES[None].cache
 
 
 def test_hot_plans_are_forgotten_on_eviction_new_staging_limits_and_reset(hot_group):
     autosymm, api, launcher, slow = hot_group
-    wrapper = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", False)].launcher
+    wrapper = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)].launcher
     wrapper.max_graphs = 1
     x, y = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
     for _ in range(2):

@@ -132,7 +132,7 @@ def _captured_calls_take_graph_rows(compiled, x):
         compiled(x)
     finally:
         api.stream_capturing = capturing
-    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", True)]
+    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", x.device, True)]
     assert entry.decision.mode == "graph" and entry.calls == 2  # g's two reductions of x's size
 
 

@@ -3,7 +3,7 @@ lives in autosymm.api), and its custom ops ``torch.ops.autosymm.all_reduce_`` / 
 functional one differentiable: autosymm.autograd).
 
 Problem: ``nbytes`` of the whole tensor; bucket: those bytes (at least 1); no shape. Cache key
-(built by the hot path itself): ``(dtype, numel, contiguous, reduce op name, capturing)``.
+(built by the hot path itself): ``(dtype, numel, contiguous, reduce op name, device, capturing)``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ log = logging.getLogger("autosymm")
 
 #: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
 NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
+
+#: dtypes no backend reduces (torch.distributed's NCCL and gloo refuse them: "Invalid scalar type").
+UNREDUCIBLE = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                           "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+                        if hasattr(torch, name))
 
 #: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
 SIZES_SPEC = "4KiB:256MiB:2"
@@ -50,6 +55,10 @@ class AllReduce(Collective):
         check_tensor(x, state, self.name)
         if op not in NCCL_OPS:
             raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(NCCL_OPS)}")
+        if x.dtype in UNREDUCIBLE:
+            raise ValueError(f"autosymm.all_reduce: dtype {x.dtype} cannot be reduced: tuned kernels serve "
+                             f"{', '.join(map(str, DTYPE_NAMES))} sums, NCCL the other real, integer, bool and "
+                             f"complex dtypes (cast an fp8 tensor up, e.g. to torch.bfloat16, and back)")
         if state.world_size == 1:  # any reduction over one rank is the identity
             return Entry(Decision("noop", None, "world size 1: nothing to exchange", mode=mode), identity)
         dtype = DTYPE_NAMES.get(x.dtype)
@@ -111,4 +120,5 @@ def _all_reduce_fake(tensor: Tensor, op: str, group_name: str) -> Tensor:
 
 ALL_REDUCE = AllReduce("all_reduce", "bytes", fallback="nccl", fallback_order=("nccl",),
                        points=TuningPoints(sizes=SIZES), config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
-                       identity_on_one_rank=True, invariant_fallback="nccl_ordered")
+                       identity_on_one_rank=True, invariant_fallback="nccl_ordered",
+                       arg_names=("tensor", "reduce_op"))

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..configs import FusedConfig
 from .. import autograd
-from ..problem import Problem, dtype_name
+from ..problem import DTYPE_NAMES, Problem, dtype_name
 from .base import Collective, CustomOp, PointRequest, TuningPoints
 from .moe import TOKENS
 
@@ -67,20 +67,11 @@ class AllReduceRMSNorm(Collective):
         """This rank's checks (ValueError naming the bad tensor): the Problem, or a 'noop' Entry
         without rows (the same on every rank: x's shape is replicated)."""
         from ..dispatch import Decision
-        from ..group import Entry, check_tensor
+        from ..group import Entry
 
         x, residual, weight = args
-        for tensor in (x, residual, weight):
-            check_tensor(tensor, state, self.name)
-        if x.dim() != 2 or residual.shape != x.shape:
-            raise ValueError(f"autosymm.{self.name}: x {tuple(x.shape)} and residual {tuple(residual.shape)} must "
-                             "both be [tokens, hidden]")
-        if tuple(weight.shape) != (x.shape[1],):
-            raise ValueError(f"autosymm.{self.name}: weight {tuple(weight.shape)} must be [hidden] = [{x.shape[1]}]")
-        if residual.dtype != x.dtype or weight.dtype != x.dtype:
-            raise ValueError(f"autosymm.{self.name}: x {x.dtype}, residual {residual.dtype} and weight "
-                             f"{weight.dtype} must share one dtype")
-        dtype = dtype_name(x.dtype)  # ValueError naming an unsupported dtype
+        check_args(x, residual, weight, state.device, self.name)
+        dtype = dtype_name(x.dtype)
         n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
         if n_tokens == 0 or hidden == 0:
             return Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), _empty_call)
@@ -91,6 +82,57 @@ class AllReduceRMSNorm(Collective):
         return (CustomOp(self.name, _all_reduce_rmsnorm, _all_reduce_rmsnorm_fake, mutates_args=("x", "residual")),
                 CustomOp(f"{self.name}_functional", _functional, _functional_fake, backward=autograd.fused_backward,
                          setup_context=autograd.fused_setup))
+
+
+def check_args(x: Tensor, residual: Tensor, weight: Tensor, device: torch.device,
+               what: str = "all_reduce_rmsnorm") -> None:
+    """ValueError naming the bad argument unless ``x`` and ``residual`` are [tokens, hidden] and
+    ``weight`` [hidden], all of one supported dtype (bf16, fp16, fp32), contiguous, on ``device`` and disjoint in memory (a
+    residual aliasing x would add the sum to itself; the NCCL path writes x). Local and cheap:
+    every call runs it before anything is launched, so a bad call changes nothing."""
+    try:
+        nbytes, wbytes = x.numel() * x.element_size(), weight.numel() * weight.element_size()
+        if (x.dtype in DTYPE_NAMES and residual.dtype is x.dtype and weight.dtype is x.dtype and x.dim() == 2
+                and residual.shape == x.shape
+                and weight.shape == x.shape[1:] and x.device == device and residual.device == device
+                and weight.device == device and x.is_contiguous() and residual.is_contiguous()
+                and weight.is_contiguous() and not _overlap(x, nbytes, residual, nbytes)
+                and not _overlap(weight, wbytes, x, nbytes) and not _overlap(weight, wbytes, residual, nbytes)):
+            return
+    except AttributeError:  # not a tensor: named below
+        pass
+    raise ValueError(f"autosymm.{what}: {_what_is_wrong(x, residual, weight, device)}")
+
+
+def _overlap(a: Tensor, a_bytes: int, b: Tensor, b_bytes: int) -> bool:
+    """Whether the bytes of two contiguous tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a_bytes > 0 and b_bytes > 0 and a0 < b0 + b_bytes and b0 < a0 + a_bytes
+
+
+def _what_is_wrong(x, residual, weight, device) -> str:
+    """The first argument :func:`check_args` refuses, and why."""
+    named = (("x", x), ("residual", residual), ("weight", weight))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if x.dim() != 2 or residual.shape != x.shape:
+        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must both be [tokens, hidden]"
+    if tuple(weight.shape) != (x.shape[1],):
+        return f"weight {tuple(weight.shape)} must be [hidden] = [{x.shape[1]}]"
+    if residual.dtype != x.dtype or weight.dtype != x.dtype:
+        return f"x {x.dtype}, residual {residual.dtype} and weight {weight.dtype} must share one dtype"
+    if x.dtype not in DTYPE_NAMES:
+        return f"dtype {x.dtype} is not supported: x, residual and weight must be one of " + \
+            ", ".join(map(str, DTYPE_NAMES))
+    for name, t in named:
+        if t.device != device:
+            held = "a meta tensor holds no data" if t.is_meta else f"the group's device is {device}"
+            return f"{name} is on {t.device}: {held}"
+        if not t.is_contiguous():
+            return f"{name} of shape {tuple(t.shape)} with strides {t.stride()} is not contiguous"
+    return ("x, residual and weight must not overlap in memory (residual += all_reduce(x) reads x while writing "
+            "residual, and the NCCL path writes x): pass distinct tensors")
 
 
 def _empty_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -131,4 +173,5 @@ def _functional_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gr
 ALL_REDUCE_RMSNORM = AllReduceRMSNorm("all_reduce_rmsnorm", "tokens", fallback="nccl_fused",
                                       fallback_order=("nccl_fused",), shape_param="hidden", config_type=FusedConfig,
                                       points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS),
-                                      tuned_by_default=False, invariant_fallback="nccl_ordered_fused")
+                                      tuned_by_default=False, invariant_fallback="nccl_ordered_fused",
+                                      arg_names=("x", "residual", "weight"))

@@ -4,7 +4,7 @@ public call takes on its first call of a key (:func:`prepare_call`).
 
 Cache keys. A group state keeps one dict of prepared calls (autosymm.group.GroupState.cache). A
 key is led by the op's record (``(record, dtype, ..., capturing)``), except the all-reduce's,
-which its hot path builds as ``(dtype, numel, contiguous, reduce op, capturing)``: a torch dtype
+which its hot path builds as ``(dtype, numel, contiguous, reduce op, device, capturing)``: a torch dtype
 first, so it never equals another op's key. Every key ends with ``capturing`` (bool), the mode.
 """
 
@@ -86,7 +86,8 @@ class Collective:
     ``prepare_in_check`` (the decision and launcher are made inside the agreed check; False when
     preparing may run a collective, as growing the MoE region does); ``invariant_fallback`` (the
     batch-invariant backend that always serves it under the ``deterministic`` setting, where the
-    ``fallback_order`` has none: autosymm.backends.nccl_ordered; '' when that order has one).
+    ``fallback_order`` has none: autosymm.backends.nccl_ordered; '' when that order has one);
+    ``arg_names`` (its entry's arguments, as the checked mode names them).
     Subclasses (one module per op) give the methods below that raise NotImplementedError here."""
 
     name: str
@@ -101,6 +102,7 @@ class Collective:
     identity_on_one_rank: bool = False
     prepare_in_check: bool = True
     invariant_fallback: str = ""
+    arg_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bucket_unit not in BUCKET_UNITS:
@@ -164,6 +166,13 @@ class Collective:
         """The call as the ranks compare it (and errors name it) on its first use."""
         raise NotImplementedError(self.name)
 
+    def fingerprint(self, key: tuple, args: tuple, mode: str) -> dict[str, Any]:
+        """What the checked mode (AUTOSYMM_CHECK_CALLS) compares across ranks on every call: each
+        argument by :attr:`arg_names` (a tensor's dtype and shape) and the mode."""
+        from ..call_check import fingerprint
+
+        return fingerprint(self.name, args, self.arg_names, mode=mode)
+
     def check_call(self, state, key: tuple, args: tuple, mode: str) -> Any:
         """This rank's checks of a new call (local: no collective; ValueError naming the bad
         tensor): its Problem, or a prepared Entry where no database decides (e.g. 'noop')."""
@@ -196,8 +205,16 @@ def prepare_call(state, record: Collective, key: tuple, args: tuple):
     """The first call of ``key`` on a group state: checked on this rank, agreed with every rank
     (a bad tensor on one rank raises on all: GroupState.agreed_check), decided, prepared and
     cached. Every public entry takes this path on a miss of its key in ``state.cache`` (a repeated
-    call is that lookup, ``entry.calls += 1`` and the launcher, inline in the entry)."""
+    call is that lookup, ``entry.calls += 1`` and the launcher, inline in the entry). In checked
+    mode (AUTOSYMM_CHECK_CALLS) every call comes here, its lookups missing by design, and is
+    checked with every rank first (autosymm.call_check.checked_entry)."""
     mode = "graph" if key[-1] else "eager"
+    if state.check_calls:
+        from ..call_check import checked_entry
+
+        entry = checked_entry(state, record, key, args, mode)
+        if entry is not None:
+            return entry
 
     def local():
         found = record.check_call(state, key, args, mode)

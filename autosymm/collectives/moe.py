@@ -4,7 +4,7 @@
 
 Problem: a MoEShape (d_model x experts x top-k) and ``n_tokens_local``; bucket: tokens per rank;
 shape: ``MoEShape.key``. Cache key: ``(record, src dtype, src shape, n_expts_tot, expt_indx shape,
-capturing)``. Without rows for a shape the dispatcher uses the nearest tuned shape's.
+src device, capturing)``. Without rows for a shape the dispatcher uses the nearest tuned shape's.
 """
 
 from __future__ import annotations
@@ -69,6 +69,16 @@ class MoEConversion(Collective):
 
             text += f", expt_indx digest {ids_digest(expt_indx)}"
         return text
+
+    def fingerprint(self, key: tuple, args: tuple, mode: str) -> dict:
+        """Collective.fingerprint, and in eager mode the digest of ``expt_indx`` (every rank's ids
+        must be the same)."""
+        from ..backends.moe_inputs import ids_digest
+
+        found = super().fingerprint(key, args, mode)
+        if mode == "eager":
+            found["expt_indx digest"] = ids_digest(args[2])
+        return found
 
     def check_call(self, state, key: tuple, args: tuple, mode: str) -> Problem:
         from ..backends.moe_inputs import check_index_ranges, check_inputs
@@ -145,7 +155,9 @@ _POINTS = TuningPoints(moe_shapes=tuple(MODEL_SHAPES.values()), tokens=TOKENS)
 _FALLBACKS = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig)
 DP_TO_EP = MoEConversion("dp_to_ep", "tokens", points=_POINTS, lookups=Lookups(nearest_shape=True),
                          shape_param="moe_shape", prepare_in_check=False, to_experts=True, index_name="gate_indx",
+                         arg_names=("src", "assignment", "expt_indx", "gate_indx"),
                          **_FALLBACKS)
 EP_TO_DP = MoEConversion("ep_to_dp", "tokens", points=_POINTS, lookups=Lookups(nearest_shape=True),
                          shape_param="moe_shape", prepare_in_check=False, to_experts=False, index_name="topk_indx",
+                         arg_names=("src", "assignment", "expt_indx", "topk_indx"),
                          **_FALLBACKS)

@@ -114,7 +114,8 @@ class AutosymmAll2AllManager:
         return torch.nonzero(self.assignment.expt_boolmask[self.rank].cpu()).flatten().tolist()
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: Optional[torch.Tensor] = None, *, caller_error: Optional[Exception] = None) -> Dispatched:
+                 topk_weights: Optional[torch.Tensor] = None, *,
+                 caller_error: Optional[Exception] = None) -> Dispatched:
         """Send each local token's row to its top-k experts' ranks (see the module docstring).
         ``caller_error``: what an adapter's own checks of the call raised, agreed like the manager's."""
         error = caller_error or error_of(self._check_inputs, hidden_states, topk_ids, topk_weights)

@@ -124,7 +124,8 @@ class VllmAll2AllManager:
     def _check_combine(self, is_sequence_parallel: bool, hidden_states) -> None:
         self._check(is_sequence_parallel)
         n_global = self._handle.expt_indx.shape[0]
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[0] != n_global:
+        if (not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2
+                or hidden_states.shape[0] != n_global):
             raise ValueError(f"combine: hidden_states has shape {tuple(getattr(hidden_states, 'shape', ()))}; "
                              f"expected [n_tokens_global = {n_global}, d_model]")
 
