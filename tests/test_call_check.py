@@ -109,3 +109,106 @@ def test_one_rank_checks_nothing_but_raises_its_own_error():
     assert channel.rounds == {}
     with pytest.raises(ValueError, match="alone"):
         _check(channel, "all_reduce", [torch.ones(4)], error=ValueError("alone"))
+
+
+# -- the public calls in checked mode, 2 gloo processes -----------------------------------------
+
+def _raises_everywhere(call, *matches):
+    with pytest.raises(CallMismatchError) as info:
+        call()
+    for match in matches:
+        assert match in str(info.value), str(info.value)
+
+
+def _all_reduces(autosymm, rank):
+    x = torch.ones(256)
+    autosymm.all_reduce(x)  # warm-up: prepared and cached on both ranks
+    assert torch.equal(x, torch.full_like(x, 2.0))
+    other = torch.ones(512 if rank else 256)
+    _raises_everywhere(lambda: autosymm.all_reduce(other), "tensor: rank 0 'float32[256]', rank 1 'float32[512]'")
+    _raises_everywhere(lambda: autosymm.all_reduce(torch.ones(256), op="max" if rank else "sum"),
+                       "reduce_op: rank 0 'sum', rank 1 'max'")
+    same_bytes = torch.ones(512, dtype=torch.bfloat16) if rank else torch.ones(256)
+    _raises_everywhere(lambda: autosymm.all_reduce(same_bytes), "rank 0 'float32[256]', rank 1 'bfloat16[512]'")
+    ints = torch.ones(256, dtype=torch.int32 if rank else torch.float32)
+    _raises_everywhere(lambda: autosymm.all_reduce(ints), "rank 1 'int32[256]'")
+    y = torch.full((256,), float(rank + 1))
+    autosymm.all_reduce(y)  # still in step, and the cached call serves it
+    assert torch.equal(y, torch.full_like(y, 3.0))
+
+
+def _fused_calls(autosymm, rank):
+    x, residual, weight = torch.ones(4, 64), torch.zeros(4, 64), torch.ones(64)
+    autosymm.all_reduce_rmsnorm(x, residual, weight)  # warm-up
+    assert torch.equal(residual, torch.full_like(residual, 2.0))
+    wider = (torch.ones(4, 128), torch.zeros(4, 128), torch.ones(128)) if rank else (x, residual, weight)
+    _raises_everywhere(lambda: autosymm.all_reduce_rmsnorm(*wider), "x: rank 0 'float32[4, 64]', rank 1 "
+                       "'float32[4, 128]'", "weight: rank 0 'float32[64]', rank 1 'float32[128]'")
+    more = (torch.ones(8, 64), torch.zeros(8, 64), weight) if rank == 0 else (x, residual, weight)
+    _raises_everywhere(lambda: autosymm.all_reduce_rmsnorm(*more), "x: rank 0 'float32[8, 64]'")
+    # a bad residual on one rank after warm-up: its own error there, named on the other; nothing changed
+    x, residual = torch.ones(4, 64), torch.zeros(4, 64)
+    bad = torch.zeros(64, 4).t() if rank == 1 else residual
+    if rank == 1:
+        with pytest.raises(ValueError, match="residual of shape .* is not contiguous"):
+            autosymm.all_reduce_rmsnorm(x, bad, weight)
+    else:
+        _raises_everywhere(lambda: autosymm.all_reduce_rmsnorm(x, bad, weight), "rank 1: ValueError: autosymm."
+                           "all_reduce_rmsnorm: residual of shape (4, 64)")
+    assert torch.equal(x, torch.ones(4, 64)) and not bad.any()
+
+
+def _moe_calls(autosymm, rank, world_size):
+    assignment = autosymm.make_expt_assignment(world_size, 4, autosymm.make_expt_dict_uniform(world_size, 4))
+    expt_indx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], dtype=torch.int32)
+    gate, _ = autosymm.route(expt_indx, 4)
+    src = torch.randn(2, 8)
+    autosymm.convert_dp_to_ep(src, assignment, expt_indx, gate)  # warm-up
+    other = expt_indx.flip(0) if rank else expt_indx
+    _raises_everywhere(lambda: autosymm.convert_dp_to_ep(src, assignment, other, autosymm.route(other, 4)[0]),
+                       "expt_indx digest: rank 0 '")
+
+
+def _checked(rank, world_size):
+    from datetime import timedelta
+
+    import autosymm
+    from autosymm.agreement import AgreementError
+    from autosymm.call_check import CheckedCache
+
+    _all_reduces(autosymm, rank)
+    state = autosymm.api.STATES[None]
+    assert type(state.cache) is CheckedCache and state.check_calls
+    _fused_calls(autosymm, rank)
+    _moe_calls(autosymm, rank, world_size)
+    calls = autosymm.stats()["nccl"]["calls"]
+    state.channel.timeout = timedelta(seconds=2)
+    if rank == 0:  # a peer that makes no call: an AgreementError within the deadline, not a hang
+        with pytest.raises(AgreementError, match=r"rank\(s\) \[1\] of the group did not reach 'check\."):
+            autosymm.all_reduce(torch.ones(256))
+    return calls
+
+
+def test_calls_that_differ_after_warm_up_raise_on_every_rank_in_checked_mode(tmp_path):
+    from _gloo import run_gloo
+
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"},
+           0: {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10",
+               "AUTOSYMM_CHECK_CALLS": "1"}}  # on one rank: every rank checks (and rank 0 warns of the difference)
+    calls = run_gloo(_checked, 2, env=env, deadline_s=150)
+    assert calls[0] == calls[1] == 2  # the two all-reduces that ran; no refused call is counted
+
+
+def _unchecked(rank, world_size):
+    import autosymm
+
+    autosymm.all_reduce(torch.ones(8))
+    state = autosymm.api.STATES[None]
+    return type(state.cache) is dict and not state.check_calls and state.channel.rounds == {}
+
+
+def test_off_nothing_is_checked_and_the_cache_is_a_plain_dict(tmp_path):
+    from _gloo import run_gloo
+
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite")}}
+    assert run_gloo(_unchecked, 2, env=env, deadline_s=120) == {0: True, 1: True}

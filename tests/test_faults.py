@@ -115,3 +115,39 @@ def _big_group(rank, world_size, autosymm):
 def test_three_ranks_sum(tmp_path):
     env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite")}}
     assert set(run_gloo(_with_autosymm, 3, _big_group, env=env, deadline_s=DEADLINE_S).values()) == {"nccl"}
+
+
+def _refused_inputs(rank, world_size, autosymm):
+    """Inputs that used to be accepted (or raised an unclear error) get a clear one on every rank,
+    before any collective: meta and fake tensors (a meta tensor after warm-up used to hit the
+    prepared call and be "counted"), fp8, a group or op that is not one, init settings."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.ones(8)
+    autosymm.all_reduce(x)  # warm-up: the float32 x 8 sum is prepared
+    calls = autosymm.stats()["nccl"]["calls"]
+    _expect(ValueError, r"a meta tensor \(8,\) torch.float32 outside tracing holds no data",
+            lambda: autosymm.all_reduce(torch.ones(8, device="meta")))
+    with FakeTensorMode():
+        fake = torch.ones(8)
+    _expect(ValueError, "a fake tensor .* outside tracing", lambda: autosymm.all_reduce(fake))
+    _expect(ValueError, "a fake tensor", lambda: autosymm.all_reduce(fake, op="max"))
+    assert autosymm.stats()["nccl"]["calls"] == calls  # nothing counted
+    fp8 = torch.ones(8).to(torch.float8_e4m3fn)
+    _expect(ValueError, r"dtype torch.float8_e4m3fn cannot be reduced: tuned kernels serve torch.bfloat16, "
+                        r"torch.float16, torch.float32 sums", lambda: autosymm.all_reduce(fp8))
+    _expect(TypeError, r"group='bogus' \(str\) is not a torch.distributed ProcessGroup",
+            lambda: autosymm.all_reduce(x, group="bogus"))
+    _expect(TypeError, r"op=\['sum'\] \(list\) is not a reduce op: pass a dist.ReduceOp of SUM",
+            lambda: autosymm.all_reduce(x, op=["sum"]))
+    for bad, match in ((-1, "moe_max_bytes=-1 must be in 0.."), (1.5, r"moe_max_bytes=1.5 \(float\) must be a whole"),
+                       (True, r"moe_max_bytes=True \(bool\)"), (1 << 40, "must be in 0..68719476736")):
+        _expect(ValueError, match, lambda: autosymm.init(moe_max_bytes=bad))
+    autosymm.init(moe_max_bytes=0)
+    autosymm.all_reduce(x)  # the ranks are still in step
+    return float(x[0])
+
+
+def test_refused_inputs_raise_clearly_on_every_rank(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"}}
+    assert run_gloo(_with_autosymm, 2, _refused_inputs, env=env, deadline_s=DEADLINE_S) == {0: 4.0, 1: 4.0}

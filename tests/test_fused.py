@@ -99,3 +99,52 @@ def test_all_reduce_rmsnorm_on_gloo_ranks(tmp_path, monkeypatch):
     assert decision0 == decision1
     assert decision0[:2] == ("nccl_fused", str(path)) and "tuned eager row at 4 tokens/rank" in decision0[2]
     assert stats0["nccl_fused"]["calls"] == 4 and stats0["noop"]["calls"] == 1
+
+
+def _refused_after_warm_up(rank, world_size):
+    """After a first good call, every bad argument raises before anything runs: x and residual
+    keep their bits (no sum, no add), and the ranks stay in step."""
+    import autosymm
+
+    x, residual, weight = torch.ones(4, HIDDEN).bfloat16(), torch.zeros(4, HIDDEN).bfloat16(), torch.ones(HIDDEN).bfloat16()
+    autosymm.all_reduce_rmsnorm(x.clone(), residual, weight, EPS)  # warm-up: the key is cached
+    assert torch.equal(residual, torch.full_like(residual, 2.0))
+    buffer = torch.zeros(8, HIDDEN).bfloat16()
+    cases = [  # (x, residual, weight), what the error names
+        (lambda x, r: (x, x, weight), "must not overlap in memory"),  # residual aliasing x: 2 * sum before
+        (lambda x, r: (x, r, x[0]), "must not overlap in memory"),  # weight a row of x (the NCCL path writes x)
+        (lambda x, r: (buffer[:4], buffer[2:6], weight), "must not overlap in memory"),  # partly shared rows
+        (lambda x, r: (x, r.float(), weight), "must share one dtype"),  # a residual of another dtype
+        (lambda x, r: (x, r, torch.ones(HIDDEN + 8).bfloat16()), r"weight \(80,\) must be \[hidden\] = \[72\]"),
+        (lambda x, r: (x, torch.zeros(4, HIDDEN + 8).bfloat16(), weight), r"residual \(4, 80\) must both be"),
+        (lambda x, r: (x, torch.zeros(HIDDEN, 4).bfloat16().t(), weight), "residual of shape .* is not contiguous"),
+        (lambda x, r: (x, r, torch.ones(HIDDEN, device="meta").bfloat16()), "weight is on meta"),
+        (lambda x, r: (x, r, [1.0] * HIDDEN), "weight must be a torch.Tensor, got list"),
+    ]
+    for make, match in cases:
+        x, residual = torch.full((4, HIDDEN), 3.0).bfloat16(), torch.full((4, HIDDEN), 5.0).bfloat16()
+        args = make(x, residual)
+        before = [t.clone() for t in args[:2]] if isinstance(args[0], torch.Tensor) else []
+        with pytest.raises(ValueError, match=match):
+            autosymm.all_reduce_rmsnorm(*args, EPS)
+        assert all(torch.equal(a, b) for a, b in zip(args[:2], before)), match  # untouched
+    x, residual = torch.ones(4, HIDDEN).bfloat16(), torch.zeros(4, HIDDEN).bfloat16()
+    autosymm.all_reduce_rmsnorm(x, residual, weight, EPS)  # still in step
+    assert torch.equal(residual, torch.full_like(residual, 2.0))
+    with pytest.raises(ValueError, match="fake tensor .* outside tracing"):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            fake = torch.ones(4, HIDDEN).bfloat16()
+        autosymm.all_reduce_rmsnorm(fake, fake, weight, EPS)
+    fp8 = torch.ones(4, HIDDEN).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="dtype torch.float8_e4m3fn is not supported: .* torch.bfloat16"):
+        autosymm.all_reduce_rmsnorm(fp8, fp8.clone(), torch.ones(HIDDEN).to(torch.float8_e4m3fn), EPS)
+    return True
+
+
+def test_bad_arguments_after_warm_up_raise_before_anything_changes(tmp_path):
+    from _gloo import run_gloo
+
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"}}
+    assert run_gloo(_refused_after_warm_up, 2, env=env, deadline_s=120) == {0: True, 1: True}
