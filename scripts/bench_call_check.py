@@ -41,7 +41,7 @@ def _rank(rank: int, world_size: int, port: int, args, checked: bool, out) -> No
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     import autosymm
-    from autosymm.call_check import check_call
+    from autosymm.call_check import check_call, fingerprint
 
     x, residual, weight = torch.ones(args.numel), torch.ones(8, 512), torch.ones(512)
     fused_x = torch.ones(8, 512)
@@ -50,8 +50,8 @@ def _rank(rank: int, world_size: int, port: int, args, checked: bool, out) -> No
                                        args.calls, args.repeats)}
     if checked:
         channel = autosymm.api.STATES[None].channel
-        row["check_call alone"] = _time(lambda: check_call(channel, "all_reduce", [x], reduce_op="sum"),
-                                        args.calls, args.repeats)
+        call = fingerprint("all_reduce", (x, "sum"), ("tensor", "reduce_op"), mode="eager")
+        row["check_call alone"] = _time(lambda: check_call(channel, call), args.calls, args.repeats)
     if rank == 0:
         out.put(row)
     autosymm.api.reset()

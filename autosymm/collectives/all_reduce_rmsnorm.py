@@ -91,23 +91,21 @@ def check_args(x: Tensor, residual: Tensor, weight: Tensor, device: torch.device
     residual aliasing x would add the sum to itself; the NCCL path writes x). Local and cheap:
     every call runs it before anything is launched, so a bad call changes nothing."""
     try:
-        nbytes, wbytes = x.numel() * x.element_size(), weight.numel() * weight.element_size()
-        if (x.dtype in DTYPE_NAMES and residual.dtype is x.dtype and weight.dtype is x.dtype and x.dim() == 2
-                and residual.shape == x.shape
-                and weight.shape == x.shape[1:] and x.device == device and residual.device == device
+        dtype, shape = x.dtype, x.shape
+        _, hidden = shape  # ValueError unless 2-D
+        if (dtype in DTYPE_NAMES and residual.dtype is dtype and weight.dtype is dtype and residual.shape == shape
+                and weight.dim() == 1 and weight.size(0) == hidden and x.device == device and residual.device == device
                 and weight.device == device and x.is_contiguous() and residual.is_contiguous()
-                and weight.is_contiguous() and not _overlap(x, nbytes, residual, nbytes)
-                and not _overlap(weight, wbytes, x, nbytes) and not _overlap(weight, wbytes, residual, nbytes)):
-            return
-    except AttributeError:  # not a tensor: named below
+                and weight.is_contiguous()):
+            nbytes, wbytes = x.numel() * x.element_size(), weight.numel() * weight.element_size()
+            lo, hi = sorted((x.data_ptr(), residual.data_ptr()))
+            wp = weight.data_ptr()
+            if nbytes == 0 or (hi - lo >= nbytes and (wp + wbytes <= lo or wp >= hi + nbytes
+                                                      or lo + nbytes <= wp <= hi - wbytes)):
+                return
+    except (AttributeError, TypeError, ValueError):  # not a tensor, or x not 2-D: named below
         pass
     raise ValueError(f"autosymm.{what}: {_what_is_wrong(x, residual, weight, device)}")
-
-
-def _overlap(a: Tensor, a_bytes: int, b: Tensor, b_bytes: int) -> bool:
-    """Whether the bytes of two contiguous tensors intersect."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a_bytes > 0 and b_bytes > 0 and a0 < b0 + b_bytes and b0 < a0 + a_bytes
 
 
 def _what_is_wrong(x, residual, weight, device) -> str:
