@@ -14,8 +14,8 @@ rank: pad with tokens whose ids are all -1):
     ``local_expert_ids >= 0`` are this rank's to process; the others hold garbage.
   * ``local_expert_ids`` int32 [n_tokens_global * k]: the local id (0 .. n_local_experts-1, in
     ascending global id) of each row's expert when this rank owns it, else -1.
-  * ``tokens_per_expert`` int64 [n_local_experts]: rows per local expert (a device tensor, no
-    host sync: dispatch and combine stay CUDA-graph capturable).
+  * ``tokens_per_expert`` int64 [n_local_experts]: rows per local expert (a device tensor:
+    dispatch and combine stay CUDA-graph capturable).
   * ``handle``: what ``combine`` needs.
 
   ``hidden_states`` is a tensor the caller owns (a copy of autosymm's workspace view) unless the
