@@ -169,7 +169,8 @@ def test_a_planned_address_takes_the_hot_path(hot_group):
     before = len(launcher.log)
     assert autosymm.all_reduce(x) is x
     assert len(slow) == 2 and launcher.log[before:] == ["replay", ("bound", addr)]  # the plan ran
-    assert api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)].calls == calls + 1  # stats count it
+    key = (torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)
+    assert api.STATES[None].cache[key].calls == calls + 1  # stats count it
 
 
 def test_the_hot_path_refuses_another_dtype_layout_group_or_a_capture(hot_group, monkeypatch):

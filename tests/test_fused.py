@@ -106,7 +106,8 @@ def _refused_after_warm_up(rank, world_size):
     keep their bits (no sum, no add), and the ranks stay in step."""
     import autosymm
 
-    x, residual, weight = torch.ones(4, HIDDEN).bfloat16(), torch.zeros(4, HIDDEN).bfloat16(), torch.ones(HIDDEN).bfloat16()
+    x, residual = torch.ones(4, HIDDEN).bfloat16(), torch.zeros(4, HIDDEN).bfloat16()
+    weight = torch.ones(HIDDEN).bfloat16()
     autosymm.all_reduce_rmsnorm(x.clone(), residual, weight, EPS)  # warm-up: the key is cached
     assert torch.equal(residual, torch.full_like(residual, 2.0))
     buffer = torch.zeros(8, HIDDEN).bfloat16()

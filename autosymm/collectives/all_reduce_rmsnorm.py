@@ -87,9 +87,10 @@ class AllReduceRMSNorm(Collective):
 def check_args(x: Tensor, residual: Tensor, weight: Tensor, device: torch.device,
                what: str = "all_reduce_rmsnorm") -> None:
     """ValueError naming the bad argument unless ``x`` and ``residual`` are [tokens, hidden] and
-    ``weight`` [hidden], all of one supported dtype (bf16, fp16, fp32), contiguous, on ``device`` and disjoint in memory (a
-    residual aliasing x would add the sum to itself; the NCCL path writes x). Local and cheap:
-    every call runs it before anything is launched, so a bad call changes nothing."""
+    ``weight`` [hidden], all of one supported dtype (bf16, fp16, fp32), contiguous, on ``device``
+    and disjoint in memory (a residual aliasing x would add the sum to itself; the NCCL path
+    writes x). Local and cheap: every call runs it before anything is launched, so a bad call
+    changes nothing."""
     try:
         dtype, shape = x.dtype, x.shape
         _, hidden = shape  # ValueError unless 2-D
