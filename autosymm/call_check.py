@@ -40,6 +40,8 @@ def describe(value: Any) -> Any:
         return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
     if isinstance(value, ExptAssignment):
         return f"{value.n_expts_tot} experts on {value.n_expt_shard} shards, {list(value.n_expts_per_shard)} each"
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value):
+        return list(value)  # per-rank sizes
     return value if value is None or isinstance(value, (bool, int, float, str)) else type(value).__name__
 
 

@@ -21,21 +21,28 @@ import torch.distributed as dist
 
 from .collectives import ALL_GATHER, REDUCE_SCATTER, prepare_call
 from .dist_compat import Work, group_name, reduce_op_name
-from .group import STATES, state_of, stream_capturing
+from .group import STATES, check_traced, state_of, stream_capturing
 
 _SUM = dist.ReduceOp.SUM
 _Tensor = torch.Tensor
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-def _traced(*tensors: torch.Tensor) -> bool:
-    """torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor): the op path."""
-    return _dynamo_compiling() or any(type(t) is not _Tensor and type(t) is not torch.nn.Parameter for t in tensors)
+def _traced(what: str, *tensors: torch.Tensor) -> bool:
+    """torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor): the op path (a fake or
+    meta tensor outside tracing: a ValueError, autosymm.group.check_traced)."""
+    if _dynamo_compiling():
+        return True
+    if any(type(t) is not _Tensor and type(t) is not torch.nn.Parameter for t in tensors):
+        for t in tensors:
+            check_traced(t, what)
+        return True
+    return False
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes: Optional[tuple[int, ...]], group):
     state = STATES.get(group) or state_of(group)
-    key = (REDUCE_SCATTER, input.dtype, input.shape, output.shape, op, sizes, stream_capturing())
+    key = (REDUCE_SCATTER, input.dtype, input.shape, output.shape, op, sizes, input.device, stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = prepare_call(state, REDUCE_SCATTER, key, (output, input, op, sizes))
@@ -46,7 +53,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes: O
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Optional[tuple[int, ...]], group):
     state = STATES.get(group) or state_of(group)
-    key = (ALL_GATHER, input.dtype, input.shape, output.shape, sizes, stream_capturing())
+    key = (ALL_GATHER, input.dtype, input.shape, output.shape, sizes, input.device, stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = prepare_call(state, ALL_GATHER, key, (output, input, sizes))
@@ -66,7 +73,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=_SUM, gr
     is ``torch.ops.autosymm.reduce_scatter_tensor`` (functional; copied into ``output``).
     """
     name = reduce_op_name(op)
-    if _traced(output, input):
+    if _traced("reduce_scatter_tensor", output, input):
         if async_op:
             raise RuntimeError("autosymm.reduce_scatter_tensor: async_op=True cannot be traced; drop async_op")
         world_size = dist.get_world_size(group)
@@ -83,7 +90,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     tensors contiguous, on the group's device. ``async_op`` as :func:`reduce_scatter_tensor`.
     Under torch.compile the call is ``torch.ops.autosymm.all_gather_into_tensor``.
     """
-    if _traced(output, input):
+    if _traced("all_gather_into_tensor", output, input):
         if async_op:
             raise RuntimeError("autosymm.all_gather_into_tensor: async_op=True cannot be traced; drop async_op")
         world_size = dist.get_world_size(group)

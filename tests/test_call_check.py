@@ -169,6 +169,18 @@ def _moe_calls(autosymm, rank, world_size):
                        "expt_indx digest: rank 0 '")
 
 
+def _sharded_calls(autosymm, rank):
+    out, inp = torch.empty(4), torch.ones(8)
+    autosymm.reduce_scatter_tensor(out, inp)  # warm-up
+    bigger = (torch.empty(8), torch.ones(16)) if rank else (out, inp)
+    _raises_everywhere(lambda: autosymm.reduce_scatter_tensor(*bigger), "input: rank 0 'float32[8]', rank 1 "
+                       "'float32[16]'")
+    gathered = torch.empty(16 if rank else 8)
+    autosymm.all_gather_into_tensor(torch.empty(8), out)  # warm-up
+    _raises_everywhere(lambda: autosymm.all_gather_into_tensor(gathered, torch.ones(8 if rank else 4)),
+                       "output: rank 0 'float32[8]', rank 1 'float32[16]'")
+
+
 def _checked(rank, world_size):
     from datetime import timedelta
 
@@ -181,6 +193,7 @@ def _checked(rank, world_size):
     assert type(state.cache) is CheckedCache and state.check_calls
     _fused_calls(autosymm, rank)
     _moe_calls(autosymm, rank, world_size)
+    _sharded_calls(autosymm, rank)
     calls = autosymm.stats()["nccl"]["calls"]
     state.channel.timeout = timedelta(seconds=2)
     if rank == 0:  # a peer that makes no call: an AgreementError within the deadline, not a hang

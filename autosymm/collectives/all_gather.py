@@ -6,7 +6,7 @@ all-gather is the reduce-scatter (sum) of the gradients, torch.distributed.nn.fu
 Problem: ``nbytes`` of the full (gathered) output; bucket: those bytes; no shape. An all-gather
 copies bytes: a dtype without rows of its own (integers, bool, fp8) is keyed as bf16 (the rows
 of the same byte size), and fp16 / fp32 calls fall back to the bf16 rows too. Cache key:
-``(record, dtype, input shape, output shape, sizes or None, capturing)``; the call's arguments
+``(record, dtype, input shape, output shape, sizes or None, input device, capturing)``; the call's arguments
 ``(output, input, sizes)``.
 """
 
@@ -84,4 +84,5 @@ def _backward(ctx, grad: Tensor):
 
 ALL_GATHER = AllGather("all_gather", "bytes", fallback="nccl_all_gather", fallback_order=("nccl_all_gather",),
                        points=TuningPoints(sizes=SIZES), config_type=AllGatherConfig,
-                       lookups=Lookups(bf16_same_bytes=True), tuned_by_default=False)
+                       lookups=Lookups(bf16_same_bytes=True), tuned_by_default=False,
+                       arg_names=("output", "input", "sizes"))

@@ -4,7 +4,7 @@
 reduce-scatter is the all-gather of the gradients, torch.distributed.nn.functional's formula).
 
 Problem: ``nbytes`` of the full (unsharded) input; bucket: those bytes; no shape. Cache key:
-``(record, dtype, input shape, output shape, reduce op name, sizes or None, capturing)``; the
+``(record, dtype, input shape, output shape, reduce op name, sizes or None, input device, capturing)``; the
 call's arguments ``(output, input, op, sizes)``.
 """
 
@@ -160,4 +160,4 @@ def _backward(ctx, grad: Tensor):
 REDUCE_SCATTER = ReduceScatter("reduce_scatter", "bytes", fallback="nccl_reduce_scatter",
                                fallback_order=("nccl_reduce_scatter",), points=TuningPoints(sizes=SIZES),
                                config_type=ReduceScatterConfig, lookups=Lookups(bf16_same_bytes=True),
-                               tuned_by_default=False)
+                               tuned_by_default=False, arg_names=("output", "input", "reduce_op", "sizes"))
