@@ -333,12 +333,12 @@ class FusedReplay(EagerReplay):
 
     def _miss_fused(self, key: tuple, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                     out: torch.Tensor) -> torch.Tensor:
-        """A call without a valid plan: the fused op's argument checks (aliasing included, before
-        anything runs), then the launcher (all checks), or at the key's ``capture_after``-th call
-        its bound launch (checked by ``bind``), captured or memoised."""
-        from .collectives.all_reduce_rmsnorm import check_args
+        """A call without a valid plan: no aliasing of its tensors (checked before anything runs),
+        then the launcher (all checks), or at the key's ``capture_after``-th call its bound launch
+        (checked by ``bind``), captured or memoised."""
+        from .collectives.all_reduce_rmsnorm import check_disjoint
 
-        check_args(x, residual, weight, torch.device("cuda", self.device_index))
+        check_disjoint(x, residual, weight)
         launcher = self.launcher
         with self._lock:
             self._replan_if_moved()

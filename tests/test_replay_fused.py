@@ -222,3 +222,20 @@ def test_the_groups_last_eager_call_takes_the_hot_path(fused_group, monkeypatch)
     assert keyed == [None] and rp.FUSED_HOT[None].call is wrapped  # NCCL's launcher never becomes hot
     autosymm.reset()
     assert not rp.FUSED_HOT
+
+
+def test_the_hot_path_refuses_aliased_arguments_before_any_launch(fused_group):
+    """A hot call's plan is keyed by the three addresses it was checked at; any other addresses
+    (a residual aliasing x, a weight inside x) go through the fused op's checks first."""
+    autosymm, entry, wrapped = fused_group
+    from autosymm import replay as rp
+
+    x, residual, weight = _tensors()
+    autosymm.all_reduce_rmsnorm(x, residual, weight)  # hot now
+    assert rp.FUSED_HOT[None].call is wrapped
+    before = len(wrapped._seen), dict(wrapped._plans)
+    buffer = torch.zeros(8, HIDDEN, dtype=torch.bfloat16)
+    for args in ((x, x, weight), (x, residual, x[1]), (buffer[:4], buffer[2:6], weight)):
+        with pytest.raises(ValueError, match="must not overlap in memory"):
+            autosymm.all_reduce_rmsnorm(*args)
+    assert (len(wrapped._seen), dict(wrapped._plans)) == before  # nothing launched, planned or counted

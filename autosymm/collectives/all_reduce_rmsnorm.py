@@ -130,8 +130,25 @@ def _what_is_wrong(x, residual, weight, device) -> str:
             return f"{name} is on {t.device}: {held}"
         if not t.is_contiguous():
             return f"{name} of shape {tuple(t.shape)} with strides {t.stride()} is not contiguous"
-    return ("x, residual and weight must not overlap in memory (residual += all_reduce(x) reads x while writing "
+    return _OVERLAP
+
+
+_OVERLAP = ("x, residual and weight must not overlap in memory (residual += all_reduce(x) reads x while writing "
             "residual, and the NCCL path writes x): pass distinct tensors")
+
+
+def check_disjoint(x: Tensor, residual: Tensor, weight: Tensor, what: str = "all_reduce_rmsnorm") -> None:
+    """ValueError unless the memory spans of the three tensors (any layout) are disjoint: the check
+    of :func:`check_args` that the launchers' own checks do not make."""
+    spans = sorted(_span(t) for t in (x, residual, weight) if t.numel())
+    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+        raise ValueError(f"autosymm.{what}: {_OVERLAP}")
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of ``t``'s elements (non-negative strides)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _empty_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
