@@ -59,9 +59,9 @@ def check_traced(x, what: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(x, FakeTensor) or getattr(x, "is_meta", False):
-        kind = "fake" if isinstance(x, FakeTensor) else "meta"
-        raise ValueError(f"autosymm.{what}: a {kind} tensor {tuple(x.shape)} {x.dtype} outside tracing holds no data "
-                         f"to reduce; pass a real tensor on the group's device (fake and meta tensors serve only "
+        kind = "is a fake tensor" if isinstance(x, FakeTensor) else "is on meta"
+        raise ValueError(f"autosymm.{what}: tensor {tuple(x.shape)} {x.dtype} {kind} outside tracing: it holds no "
+                         f"data to reduce; pass a real tensor on the group's device (fake and meta tensors serve only "
                          f"inside torch.compile, torch.export or make_fx)")
 
 

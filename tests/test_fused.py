@@ -120,7 +120,6 @@ def _refused_after_warm_up(rank, world_size):
         (lambda x, r: (x, torch.zeros(4, HIDDEN + 8).bfloat16(), weight), r"residual \(4, 80\) must both be"),
         (lambda x, r: (x, torch.zeros(HIDDEN, 4).bfloat16().t(), weight), "residual of shape .* is not contiguous"),
         (lambda x, r: (x, r, torch.ones(HIDDEN, device="meta").bfloat16()), "weight is on meta"),
-        (lambda x, r: (x, r, [1.0] * HIDDEN), "weight must be a torch.Tensor, got list"),
     ]
     for make, match in cases:
         x, residual = torch.full((4, HIDDEN), 3.0).bfloat16(), torch.full((4, HIDDEN), 5.0).bfloat16()
@@ -132,7 +131,7 @@ def _refused_after_warm_up(rank, world_size):
     x, residual = torch.ones(4, HIDDEN).bfloat16(), torch.zeros(4, HIDDEN).bfloat16()
     autosymm.all_reduce_rmsnorm(x, residual, weight, EPS)  # still in step
     assert torch.equal(residual, torch.full_like(residual, 2.0))
-    with pytest.raises(ValueError, match="fake tensor .* outside tracing"):
+    with pytest.raises(ValueError, match="is a fake tensor outside tracing"):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode():
