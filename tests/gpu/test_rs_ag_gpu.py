@@ -153,6 +153,9 @@ def _api_body(rank, world_size):
     assert torch.equal(back, summed)
     # the Triton reduce-scatter then the Triton all-gather: the Triton all-reduce's bits
     state = autosymm.api.state_of(None)
+    if state.workspace is None:  # a one-rank group makes no workspace: the emulated-rank tests run these kernels
+        assert world_size == 1
+        return
     numel = world_size * 4096
     x = torch.randn(numel, device="cuda").bfloat16()
     ctx = RunContext(group=dist.group.WORLD, workspace=state.workspace)
