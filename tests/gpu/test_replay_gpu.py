@@ -145,7 +145,7 @@ def _api_level(check, world_size):
 
     x = torch.zeros(NUMELS[1], dtype=torch.bfloat16, device="cuda")
     autosymm.all_reduce(x)
-    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", False)]
+    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", x.device, False)]
     assert (entry.decision.backend == "noop") == (world_size == 1), entry.decision.describe()
     if not isinstance(entry.launcher, EagerReplay):  # api not wired yet: wire it as prepare would
         entry.launcher = wrap_eager(entry.launcher, entry.decision)
