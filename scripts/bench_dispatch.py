@@ -157,9 +157,9 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
     x = torch.zeros(HOST_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         api.all_reduce(x)
-    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", False)]
+    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", x.device, False)]
     state = api.STATES[None]
-    key = (x.dtype, x.numel(), True, "sum", False)
+    key = (x.dtype, x.numel(), True, "sum", x.device, False)
 
     def nothing():
         pass
@@ -200,7 +200,7 @@ def _all_reduce_loops(numel: int) -> dict:
     x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
     zero_copy = autosymm.empty((numel,), torch.bfloat16).zero_()
     autosymm.all_reduce(x)
-    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", False)]
+    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", x.device, False)]
     wired = isinstance(entry.launcher, EagerReplay)
     raw = entry.launcher.launcher if wired else entry.launcher
     tuned = entry.launcher if wired else wrap_eager(raw, entry.decision)  # what api's prepare makes
@@ -341,7 +341,7 @@ def _stub_report(calls: int, repeats: int) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
     autosymm.all_reduce(x)  # a 1-rank group: the no-op decision; its entry then runs our launcher
-    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", False)]
+    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", x.device, False)]
     entry.launcher = graphed
     autosymm.all_reduce(x), autosymm.all_reduce(x)  # capture: the address is hot from now on
     print(f"  autosymm.all_reduce -> graph replay (stub):  {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
