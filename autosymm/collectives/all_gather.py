@@ -17,20 +17,12 @@ from torch import Tensor
 
 from ..backends.rs_ag_layout import AllGatherConfig
 from ..problem import DTYPE_NAMES, Problem
-from .all_reduce import SIZES
-from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
+from .all_reduce import SIZES, BytesKeyed
+from .base import CustomOp, Lookups, TuningPoints
 from .reduce_scatter import checked_tensors, shard_counts, shards_text, single_rank_entry
 
 
-class AllGather(Collective):
-    def check_problem(self, problem: Problem) -> None:
-        if problem.nbytes < 0:
-            raise ValueError(f"nbytes={problem.nbytes} must be >= 0")
-
-    def problems(self, request: PointRequest) -> list[Problem]:
-        sizes = self.points.sizes if request.sizes is None else request.sizes
-        return [Problem(self.name, d, request.world_size, nbytes=n) for d in request.dtypes for n in sizes]
-
+class AllGather(BytesKeyed):
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         output, input, sizes = args
         return f"{self.name} of {input.dtype} {shards_text(input, sizes)} -> {tuple(output.shape)} in {mode} mode"

@@ -34,14 +34,19 @@ SIZES_SPEC = "4KiB:256MiB:2"
 SIZES = tuple(octave_points(4 << 10, 256 << 20, 2))
 
 
-class AllReduce(Collective):
+class BytesKeyed(Collective):
+    """A collective keyed by the bytes of its full tensor (all-reduce, reduce-scatter, all-gather)."""
+
     def check_problem(self, problem: Problem) -> None:
         if problem.nbytes < 0:
             raise ValueError(f"nbytes={problem.nbytes} must be >= 0")
 
     def problems(self, request: PointRequest) -> list[Problem]:
         sizes = self.points.sizes if request.sizes is None else request.sizes
-        return [Problem.all_reduce(n, d, request.world_size) for d in request.dtypes for n in sizes]
+        return [Problem(self.name, d, request.world_size, nbytes=n) for d in request.dtypes for n in sizes]
+
+
+class AllReduce(BytesKeyed):
 
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         x, op = args

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from ..backends.rs_ag_layout import ReduceScatterConfig
 from ..problem import DTYPE_NAMES, Problem
-from .all_reduce import NCCL_OPS, SIZES
-from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
+from .all_reduce import NCCL_OPS, SIZES, BytesKeyed
+from .base import Collective, CustomOp, Lookups, TuningPoints
 
 log = logging.getLogger("autosymm")
 
@@ -80,15 +80,7 @@ def checked_tensors(record: Collective, state, tensors: Sequence[Tensor]) -> Non
         check_tensor(t, state, record.name)
 
 
-class ReduceScatter(Collective):
-    def check_problem(self, problem: Problem) -> None:
-        if problem.nbytes < 0:
-            raise ValueError(f"nbytes={problem.nbytes} must be >= 0")
-
-    def problems(self, request: PointRequest) -> list[Problem]:
-        sizes = self.points.sizes if request.sizes is None else request.sizes
-        return [Problem(self.name, d, request.world_size, nbytes=n) for d in request.dtypes for n in sizes]
-
+class ReduceScatter(BytesKeyed):
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         output, input, op, sizes = args
         return f"{self.name} of {input.dtype} {tuple(input.shape)} -> {shards_text(output, sizes)} op={op} in {mode} mode"
