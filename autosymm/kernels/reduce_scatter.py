@@ -134,6 +134,27 @@ def _sum_chunk(out_ptr, region_ptrs, stage_offset, at, offs, end, rank, WORLD_SI
         tl.store(out_ptr + offs, acc.to(ELEM))
 
 
+@triton.jit
+def _sum_segment(out_ptr, region_ptrs, stage_offset, at, count, rank, pid, n_programs, WORLD_SIZE: tl.constexpr,
+                 BLOCK: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr, ELEM: tl.constexpr,
+                 SLOTS: tl.constexpr):
+    """out[0:count] by :func:`_sum_chunk`, chunk c by program c mod n_programs: whole chunks
+    unmasked, the last one as its whole 16-byte vectors, then its ragged tail."""
+    whole, tail = chunk_bounds(count, VEC)
+    n_full = whole // BLOCK
+    lane = tl.arange(0, BLOCK)
+    for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
+        offs = chunk * BLOCK + lane
+        if chunk < n_full:
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, at, offs, count, rank, WORLD_SIZE, ALIGNED, ELEM, False,
+                       SLOTS)
+        else:
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, at, offs, whole, rank, WORLD_SIZE, ALIGNED, ELEM, True,
+                       SLOTS)
+            _sum_chunk(out_ptr, region_ptrs, stage_offset, at, tail, count, rank, WORLD_SIZE, ALIGNED, ELEM, True,
+                       SLOTS)
+
+
 @triton.jit(do_not_specialize=["rank", "seg", "stage_seg", "stage_offset"])
 def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank, seg: tl.int32, stage_seg: tl.int32,
                     stage_offset: tl.int64, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr, ZERO_COPY: tl.constexpr,
@@ -159,19 +180,8 @@ def _reduce_scatter(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, rank,
                          BLOCK, VEC)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # every stage holds its rank's segments
     start, count, stage_start = _segment(bounds_ptr, seg, stage_seg, rank, EVEN, WORLD_SIZE)
-    whole, tail = chunk_bounds(count, VEC)
-    n_full = whole // BLOCK
-    lane = tl.arange(0, BLOCK)
-    for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
-        offs = chunk * BLOCK + lane
-        if chunk < n_full:
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, count, rank, WORLD_SIZE, ALIGNED, ELEM,
-                       False, False)
-        else:  # the last chunk: whole vectors, then the ragged tail
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, offs, whole, rank, WORLD_SIZE, ALIGNED, ELEM,
-                       True, False)
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, stage_start, tail, count, rank, WORLD_SIZE, ALIGNED, ELEM,
-                       True, False)
+    _sum_segment(out_ptr, region_ptrs, stage_offset, stage_start, count, rank, pid, n_programs, WORLD_SIZE, BLOCK,
+                 VEC, ALIGNED, ELEM, False)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # no peer still reads our stage (ZERO_COPY: our input)
 
 
@@ -204,17 +214,6 @@ def _reduce_scatter_push(out_ptr, in_ptr, region_ptrs, signal_ptrs, bounds_ptr, 
         copy_segment(slot_ptr, _at(in_ptr, start, SEG_ALIGNED), count, pid, n_programs, BLOCK, VEC)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # every slot of every stage holds its sender's segment
     start, count, _ = _segment(bounds_ptr, seg, slot, rank, EVEN, WORLD_SIZE)
-    whole, tail = chunk_bounds(count, VEC)
-    n_full = whole // BLOCK
-    lane = tl.arange(0, BLOCK)
-    for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
-        offs = chunk * BLOCK + lane
-        if chunk < n_full:
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, slot, offs, count, rank, WORLD_SIZE, ALIGNED, ELEM,
-                       False, True)
-        else:  # the last chunk: whole vectors, then the ragged tail
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, slot, offs, whole, rank, WORLD_SIZE, ALIGNED, ELEM,
-                       True, True)
-            _sum_chunk(out_ptr, region_ptrs, stage_offset, slot, tail, count, rank, WORLD_SIZE, ALIGNED, ELEM,
-                       True, True)
+    _sum_segment(out_ptr, region_ptrs, stage_offset, slot, count, rank, pid, n_programs, WORLD_SIZE, BLOCK,
+                 VEC, ALIGNED, ELEM, True)
     barrier(signal_ptrs, pid, rank, WORLD_SIZE)  # no peer pushes into our slots before we read them
