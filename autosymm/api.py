@@ -239,7 +239,7 @@ def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_redu
             raise ValueError("explain needs a tensor or a Problem")
         if asked is not ALL_REDUCE:
             raise ValueError(f"explain: a tensor describes an all-reduce, not {op}; pass "
-                             f"problem=autosymm.Problem.moe({op!r}, shape, n_tokens_local, dtype, world_size)")
+                             f"problem={asked.problem_hint()}")
     elif asked is not ALL_REDUCE and problem.op != op:
         raise ValueError(f"explain: op={op!r} but the problem is a {problem.op}")
     state = state_of(group)

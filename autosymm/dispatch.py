@@ -6,7 +6,8 @@ across ranks once per group, and caches each prepared call per key: op, dtype, s
 Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth model. Rules, in order:
 
 1. ``AUTOSYMM_DISABLE=1`` -> the op's fallback backend (NCCL) everywhere.
-2. an op that is the identity over one rank (all-reduce) at world size 1 -> ``noop``.
+2. an op that runs no collective over one rank (Collective.one_rank_reason: all of them but the
+   MoE conversions, and the fused op under ``deterministic``) at world size 1 -> ``noop``.
 3. a group spanning nodes -> NCCL, the engine for that scale.
 4. the user database, then the shipped ones, under the op's lookups (dtype, mode, shape) in order:
    the call's own; the other mode's rows; for all-reduce in fp16/fp32 the bf16 rows of the same
@@ -169,8 +170,9 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
     if settings.disabled():
         return Decision(last_resort(problem, deterministic), None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket,
                         mode=mode)
-    if problem.world_size == 1 and record.identity_on_one_rank:
-        return Decision("noop", None, "world size 1: nothing to exchange", bucket=problem.bucket, mode=mode)
+    one_rank = record.one_rank_reason(deterministic) if problem.world_size == 1 else ""
+    if one_rank:
+        return Decision("noop", None, one_rank, bucket=problem.bucket, mode=mode)
     if not caps.intra_node:
         return Decision(last_resort(problem, deterministic), None, "group spans nodes: NCCL", bucket=problem.bucket,
                         mode=mode)

@@ -71,6 +71,36 @@ def test_world_size_one_is_a_noop(tmp_path):
     assert _run(1, [tmp_path / "none.sqlite"], _world_size_one)[0] == "noop"
 
 
+def _one_rank_ops(rank, world_size, autosymm):
+    """Over one rank the shards are the whole tensor and the fused op is add + rms_norm: no
+    collective runs, and explain says what the calls do."""
+    from autosymm import Problem
+
+    x, residual = torch.randn(6, 16).bfloat16(), torch.randn(6, 16).bfloat16()
+    weight, before, expected_residual = torch.randn(16).bfloat16(), x.clone(), residual + x
+    out = autosymm.all_reduce_rmsnorm(x, residual, weight)
+    assert torch.equal(x, before) and torch.equal(residual, expected_residual)
+    assert torch.equal(out, torch.nn.functional.rms_norm(expected_residual, (16,), weight, 1e-6))
+    shard, full = torch.empty(6, 16).bfloat16(), torch.empty(6, 16).bfloat16()
+    autosymm.reduce_scatter_tensor(shard, x)
+    autosymm.all_gather_into_tensor(full, shard)
+    assert torch.equal(shard, x) and torch.equal(full, x)
+    plans = [autosymm.explain(problem=p, op=p.op).backend for p in (
+        Problem.all_reduce_rmsnorm(6, 16, "bf16", 1), Problem("reduce_scatter", "bf16", 1, nbytes=192),
+        Problem("all_gather", "bf16", 1, nbytes=192))]
+    stats = autosymm.stats()
+    autosymm.init(deterministic=True)  # the fused op's ordered norm then serves, even over one rank
+    assert autosymm.explain(problem=Problem.all_reduce_rmsnorm(6, 16, "bf16", 1),
+                            op="all_reduce_rmsnorm").backend == "nccl_ordered_fused"
+    return plans, stats
+
+
+def test_the_other_ops_over_one_rank_run_no_collective(tmp_path):
+    plans, stats = _run(1, [tmp_path / "none.sqlite"], _one_rank_ops)[0]
+    assert plans == ["noop"] * 3
+    assert stats == {"noop": {"calls": 3, "bytes": 3 * 192}}
+
+
 def _bad_inputs(rank, world_size, autosymm):
     import torch.distributed as dist
 

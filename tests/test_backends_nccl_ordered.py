@@ -1,14 +1,19 @@
-"""The batch-invariant fallbacks ``nccl_ordered`` / ``nccl_ordered_fused`` on 3 gloo ranks: a row's
-bits are the fp32 in-order sum rounded once (the Triton kernels' formula) and do not change with
-the call's size (1..8192 tokens); the fused residual is the Triton fused kernels' formula and its
-out follows the fixed pairwise tree; the tree itself is checked on the CPU."""
+"""The batch-invariant fallbacks ``nccl_ordered`` / ``nccl_ordered_fused`` /
+``nccl_ordered_reduce_scatter`` on 3 gloo ranks: a row's bits are the fp32 in-order sum rounded
+once (the Triton kernels' formula) and do not change with the call's size (1..8192 tokens); the
+fused residual is the Triton fused kernels' formula and its out follows the fixed pairwise tree;
+a reduce-scatter's shard is the ordered all-reduce's segment, equal or per-rank segments; the
+other floating-point reductions (avg, product, fp64) follow :func:`ordered_reduce`; the tree
+itself is checked on the CPU."""
 
 import pytest
 import torch
 
 from autosymm.backends import get_backend
 from autosymm.backends.base import RunContext
-from autosymm.backends.nccl_ordered import ordered_rmsnorm, ordered_sum, pairwise_row_sum
+from autosymm.backends.nccl_ordered import (needs_ordering, ordered_all_reduce_launcher, ordered_reduce,
+                                            ordered_reduce_scatter_launcher, ordered_rmsnorm, ordered_sum,
+                                            pairwise_row_sum)
 from autosymm.problem import Problem
 
 from _gloo import run_gloo
@@ -84,12 +89,68 @@ def _fused_rows(rank, world_size):
     return True
 
 
-@pytest.mark.parametrize("body", [_all_reduce_rows, _fused_rows], ids=["all_reduce", "all_reduce_rmsnorm"])
+def _reduce_scatter_rows(rank, world_size):
+    """Shards of [W * n_tokens, hidden] (equal) and of per-rank row counts: each is the ordered
+    sum of its segment, the same bits as the ordered all-reduce's rows there; segment s's token j
+    has the same inputs in every call, so its bits must not change with the size."""
+    backend = get_backend("nccl_ordered_reduce_scatter")
+    hidden, dtype = 8, torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    bank = torch.randn(world_size, world_size, max(TOKENS), hidden, generator=gen).to(dtype)  # [rank, segment]
+    firsts = []
+    for n_tokens in TOKENS:
+        full = bank[:, :, :n_tokens].reshape(world_size, world_size * n_tokens, hidden)  # [rank, rows, hidden]
+        problem = Problem("reduce_scatter", "bf16", world_size, nbytes=full[0].numel() * 2)
+        launcher = backend.prepare(problem, None, RunContext(group=None))
+        shard = torch.empty(n_tokens, hidden, dtype=dtype)
+        assert launcher(shard, full[rank].clone()) is shard
+        reduced = ordered_sum(full).to(dtype)  # the ordered all-reduce of the whole tensor
+        assert torch.equal(shard.view(torch.int16), reduced[rank * n_tokens:(rank + 1) * n_tokens].view(torch.int16))
+        firsts.append(shard[:1].clone())
+    assert all(torch.equal(f.view(torch.int16), firsts[0].view(torch.int16)) for f in firsts)
+    rows = [2, 0, 5][:world_size]  # per-rank segments, one empty
+    full = bank[:, 0, :sum(rows)]
+    shard = torch.empty(rows[rank], hidden, dtype=dtype)
+    launcher(shard, full[rank].clone(), [r * hidden for r in rows])
+    start = sum(rows[:rank])
+    assert torch.equal(shard.view(torch.int16), ordered_sum(full)[start:start + rows[rank]].to(dtype).view(torch.int16))
+    return True
+
+
+def _other_reductions(rank, world_size):
+    """avg, product and an fp64 sum: the gathered copies reduced by :func:`ordered_reduce`."""
+    bank = _rows(None, 16, 5, torch.float32, seed=5)
+    for op, dtype in (("avg", torch.bfloat16), ("product", torch.float16), ("sum", torch.float64)):
+        x = bank[rank].to(dtype)
+        want = ordered_reduce(bank.to(dtype), op).to(dtype)
+        got = ordered_all_reduce_launcher(None, world_size, op)(x.clone())
+        assert torch.equal(got, want), f"all-reduce {op} {dtype}"
+        full = x.reshape(-1)[:15]  # 15 elements: 5 a rank
+        shard = torch.empty(5, dtype=dtype)
+        ordered_reduce_scatter_launcher(None, world_size, rank, op)(shard, full.clone())
+        assert torch.equal(shard, want.reshape(-1)[5 * rank:5 * rank + 5]), f"reduce-scatter {op} {dtype}"
+    return True
+
+
+def test_ordered_reduce_formulas():
+    gathered = torch.tensor([[3.0, 1e8], [5.0, 1.0], [7.0, -1e8]], dtype=torch.bfloat16)
+    assert ordered_reduce(gathered, "avg").tolist()[0] == 5.0
+    assert ordered_reduce(gathered, "product").tolist()[0] == 105.0 and ordered_reduce(gathered, "product").dtype \
+        == torch.float32
+    assert ordered_reduce(gathered.double(), "sum").dtype == torch.float64  # fp64 keeps its precision
+    assert ordered_reduce(torch.ones(2, 3, dtype=torch.complex64), "sum").dtype == torch.complex64
+    assert needs_ordering("avg", torch.bfloat16) and needs_ordering("sum", torch.float64)
+    assert not needs_ordering("max", torch.float32) and not needs_ordering("sum", torch.int32)  # exact: NCCL's own
+
+
+@pytest.mark.parametrize("body", [_all_reduce_rows, _fused_rows, _reduce_scatter_rows, _other_reductions],
+                         ids=["all_reduce", "all_reduce_rmsnorm", "reduce_scatter", "avg_product_fp64"])
 def test_rows_have_the_same_bits_at_every_size_on_three_gloo_ranks(body):
     assert run_gloo(body, 3, deadline_s=180) == {0: True, 1: True, 2: True}
 
 
 def test_both_declare_batch_invariance_and_serve_their_op_only():
-    for name, op in (("nccl_ordered", "all_reduce"), ("nccl_ordered_fused", "all_reduce_rmsnorm")):
+    for name, op in (("nccl_ordered", "all_reduce"), ("nccl_ordered_fused", "all_reduce_rmsnorm"),
+                     ("nccl_ordered_reduce_scatter", "reduce_scatter")):
         backend = get_backend(name)
         assert backend.batch_invariant and backend.needs.ops == (op,)

@@ -8,6 +8,10 @@ element's inputs alone. So the bits of token j's row are the same in a call of 1
 bank (token j has the same inputs in every call), and every rank's result must equal
 :func:`ordered_sum` bit for bit: equal to one formula, the results are equal to each other.
 
+The Lamport one-shot (the same sum, its data carrying its own arrival mark) and the
+reduce-scatters (pull and push: rank r's shard is segment r of that sum) are checked the same
+way.
+
 The fused all-reduce + RMSNorm's ``residual`` output is elementwise too (the fp32 sum plus the
 residual, rounded once) and is checked the same way across its algorithms, split rows and
 double buffering. Its ``out`` is not claimed: the row's sum of squares is a ``tl.sum`` whose
@@ -30,6 +34,8 @@ import torch
 from autosymm.backends import backend_names, get_backend, nccl_ordered
 from autosymm.configs import AllReduceConfig, FusedConfig
 
+import _lamport_sim as lamport_sim
+import _rs_ag_sim as rs_ag_sim
 from _all_reduce_sim import requires_interpreter
 from _invariance_sim import run_all_reduce, run_fused
 
@@ -151,16 +157,67 @@ def test_fused_residual_rows_have_the_same_bits_at_every_size(config):
             _assert_same_bits(out, results[0][1], f"{_fused_id(config)}, {n_tokens} tokens: out of rank {rank}")
 
 
+# Lamport (block, programs, warps): one program to several, small and large blocks. Tokens up to
+# 1000 of 8 bf16 (16 KB a rank, within its 256 KiB cap); the calls run in sequence on the same
+# workspaces, so the receive buffers rotate and are re-armed between them, as in a server.
+LAMPORT_LAUNCHES = [(256, 1, 2), (1024, 3, 4), (128, 8, 1)]
+
+
+@pytest.mark.parametrize("launch", LAMPORT_LAUNCHES, ids=lambda v: "B{}-G{}-W{}".format(*v))
+def test_lamport_rows_have_the_same_bits_at_every_size(launch):
+    world_size, hidden, dtype = 3, 8, torch.bfloat16
+    rows = bank(world_size, 1000, hidden, dtype, seed=4)
+    wss = lamport_sim.workspaces(world_size)
+    for n_tokens in (1, 3, 64, 1000, 3):
+        inputs = [rows[r, :n_tokens].reshape(-1).clone() for r in range(world_size)]
+        want = round_like_kernels(ordered_sum(inputs), dtype)
+        block, programs, warps = launch
+        launchers = lamport_sim.launchers(wss, dtype, n_tokens * hidden, block, programs, warps)
+        for rank, got in enumerate(lamport_sim.run_call(launchers, inputs)):
+            _assert_same_bits(got, want, f"lamport B{block} G{programs}, {n_tokens} tokens, rank {rank}")
+
+
+# Reduce-scatter (algorithm, block, programs, warps, the per-rank table path): the pull's and the
+# push's kernels, grids of one program and of several, equal segments through the stride and
+# through the table.
+SCATTER_CASES = [("pull", 1024, 1, 4, True), ("pull", 128, 5, 2, False), ("push", 256, 3, 4, True),
+                 ("push", 2048, 2, 8, False)]
+
+
+@pytest.mark.parametrize("case", SCATTER_CASES, ids=lambda c: "{}-B{}-G{}-W{}-{}".format(
+    *c[:4], "even" if c[4] else "table"))
+def test_reduce_scatter_shards_have_the_same_bits_at_every_size(case):
+    """3 ranks, bf16 rows of 8: segment s's token j has the same inputs in every call, and every
+    shard equals the formula (so the all-reduce's rows, above)."""
+    algorithm, block, programs, warps, even = case
+    world_size, hidden, dtype = 3, 8, torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(world_size, world_size, 1000, hidden, generator=gen).to(dtype)  # [rank, segment, token]
+    for n_tokens in (1, 3, 64, 1000):
+        ins = [rows[r, :, :n_tokens].reshape(-1).clone() for r in range(world_size)]
+        wss = rs_ag_sim.workspaces(world_size, region_bytes=1 << 17)
+        outs, _, expected = rs_ag_sim.reduce_scatter(wss, ins, [n_tokens * hidden] * world_size,
+                                                     dict(block=block, programs=programs, warps=warps), even=even,
+                                                     push=algorithm == "push")
+        rs_ag_sim.check_pads(wss, expected)
+        for rank, got in enumerate(outs):
+            want = round_like_kernels(ordered_sum(rows[q, rank, :n_tokens].reshape(-1) for q in range(world_size)),
+                                      dtype)
+            _assert_same_bits(got, want, f"reduce-scatter {case}, {n_tokens} tokens, rank {rank}")
+
+
 def test_the_backends_declared_batch_invariant_are_the_ones_shown_so():
     """Backend.batch_invariant (what the deterministic setting dispatches to) holds for the
-    all-reduce families tested above, the ordered NCCL fallbacks (tests/test_backends_nccl_ordered)
-    and the MoE conversions and all-gathers (rows are copied, never summed); not for multimem (the switch adds in
-    an unspecified order), NCCL's all-reduce (ring order per chunk, a rounding per step at W > 2),
-    torch's symm_mem ops (bf16 adds rounded per peer), the fused kernels (out's tree, above), nor
-    (not yet shown here) the Lamport one-shot and the reduce-scatters."""
+    all-reduce families, the Lamport one-shot and the reduce-scatters tested above, the ordered
+    NCCL fallbacks (tests/test_backends_nccl_ordered) and the MoE conversions and all-gathers
+    (rows are copied, never summed); not for multimem (the switch adds in an unspecified order),
+    NCCL's all-reduce and reduce-scatter (ring order per chunk, a rounding per step at W > 2),
+    torch's symm_mem ops (bf16 adds rounded per peer), nor the fused kernels (out's tree, above)."""
     invariant = {name for name in backend_names() if get_backend(name).batch_invariant}
     gathers = {name for name in backend_names() if get_backend(name).needs.ops == ("all_gather",)}
-    assert invariant == {"triton_one_shot", "triton_one_shot_push", "triton_two_shot", "nccl_ordered",
-                         "nccl_ordered_fused", "triton_moe", "nccl_all_to_all"} | gathers  # gathers copy too
+    assert invariant == {"triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_lamport",
+                         "triton_reduce_scatter_pull", "triton_reduce_scatter_push", "nccl_ordered",
+                         "nccl_ordered_fused", "nccl_ordered_reduce_scatter", "triton_moe",
+                         "nccl_all_to_all"} | gathers  # gathers copy too
     assert "nccl_all_gather" in gathers
     assert {case[0] for case in ALL_REDUCE_CASES} == {"one_shot", "one_shot_push", "two_shot"}

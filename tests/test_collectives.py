@@ -51,7 +51,8 @@ def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
     assert [r.fallback for r in collectives.ALL] == ["nccl", "nccl_all_to_all", "nccl_all_to_all", "nccl_fused",
                                                      "nccl_reduce_scatter", "nccl_all_gather"]
     assert DP_TO_EP.fallback_order == ("triton_moe", "nccl_all_to_all")  # no NCCL path is graph-capturable
-    assert ALL_REDUCE.identity_on_one_rank and not any(r.identity_on_one_rank for r in collectives.ALL[1:])
+    assert [r.one_rank_reason(False) != "" for r in collectives.ALL] == [True, False, False, True, True, True]
+    assert [r.one_rank_reason(True) != "" for r in collectives.ALL] == [True, False, False, False, True, True]
     assert not DP_TO_EP.prepare_in_check and ALL_REDUCE.prepare_in_check  # growing the MoE region is collective
     assert [r.config_type.__name__ for r in collectives.ALL] == ["AllReduceConfig", "MoEConfig", "MoEConfig",
                                                                   "FusedConfig", "ReduceScatterConfig",
@@ -65,8 +66,9 @@ def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
     assert differentiable == ["all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm_functional",
                               "reduce_scatter_tensor", "all_gather_into_tensor"]
     # the deterministic setting's last resorts (the MoE and all-gather fallbacks are batch-invariant
-    # themselves; a reduce-scatter has none yet: it raises under the setting)
-    assert [r.invariant_fallback for r in collectives.ALL] == ["nccl_ordered", "", "", "nccl_ordered_fused", "", ""]
+    # themselves: rows are copied)
+    assert [r.invariant_fallback for r in collectives.ALL] == ["nccl_ordered", "", "", "nccl_ordered_fused",
+                                                               "nccl_ordered_reduce_scatter", ""]
 
 
 def test_the_moe_growth_model_is_bytes_moved_and_the_others_scale_their_bucket():

@@ -61,8 +61,9 @@ def test_each_op_has_a_last_resort_that_keeps_the_guarantee():
     assert decide(moe, "eager", CAPS, [], HW, True).backend == "triton_moe"  # rows are copied: invariant
     assert [last_resort(p) for p in (Problem.all_reduce(4096), fused)] == ["nccl", "nccl_fused"]
     assert last_resort(Problem("all_gather", "bf16", 4, nbytes=4096), True) == "nccl_all_gather"  # copies
-    with pytest.raises(RuntimeError, match="reduce_scatter .* has no batch-invariant backend"):
-        last_resort(Problem("reduce_scatter", "bf16", 4, nbytes=4096), True)  # never a silent NCCL sum
+    scatter = Problem("reduce_scatter", "bf16", 4, nbytes=4096)
+    assert (last_resort(scatter), last_resort(scatter, True)) == ("nccl_reduce_scatter", "nccl_ordered_reduce_scatter")
+    assert decide(scatter, "eager", CAPS, [], HW, True).backend == "nccl_ordered_reduce_scatter"
 
 
 def test_disable_keeps_the_guarantee(monkeypatch):
@@ -77,7 +78,7 @@ def _end_to_end(rank, world_size):
     """AUTOSYMM_DETERMINISTIC=1: all_reduce and the fused op take the ordered fallbacks, and a
     token's row has the same bits in every call."""
     import autosymm
-    from autosymm.backends.nccl_ordered import ordered_rmsnorm, ordered_sum
+    from autosymm.backends.nccl_ordered import ordered_reduce, ordered_rmsnorm, ordered_sum
 
     hidden = 24
     gen = torch.Generator().manual_seed(3)
@@ -95,8 +96,24 @@ def _end_to_end(rank, world_size):
         s = ordered_sum(bank[:, :n]) + residual_bank[:n].float()
         assert torch.equal(out.view(torch.int16), ordered_rmsnorm(s, weight, 1e-6).to(torch.bfloat16).view(torch.int16))
         first.append((x[0].clone(), out[0].clone()))
+        full = bank[:, :n].repeat(1, world_size, 1)  # [rank, W * n, hidden]: segment s is the bank's n rows
+        shard = torch.empty(n, hidden, dtype=torch.bfloat16)
+        autosymm.reduce_scatter_tensor(shard, full[rank].clone())
+        assert torch.equal(shard.view(torch.int16), x.view(torch.int16)), "a shard: the all-reduce's bits"
     assert all(torch.equal(a, first[0][0]) and torch.equal(b, first[0][1]) for a, b in first)
-    return autosymm.stats() is not None
+    # the other floating-point reductions: the ordered formula, not NCCL's
+    for op, dtype in (("avg", torch.bfloat16), ("product", torch.float32), ("sum", torch.float64)):
+        x = bank[rank, :5].to(dtype)
+        want = ordered_reduce(bank[:, :5].to(dtype), op).to(dtype)
+        assert torch.equal(autosymm.all_reduce(x.clone(), op=op), want), f"{op} {dtype}"
+        shard = torch.empty(5, hidden, dtype=dtype)
+        autosymm.reduce_scatter_tensor(shard, x.repeat(world_size, 1), op=op)
+        assert torch.equal(shard, want), f"reduce-scatter {op} {dtype}"
+    autosymm.all_reduce(torch.full((4,), 3.0), op="max")  # exact in any order: NCCL's own
+    calls = {backend: agg["calls"] for backend, agg in autosymm.stats().items()}
+    assert calls == {"nccl_ordered": len(TOKENS) + 3, "nccl_ordered_fused": len(TOKENS),
+                     "nccl_ordered_reduce_scatter": len(TOKENS) + 3, "nccl": 1}, calls
+    return True
 
 
 def test_the_setting_end_to_end_on_three_gloo_ranks():

@@ -1,8 +1,5 @@
-"""The Lamport one-shot all-reduce under the Triton interpreter, through its launcher.
-
-Ranks run one after another, so a rank's reads would wait for pushes of ranks that have not run
-yet: every call runs phase 1 (the pushes) on every rank first, then phase 2 (re-arm, reads,
-rotation) on each. Results are compared bit for bit with the fp32 in-order sum rounded once
+"""The Lamport one-shot all-reduce under the Triton interpreter, through its launcher, on ranks
+simulated one after another (tests/_lamport_sim: pushes first, then the reads). Results are compared bit for bit with the fp32 in-order sum rounded once
 (what every one-shot computes), over several rounds of changing sizes (the rotation wraps and
 the re-arm covers a larger previous call), and the receive buffers are checked after each round:
 only the current buffer holds data, only over the call's elements.
@@ -11,30 +8,16 @@ only the current buffer holds data, only over the call's elements.
 import pytest
 import torch
 
-from autosymm.backends import get_backend
-from autosymm.backends.base import BackendError, RunContext
-from autosymm.configs import AllReduceConfig
+from autosymm.backends.base import BackendError
 from autosymm.geometry import LAMPORT_BUFFERS, LAMPORT_HEADER_BYTES, LAMPORT_REGION, LAMPORT_SLOT_BYTES
-from autosymm.problem import Problem
-from autosymm.symm import simulated_workspaces
 
 from _all_reduce_sim import error_counts, random_inputs, requires_interpreter, tiny_poll_limit
+from _lamport_sim import SENTINEL, launchers, run_call, workspaces
 from _rs_ag_sim import reference_sum
 
 pytestmark = requires_interpreter
 
-SENTINEL = 12345.0
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def workspaces(world_size):
-    return simulated_workspaces(world_size, all_reduce_bytes=1 << 12, moe_bytes=1 << 12, double_buffer_bytes=0)
-
-
-def launchers(wss, dtype, numel, block=256, programs=2, warps=2):
-    problem = Problem.all_reduce(numel * torch.tensor([], dtype=dtype).element_size(), DTYPES[dtype], len(wss))
-    config = AllReduceConfig("lamport", block, programs, warps)
-    return [get_backend("triton_lamport").prepare(problem, config, RunContext(workspace=ws)) for ws in wss]
 
 
 def in_order_sum(inputs):
@@ -59,25 +42,6 @@ def slot_words(ws, buffer, slot, elem_bytes):
              + (buffer * (ws.world_size - 1) + slot) * LAMPORT_SLOT_BYTES)
     raw = ws.buffer[start:start + LAMPORT_SLOT_BYTES]
     return raw.view({2: torch.int16, 4: torch.int32}[elem_bytes])
-
-
-def run_call(launch_of, inputs, *, dead=()):
-    """One call on every simulated rank (pushes first, then each reader); ranks in ``dead`` never
-    launch. Returns each rank's x, inside a sentinel-filled backing (a write past its end shows)."""
-    xs, backings = [], []
-    for t in inputs:
-        backing = torch.full((t.numel() + 64,), SENTINEL, dtype=t.dtype)
-        backing[:t.numel()] = t
-        xs.append(backing[:t.numel()])
-        backings.append(backing)
-    live = [r for r in range(len(inputs)) if r not in dead]
-    for r in live:
-        launch_of[r](xs[r], phase=1)
-    for r in live:
-        launch_of[r](xs[r], phase=2)
-    for backing, t in zip(backings, inputs):
-        assert bool((backing[t.numel():] == SENTINEL).all()), "a write past the end of x"
-    return xs
 
 
 def assert_only_current_buffer(wss, round_, numel, elem_bytes):

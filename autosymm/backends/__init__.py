@@ -28,6 +28,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "nccl_fused": ("autosymm.backends.nccl_fused", "nccl_fused"),
     "nccl_ordered": ("autosymm.backends.nccl_ordered", "nccl_ordered"),
     "nccl_ordered_fused": ("autosymm.backends.nccl_ordered", "nccl_ordered_fused"),
+    "nccl_ordered_reduce_scatter": ("autosymm.backends.nccl_ordered", "nccl_ordered_reduce_scatter"),
     "triton_fused_one_shot": ("autosymm.backends.triton_fused", "triton_fused_one_shot"),
     "triton_fused_one_shot_push": ("autosymm.backends.triton_fused", "triton_fused_one_shot_push"),
     "triton_fused_two_shot": ("autosymm.backends.triton_fused", "triton_fused_two_shot"),

@@ -1,5 +1,6 @@
-"""Backends ``nccl_ordered`` (all_reduce) and ``nccl_ordered_fused`` (all_reduce_rmsnorm): the
-batch-invariant fallbacks of the ``deterministic`` setting (autosymm.settings).
+"""Backends ``nccl_ordered`` (all_reduce), ``nccl_ordered_fused`` (all_reduce_rmsnorm) and
+``nccl_ordered_reduce_scatter`` (reduce_scatter): the batch-invariant fallbacks of the
+``deterministic`` setting (autosymm.settings).
 
 An NCCL all-gather moves every rank's tensor unchanged (no arithmetic), then each rank sums the
 W copies locally in fp32 in the order 0..W-1, starting from +0.0, and rounds once: the formula of
@@ -16,8 +17,18 @@ column index (column 2i + column 2i+1, level after level). Every step is an elem
 two given values, so the tree follows the hidden size alone, never the batch, the device's
 reduction kernels or their launch shapes.
 
-Cost: each rank receives (W - 1) copies of the tensor (NCCL's all-reduce: about 2 (W - 1) / W)
-and holds W copies plus an fp32 accumulator.
+The reduce-scatter moves each rank's segment r to rank r unchanged (an NCCL all-to-all, no
+arithmetic) and rank r sums the W copies of its segment the same way: the Triton
+reduce-scatters' bits, and those of the ordered all-reduce over that segment.
+
+Other reductions of floating-point tensors (``avg``, ``product``, and every dtype the kernels do
+not take, fp64 and complex included) use the same scheme with the op's own formula:
+:func:`ordered_reduce`. The exact reductions (max, min, bitwise, integer sums) are
+batch-invariant on NCCL itself.
+
+Cost: the all-reduce receives (W - 1) copies of the tensor (NCCL's all-reduce: about
+2 (W - 1) / W) and holds W copies plus an accumulator; the reduce-scatter receives what NCCL's
+does, (W - 1) / W of the tensor.
 """
 
 from __future__ import annotations
@@ -25,15 +36,36 @@ from __future__ import annotations
 import torch
 
 from ..problem import Problem
-from .base import Backend, Needs, RunContext
+from .base import Backend, BackendError, Needs, RunContext
+from .nccl_rs_ag import checked_counts
+
+
+#: The reductions :func:`ordered_reduce` computes (the others are exact in any order).
+ORDERED_OPS = ("sum", "avg", "product")
+
+
+def needs_ordering(op: str, dtype: torch.dtype) -> bool:
+    """Whether NCCL's ``op`` over ``dtype`` can round differently with the call's size or algorithm
+    (floating-point sums, means and products); max, min, bitwise and integer ops are exact."""
+    return op in ORDERED_OPS and (dtype.is_floating_point or dtype.is_complex)
 
 
 def ordered_sum(gathered: torch.Tensor) -> torch.Tensor:
     """fp32 sum over dim 0 of ``gathered`` [W, ...] in the order 0..W-1, from +0.0 (unrounded)."""
-    acc = torch.zeros(gathered.shape[1:], dtype=torch.float32, device=gathered.device)
+    return ordered_reduce(gathered, "sum")
+
+
+def ordered_reduce(gathered: torch.Tensor, op: str) -> torch.Tensor:
+    """``op`` (one of :data:`ORDERED_OPS`) over dim 0 of ``gathered`` [W, ...], unrounded: an
+    accumulator of at least fp32 (fp64 and complex keep their own precision) from +0.0 (product:
+    1.0), the copies applied in the order 0..W-1; ``avg`` divides the sum by W once at the end."""
+    acc_dtype = torch.promote_types(gathered.dtype, torch.float32)
+    start = 1.0 if op == "product" else 0.0
+    acc = torch.full(gathered.shape[1:], start, dtype=acc_dtype, device=gathered.device)
+    combine = acc.mul_ if op == "product" else acc.add_
     for copy in gathered:
-        acc.add_(copy)  # fp32 result: the copy is widened exactly, one rounding per add
-    return acc
+        combine(copy)  # the copy is widened exactly, one rounding per step
+    return acc.div_(gathered.shape[0]) if op == "avg" else acc
 
 
 def pairwise_row_sum(values: torch.Tensor) -> torch.Tensor:
@@ -63,6 +95,35 @@ def _gather(x: torch.Tensor, world_size: int, group) -> torch.Tensor:
     return gathered.view(world_size, *x.shape)
 
 
+def ordered_all_reduce_launcher(group, world_size: int, op: str = "sum"):
+    """``launcher(x) -> x``: ``x`` replaced by :func:`ordered_reduce` of every rank's ``x``."""
+
+    def launcher(x: torch.Tensor) -> torch.Tensor:
+        return x.copy_(ordered_reduce(_gather(x, world_size, group), op))
+
+    return launcher
+
+
+def ordered_reduce_scatter_launcher(group, world_size: int, rank: int, op: str = "sum"):
+    """``launcher(output, input, counts=None) -> output`` (autosymm.backends.nccl_rs_ag's form):
+    every rank's segment ``rank`` of ``input`` by one all-to-all, then :func:`ordered_reduce`."""
+    import torch.distributed as dist
+
+    def launcher(output: torch.Tensor, input: torch.Tensor, counts=None) -> torch.Tensor:
+        counts = checked_counts("reduce_scatter", counts, input.numel(), world_size)
+        mine = input.numel() // world_size if counts is None else counts[rank]
+        if output.numel() != mine:
+            raise BackendError(f"reduce_scatter: output {tuple(output.shape)} must hold rank {rank}'s {mine} "
+                               "elements")
+        received = torch.empty(world_size * mine, dtype=input.dtype, device=input.device)
+        dist.all_to_all_single(received, input.reshape(-1), None if counts is None else [mine] * world_size,
+                               counts, group=group)
+        output.view(-1).copy_(ordered_reduce(received.view(world_size, mine), op))
+        return output
+
+    return launcher
+
+
 class NcclOrderedAllReduce(Backend):
     """All-gather + fp32 in-order sum: serves every bf16/fp16/fp32 sum, no config."""
 
@@ -71,12 +132,20 @@ class NcclOrderedAllReduce(Backend):
     batch_invariant = True
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        group, world_size = ctx.group, problem.world_size
+        return ordered_all_reduce_launcher(ctx.group, problem.world_size)
 
-        def launcher(x: torch.Tensor) -> torch.Tensor:
-            return x.copy_(ordered_sum(_gather(x, world_size, group)))
 
-        return launcher
+class NcclOrderedReduceScatter(Backend):
+    """All-to-all of the segments + fp32 in-order sum: serves every bf16/fp16/fp32 sum, no config."""
+
+    name = "nccl_ordered_reduce_scatter"
+    needs = Needs(ops=("reduce_scatter",))
+    batch_invariant = True
+
+    def prepare(self, problem: Problem, config: None, ctx: RunContext):
+        import torch.distributed as dist
+
+        return ordered_reduce_scatter_launcher(ctx.group, problem.world_size, dist.get_rank(ctx.group))
 
 
 class NcclOrderedFused(Backend):
@@ -99,4 +168,5 @@ class NcclOrderedFused(Backend):
 
 nccl_ordered = NcclOrderedAllReduce()
 nccl_ordered_fused = NcclOrderedFused()
-BACKENDS = (nccl_ordered, nccl_ordered_fused)
+nccl_ordered_reduce_scatter = NcclOrderedReduceScatter()
+BACKENDS = (nccl_ordered, nccl_ordered_fused, nccl_ordered_reduce_scatter)

@@ -30,7 +30,7 @@ def pick_collective(*names: str):
     return next(getattr(dist, name) for name in names if hasattr(dist, name))
 
 
-def _checked_counts(op: str, counts: Optional[Sequence[int]], total: int, world_size: int) -> Optional[list[int]]:
+def checked_counts(op: str, counts: Optional[Sequence[int]], total: int, world_size: int) -> Optional[list[int]]:
     """``counts`` as ints (None for equal segments): BackendError unless world_size of them, >= 0,
     summing to the full tensor's ``total`` elements."""
     if counts is None:
@@ -65,7 +65,7 @@ def reduce_scatter_launcher(group, reduce_op):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def launcher(output: torch.Tensor, input: torch.Tensor, counts: Optional[Sequence[int]] = None) -> torch.Tensor:
-        counts = _checked_counts("reduce_scatter", counts, input.numel(), world_size)
+        counts = checked_counts("reduce_scatter", counts, input.numel(), world_size)
         if counts is None:
             single(output.view(-1), input.reshape(-1), op=reduce_op, group=group)
         else:
@@ -97,7 +97,7 @@ def all_gather_launcher(group):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def launcher(output: torch.Tensor, input: torch.Tensor, counts: Optional[Sequence[int]] = None) -> torch.Tensor:
-        counts = _checked_counts("all_gather", counts, output.numel(), world_size)
+        counts = checked_counts("all_gather", counts, output.numel(), world_size)
         flat = output.view(-1)
         if counts is None:
             single(flat, input.reshape(-1), group=group)

@@ -329,6 +329,7 @@ class TritonReduceScatter(Backend):
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
         self.name = f"triton_reduce_scatter_{algorithm}"
+        self.batch_invariant = True  # the fp32 sum of ranks 0..W-1 in order, rounded once, per element
         self.needs = Needs(ops=("reduce_scatter",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
                            intra_node=True)
 

@@ -17,12 +17,12 @@ from torch import Tensor
 
 from ..backends.rs_ag_layout import AllGatherConfig
 from ..problem import DTYPE_NAMES, Problem
-from .all_reduce import SIZES, BytesKeyed
+from .all_reduce import SIZES
 from .base import CustomOp, Lookups, TuningPoints
-from .reduce_scatter import checked_tensors, shard_counts, shards_text, single_rank_entry
+from .reduce_scatter import Sharded, checked_tensors, shard_counts, shards_text
 
 
-class AllGather(BytesKeyed):
+class AllGather(Sharded):
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         output, input, sizes = args
         return f"{self.name} of {input.dtype} {shards_text(input, sizes)} -> {tuple(output.shape)} in {mode} mode"
@@ -32,7 +32,7 @@ class AllGather(BytesKeyed):
         checked_tensors(self, state, (output, input))
         shard_counts(self, output, input, sizes, state.rank, state.world_size)
         if state.world_size == 1:
-            return single_rank_entry(mode)
+            return self.single_rank_entry(mode)
         dtype = DTYPE_NAMES.get(input.dtype, "bf16")  # bytes are bytes: see the module docstring
         return Problem(self.name, dtype, state.world_size, nbytes=output.numel() * output.element_size())
 

@@ -48,6 +48,9 @@ class BytesKeyed(Collective):
 
 class AllReduce(BytesKeyed):
 
+    def one_rank_reason(self, deterministic: bool) -> str:
+        return "world size 1: nothing to exchange"  # any reduction over one rank is the identity
+
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         x, op = args
         return f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
@@ -64,8 +67,8 @@ class AllReduce(BytesKeyed):
             raise ValueError(f"autosymm.all_reduce: dtype {x.dtype} cannot be reduced: tuned kernels serve "
                              f"{', '.join(map(str, DTYPE_NAMES))} sums, NCCL the other real, integer, bool and "
                              f"complex dtypes (cast an fp8 tensor up, e.g. to torch.bfloat16, and back)")
-        if state.world_size == 1:  # any reduction over one rank is the identity
-            return Entry(Decision("noop", None, "world size 1: nothing to exchange", mode=mode), identity)
+        if state.world_size == 1:
+            return Entry(Decision("noop", None, self.one_rank_reason(state.deterministic), mode=mode), identity)
         dtype = DTYPE_NAMES.get(x.dtype)
         if op == "sum" and dtype is not None:
             return Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size)
@@ -78,13 +81,22 @@ class AllReduce(BytesKeyed):
 
 
 def _nccl_entry(state, x: Tensor, op: str, mode: str):
-    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike."""
+    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
+    Under the deterministic setting a floating-point sum, mean or product takes the ordered
+    fallback's formula (autosymm.backends.nccl_ordered): NCCL's could round differently with
+    the call's size."""
     import torch.distributed as dist
 
+    from ..backends.nccl_ordered import needs_ordering, ordered_all_reduce_launcher
     from ..dispatch import Decision
     from ..group import Entry
 
     reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
+    if state.deterministic and needs_ordering(op, x.dtype):
+        decision = Decision(ALL_REDUCE.invariant_fallback, None, f"{reason} has no tuned kernel; deterministic: "
+                            f"NCCL all-gather + in-order {op}", mode=mode)
+        log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
+        return Entry(decision, ordered_all_reduce_launcher(state.group, state.world_size, op))
     decision = Decision("nccl", None, f"{reason} has no tuned kernel: NCCL", mode=mode)
     reduce_op = getattr(dist.ReduceOp, NCCL_OPS[op])
     group = state.group
@@ -125,5 +137,5 @@ def _all_reduce_fake(tensor: Tensor, op: str, group_name: str) -> Tensor:
 
 ALL_REDUCE = AllReduce("all_reduce", "bytes", fallback="nccl", fallback_order=("nccl",),
                        points=TuningPoints(sizes=SIZES), config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
-                       identity_on_one_rank=True, invariant_fallback="nccl_ordered",
+                       invariant_fallback="nccl_ordered",
                        arg_names=("tensor", "reduce_op"))

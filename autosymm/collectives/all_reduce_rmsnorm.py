@@ -59,6 +59,13 @@ class AllReduceRMSNorm(Collective):
         return [Problem.all_reduce_rmsnorm(t, h, d, request.world_size)
                 for d in request.dtypes for h in hidden for t in tokens]
 
+    def one_rank_reason(self, deterministic: bool) -> str:
+        # deterministic: the ordered fallback, whose norm follows its fixed tree (torch's may not)
+        return "" if deterministic else "world size 1: nothing to exchange; add + rms_norm"
+
+    def problem_hint(self) -> str:
+        return "autosymm.Problem.all_reduce_rmsnorm(n_tokens_local, hidden, dtype, world_size)"
+
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         x = args[0]
         return f"{self.name} of {x.dtype} {tuple(x.shape)} in {mode} mode"
@@ -75,6 +82,9 @@ class AllReduceRMSNorm(Collective):
         n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
         if n_tokens == 0 or hidden == 0:
             return Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), _empty_call)
+        one_rank = self.one_rank_reason(state.deterministic) if state.world_size == 1 else ""
+        if one_rank:
+            return Entry(Decision("noop", None, one_rank, mode=mode), _single_rank_call)
         return Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size)
 
     def custom_ops(self) -> tuple[CustomOp, ...]:
@@ -154,6 +164,13 @@ def _span(t: Tensor) -> tuple[int, int]:
 def _empty_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
     """No rows (on every rank alike): nothing to exchange."""
     return torch.empty_like(x)
+
+
+def _single_rank_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """World size 1: the sum is ``x`` itself (left as it is, as the NCCL path leaves the sum), so
+    ``residual += x`` and the norm, without a collective."""
+    residual.add_(x)
+    return torch.nn.functional.rms_norm(residual, (x.shape[1],), weight, eps)
 
 
 def _all_reduce_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group_name: str) -> Tensor:

@@ -82,7 +82,6 @@ class Collective:
     ``config_type`` (the config class its database rows hold; None for config-less backends);
     ``lookups`` and the growth model (:meth:`moved_ratio`) of the dispatcher; its default tuning
     ``points``; ``tuned_by_default`` (in `autosymm tune`'s default ``--ops``);
-    ``identity_on_one_rank`` (a call over one rank is the identity: backend 'noop');
     ``prepare_in_check`` (the decision and launcher are made inside the agreed check; False when
     preparing may run a collective, as growing the MoE region does); ``invariant_fallback`` (the
     batch-invariant backend that always serves it under the ``deterministic`` setting, where the
@@ -99,7 +98,6 @@ class Collective:
     lookups: Lookups = Lookups()
     shape_param: str = ""
     tuned_by_default: bool = True
-    identity_on_one_rank: bool = False
     prepare_in_check: bool = True
     invariant_fallback: str = ""
     arg_names: tuple[str, ...] = ()
@@ -138,6 +136,15 @@ class Collective:
             return (f"{self.name} {problem.dtype} ws={problem.world_size} {self.shape_key(problem)} "
                     f"tokens/rank={problem.n_tokens_local}")
         return f"{self.name} {problem.dtype} ws={problem.world_size} {format_bytes(problem.nbytes)}"
+
+    def one_rank_reason(self, deterministic: bool) -> str:
+        """Why a call over a one-rank group runs no collective (its decision is backend 'noop'),
+        or '' where a backend serves it; the dispatcher and the entry's checks both ask."""
+        return ""
+
+    def problem_hint(self) -> str:
+        """How a caller builds a Problem of this op (errors that ask for one name it)."""
+        return f"autosymm.Problem({self.name!r}, dtype, world_size, nbytes=...)"
 
     def size_text(self, bucket: int) -> str:
         """A bucket as the dispatcher's reasons say it."""

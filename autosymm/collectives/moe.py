@@ -60,6 +60,9 @@ class MoEConversion(Collective):
         return [Problem.moe(self.name, shape, t, d, request.world_size)
                 for d in request.dtypes for shape in shapes for t in tokens]
 
+    def problem_hint(self) -> str:
+        return f"autosymm.Problem.moe({self.name!r}, shape, n_tokens_local, dtype, world_size)"
+
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         src, _, expt_indx, _ = args
         text = (f"{self.name} of {src.dtype} {tuple(src.shape)} with {key[3]} experts, expt_indx "

@@ -60,17 +60,23 @@ def shards_text(shard: Tensor, sizes: Optional[Sequence[int]]) -> str:
     return f"rows {list(sizes)} of {tuple(shard.shape[1:])}"
 
 
-def single_rank_entry(mode: str):
-    """World size 1: the shard is the whole tensor (one copy, none when they are one tensor)."""
-    from ..dispatch import Decision
-    from ..group import Entry
+class Sharded(BytesKeyed):
+    """The reduce-scatter and the all-gather: a full tensor and its dim-0 shards."""
 
-    def launcher(output: Tensor, input: Tensor, counts=None) -> Tensor:
-        if output.data_ptr() != input.data_ptr():
-            output.view(-1).copy_(input.reshape(-1))
-        return output
+    def one_rank_reason(self, deterministic: bool) -> str:
+        return "world size 1: the shard is the whole tensor"
 
-    return Entry(Decision("noop", None, "world size 1: the shard is the whole tensor", mode=mode), launcher)
+    def single_rank_entry(self, mode: str):
+        """World size 1: one copy of the whole tensor (none when output and input are one tensor)."""
+        from ..dispatch import Decision
+        from ..group import Entry
+
+        def launcher(output: Tensor, input: Tensor, counts=None) -> Tensor:
+            if output.data_ptr() != input.data_ptr():
+                output.view(-1).copy_(input.reshape(-1))
+            return output
+
+        return Entry(Decision("noop", None, self.one_rank_reason(False), mode=mode), launcher)
 
 
 def checked_tensors(record: Collective, state, tensors: Sequence[Tensor]) -> None:
@@ -80,7 +86,7 @@ def checked_tensors(record: Collective, state, tensors: Sequence[Tensor]) -> Non
         check_tensor(t, state, record.name)
 
 
-class ReduceScatter(BytesKeyed):
+class ReduceScatter(Sharded):
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         output, input, op, sizes = args
         return f"{self.name} of {input.dtype} {tuple(input.shape)} -> {shards_text(output, sizes)} op={op} in {mode} mode"
@@ -92,7 +98,7 @@ class ReduceScatter(BytesKeyed):
             raise ValueError(f"autosymm.reduce_scatter_tensor: op={op!r} is not one of {sorted(NCCL_OPS)}")
         shard_counts(self, input, output, sizes, state.rank, state.world_size)
         if state.world_size == 1:
-            return single_rank_entry(mode)
+            return self.single_rank_entry(mode)
         dtype = DTYPE_NAMES.get(input.dtype)
         if op == "sum" and dtype is not None:
             return Problem(self.name, dtype, state.world_size, nbytes=input.numel() * input.element_size())
@@ -107,14 +113,22 @@ class ReduceScatter(BytesKeyed):
 
 
 def _nccl_entry(state, input: Tensor, op: str, mode: str):
-    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike."""
+    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
+    Under the deterministic setting a floating-point sum, mean or product takes the ordered
+    fallback's formula (autosymm.backends.nccl_ordered)."""
     import torch.distributed as dist
 
+    from ..backends.nccl_ordered import needs_ordering, ordered_reduce_scatter_launcher
     from ..backends.nccl_rs_ag import reduce_scatter_launcher
     from ..dispatch import Decision
     from ..group import Entry
 
     reason = f"op {op}" if op != "sum" else f"dtype {input.dtype}"
+    if state.deterministic and needs_ordering(op, input.dtype):
+        decision = Decision(REDUCE_SCATTER.invariant_fallback, None, f"{reason} has no tuned kernel; deterministic: "
+                            f"NCCL all-to-all + in-order {op}", mode=mode)
+        log.info("autosymm: reduce_scatter %s %s -> %s", input.dtype, op, decision.describe())
+        return Entry(decision, ordered_reduce_scatter_launcher(state.group, state.world_size, state.rank, op))
     decision = Decision(REDUCE_SCATTER.fallback, None, f"{reason} has no tuned kernel: NCCL", mode=mode)
     log.info("autosymm: reduce_scatter %s %s -> %s", input.dtype, op, decision.describe())
     return Entry(decision, reduce_scatter_launcher(state.group, getattr(dist.ReduceOp, NCCL_OPS[op])))
@@ -152,4 +166,5 @@ def _backward(ctx, grad: Tensor):
 REDUCE_SCATTER = ReduceScatter("reduce_scatter", "bytes", fallback="nccl_reduce_scatter",
                                fallback_order=("nccl_reduce_scatter",), points=TuningPoints(sizes=SIZES),
                                config_type=ReduceScatterConfig, lookups=Lookups(bf16_same_bytes=True),
-                               tuned_by_default=False, arg_names=("output", "input", "reduce_op", "sizes"))
+                               tuned_by_default=False, invariant_fallback="nccl_ordered_reduce_scatter",
+                               arg_names=("output", "input", "reduce_op", "sizes"))

@@ -51,7 +51,7 @@ def _check(name, residual, out, xs, residual_in, weight):
 
     from _fused_ref import check, reference
 
-    if name == "nccl_fused":  # rounds the sum, then the add: bf16-level, not one ulp
+    if name in ("nccl_fused", "noop"):  # torch's add and norm of the rounded sum: bf16-level, not one ulp
         exact_res, exact_out = reference(xs, residual_in, weight, EPS)
         torch.testing.assert_close(residual.double(), exact_res, rtol=2e-2, atol=3e-2)
         torch.testing.assert_close(out.double(), exact_out, rtol=3e-2, atol=3e-2)

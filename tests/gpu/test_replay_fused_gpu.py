@@ -110,8 +110,8 @@ def _api_body(rank, world_size):
     autosymm.all_reduce_rmsnorm(x.clone(), torch.zeros_like(x), torch.ones(hidden, dtype=dtype, device="cuda"))
     state = api.STATES[None]
     entry = state.cache[(ALL_REDUCE_RMSNORM, dtype, x.shape, False)]
-    if world_size == 1:  # no group workspace: NCCL's composition, never wrapped, never hot
-        assert entry.decision.backend == "nccl_fused" and not isinstance(entry.launcher, replay.FusedReplay)
+    if world_size == 1:  # nothing to exchange: add + rms_norm, never wrapped, never hot
+        assert entry.decision.backend == "noop" and not isinstance(entry.launcher, replay.FusedReplay)
         return
     if not isinstance(entry.launcher, replay.FusedReplay):  # the DB chose NCCL: wire a Triton row as prepare would
         problem = autosymm.Problem.all_reduce_rmsnorm(n_tokens, hidden, "bf16", world_size)
