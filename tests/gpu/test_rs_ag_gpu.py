@@ -24,6 +24,7 @@ def _setup(rank, world_size):
     import torch.distributed as dist
 
     from autosymm.backends.base import Capabilities, RunContext
+    from autosymm.backends.nccl_ordered import nccl_ordered_reduce_scatter
     from autosymm.backends.nccl_rs_ag import BACKENDS as NCCL
     from autosymm.backends.triton_rs_ag import BACKENDS as TRITON
     from autosymm.symm import get_workspace
@@ -33,7 +34,7 @@ def _setup(rank, world_size):
     caps = Capabilities(world_size=world_size, all_reduce_bytes=ws.capacity("all_reduce"),
                         moe_bytes=ws.capacity("moe"), intra_node=True,
                         compute_capability=torch.cuda.get_device_capability(device))
-    return ws, caps, RunContext(group=dist.group.WORLD, workspace=ws), TRITON + NCCL
+    return ws, caps, RunContext(group=dist.group.WORLD, workspace=ws), TRITON + NCCL + (nccl_ordered_reduce_scatter,)
 
 
 def _spread(space, count=3):
