@@ -171,10 +171,29 @@ def _vllm(rank, world_size, cpu_group):
     want = x.clone()
     dist.all_reduce(want)
     assert torch.equal(out, want)
-    assert torch.equal(vllm_plugin.stack_collective(adapter, "custom_all_gather", torch.ones(2)), torch.ones(4))
+    # the sharded slots: vLLM's own where autosymm's decision is NCCL (gloo), autosymm's at dim 0 where it serves
+    rows = torch.arange(6.0).view(3, 2) + 10 * rank
+    calls = []
+    vllm_own = lambda t, dim: calls.append(dim) or t  # noqa: E731
+    assert vllm_plugin.gather_first(adapter, rows, 0, vllm_own) is rows and calls == [0]
+    gathered = torch.empty(world_size * 3, 2)
+    dist.all_gather_into_tensor(gathered, rows)
+    with _ServingDecision():
+        adapter._use.clear()
+        assert torch.equal(vllm_plugin.gather_first(adapter, rows, 0, vllm_own), gathered)
+        assert torch.equal(vllm_plugin.gather_first(adapter, rows[:, 0], -1, vllm_own), gathered[:, 0])  # 1-D
+        shard = vllm_plugin.scatter_first(adapter, gathered, 0, vllm_own)
+        assert vllm_plugin.gather_first(adapter, rows, 1, vllm_own) is rows  # another dim: vLLM's
+        assert vllm_plugin.scatter_first(adapter, rows, 0, vllm_own) is rows  # 3 rows do not split in 2
+        assert torch.equal(adapter.custom_all_gather(rows), gathered)
+    total = gathered.clone()
+    dist.all_reduce(total)
+    assert torch.equal(shard, total.view(world_size, 3, 2)[rank])
+    assert calls == [0, 1, 0]
+    assert torch.equal(adapter.custom_all_gather(torch.ones(2)), torch.ones(4))  # NCCL decision: the stack's own
     alone = vllm_plugin.attach(types.SimpleNamespace(unique_name="tp:0", world_size=world_size, cpu_group=cpu_group,
                                                      device=torch.device("cpu"), device_group=cpu_group, ca_comm=None))
-    assert vllm_plugin.stack_collective(alone, "custom_reduce_scatter", x) is None
+    assert alone.custom_reduce_scatter(x) is None  # neither autosymm nor a stack object: vLLM's NCCL path
     return True
 
 

@@ -27,7 +27,9 @@ What their code calls on the slot:
   (``CudaCommunicator.custom_all_gather`` / ``custom_reduce_scatter``), with
   ``should_custom_all_gather`` / ``should_custom_reduce_scatter``: autosymm's
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` where its decision for the full tensor's
-  bytes is not NCCL; else the wrapped object's; else None.
+  bytes is not NCCL; else the wrapped object's; else None. ``serves_all_gather(x)`` /
+  ``serves_reduce_scatter(x)`` and ``all_gather(x)`` / ``reduce_scatter(x)`` are autosymm's half
+  alone (the vLLM plugin's ``all_gather`` / ``reduce_scatter`` slots).
 * ``fully_connected`` and every other attribute (``mnnvl_*``, ``_IS_CAPTURING``, ...): the wrapped
   object's. Without one, ``fully_connected`` is False.
 * ``close()``: stop serving (``disabled`` becomes True) and close the wrapped object; the
@@ -227,37 +229,54 @@ class AutosymmCustomAllReduce:
             use = self._use[key] = decision.backend != record.fallback
         return use
 
+    def serves_all_gather(self, x: torch.Tensor) -> bool:
+        """True when autosymm's decision for the dim-0 all-gather of every rank's ``x`` is not NCCL."""
+        return self._serves_sharded(ALL_GATHER, x, self.world_size * x.numel() * x.element_size())
+
+    def serves_reduce_scatter(self, x: torch.Tensor) -> bool:
+        """True when ``x``'s dim 0 splits into world_size shards and autosymm's decision for their
+        reduce-scatter is not NCCL."""
+        return (x.dim() > 0 and x.shape[0] % self.world_size == 0
+                and self._serves_sharded(REDUCE_SCATTER, x, x.numel() * x.element_size()))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` along dim 0 in rank order, a new [world_size * n, ...] tensor, through
+        autosymm.all_gather_into_tensor (whatever it decides)."""
+        out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
+        autosymm.all_gather_into_tensor(out, x, group=self.group)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's dim-0 shard of the sum of ``x`` over the group, a new [n / world_size, ...]
+        tensor, through autosymm.reduce_scatter_tensor (whatever it decides)."""
+        out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
+        autosymm.reduce_scatter_tensor(out, x, group=self.group)
+        return out
+
     def should_custom_all_gather(self, x: torch.Tensor) -> bool:
-        if self._serves_sharded(ALL_GATHER, x, self.world_size * x.numel() * x.element_size()):
+        if self.serves_all_gather(x):
             return True
         inner = getattr(self.fallback, "should_custom_all_gather", None)
         return inner is not None and not self.disabled and bool(inner(x))
 
     def custom_all_gather(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Every rank's ``x`` along dim 0 in rank order, a new [world_size * n, ...] tensor; None
-        for the caller's own path (disabled, or neither autosymm nor the wrapped object serves it)."""
-        if self._serves_sharded(ALL_GATHER, x, self.world_size * x.numel() * x.element_size()):
-            out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
-            autosymm.all_gather_into_tensor(out, x, group=self.group)
-            return out
+        """:meth:`all_gather` where autosymm serves ``x``, else the wrapped object's, else None for
+        the caller's own path (disabled, or neither serves it)."""
+        if self.serves_all_gather(x):
+            return self.all_gather(x)
         inner = getattr(self.fallback, "custom_all_gather", None)
         return inner(x) if inner is not None and not self.disabled else None
 
     def should_custom_reduce_scatter(self, x: torch.Tensor) -> bool:
-        if x.dim() > 0 and x.shape[0] % self.world_size == 0 and \
-                self._serves_sharded(REDUCE_SCATTER, x, x.numel() * x.element_size()):
+        if self.serves_reduce_scatter(x):
             return True
         inner = getattr(self.fallback, "should_custom_reduce_scatter", None)
         return inner is not None and not self.disabled and bool(inner(x))
 
     def custom_reduce_scatter(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """This rank's dim-0 shard of the sum of ``x`` over the group, a new [n / world_size, ...]
-        tensor; None for the caller's own path (as :meth:`custom_all_gather`)."""
-        if x.dim() > 0 and x.shape[0] % self.world_size == 0 and \
-                self._serves_sharded(REDUCE_SCATTER, x, x.numel() * x.element_size()):
-            out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
-            autosymm.reduce_scatter_tensor(out, x, group=self.group)
-            return out
+        """:meth:`reduce_scatter` where autosymm serves ``x``, else as :meth:`custom_all_gather`."""
+        if self.serves_reduce_scatter(x):
+            return self.reduce_scatter(x)
         inner = getattr(self.fallback, "custom_reduce_scatter", None)
         return inner(x) if inner is not None and not self.disabled else None
 

@@ -11,8 +11,12 @@ more than one rank (the groups vLLM gives its custom all-reduce):
   graph capture enters its ``capture()``, which enters the wrapped one's);
 * ``all_reduce(x)``: autosymm's sum where autosymm's decision is not NCCL, else vLLM's own chain
   unchanged (NCCL symmetric memory, FlashInfer, custom all-reduce, symm_mem, pynccl);
-* ``custom_all_gather`` / ``custom_reduce_scatter``: vLLM's own custom all-reduce's (None where
-  vLLM built none), until autosymm has those collectives.
+* ``all_gather(x, dim)`` / ``reduce_scatter(x, dim)`` (what ``GroupCoordinator.all_gather`` /
+  ``reduce_scatter`` and their ``torch.ops.vllm`` ops reach: sequence parallelism's gather before
+  the GEMM and scatter after it): at dim 0, autosymm's where its decision is not NCCL, else vLLM's
+  own (NCCL symmetric memory, pynccl) unchanged; other dims always vLLM's;
+* ``custom_all_gather`` / ``custom_reduce_scatter``: vLLM's, which ask ``ca_comm`` (the adapter:
+  autosymm's where it serves, else vLLM's custom all-reduce's, else None).
 
 vLLM's allow-list selects plugins: ``VLLM_PLUGINS=autosymm`` (or a list without it to leave
 autosymm out). Nothing here imports vLLM until vLLM asks for a class.
@@ -60,11 +64,24 @@ def serve_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor,
     return chain(x)
 
 
-def stack_collective(adapter: Optional[AutosymmCustomAllReduce], name: str, x: torch.Tensor):
-    """vLLM's own custom all-reduce's ``name`` (custom_all_gather / custom_reduce_scatter) of
-    ``x``, or None (vLLM's NCCL path) where vLLM built none."""
-    inner = adapter.fallback if adapter is not None else None
-    return getattr(inner, name)(x.contiguous()) if inner is not None else None
+def gather_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor, dim: int,
+                 chain: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """autosymm's all-gather of ``x`` along dim 0 where it serves, else ``chain(x, dim)`` (vLLM's)."""
+    if adapter is not None and dim in (0, -x.dim()):
+        contiguous = x.contiguous()
+        if adapter.serves_all_gather(contiguous):
+            return adapter.all_gather(contiguous)
+    return chain(x, dim)
+
+
+def scatter_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor, dim: int,
+                  chain: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """autosymm's reduce-scatter of ``x`` along dim 0 where it serves, else ``chain(x, dim)``."""
+    if adapter is not None and dim in (0, -x.dim()):
+        contiguous = x.contiguous()
+        if adapter.serves_reduce_scatter(contiguous):
+            return adapter.reduce_scatter(contiguous)
+    return chain(x, dim)
 
 
 @functools.cache
@@ -81,13 +98,11 @@ def _communicator_class():
         def all_reduce(self, input_):
             return serve_first(self.autosymm, input_, super().all_reduce)
 
-        def custom_all_gather(self, input_):
-            return stack_collective(self.autosymm, "custom_all_gather", input_) if self.autosymm else \
-                super().custom_all_gather(input_)
+        def all_gather(self, input_, dim=-1):
+            return gather_first(self.autosymm, input_, dim, super().all_gather)
 
-        def custom_reduce_scatter(self, input_):
-            return stack_collective(self.autosymm, "custom_reduce_scatter", input_) if self.autosymm else \
-                super().custom_reduce_scatter(input_)
+        def reduce_scatter(self, input_, dim=-1):
+            return scatter_first(self.autosymm, input_, dim, super().reduce_scatter)
 
     AutosymmCudaCommunicator.__module__ = __name__
     return AutosymmCudaCommunicator
