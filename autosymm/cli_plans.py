@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import click
 
-from . import collectives
+from . import collectives, settings
 from .collectives import PointRequest
 from .collectives.moe import TOKENS
 from .problem import MODES, Problem, format_bytes, parse_bytes, parse_size_range
@@ -159,7 +159,7 @@ def explain_lines(problem: Problem, modes, target: Target, sources) -> list[str]
 
     caps, lines = offline_caps(target), []
     for mode in modes:
-        decision = decide(problem, mode, caps, sources, target.hardware)
+        decision = decide(problem, mode, caps, sources, target.hardware, settings.deterministic())
         raises = cannot_serve(decision, problem, caps, mode)
         verdict = decision.describe()
         if raises:
@@ -175,7 +175,7 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
     from .dispatch import decide
 
     hardware, gpu, world_size, dtype = target
-    caps = offline_caps(target)
+    caps, deterministic = offline_caps(target), settings.deterministic()
     for this_op in ops:
         record = collectives.get(this_op)
         problems = _plan_problems(record, target, sources, moe_shape, hidden)
@@ -185,7 +185,7 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
         for label, problem in problems:
             row = [label]
             for m in modes:
-                row += _plan_cells(decide(problem, m, caps, sources, hardware), problem, caps, m)
+                row += _plan_cells(decide(problem, m, caps, sources, hardware, deterministic), problem, caps, m)
             body.append(row)
         columns = ["size" if record.bucket_unit == "bytes" else "shape/tokens"]
         for m in modes:

@@ -64,6 +64,21 @@ def test_explain_uses_the_tuned_rows_and_their_neighbours(runner, db_file):
     assert "4KiB" in result.output and "256MiB" in result.output  # every default size, from its tuned neighbours
 
 
+def test_explain_and_plans_follow_the_deterministic_setting(runner, db_file, monkeypatch):
+    """AUTOSYMM_DETERMINISTIC=1: what the runtime would run (the tuned Triton reduce-scatter is
+    batch-invariant; without a row the ordered fallback, not NCCL's), in explain and in plans."""
+    monkeypatch.setenv("AUTOSYMM_DETERMINISTIC", "1")
+    base = ["explain", *ARGS, "--mode", "eager", "--op", "reduce_scatter"]
+    result = runner.invoke(main, base + ["--bytes", "64KiB"])
+    assert result.exit_code == 0, result.output
+    assert "nccl_ordered_reduce_scatter - no tuned row" in result.output and "batch-invariant backends only" in \
+        result.output
+    result = runner.invoke(main, base + ["--bytes", "1MiB", "--db", str(db_file)])
+    assert "triton_reduce_scatter_pull [algorithm=pull" in result.output, result.output
+    result = runner.invoke(main, ["explain", *ARGS, "--mode", "eager", "--all"])
+    assert result.exit_code == 0 and "nccl_ordered" in result.output and " nccl " not in result.output, result.output
+
+
 def test_tune_accepts_both_ops_which_are_not_tuned_by_default(runner):
     options = _tune_options({"ops": "reduce_scatter,all_gather", "sizes": "1MiB,3000000", "dtypes": "bf16",
                              "modes": "eager,graph", "shapes": "deepseek-v3", "tokens": "1", "strategy": "auto",
