@@ -37,8 +37,19 @@ from .routing import (  # noqa: E402
 from .problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 from .moe_room import MoEPlan  # noqa: E402
 
+
+def vllm_fusion_pass(graph) -> None:
+    """vLLM's post-grad custom pass hook: ``--compilation-config '{"inductor_passes":
+    {"post_grad_custom_post_pass": "autosymm.vllm_fusion_pass"}}'`` fuses vLLM's all-reduce ->
+    fused add + RMSNorm (autosymm.integrations.vllm_fusion). vLLM resolves the name as an
+    attribute of the top-level package and keys its compile cache by this function's source:
+    clear the cache after upgrading autosymm."""
+    from .integrations.vllm_fusion import PASS
+
+    PASS(graph)
+
 __all__ = [
     "Decision", "ExptAssignment", "MODEL_SHAPES", "MoEPlan", "MoEShape", "Problem", "__version__",
     "all_gather_into_tensor", "all_gatherv", "all_reduce", "all_reduce_rmsnorm", "reduce_scatter_tensor", "reduce_scatterv", "barrier_errors", "convert_dp_to_ep", "convert_ep_to_dp", "empty", "explain", "init", "make_expt_assignment",
-    "make_expt_dict_random", "make_expt_dict_uniform", "reset", "reset_barriers", "route", "stats",
+    "make_expt_dict_random", "make_expt_dict_uniform", "reset", "reset_barriers", "route", "stats", "vllm_fusion_pass",
 ]

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import vllm_fusion  # noqa: F401  (registers torch.ops.autosymm.vllm_all_reduce_rmsnorm in every vLLM process)
 from .custom_all_reduce import AutosymmCustomAllReduce
 
 PLATFORM_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaPlatform"
@@ -67,20 +68,25 @@ def serve_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor,
 def gather_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor, dim: int,
                  chain: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """autosymm's all-gather of ``x`` along dim 0 where it serves, else ``chain(x, dim)`` (vLLM's)."""
-    if adapter is not None and dim in (0, -x.dim()):
-        contiguous = x.contiguous()
-        if adapter.serves_all_gather(contiguous):
-            return adapter.all_gather(contiguous)
-    return chain(x, dim)
+    if adapter is None:
+        return chain(x, dim)
+    return _dim0_first(adapter.serves_all_gather, adapter.all_gather, x, dim, chain)
 
 
 def scatter_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor, dim: int,
                   chain: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """autosymm's reduce-scatter of ``x`` along dim 0 where it serves, else ``chain(x, dim)``."""
-    if adapter is not None and dim in (0, -x.dim()):
+    if adapter is None:
+        return chain(x, dim)
+    return _dim0_first(adapter.serves_reduce_scatter, adapter.reduce_scatter, x, dim, chain)
+
+
+def _dim0_first(serves, run, x: torch.Tensor, dim: int, chain) -> torch.Tensor:
+    """``run(x)`` (contiguous) where ``dim`` is x's first and ``serves`` says so, else ``chain(x, dim)``."""
+    if dim in (0, -x.dim()):
         contiguous = x.contiguous()
-        if adapter.serves_reduce_scatter(contiguous):
-            return adapter.reduce_scatter(contiguous)
+        if serves(contiguous):
+            return run(contiguous)
     return chain(x, dim)
 
 

@@ -1,0 +1,138 @@
+"""autosymm.integrations.vllm_fusion on 2 gloo ranks, with stand-ins of vLLM 0.33.0's ops (vLLM
+does not import on the CPU): ``vllm::all_reduce(Tensor tensor, str group_name) -> Tensor`` and
+``vllm_ir::fused_add_rms_norm(Tensor x, Tensor x_residual, Tensor? weight, float epsilon, SymInt?
+variance_size=None) -> (Tensor, Tensor)`` with the native formula of
+``vllm/ir/ops/layernorm.py``. torch.compile (inductor) with the pass puts
+``autosymm.vllm_all_reduce_rmsnorm`` into the compiled code with the unfused outputs; at run time
+the group's adapter decides: vLLM's two calls where autosymm's decision is NCCL (gloo),
+autosymm's fused op where it is not; what the pass must leave alone stays."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from _gloo import run_gloo
+
+FUSED = "torch.ops.autosymm.vllm_all_reduce_rmsnorm.default("  # a call in inductor's generated code
+HIDDEN, EPS = 32, 1e-6
+_LIB = []  # the stand-in library, kept alive in the process that defined it
+
+
+def _define_vllm_stand_ins(calls: list) -> None:
+    """vLLM's two ops, as vLLM 0.33.0 declares them; ``calls`` records which ran."""
+    import torch.distributed as dist
+
+    if _LIB:
+        return
+    vllm, ir = torch.library.Library("vllm", "FRAGMENT"), torch.library.Library("vllm_ir", "FRAGMENT")
+    _LIB.extend((vllm, ir))
+    vllm.define("all_reduce(Tensor tensor, str group_name) -> Tensor")
+    ir.define("fused_add_rms_norm(Tensor x, Tensor x_residual, Tensor? weight, float epsilon, "
+              "SymInt? variance_size=None) -> (Tensor, Tensor)")
+
+    def all_reduce(tensor, group_name):
+        calls.append("vllm.all_reduce")
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out
+
+    def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
+        calls.append("vllm_ir.fused_add_rms_norm")
+        s = x.float() + x_residual.float()
+        part = s if variance_size is None else s[..., :variance_size]
+        normed = s * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + epsilon)
+        if weight is not None:
+            normed = normed.to(weight.dtype) * weight
+        return normed.to(x.dtype), s.to(x.dtype)
+
+    vllm.impl("all_reduce", all_reduce, "CompositeExplicitAutograd")
+    ir.impl("fused_add_rms_norm", fused_add_rms_norm, "CompositeExplicitAutograd")
+    torch.library.register_fake("vllm::all_reduce", lambda tensor, group_name: torch.empty_like(tensor), lib=vllm)
+    torch.library.register_fake("vllm_ir::fused_add_rms_norm",
+                                lambda x, r, w, e, v=None: (torch.empty_like(x), torch.empty_like(x)), lib=ir)
+
+
+def _layer(variance_size=None, reuse_sum=False):
+    """A TP layer's tail as vLLM's graphs hold it: projection, vllm.all_reduce, the RMSNorm op."""
+
+    def step(x, proj, residual, weight):
+        summed = torch.ops.vllm.all_reduce(x @ proj, "tp:0")
+        out, new_residual = torch.ops.vllm_ir.fused_add_rms_norm(summed, residual, weight, EPS, variance_size)
+        return (out, new_residual, summed * 2) if reuse_sum else (out, new_residual)
+
+    return step
+
+
+def _compiled(step, fusion, *args):
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fn = torch.compile(step, dynamic=False, options={"post_grad_custom_post_pass": fusion})
+    out, code = run_and_get_code(fn, *args)
+    return out, "\n".join(code)
+
+
+def _body(rank, world_size):
+    import torch.distributed as dist
+
+    from autosymm.dispatch import Decision
+    from autosymm.integrations import custom_all_reduce, vllm_fusion, vllm_plugin
+
+    calls = []
+    _define_vllm_stand_ins(calls)
+    cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
+    comm = types.SimpleNamespace(unique_name="tp:0", world_size=world_size, cpu_group=cpu_group,
+                                 device=torch.device("cpu"), device_group=None, ca_comm=None)
+    adapter = vllm_plugin.attach(comm)
+    coordinator = types.SimpleNamespace(device_communicator=types.SimpleNamespace(autosymm=adapter),
+                                        all_reduce=lambda t: torch.ops.vllm.all_reduce(t, "tp:0"))
+    vllm_fusion.group_coordinator = lambda name: coordinator if name == "tp:0" else None
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 16, generator=gen) + rank  # each rank its own activations
+    proj, residual, weight = (torch.randn(16, HIDDEN, generator=gen), torch.randn(5, HIDDEN, generator=gen),
+                              torch.randn(HIDDEN, generator=gen))
+    args = (x, proj, residual, weight)
+    with torch.no_grad():
+        want = _layer()(*args)
+        fusion = vllm_fusion.VllmAllReduceRMSNormPass()
+        calls.clear()
+        got, code = _compiled(_layer(), fusion, *args)
+        assert code.count(FUSED) == 1 and fusion.rewrites == 1, code
+        assert calls == ["vllm.all_reduce", "vllm_ir.fused_add_rms_norm"]  # gloo: NCCL decision, vLLM's own calls
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+        real_explain = custom_all_reduce.autosymm.explain  # a tuned node: autosymm's decision is not NCCL
+        custom_all_reduce.autosymm.explain = lambda *a, **k: Decision("triton_fused_one_shot", None, "stub")
+        try:
+            adapter._use.clear()
+            calls.clear()
+            got, _ = _compiled(_layer(), vllm_fusion.VllmAllReduceRMSNormPass(), *args)
+            assert calls == [], calls  # autosymm's fused op served: neither vLLM op ran
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        finally:
+            custom_all_reduce.autosymm.explain = real_explain
+
+        for variant in (_layer(variance_size=8), _layer(reuse_sum=True)):  # not the simple case: left alone
+            fusion = vllm_fusion.VllmAllReduceRMSNormPass()
+            got, code = _compiled(variant, fusion, *args)
+            assert FUSED not in code and fusion.rewrites == 0
+            for g, w in zip(got, variant(*args)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    return True
+
+
+def test_the_pass_fuses_vllms_all_reduce_and_norm_on_two_gloo_ranks():
+    assert run_gloo(_body, 2, deadline_s=300) == {0: True, 1: True}
+
+
+def test_the_hook_vllm_resolves_is_a_top_level_attribute():
+    """vLLM 0.33.0 resolves ``inductor_passes`` names by ``__import__(module).__dict__[name]``:
+    the top-level package's own namespace."""
+    import autosymm
+
+    assert "vllm_fusion_pass" in __import__("autosymm").__dict__ and callable(autosymm.vllm_fusion_pass)
