@@ -13,75 +13,17 @@ import types
 
 import torch
 from _gloo import run_gloo
+from _vllm_stand_ins import CALLS, compiled, define_vllm_stand_ins, layer
 
 FUSED = "torch.ops.autosymm.vllm_all_reduce_rmsnorm.default("  # a call in inductor's generated code
-HIDDEN, EPS = 32, 1e-6
-_LIB = []  # the stand-in library, kept alive in the process that defined it
-
-
-def _define_vllm_stand_ins(calls: list) -> None:
-    """vLLM's two ops, as vLLM 0.33.0 declares them; ``calls`` records which ran."""
-    import torch.distributed as dist
-
-    if _LIB:
-        return
-    vllm, ir = torch.library.Library("vllm", "FRAGMENT"), torch.library.Library("vllm_ir", "FRAGMENT")
-    _LIB.extend((vllm, ir))
-    vllm.define("all_reduce(Tensor tensor, str group_name) -> Tensor")
-    ir.define("fused_add_rms_norm(Tensor x, Tensor x_residual, Tensor? weight, float epsilon, "
-              "SymInt? variance_size=None) -> (Tensor, Tensor)")
-
-    def all_reduce(tensor, group_name):
-        calls.append("vllm.all_reduce")
-        out = tensor.clone()
-        dist.all_reduce(out)
-        return out
-
-    def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
-        calls.append("vllm_ir.fused_add_rms_norm")
-        s = x.float() + x_residual.float()
-        part = s if variance_size is None else s[..., :variance_size]
-        normed = s * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + epsilon)
-        if weight is not None:
-            normed = normed.to(weight.dtype) * weight
-        return normed.to(x.dtype), s.to(x.dtype)
-
-    vllm.impl("all_reduce", all_reduce, "CompositeExplicitAutograd")
-    ir.impl("fused_add_rms_norm", fused_add_rms_norm, "CompositeExplicitAutograd")
-    torch.library.register_fake("vllm::all_reduce", lambda tensor, group_name: torch.empty_like(tensor), lib=vllm)
-    torch.library.register_fake("vllm_ir::fused_add_rms_norm",
-                                lambda x, r, w, e, v=None: (torch.empty_like(x), torch.empty_like(x)), lib=ir)
-
-
-def _layer(variance_size=None, reuse_sum=False):
-    """A TP layer's tail as vLLM's graphs hold it: projection, vllm.all_reduce, the RMSNorm op."""
-
-    def step(x, proj, residual, weight):
-        summed = torch.ops.vllm.all_reduce(x @ proj, "tp:0")
-        out, new_residual = torch.ops.vllm_ir.fused_add_rms_norm(summed, residual, weight, EPS, variance_size)
-        return (out, new_residual, summed * 2) if reuse_sum else (out, new_residual)
-
-    return step
-
-
-def _compiled(step, fusion, *args):
-    import torch._dynamo
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    fn = torch.compile(step, dynamic=False, options={"post_grad_custom_post_pass": fusion})
-    out, code = run_and_get_code(fn, *args)
-    return out, "\n".join(code)
-
-
+HIDDEN = 32
 def _body(rank, world_size):
     import torch.distributed as dist
 
     from autosymm.dispatch import Decision
     from autosymm.integrations import custom_all_reduce, vllm_fusion, vllm_plugin
 
-    calls = []
-    _define_vllm_stand_ins(calls)
+    define_vllm_stand_ins()
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
     comm = types.SimpleNamespace(unique_name="tp:0", world_size=world_size, cpu_group=cpu_group,
                                  device=torch.device("cpu"), device_group=None, ca_comm=None)
@@ -96,12 +38,12 @@ def _body(rank, world_size):
                               torch.randn(HIDDEN, generator=gen))
     args = (x, proj, residual, weight)
     with torch.no_grad():
-        want = _layer()(*args)
+        want = layer()(*args)
         fusion = vllm_fusion.VllmAllReduceRMSNormPass()
-        calls.clear()
-        got, code = _compiled(_layer(), fusion, *args)
+        CALLS.clear()
+        got, code = compiled(layer(), fusion, *args)
         assert code.count(FUSED) == 1 and fusion.rewrites == 1, code
-        assert calls == ["vllm.all_reduce", "vllm_ir.fused_add_rms_norm"]  # gloo: NCCL decision, vLLM's own calls
+        assert CALLS == ["vllm.all_reduce", "vllm_ir.fused_add_rms_norm"]  # gloo: NCCL decision, vLLM's own calls
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
@@ -109,17 +51,17 @@ def _body(rank, world_size):
         custom_all_reduce.autosymm.explain = lambda *a, **k: Decision("triton_fused_one_shot", None, "stub")
         try:
             adapter._use.clear()
-            calls.clear()
-            got, _ = _compiled(_layer(), vllm_fusion.VllmAllReduceRMSNormPass(), *args)
-            assert calls == [], calls  # autosymm's fused op served: neither vLLM op ran
+            CALLS.clear()
+            got, _ = compiled(layer(), vllm_fusion.VllmAllReduceRMSNormPass(), *args)
+            assert CALLS == [], CALLS  # autosymm's fused op served: neither vLLM op ran
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         finally:
             custom_all_reduce.autosymm.explain = real_explain
 
-        for variant in (_layer(variance_size=8), _layer(reuse_sum=True)):  # not the simple case: left alone
+        for variant in (layer(variance_size=8), layer(reuse_sum=True)):  # not the simple case: left alone
             fusion = vllm_fusion.VllmAllReduceRMSNormPass()
-            got, code = _compiled(variant, fusion, *args)
+            got, code = compiled(variant, fusion, *args)
             assert FUSED not in code and fusion.rewrites == 0
             for g, w in zip(got, variant(*args)):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
