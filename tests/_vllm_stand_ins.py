@@ -77,3 +77,22 @@ def compiled(step, fusion, *args):
     fn = torch.compile(step, dynamic=False, options=compile_options(fusion))
     out, code = run_and_get_code(fn, *args)
     return out, "\n".join(code)
+
+
+#: The fused call in inductor's generated code.
+FUSED = "torch.ops.autosymm.vllm_all_reduce_rmsnorm.default("
+
+
+def check_fused_step(args, rtol: float, atol: float) -> list[str]:
+    """Compile :func:`layer` with a fresh VllmAllReduceRMSNormPass: one rewrite, the fused call in
+    the generated code, the eager step's outputs; returns the stand-ins that ran inside it."""
+    from autosymm.integrations.vllm_fusion import VllmAllReduceRMSNormPass
+
+    want = layer()(*args)
+    fusion = VllmAllReduceRMSNormPass()
+    CALLS.clear()
+    got, code = compiled(layer(), fusion, *args)
+    assert code.count(FUSED) == 1 and fusion.rewrites == 1, code
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+    return list(CALLS)

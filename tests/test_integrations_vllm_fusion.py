@@ -13,9 +13,8 @@ import types
 
 import torch
 from _gloo import run_gloo
-from _vllm_stand_ins import CALLS, compiled, define_vllm_stand_ins, layer
+from _vllm_stand_ins import FUSED, check_fused_step, compiled, define_vllm_stand_ins, layer
 
-FUSED = "torch.ops.autosymm.vllm_all_reduce_rmsnorm.default("  # a call in inductor's generated code
 HIDDEN = 32
 def _body(rank, world_size):
     import torch.distributed as dist
@@ -38,24 +37,13 @@ def _body(rank, world_size):
                               torch.randn(HIDDEN, generator=gen))
     args = (x, proj, residual, weight)
     with torch.no_grad():
-        want = layer()(*args)
-        fusion = vllm_fusion.VllmAllReduceRMSNormPass()
-        CALLS.clear()
-        got, code = compiled(layer(), fusion, *args)
-        assert code.count(FUSED) == 1 and fusion.rewrites == 1, code
-        assert CALLS == ["vllm.all_reduce", "vllm_ir.fused_add_rms_norm"]  # gloo: NCCL decision, vLLM's own calls
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-
+        ran = check_fused_step(args, rtol=1e-5, atol=1e-5)
+        assert ran == ["vllm.all_reduce", "vllm_ir.fused_add_rms_norm"]  # gloo: NCCL decision, vLLM's own calls
         real_explain = custom_all_reduce.autosymm.explain  # a tuned node: autosymm's decision is not NCCL
         custom_all_reduce.autosymm.explain = lambda *a, **k: Decision("triton_fused_one_shot", None, "stub")
         try:
             adapter._use.clear()
-            CALLS.clear()
-            got, _ = compiled(layer(), vllm_fusion.VllmAllReduceRMSNormPass(), *args)
-            assert CALLS == [], CALLS  # autosymm's fused op served: neither vLLM op ran
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            assert check_fused_step(args, rtol=1e-5, atol=1e-5) == []  # autosymm's fused op: no vLLM op ran
         finally:
             custom_all_reduce.autosymm.explain = real_explain
 
