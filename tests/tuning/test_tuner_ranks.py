@@ -143,16 +143,29 @@ class GatherMoE(Backend):
         return launcher
 
 
-def run_gloo_sweep(rank, world_size):
-    """TuneSession.sweep end to end on gloo CPU tensors with stand-in backends (eager mode only)."""
+def quick_sweep(rank: int, backends: dict, problems: list):
+    """(items, the rank-0 TuningDB or None): TuneSession.sweep of ``problems`` over ``backends`` on
+    the gloo world, eager only, with a short timing plan."""
     import torch.distributed as dist
 
-    from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
-    from autosymm.configs import moe_space
     from autosymm.db import TuningDB
-    from autosymm.problem import MoEShape
     from autosymm.tuning.session import TuneSession, TuneSettings
     from autosymm.tuning.sweep import TimingPlan
+
+    db = TuningDB(":memory:") if rank == 0 else None
+    control = dist.new_group(backend="gloo")
+    settings = TuneSettings(strategy="grid", modes=("eager",), timeout_s=30.0,
+                            plan_for=lambda problem, mode: TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1,
+                                                                      calls_per_graph=2))
+    session = TuneSession(settings, backends, group=dist.group.WORLD, db=db, hardware="test-hw", control_group=control)
+    return session.sweep(problems), db
+
+
+def run_gloo_sweep(rank, world_size):
+    """TuneSession.sweep end to end on gloo CPU tensors with stand-in backends (eager mode only)."""
+    from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
+    from autosymm.configs import moe_space
+    from autosymm.problem import MoEShape
 
     ar_space = all_reduce_space("one_shot", 8192, world_size, 2)[:3]
     shape = MoEShape(64, 8, 2)
@@ -164,13 +177,7 @@ def run_gloo_sweep(rank, world_size):
     problems = [Problem.all_reduce(16384, world_size=world_size),
                 Problem.moe("dp_to_ep", shape, 4, world_size=world_size),
                 Problem.moe("ep_to_dp", shape, 8, world_size=world_size)]
-    db = TuningDB(":memory:") if rank == 0 else None
-    control = dist.new_group(backend="gloo")
-    settings = TuneSettings(strategy="grid", modes=("eager",), timeout_s=30.0,
-                            plan_for=lambda problem, mode: TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1,
-                                                                      calls_per_graph=2))
-    session = TuneSession(settings, backends, group=dist.group.WORLD, db=db, hardware="test-hw", control_group=control)
-    items = session.sweep(problems)
+    items, db = quick_sweep(rank, backends, problems)
     rows = [(r.op, r.backend, r.config, r.nccl_us is not None) for r in db.rows()] if db is not None else None
     return {"items": [(i.problem.describe(), i.mode, i.status, i.summary()["backend"] if i.summary() else None,
                        [(r.candidate.describe(), r.error) for r in i.outcome.results]) for i in items],

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 from _gloo import run_with_deadline
-from test_tuner_ranks import RankEvaluate, summary
+from test_tuner_ranks import RankEvaluate, quick_sweep, summary
 
 from autosymm.backends.base import Backend, Needs
 from autosymm.backends.triton_rs_ag import all_gather_space, reduce_scatter_space
@@ -68,12 +68,7 @@ class Standin(Backend):
 
 
 def _sweep(rank: int, world_size: int, spaces: dict) -> dict:
-    import torch.distributed as dist
-
     from autosymm.backends import get_backend
-    from autosymm.db import TuningDB
-    from autosymm.tuning.session import TuneSession, TuneSettings
-    from autosymm.tuning.sweep import TimingPlan
 
     backends = {}
     for op, space in spaces.items():
@@ -84,13 +79,7 @@ def _sweep(rank: int, world_size: int, spaces: dict) -> dict:
                 backends[name] = Standin(name, op, configs[:3], wrong=configs[:1], broken=configs[1:2])
     # 12 KiB: 6144 bf16 elements, equal shards for 2 and 3 ranks; 6146 B (3073 elements): per-rank counts
     problems = [Problem(op, "bf16", world_size, nbytes=n) for op in spaces for n in (12288, 6146)]
-    db = TuningDB(":memory:") if rank == 0 else None
-    control = dist.new_group(backend="gloo")
-    settings = TuneSettings(strategy="grid", modes=("eager",), timeout_s=30.0,
-                            plan_for=lambda problem, mode: TimingPlan(2, warmup=1, repeats=3, calls_per_sample=1,
-                                                                      calls_per_graph=2))
-    session = TuneSession(settings, backends, group=dist.group.WORLD, db=db, hardware="test-hw", control_group=control)
-    items = session.sweep(problems)
+    items, db = quick_sweep(rank, backends, problems)
     rows = [(r.op, r.backend, r.config, r.nccl_us is not None, r.bucket) for r in db.rows()] if db else None
     bad = [config_to_json(c) for space in spaces.values() for name, configs in space.items()
            if configs != [None] for c in configs[:2]]
