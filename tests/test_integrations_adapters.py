@@ -12,6 +12,7 @@ import tempfile
 import traceback
 
 import torch
+from _adapter_decisions import adapter_decisions
 from _gloo import run_with_deadline
 
 WORLD_SIZE = 2
@@ -43,7 +44,6 @@ def _custom_all_reduce(rank, world_size):
     import autosymm
     from autosymm.dispatch import Decision
     from autosymm.integrations import AutosymmCustomAllReduce
-    from autosymm.integrations import custom_all_reduce as module
 
     car = AutosymmCustomAllReduce(device="cpu")
     x = torch.full((1000,), float(rank + 1), dtype=torch.bfloat16)
@@ -65,8 +65,7 @@ def _custom_all_reduce(rank, world_size):
         asked.append((t.dtype, t.numel(), mode))
         return Decision("triton_one_shot", None, "stub", mode=mode)
 
-    real_explain, module.autosymm.explain = module.autosymm.explain, fake_explain
-    try:
+    with adapter_decisions(fake_explain):
         car._use.clear()
         for _ in range(3):
             out = car.custom_all_reduce(x)
@@ -74,8 +73,6 @@ def _custom_all_reduce(rank, world_size):
         with car.capture():
             assert car.should_custom_ar(x)
         assert asked == [(torch.bfloat16, 1000, "eager"), (torch.bfloat16, 1000, "graph")]
-    finally:
-        module.autosymm.explain = real_explain
     car.close()
     assert car.disabled and car.custom_all_reduce(x) is None
     return autosymm.stats()
@@ -246,9 +243,7 @@ def _wrapped_stack_object(rank):
 def _fused_convention(rank, world_size):
     """SGLang's fused call: (norm_out, residual + sum) as new tensors, residual unchanged; None
     where autosymm's decision is its NCCL fallback (gloo) and nothing wrapped serves."""
-    from autosymm.dispatch import Decision
     from autosymm.integrations import AutosymmCustomAllReduce
-    from autosymm.integrations import custom_all_reduce as module
 
     car = AutosymmCustomAllReduce(device="cpu")
     gen = torch.Generator().manual_seed(3)
@@ -256,13 +251,9 @@ def _fused_convention(rank, world_size):
     residual, weight = torch.randn(5, 64, generator=gen), torch.randn(64, generator=gen)
     kept = residual.clone()
     assert car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6) is None
-    real_explain = module.autosymm.explain
-    module.autosymm.explain = lambda *a, **k: Decision("triton_fused", None, "stub", mode="eager")
-    car._use.clear()  # decisions are cached per key: forget the gloo one
-    try:
+    with adapter_decisions(backend="triton_fused"):
+        car._use.clear()  # decisions are cached per key: forget the gloo one
         out, residual_out = car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6)
-    finally:
-        module.autosymm.explain = real_explain
     want_residual = residual + xs.sum(0)
     torch.testing.assert_close(residual_out, want_residual)
     torch.testing.assert_close(out, torch.nn.functional.rms_norm(want_residual, (64,), weight, 1e-6))

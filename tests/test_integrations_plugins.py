@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _adapter_decisions import adapter_decisions
 from _gloo import run_with_deadline
 
 try:
@@ -136,20 +137,6 @@ def _target(rank, world_size, port, queue):
         dist.destroy_process_group()
 
 
-class _ServingDecision:
-    """autosymm.explain patched to a non-NCCL decision (as on a tuned GPU node)."""
-
-    def __enter__(self):
-        from autosymm.dispatch import Decision
-        from autosymm.integrations import custom_all_reduce as module
-
-        self.module, self.real = module, module.autosymm.explain
-        module.autosymm.explain = lambda *a, **k: Decision("triton_one_shot", None, "stub", mode="eager")
-
-    def __exit__(self, *exc):
-        self.module.autosymm.explain = self.real
-
-
 def _vllm(rank, world_size, cpu_group):
     import torch.distributed as dist
 
@@ -165,7 +152,7 @@ def _vllm(rank, world_size, cpu_group):
     chain = []
     out = vllm_plugin.serve_first(adapter, x, lambda t: chain.append(t) or t)
     assert out is x and chain == [x]  # gloo: autosymm's decision is the fallback, vLLM's chain runs
-    with _ServingDecision():
+    with adapter_decisions():
         adapter._use.clear()
         out = vllm_plugin.serve_first(adapter, x, lambda t: pytest.fail("vLLM's chain ran"))
     want = x.clone()
@@ -178,7 +165,7 @@ def _vllm(rank, world_size, cpu_group):
     assert vllm_plugin.gather_first(adapter, rows, 0, vllm_own) is rows and calls == [0]
     gathered = torch.empty(world_size * 3, 2)
     dist.all_gather_into_tensor(gathered, rows)
-    with _ServingDecision():
+    with adapter_decisions():
         adapter._use.clear()
         assert torch.equal(vllm_plugin.gather_first(adapter, rows, 0, vllm_own), gathered)
         assert torch.equal(vllm_plugin.gather_first(adapter, rows[:, 0], -1, vllm_own), gathered[:, 0])  # 1-D
@@ -230,7 +217,7 @@ def _sglang(rank, world_size, cpu_group):
     hook = sglang_plugin.fused_allreduce_residual_rmsnorm
     assert hook(original, xs[rank].clone(), residual, weight, 1e-6, max_token_num=2048) == (None, None)
     assert flashinfer == [{"max_token_num": 2048}]  # gloo: FlashInfer's path is asked, unchanged
-    with _ServingDecision():
+    with adapter_decisions():
         adapter._use.clear()
         out, residual_out = hook(original, xs[rank].clone(), residual, weight, 1e-6, use_attn_tp_group=False)
     assert len(flashinfer) == 1

@@ -6,6 +6,7 @@ where its decision is a tuned kernel, decisions cached per (op, dtype, bytes, mo
 from __future__ import annotations
 
 import torch
+from _adapter_decisions import adapter_decisions
 from _gloo import run_gloo
 
 
@@ -27,7 +28,6 @@ def _adapter(rank, world_size):
 
     from autosymm.dispatch import Decision
     from autosymm.integrations import AutosymmCustomAllReduce
-    from autosymm.integrations import custom_all_reduce as module
 
     alone = AutosymmCustomAllReduce(device="cpu")
     x = torch.arange(12.0).reshape(4, 3) + rank
@@ -44,15 +44,12 @@ def _adapter(rank, world_size):
         asked.append((op, problem.dtype, problem.nbytes, mode))
         return Decision(f"triton_{op}_push", None, "stub", mode=mode)
 
-    real, module.autosymm.explain = module.autosymm.explain, fake_explain
     wrapped._use.clear()  # the decisions above are cached per key
-    try:
+    with adapter_decisions(fake_explain):
         for _ in range(2):
             gathered, shard = wrapped.custom_all_gather(x), wrapped.custom_reduce_scatter(x)
         ints = wrapped.custom_all_gather(torch.arange(3, dtype=torch.int32) + rank)
         odd = wrapped.custom_reduce_scatter(torch.ones(3, 2))  # 3 rows do not split: the stack's
-    finally:
-        module.autosymm.explain = real
     want_gather, want_shard = torch.empty(8, 3), torch.empty(2, 3)
     dist.all_gather_into_tensor(want_gather, x)
     dist.reduce_scatter_tensor(want_shard, x)

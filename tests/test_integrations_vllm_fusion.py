@@ -12,6 +12,7 @@ from __future__ import annotations
 import types
 
 import torch
+from _adapter_decisions import adapter_decisions
 from _gloo import run_gloo
 from _vllm_stand_ins import FUSED, check_fused_step, compiled, define_vllm_stand_ins, layer
 
@@ -19,8 +20,7 @@ HIDDEN = 32
 def _body(rank, world_size):
     import torch.distributed as dist
 
-    from autosymm.dispatch import Decision
-    from autosymm.integrations import custom_all_reduce, vllm_fusion, vllm_plugin
+    from autosymm.integrations import vllm_fusion, vllm_plugin
 
     define_vllm_stand_ins()
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
@@ -39,13 +39,9 @@ def _body(rank, world_size):
     with torch.no_grad():
         ran = check_fused_step(args, rtol=1e-5, atol=1e-5)
         assert ran == ["vllm.all_reduce", "vllm_ir.fused_add_rms_norm"]  # gloo: NCCL decision, vLLM's own calls
-        real_explain = custom_all_reduce.autosymm.explain  # a tuned node: autosymm's decision is not NCCL
-        custom_all_reduce.autosymm.explain = lambda *a, **k: Decision("triton_fused_one_shot", None, "stub")
-        try:
+        with adapter_decisions(backend="triton_fused_one_shot"):  # a tuned node: autosymm's decision is not NCCL
             adapter._use.clear()
             assert check_fused_step(args, rtol=1e-5, atol=1e-5) == []  # autosymm's fused op: no vLLM op ran
-        finally:
-            custom_all_reduce.autosymm.explain = real_explain
 
         for variant in (layer(variance_size=8), layer(reuse_sum=True)):  # not the simple case: left alone
             fusion = vllm_fusion.VllmAllReduceRMSNormPass()
