@@ -202,8 +202,7 @@ class AutosymmCustomAllReduce:
         tensors, or None for the caller's own path (see the module docstring)."""
         if self.serves_fused(x):
             return self.all_reduce_rmsnorm(x, residual, weight, eps)
-        inner = getattr(self.fallback, "fused_allreduce_rmsnorm", None)
-        return inner(x, residual, weight, eps) if inner is not None and not self.disabled else None
+        return self._wrapped("fused_allreduce_rmsnorm", x, residual, weight, eps)
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,31 +253,24 @@ class AutosymmCustomAllReduce:
         return out
 
     def should_custom_all_gather(self, x: torch.Tensor) -> bool:
-        if self.serves_all_gather(x):
-            return True
-        inner = getattr(self.fallback, "should_custom_all_gather", None)
-        return inner is not None and not self.disabled and bool(inner(x))
+        return self.serves_all_gather(x) or bool(self._wrapped("should_custom_all_gather", x))
 
     def custom_all_gather(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """:meth:`all_gather` where autosymm serves ``x``, else the wrapped object's, else None for
         the caller's own path (disabled, or neither serves it)."""
-        if self.serves_all_gather(x):
-            return self.all_gather(x)
-        inner = getattr(self.fallback, "custom_all_gather", None)
-        return inner(x) if inner is not None and not self.disabled else None
+        return self.all_gather(x) if self.serves_all_gather(x) else self._wrapped("custom_all_gather", x)
 
     def should_custom_reduce_scatter(self, x: torch.Tensor) -> bool:
-        if self.serves_reduce_scatter(x):
-            return True
-        inner = getattr(self.fallback, "should_custom_reduce_scatter", None)
-        return inner is not None and not self.disabled and bool(inner(x))
+        return self.serves_reduce_scatter(x) or bool(self._wrapped("should_custom_reduce_scatter", x))
 
     def custom_reduce_scatter(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """:meth:`reduce_scatter` where autosymm serves ``x``, else as :meth:`custom_all_gather`."""
-        if self.serves_reduce_scatter(x):
-            return self.reduce_scatter(x)
-        inner = getattr(self.fallback, "custom_reduce_scatter", None)
-        return inner(x) if inner is not None and not self.disabled else None
+        return self.reduce_scatter(x) if self.serves_reduce_scatter(x) else self._wrapped("custom_reduce_scatter", x)
+
+    def _wrapped(self, name: str, *args):
+        """The wrapped object's method ``name`` of ``args``; None while disabled or where it has none."""
+        method = getattr(self.fallback, name, None)
+        return method(*args) if method is not None and not self.disabled else None
 
     def close(self) -> None:
         """Stop serving: ``custom_all_reduce`` returns None from now on; closes the wrapped object."""
