@@ -48,7 +48,8 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None,
     included. ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (bytes; default
     geometry.DEFAULT_MOE_MAX_BYTES; 0: never grow). ``deterministic``: True restricts this group's
     calls to batch-invariant backends, False lifts it (default: AUTOSYMM_DETERMINISTIC; README,
-    "Batch-invariant bits"). Every rank must pass the same values.
+    "Batch-invariant bits"). Every rank must pass the same values; a bad one on any rank is a
+    ValueError on every rank, before anything is set up.
     """
     if not dist.is_initialized():
         raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
