@@ -15,6 +15,12 @@ Keys are ``autosymm/<group name>/<generation>/<tag>/<rank>``. The generation cou
 states this process made for the group name (``autosymm.reset()`` then a new first call gives
 the next one), so keys of an earlier state are never read again. Every rank of a group makes
 the same exchanges in the same order, hence the same tags.
+
+A deadline ends an exchange alike on every rank. Each key is written once, first writer wins
+(the store's compare-and-set): its rank's report, or the verdict of a peer that gave up waiting
+for it. So either every key holds a report and every rank goes on, or some key holds a verdict
+and every rank that gets there raises, the late rank included (it finds the verdict where its
+report would go), instead of going on alone into a collective its peers have left.
 """
 
 from __future__ import annotations
@@ -61,20 +67,32 @@ class Exchange:
 
     def exchange(self, tag: str, report: dict[str, Any]) -> list[dict[str, Any]]:
         """Publish this rank's ``report`` under ``tag``; return all ranks' reports in rank order.
-        AgreementError naming the ranks that did not report within the deadline, or naming rank 0
-        when the store itself is gone (its host process died or is unreachable)."""
+        AgreementError naming the ranks that did not report within the deadline (on the rank that
+        waited, and on a late rank that reports after a peer gave up: both raise, see
+        :func:`gave_up`), or naming rank 0 when the store itself is gone (its host process died
+        or is unreachable)."""
         if self.world_size == 1:
             return [report]
         keys = [f"{self.prefix}{tag}/{rank}" for rank in range(self.world_size)]
+        mine = json.dumps(report, sort_keys=True, default=str)
         try:
-            self.store.set(keys[self.rank], json.dumps(report, sort_keys=True, default=str))
+            # first writer wins: a peer that gave up has put its verdict under this rank's key
+            held = self.store.compare_set(keys[self.rank], "", mine)
+            if held != mine.encode():
+                raise AgreementError(f"autosymm: this rank (rank {self.rank}) reached '{tag}' after "
+                                     f"{_gave_up_text(json.loads(held))}: every rank raises") from None
             self._wait(tag, keys)
-            return [json.loads(value) for value in self.store.multi_get(keys)]
+            reports = [json.loads(value) for value in self.store.multi_get(keys)]
         except dist.DistNetworkError as exc:
             raise AgreementError(
                 f"autosymm: lost the c10d store{_store_address(self.store)} at '{tag}': it lives in the process "
                 f"of global rank 0 (the store host), which exited, crashed or became unreachable "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+        late = [rank for rank, found in enumerate(reports) if _GAVE_UP in found]
+        if late:  # every key is filled, some by a peer that gave up: no rank goes on
+            raise AgreementError(f"autosymm: rank(s) {late} of the group did not reach '{tag}' in time: "
+                                 f"{_gave_up_text(reports[late[0]])}")
+        return reports
 
     def forget(self, tag: str) -> None:
         """Delete this rank's key of ``tag`` (a tag every peer has read: the store stays small
@@ -83,16 +101,24 @@ class Exchange:
             self.store.delete_key(f"{self.prefix}{tag}/{self.rank}")
 
     def _wait(self, tag: str, keys: list[str]) -> None:
+        """Wait for every key; past the deadline, fill each missing one with this rank's verdict
+        (the store's compare-and-set: a peer's own report, if it came first, stays), so that a
+        late peer raises too instead of going on alone into a collective nobody joins."""
         try:
             self.store.wait(keys, self.timeout)
+            return
         except dist.DistNetworkError:
             raise
-        except RuntimeError:  # DistStoreError (a RuntimeError): some peer never reported
-            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+        except RuntimeError:  # DistStoreError (a RuntimeError): some peer has not reported yet
+            pass
+        waited_s = self.timeout.total_seconds()
+        verdict = json.dumps({_GAVE_UP: {"rank": self.rank, "waited_s": waited_s}})
+        missing = [rank for rank, key in enumerate(keys)
+                   if _GAVE_UP in json.loads(self.store.compare_set(key, "", verdict))]
+        if missing:
             raise AgreementError(
-                f"autosymm: rank(s) {missing} of the group did not reach '{tag}' within "
-                f"{self.timeout.total_seconds():g} s (AUTOSYMM_AGREE_TIMEOUT_S): a peer failed, exited or "
-                f"made a different call") from None
+                f"autosymm: rank(s) {missing} of the group did not reach '{tag}' within {waited_s:g} s "
+                f"(AUTOSYMM_AGREE_TIMEOUT_S): a peer failed, exited or made a different call") from None
 
     def all_ok(self, tag: str, ok: bool, error: str = "") -> list[str]:
         """Publish whether this rank succeeded at the next round of ``tag`` (call it as often as
@@ -105,6 +131,17 @@ class Exchange:
         same on every rank, since every rank makes the same exchanges in the same order."""
         self.rounds[tag] = self.rounds.get(tag, 0) + 1
         return f"{tag}.{self.rounds[tag]}"
+
+
+#: The field of a verdict a rank that gave up waiting leaves under a late peer's key.
+_GAVE_UP = "autosymm_gave_up"
+
+
+def _gave_up_text(verdict: dict[str, Any]) -> str:
+    """What a verdict left under a late rank's key says."""
+    found = verdict.get(_GAVE_UP) or {}
+    return (f"rank {found.get('rank')} gave up waiting for it after {found.get('waited_s', 0):g} s "
+            f"(AUTOSYMM_AGREE_TIMEOUT_S)")
 
 
 def _store_address(store) -> str:

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from . import moe_room
-from .collectives import ALL_REDUCE, DP_TO_EP, EP_TO_DP, Collective, prepare_call
+from .collectives import ALL_REDUCE, DP_TO_EP, EP_TO_DP, Collective, prepare_call, refuse_call
 from .collectives import get as collective, names as op_names
 from .collectives.all_reduce import NCCL_OPS
 from .dispatch import Decision
 from .dist_compat import Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import STATES, Entry, GroupState, check_traced, current_raw_stream, state_key, state_of, stream_capturing
+from .group import (STATES, Entry, GroupState, check_traced, current_raw_stream, dense_error, state_key, state_of,
+                    stream_capturing)
 from .logs import configure_from_env
 from .problem import MODES, Problem, dtype_name
 from .replay import HOT, EagerReplay, HotCall, forget_all
@@ -47,18 +48,22 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None,
     included. ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (bytes; default
     geometry.DEFAULT_MOE_MAX_BYTES; 0: never grow). ``deterministic``: True restricts this group's
     calls to batch-invariant backends, False lifts it (default: AUTOSYMM_DETERMINISTIC; README,
-    "Batch-invariant bits"). Every rank must pass the same values.
+    "Batch-invariant bits"). Every rank must pass the same values; a bad one on any rank is a
+    ValueError on every rank, before anything is set up.
     """
     if not dist.is_initialized():
         raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
-    region_bytes, max_bytes = moe_room.agree(group if group is not None else dist.group.WORLD, moe, moe_max_bytes)
+    wrong = "" if deterministic is None or isinstance(deterministic, bool) else \
+        f"TypeError: deterministic={deterministic!r} ({type(deterministic).__name__}) must be True, False or None"
+    region_bytes, max_bytes = moe_room.agree(group if group is not None else dist.group.WORLD, moe, moe_max_bytes,
+                                             wrong)
     if region_bytes and state_key(group) not in STATES:
         from .symm import reserve_moe_bytes
 
         reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
     moe_room.configure(state_of(group), region_bytes, max_bytes)
     if deterministic is not None:
-        state_of(group).set_deterministic(bool(deterministic))
+        state_of(group).set_deterministic(deterministic)
         forget_all()  # hot plans were made under the old setting
 
 
@@ -84,17 +89,23 @@ def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False
     # The hot path: an eager SUM of a plain tensor at an address that has a plan (replay.HOT).
     # The address fixes the device (unified addressing); dtype, numel and contiguity fix the
     # prepared call (its key below) with the group; on torch's default stream nothing captures.
-    if (op is _SUM and not async_op and type(tensor) is _Tensor and not tensor.requires_grad
-            and not _dynamo_compiling()):
-        hot = HOT.get(tensor.data_ptr())
-        if (hot is not None and hot.group is group and hot.dtype is tensor.dtype and hot.numel == tensor.numel()
-                and tensor.is_contiguous()
-                and (current_raw_stream(hot.device_index) == 0 or not stream_capturing())):
-            hot.entry.calls += 1
-            hot.plan()
-            return tensor
-        return _all_reduce_sum(tensor, group)
-    return _all_reduce_general(tensor, op, group, async_op)
+    try:  # free unless raised (Python >= 3.11)
+        if (op is _SUM and not async_op and type(tensor) is _Tensor and not tensor.requires_grad
+                and not _dynamo_compiling()):
+            hot = HOT.get(tensor.data_ptr())
+            if (hot is not None and hot.group is group and hot.dtype is tensor.dtype and hot.numel == tensor.numel()
+                    and tensor.is_contiguous()
+                    and (current_raw_stream(hot.device_index) == 0 or not stream_capturing())):
+                hot.entry.calls += 1
+                hot.plan()
+                return tensor
+            return _all_reduce_sum(tensor, group)
+        return _all_reduce_general(tensor, op, group, async_op)
+    except (AttributeError, RuntimeError):
+        # a list or a sparse tensor fails at its first use as a dense tensor, before anything runs
+        if dense_error(tensor, "all_reduce") is None:
+            raise
+    refuse_call(STATES.get(group) or state_of(group), ALL_REDUCE, (tensor, reduce_op_name(op)))
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:

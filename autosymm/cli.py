@@ -30,9 +30,9 @@ def _console():
     return rich_console()
 
 
-def _parse_shapes(text: str) -> dict[str, MoEShape]:
+def _parse_shapes(text: str, option: str = "--shapes") -> dict[str, MoEShape]:
     """'deepseek-v3,d5120_e160_k6' -> shapes: model names (any case) or any d{D}_e{E}_k{K} key;
-    a bad item is a usage error naming it."""
+    a bad item is a usage error naming it and ``option``."""
     out = {}
     models = {name.lower(): shape for name, shape in MODEL_SHAPES.items()}
     for item in (t.strip() for t in text.split(",") if t.strip()):
@@ -40,9 +40,9 @@ def _parse_shapes(text: str) -> dict[str, MoEShape]:
             out[item] = models[item.lower()] if item.lower() in models else MoEShape.from_key(item)
         except ValueError as exc:
             raise click.BadParameter(f"{item!r}: {exc} (model names: {', '.join(MODEL_SHAPES)})",
-                                     param_hint="--shapes") from None
+                                     param_hint=option) from None
     if not out:
-        raise click.BadParameter(f"no MoE shape in {text!r}", param_hint="--shapes")
+        raise click.BadParameter(f"no MoE shape in {text!r}", param_hint=option)
     return out
 
 
@@ -348,7 +348,7 @@ def explain(**opts) -> None:
 
 def _one_shape(text: str) -> MoEShape:
     """The one MoE shape of ``text`` (a model name or d{D}_e{E}_k{K})."""
-    shapes = list(_parse_shapes(text).values())
+    shapes = list(_parse_shapes(text, "--shape").values())
     if len(shapes) != 1:
         raise ValueError(f"{text!r} is not one MoE shape (a model name or a key like d7168_e256_k8)")
     return shapes[0]

@@ -63,7 +63,9 @@ def fused_call(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, ep
     try:
         check_args(x, residual, weight, state.device)  # every call, before anything runs (the key names x only)
     except ValueError:
-        if state.check_calls:  # every rank learns of it: prepare_call checks the call with every rank, then raises
+        # a new call (or checked mode): every rank learns of it, as prepare_call checks the call with
+        # every rank, then raises; a prepared one raises here alone, as its peers agree on nothing
+        if state.check_calls or key not in state.cache:
             prepare_call(state, ALL_REDUCE_RMSNORM, key, (x, residual, weight))
         raise
     entry = state.cache.get(key)

@@ -65,12 +65,29 @@ def check_traced(x, what: str) -> None:
                          f"inside torch.compile, torch.export or make_fx)")
 
 
-def check_tensor(x: torch.Tensor, state: GroupState, what: str) -> None:
+def dense_error(x, what: str, name: str = "tensor"):
+    """The error (TypeError, ValueError) naming argument ``name`` of ``autosymm.<what>`` unless
+    ``x`` is a dense (strided) torch.Tensor, else None: the collectives move a tensor's storage,
+    which a list has not, and a sparse tensor keeps apart from its values' layout."""
+    if not isinstance(x, torch.Tensor):
+        return TypeError(f"autosymm.{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout is not torch.strided:
+        return ValueError(f"autosymm.{what}: {name} is a {str(x.layout).replace('torch.', '')} tensor "
+                          f"{tuple(x.shape)}: only dense tensors are served (call .to_dense() first)")
+    return None
+
+
+def check_tensor(x: torch.Tensor, state: GroupState, what: str, name: str = "tensor") -> None:
+    """ValueError (TypeError for a non-tensor) naming argument ``name`` of ``autosymm.<what>``
+    unless ``x`` is a dense, contiguous tensor with data on the group's device."""
+    error = dense_error(x, what, name)
+    if error is not None:
+        raise error
     check_traced(x, what)
     if x.device.type != state.device.type or (x.device.type == "cuda" and x.device != state.device):
-        raise ValueError(f"autosymm.{what}: tensor is on {x.device}, the group's device is {state.device}")
+        raise ValueError(f"autosymm.{what}: {name} is on {x.device}, the group's device is {state.device}")
     if not x.is_contiguous():
-        raise ValueError(f"autosymm.{what}: tensor of shape {tuple(x.shape)} with strides {x.stride()} "
+        raise ValueError(f"autosymm.{what}: {name} of shape {tuple(x.shape)} with strides {x.stride()} "
                          f"is not contiguous")
 
 
@@ -126,6 +143,7 @@ class GroupState:
         self.sources = local.sources if self.safe_reason is None else []
         self.ctx = RunContext(group=group, workspace=self.workspace)
         self.cache: dict[tuple, Entry] = CheckedCache() if self.check_calls else {}
+        self.agreed_calls: set[str] = set()  # agree_once's
 
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:
@@ -160,6 +178,14 @@ class GroupState:
                     f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
             launcher = wrap_eager(backend.prepare(problem, decision.config, self.ctx), decision)
         return Entry(decision, launcher)
+
+    def agree_once(self, call: str) -> None:
+        """Agree on ``call`` (text that must match on every rank) on its first use on this group,
+        on every use in checked mode: an AgreementError on every rank where the ranks differ."""
+        if call in self.agreed_calls and not self.check_calls:
+            return
+        self.agreed_check(call, _nothing)
+        self.agreed_calls.add(call)
 
     def agreed_check(self, call: str, check: Callable[[], Any]) -> Any:
         """``check()`` this rank's part of a new call (local work only: no collective), then make
@@ -233,6 +259,10 @@ def check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> No
     if free < needed:
         raise MemoryError(f"{device} has {free} bytes free; the symmetric workspace needs {needed} "
                           f"(AUTOSYMM_WORKSPACE_BYTES sizes it)")
+
+
+def _nothing() -> None:
+    return None
 
 
 def identity(x, *args):

@@ -68,10 +68,11 @@ def plans_region_bytes(plans: Sequence[MoEPlan], world_size: int) -> int:
     return max((plan.region_bytes(world_size) for plan in plans), default=0)
 
 
-def agree(group, plans: Sequence[MoEPlan], moe_max_bytes) -> tuple[int, int]:
+def agree(group, plans: Sequence[MoEPlan], moe_max_bytes, wrong: str = "") -> tuple[int, int]:
     """(MoE region bytes the plans need, moe_max_bytes or -1), the same on every rank of
     ``group`` (an exchange with a deadline, autosymm.agreement); a ValueError on every rank when
-    the ranks were given different ones, or one of them could not read its plans."""
+    the ranks were given different ones, or one of them could not read its plans, or found
+    ``wrong`` with init's other arguments (its message)."""
     import torch.distributed as dist
 
     from .agreement import Exchange, problems
@@ -83,9 +84,12 @@ def agree(group, plans: Sequence[MoEPlan], moe_max_bytes) -> tuple[int, int]:
                               "moe_max_bytes": -1 if moe_max_bytes is None else checked_max_bytes(moe_max_bytes)}
     except Exception as exc:  # a bad plan on one rank: every rank hears it
         report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    if wrong:
+        report.update(ok=False, error=wrong)
     trouble = problems(Exchange(group, dist.get_rank(group), world_size).exchange("init_moe", report))
     if trouble is not None:
-        raise ValueError(f"autosymm.init: ranks must pass the same moe= and moe_max_bytes=, each valid: {trouble}")
+        raise ValueError(f"autosymm.init: ranks must pass the same moe=, moe_max_bytes= and deterministic=, each "
+                         f"valid: {trouble}")
     return report["settings"]["moe_region_bytes"], report["settings"]["moe_max_bytes"]
 
 

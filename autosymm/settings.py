@@ -35,6 +35,8 @@ RUNTIME_MAX_POLLS = 1 << 30
 #: about 5-17 s, so a candidate whose peer failed ends by itself and is scored as failed.
 TUNING_MAX_POLLS = 1 << 24
 DEFAULT_AGREE_TIMEOUT_S = 300.0
+#: Shortest AUTOSYMM_AGREE_TIMEOUT_S accepted (seconds).
+MIN_AGREE_TIMEOUT_S = 1.0
 LOG_LEVEL_NAMES = ("debug", "info", "warning", "error", "critical")
 
 
@@ -79,8 +81,10 @@ def _seconds(name: str, text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 < value <= 24 * 3600:  # NaN fails too
-        raise ValueError(f"{name}={text!r} must be a number of seconds in (0, 86400]")
+    if not MIN_AGREE_TIMEOUT_S <= value <= 24 * 3600:  # NaN fails too
+        raise ValueError(f"{name}={text!r} must be a number of seconds in [{MIN_AGREE_TIMEOUT_S:g}, 86400]: a "
+                         f"shorter deadline gives up on healthy peers (a first call opens databases and "
+                         f"allocates the workspace)")
     return value
 
 

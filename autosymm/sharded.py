@@ -14,12 +14,13 @@ all-gather of the shards padded to the largest).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .collectives import ALL_GATHER, REDUCE_SCATTER, prepare_call
+from .collectives import ALL_GATHER, REDUCE_SCATTER, prepare_call, refuse_call
+from .collectives.reduce_scatter import checked_sizes
 from .dist_compat import Work, group_name, reduce_op_name
 from .group import STATES, check_traced, state_of, stream_capturing
 
@@ -30,36 +31,45 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 def _traced(what: str, *tensors: torch.Tensor) -> bool:
     """torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor): the op path (a fake or
-    meta tensor outside tracing: a ValueError, autosymm.group.check_traced)."""
+    meta tensor outside tracing: a ValueError, autosymm.group.check_traced). Anything that is
+    not a tensor takes the keyed path, whose checks name it."""
     if _dynamo_compiling():
         return True
-    if any(type(t) is not _Tensor and type(t) is not torch.nn.Parameter for t in tensors):
+    if any(type(t) is not _Tensor and type(t) is not torch.nn.Parameter and isinstance(t, _Tensor) for t in tensors):
         for t in tensors:
             check_traced(t, what)
         return True
     return False
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes: Optional[tuple[int, ...]], group):
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes, group):
     state = STATES.get(group) or state_of(group)
-    key = (REDUCE_SCATTER, input.dtype, input.shape, output.shape, op, sizes, input.device, stream_capturing())
+    try:
+        key = (REDUCE_SCATTER, input.dtype, input.shape, output.shape, op,
+               None if sizes is None else checked_sizes(sizes, "reduce_scatterv"), input.device, stream_capturing())
+    except (AttributeError, TypeError):  # not a tensor, or sizes not ints: the checks name which, on every rank
+        return refuse_call(state, REDUCE_SCATTER, (output, input, op, sizes))
     entry = state.cache.get(key)
     if entry is None:
-        entry = prepare_call(state, REDUCE_SCATTER, key, (output, input, op, sizes))
+        entry = prepare_call(state, REDUCE_SCATTER, key, (output, input, op, key[5]))
     entry.calls += 1
     row = math.prod(output.shape[1:])
-    return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
+    return entry.launcher(output, input, None if key[5] is None else [s * row for s in key[5]])
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Optional[tuple[int, ...]], group):
+def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes, group):
     state = STATES.get(group) or state_of(group)
-    key = (ALL_GATHER, input.dtype, input.shape, output.shape, sizes, input.device, stream_capturing())
+    try:
+        key = (ALL_GATHER, input.dtype, input.shape, output.shape,
+               None if sizes is None else checked_sizes(sizes, "all_gatherv"), input.device, stream_capturing())
+    except (AttributeError, TypeError):  # not a tensor, or sizes not ints: the checks name which, on every rank
+        return refuse_call(state, ALL_GATHER, (output, input, sizes))
     entry = state.cache.get(key)
     if entry is None:
-        entry = prepare_call(state, ALL_GATHER, key, (output, input, sizes))
+        entry = prepare_call(state, ALL_GATHER, key, (output, input, key[4]))
     entry.calls += 1
     row = math.prod(input.shape[1:])
-    return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
+    return entry.launcher(output, input, None if key[4] is None else [s * row for s in key[4]])
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=_SUM, group=None, async_op: bool = False):
@@ -101,42 +111,41 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     return Work(output) if async_op else None
 
 
-def _sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
-    if isinstance(sizes, torch.Tensor):
-        raise TypeError(f"autosymm.{what}: sizes must be host ints (a list), not a tensor")
-    return tuple(int(s) for s in sizes)
-
-
 def reduce_scatterv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
     """Reduce-scatter with per-rank dim-0 ``sizes`` (host ints, the same list on every rank, as
     vLLM's ``reduce_scatterv``): ``input`` [sum(sizes), ...] summed over ``group``; this rank's
     ``output`` [sizes[rank], ...] gets rows sizes[:rank].sum() onward. Returns ``output``. Eager
     only (a per-rank split copies its bounds table to the device on its first call: make that
     call before capturing a CUDA graph)."""
-    return _reduce_scatter(output, input, "sum", _sizes(sizes, "reduce_scatterv"), group)
+    return _reduce_scatter(output, input, "sum", sizes, group)
 
 
 def all_gatherv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
     """All-gather with per-rank dim-0 ``sizes`` (host ints, the same on every rank, as vLLM's
     ``all_gatherv``): ``output`` [sum(sizes), ...] = every rank's ``input`` [sizes[r], ...] in rank
     order. Returns ``output``. Eager only, as :func:`reduce_scatterv`."""
-    return _all_gather(output, input, _sizes(sizes, "all_gatherv"), group)
+    return _all_gather(output, input, sizes, group)
 
 
 def redistribute(x, placements):
     """``x.redistribute(placements=placements)`` for a DTensor on a 1-D mesh, through autosymm
     where it maps: ``Partial('sum')`` -> ``Shard(0)`` by a reduce-scatter, ``Shard(0)`` ->
     ``Replicate()`` by an all-gather (uneven shards too: torch's chunking, by per-rank sizes);
-    anything else (other meshes or placements) by torch's own ``redistribute``. A new DTensor;
-    ``x`` keeps its placements and data."""
+    anything else (other meshes or placements) by torch's own ``redistribute``. On a 1-D mesh the
+    ranks first agree on the placements (once per placements and shape; AgreementError on every
+    rank where they differ). A new DTensor; ``x`` keeps its placements and data."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     placements = tuple(placements)
     mesh = x.device_mesh
-    if mesh.ndim != 1 or len(placements) != 1:
+    if mesh.ndim != 1:
+        return x.redistribute(mesh, placements)
+    group, world_size = mesh.get_group(0), mesh.size(0)
+    # which path serves (ours, torch's) follows the placements: the ranks agree on them first
+    state_of(group).agree_once(f"redistribute of {x.dtype} {tuple(x.shape)} from {x.placements} to {placements}")
+    if len(placements) != 1:
         return x.redistribute(mesh, placements)
     source, target = x.placements[0], placements[0]
-    group, world_size = mesh.get_group(0), mesh.size(0)
     local = x.to_local().contiguous()
     sizes = [len(chunk) for chunk in torch.arange(x.shape[0]).chunk(world_size)] if x.dim() else []
     sizes += [0] * (world_size - len(sizes))

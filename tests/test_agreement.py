@@ -82,3 +82,63 @@ def test_the_store_host_dying_is_an_agreement_error_naming_rank_0():
     assert reports[0] == "exiting"
     assert "global rank 0 (the store host)" in reports[1] and "lost the c10d store (127.0.0.1:" in reports[1]
     assert "'second'" in reports[1] and "DistNetworkError" in reports[1]
+
+
+def _late_and_waiting(channels, late_rank: int, late_by_s: float):
+    """Every rank exchanges 'step'; ``late_rank`` starts ``late_by_s`` seconds after the others.
+    Each rank's result: its reports, or the AgreementError it raised."""
+    import time
+
+    def run(channel):
+        if channel.rank == late_rank:
+            time.sleep(late_by_s)
+        try:
+            return channel.exchange("step", {"rank": channel.rank})
+        except AgreementError as exc:
+            return exc
+
+    return _on_every_rank(channels, run)
+
+
+def test_a_rank_later_than_the_deadline_raises_too_instead_of_going_on_alone():
+    said = _late_and_waiting(_channels(3, wait_s=0.3), late_rank=0, late_by_s=0.8)
+    assert all(isinstance(error, AgreementError) for error in said), said
+    for rank in (1, 2):
+        assert "rank(s) [0] of the group did not reach 'step'" in str(said[rank])
+    assert "this rank (rank 0) reached 'step' after rank 1 gave up waiting for it after 0.3 s" in str(said[0]) or \
+        "this rank (rank 0) reached 'step' after rank 2 gave up waiting for it after 0.3 s" in str(said[0])
+
+
+def test_a_rank_in_time_goes_on_with_every_report():
+    said = _late_and_waiting(_channels(2, wait_s=5.0), late_rank=1, late_by_s=0.2)
+    assert said == [[{"rank": 0}, {"rank": 1}]] * 2
+
+
+class _DeadlineAlwaysPasses:
+    """A store whose ``wait`` always times out, as if a peer's report landed just after the deadline."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def wait(self, keys, timeout):
+        raise dist.DistStoreError("wait timeout")
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_report_landing_between_the_deadline_and_the_verdict_counts():
+    on_time, _ = _channels(2)
+    on_time.store.set(f"{on_time.prefix}step/1", '{"rank": 1}')  # rank 1 reported just after the deadline
+    on_time.store = _DeadlineAlwaysPasses(on_time.store)
+    assert on_time.exchange("step", {"rank": 0}) == [{"rank": 0}, {"rank": 1}]  # not "rank(s) []"
+
+
+def test_a_verdict_is_a_failure_for_every_rank_that_reads_it():
+    channels = _channels(3, wait_s=0.3)
+    channels[1].store = _DeadlineAlwaysPasses(channels[1].store)
+    # rank 1 gives up on rank 2, which never comes; rank 0 comes later and reads rank 1's verdict
+    with pytest.raises(AgreementError, match=r"rank\(s\) \[0, 2\] of the group did not reach 'step' within 0.3 s"):
+        channels[1].exchange("step", {"rank": 1})
+    with pytest.raises(AgreementError, match=r"this rank \(rank 0\) reached 'step' after rank 1 gave up"):
+        channels[0].exchange("step", {"rank": 0})

@@ -115,6 +115,14 @@ def test_explain_bad_arguments(runner, db_file):
     assert result.exit_code != 0 and "--shape" in result.output
 
 
+@pytest.mark.parametrize("shape, message", [("bogus", "'bogus': 'bogus' is not a MoE shape key"), (",", "no MoE shape in ','"),
+                                            ("deepseek-v3,mixtral-8x7b", "is not one MoE shape")])
+def test_explain_shape_errors_name_the_shape_option(runner, shape, message):
+    line = one_line_error(runner.invoke(main, ["explain", "--op", "dp_to_ep", "--shape", shape, "--tokens", "4",
+                                               "--world-size", "2"]), 2)
+    assert "Invalid value for --shape: " in line and "--shapes" not in line and message in line, line
+
+
 def test_show_table_and_json(runner, db_file):
     result = runner.invoke(main, ["show", "--db", str(db_file), "--json"])
     assert result.exit_code == 0, result.output

@@ -151,3 +151,82 @@ def _refused_inputs(rank, world_size, autosymm):
 def test_refused_inputs_raise_clearly_on_every_rank(tmp_path):
     env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"}}
     assert run_gloo(_with_autosymm, 2, _refused_inputs, env=env, deadline_s=DEADLINE_S) == {0: 4.0, 1: 4.0}
+
+
+def _late_rank(rank, world_size, autosymm):
+    """Rank 0 arrives 6 s late at a new call, past the 3 s agreement deadline: both ranks raise,
+    rank 1 naming rank 0's lateness, rank 0 naming rank 1's giving up; then both go on in step."""
+    import time
+
+    from autosymm.agreement import AgreementError
+
+    x = torch.ones(8)
+    autosymm.all_reduce(x)  # the group is set up
+    if rank == 0:
+        time.sleep(6.0)
+    start = time.monotonic()
+    with pytest.raises(AgreementError) as info:
+        autosymm.all_reduce(torch.ones(16))  # a new call: agreed first
+    took = time.monotonic() - start
+    y = torch.full((32,), float(rank + 1))
+    autosymm.all_reduce(y)
+    assert torch.equal(y, torch.full_like(y, 3.0))
+    return str(info.value), took
+
+
+def test_a_rank_late_past_the_deadline_ends_on_both_ranks(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "3"}}
+    reports = run_gloo(_with_autosymm, 2, _late_rank, env=env, deadline_s=60)
+    (said_0, took_0), (said_1, took_1) = reports[0], reports[1]
+    assert "rank(s) [0] of the group did not reach 'call" in said_1 and "within 3 s" in said_1
+    assert "this rank (rank 0) reached 'call" in said_0 and "rank 1 gave up waiting for it after 3 s" in said_0
+    assert 2.5 < took_1 < 20 and took_0 < 5  # rank 0 learns it at once, not in a collective nobody joins
+
+
+def _tiny_timeout(rank, world_size, autosymm):
+    import warnings
+
+    x = torch.full((8,), float(rank + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autosymm.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, 3.0))
+    return autosymm.explain(x).reason, autosymm.api.STATES[None].channel.timeout.total_seconds()
+
+
+def test_a_tiny_agreement_timeout_on_one_rank_is_refused_on_every_rank(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite")}, 1: {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"),
+                                                                       "AUTOSYMM_AGREE_TIMEOUT_S": "1e-9"}}
+    reports = run_gloo(_with_autosymm, 2, _tiny_timeout, env=env, deadline_s=DEADLINE_S)
+    assert reports[0][0] == reports[1][0] and "rank 1: ValueError: AUTOSYMM_AGREE_TIMEOUT_S='1e-9'" in reports[0][0]
+    assert reports[1][1] == 300.0  # the refused value waits the default
+
+
+def _fused_bad_weight(rank, world_size, autosymm):
+    """A weight of the wrong size on rank 1 at a call new to both: rank 1 raises its ValueError,
+    rank 0 an AgreementError naming it, both at once (the agreement timeout is 60 s)."""
+    import time
+
+    from autosymm.agreement import AgreementError
+
+    hidden = 64
+    x, residual = torch.ones(4, hidden), torch.zeros(4, hidden)
+    weight = torch.ones(hidden + 8 if rank == 1 else hidden)
+    start = time.monotonic()
+    if rank == 1:
+        _expect(ValueError, r"weight \(72,\) must be \[hidden\] = \[64\]",
+                lambda: autosymm.all_reduce_rmsnorm(x, residual, weight))
+    else:
+        _expect(AgreementError, r"rank 1: ValueError: .*weight \(72,\) must be \[hidden\]",
+                lambda: autosymm.all_reduce_rmsnorm(x, residual, weight))
+    took = time.monotonic() - start
+    assert torch.equal(residual, torch.zeros_like(residual))  # nothing ran
+    out = autosymm.all_reduce_rmsnorm(x, residual, torch.ones(hidden))  # still in step
+    assert torch.equal(residual, torch.full_like(residual, 2.0))
+    return took, float(out[0, 0])
+
+
+def test_a_bad_fused_weight_on_one_rank_fails_both_at_once(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "60"}}
+    reports = run_gloo(_with_autosymm, 2, _fused_bad_weight, env=env, deadline_s=DEADLINE_S)
+    assert all(took < 10 and abs(out - 1.0) < 1e-6 for took, out in reports.values()), reports  # rmsnorm of 2s

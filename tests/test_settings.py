@@ -82,7 +82,10 @@ def test_values_parse_to_their_settings(no_env, name, text, value):
 @pytest.mark.parametrize("name, text, message", [
     ("AUTOSYMM_BARRIER_MAX_POLLS", "abc", "AUTOSYMM_BARRIER_MAX_POLLS='abc' must be an integer in 1..2**31-1"),
     ("AUTOSYMM_BARRIER_MAX_POLLS", str(1 << 31), "must be an integer in 1..2**31-1"),
-    ("AUTOSYMM_AGREE_TIMEOUT_S", "0", "AUTOSYMM_AGREE_TIMEOUT_S='0' must be a number of seconds in (0, 86400]"),
+    ("AUTOSYMM_AGREE_TIMEOUT_S", "0", "AUTOSYMM_AGREE_TIMEOUT_S='0' must be a number of seconds in [1, 86400]"),
+    ("AUTOSYMM_AGREE_TIMEOUT_S", "1e-9", "AUTOSYMM_AGREE_TIMEOUT_S='1e-9' must be a number of seconds in [1, 86400]: "
+                                         "a shorter deadline gives up on healthy peers"),
+    ("AUTOSYMM_AGREE_TIMEOUT_S", "0.5", "must be a number of seconds in [1, 86400]"),
     ("AUTOSYMM_AGREE_TIMEOUT_S", "nan", "must be a number of seconds"),
     ("AUTOSYMM_COMPILE_THREADS", "many", "AUTOSYMM_COMPILE_THREADS='many' must be a whole number of threads"),
     ("AUTOSYMM_WORKSPACE_BYTES", "lots", "AUTOSYMM_WORKSPACE_BYTES='lots' is not a size"),

@@ -211,3 +211,30 @@ def _dtensor(rank, world_size):
 
 def test_dtensor_redistribute_partial_to_shard_to_replicate(tmp_path):
     assert all(run_gloo(_dtensor, 2, env=_with_db(tmp_path)).values())
+
+
+def _placements_differ(rank, world_size):
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from autosymm.agreement import AgreementError
+    from autosymm.sharded import redistribute
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    partial = DTensor.from_local(torch.ones(4, 3), mesh, [Partial()], run_check=False)
+    start = time.monotonic()
+    with pytest.raises(AgreementError, match=r"redistribute of torch.float32 \(4, 3\) from \(Partial\(sum\),\) to"):
+        redistribute(partial, [Shard(0)] if rank == 0 else [Replicate()])  # ours on rank 0, torch's on rank 1
+    took = time.monotonic() - start
+    with pytest.raises(AgreementError, match="redistribute of"):
+        redistribute(partial, [Shard(0)] if rank == 0 else [Shard(0), Shard(0)])  # torch would refuse on rank 1
+    sharded = redistribute(partial, [Shard(0)])  # the same on both: served, in step
+    assert torch.equal(sharded.to_local(), torch.full((2, 3), 2.0))
+    return took
+
+
+def test_redistribute_agrees_the_placements_before_either_path_runs(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "60"}}
+    assert all(took < 10 for took in run_gloo(_placements_differ, 2, env=env, deadline_s=120).values())

@@ -21,7 +21,7 @@ from __future__ import annotations
 from .all_reduce import ALL_REDUCE
 from .all_gather import ALL_GATHER
 from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
-from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints, prepare_call
+from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints, prepare_call, refuse_call
 from .moe import DP_TO_EP, EP_TO_DP
 from .reduce_scatter import REDUCE_SCATTER
 
@@ -49,4 +49,5 @@ def default_tuned() -> tuple[str, ...]:
 
 
 __all__ = ["ALL", "ALL_GATHER", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "Collective", "CustomOp", "DP_TO_EP", "EP_TO_DP", "Lookups",
-           "PointRequest", "REDUCE_SCATTER", "TuningPoints", "default_tuned", "get", "names", "prepare_call"]
+           "PointRequest", "REDUCE_SCATTER", "TuningPoints", "default_tuned", "get", "names", "prepare_call",
+           "refuse_call"]

@@ -5,7 +5,8 @@ all-gather is the reduce-scatter (sum) of the gradients, torch.distributed.nn.fu
 
 Problem: ``nbytes`` of the full (gathered) output; bucket: those bytes; no shape. An all-gather
 copies bytes: a dtype without rows of its own (integers, bool, fp8) is keyed as bf16 (the rows
-of the same byte size), and fp16 / fp32 calls fall back to the bf16 rows too. Cache key:
+of the same byte size), and fp16 / fp32 calls fall back to the bf16 rows too; where NCCL serves
+fp8 or fp4 (which torch's NCCL and gloo refuse), it moves their bytes. Cache key:
 ``(record, dtype, input shape, output shape, sizes or None, input device, capturing)``; the call's arguments
 ``(output, input, sizes)``.
 """
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from ..backends.rs_ag_layout import AllGatherConfig
 from ..problem import DTYPE_NAMES, Problem
-from .all_reduce import SIZES
+from .all_reduce import SIZES, UNREDUCIBLE
 from .base import CustomOp, Lookups, TuningPoints
 from .reduce_scatter import Sharded, checked_tensors, shard_counts, shards_text
 
@@ -29,12 +30,18 @@ class AllGather(Sharded):
 
     def check_call(self, state, key: tuple, args: tuple, mode: str):
         output, input, sizes = args
-        checked_tensors(self, state, (output, input))
+        checked_tensors(self, state, output, input)
         shard_counts(self, output, input, sizes, state.rank, state.world_size)
         if state.world_size == 1:
             return self.single_rank_entry(mode)
         dtype = DTYPE_NAMES.get(input.dtype, "bf16")  # bytes are bytes: see the module docstring
-        return Problem(self.name, dtype, state.world_size, nbytes=output.numel() * output.element_size())
+        problem = Problem(self.name, dtype, state.world_size, nbytes=output.numel() * output.element_size())
+        if input.dtype not in UNREDUCIBLE:
+            return problem
+        entry = self.prepare(state, problem, mode)
+        if entry.decision.backend == self.fallback:  # torch's collectives refuse fp8: they move its bytes
+            entry.launcher = _as_bytes(entry.launcher)
+        return entry
 
     def bytes_per_call(self, args: tuple) -> int:
         return args[0].numel() * args[0].element_size()
@@ -42,6 +49,17 @@ class AllGather(Sharded):
     def custom_ops(self) -> tuple[CustomOp, ...]:
         return (CustomOp("all_gather_into_tensor", _all_gather_into_tensor, _all_gather_into_tensor_fake,
                          setup_context=_setup, backward=_backward),)
+
+
+def _as_bytes(launcher):
+    """``launcher(output, input, counts=None)`` on byte views of contiguous tensors of any dtype."""
+    def launch(output: Tensor, input: Tensor, counts=None) -> Tensor:
+        size = output.element_size()
+        launcher(output.view(-1).view(torch.uint8), input.reshape(-1).view(torch.uint8),
+                 None if counts is None else [c * size for c in counts])
+        return output
+
+    return launch
 
 
 def _all_gather_into_tensor(input: Tensor, group_size: int, group_name: str) -> Tensor:

@@ -34,6 +34,14 @@ SIZES_SPEC = "4KiB:256MiB:2"
 SIZES = tuple(octave_points(4 << 10, 256 << 20, 2))
 
 
+def check_reducible(dtype: torch.dtype, what: str) -> None:
+    """ValueError for a dtype no backend reduces (:data:`UNREDUCIBLE`: fp8, fp4), naming it."""
+    if dtype in UNREDUCIBLE:
+        raise ValueError(f"autosymm.{what}: dtype {dtype} cannot be reduced: tuned kernels serve "
+                         f"{', '.join(map(str, DTYPE_NAMES))} sums, NCCL the other real, integer, bool and "
+                         f"complex dtypes (cast an fp8 tensor up, e.g. to torch.bfloat16, and back)")
+
+
 class BytesKeyed(Collective):
     """A collective keyed by the bytes of its full tensor (all-reduce, reduce-scatter, all-gather)."""
 
@@ -63,10 +71,7 @@ class AllReduce(BytesKeyed):
         check_tensor(x, state, self.name)
         if op not in NCCL_OPS:
             raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(NCCL_OPS)}")
-        if x.dtype in UNREDUCIBLE:
-            raise ValueError(f"autosymm.all_reduce: dtype {x.dtype} cannot be reduced: tuned kernels serve "
-                             f"{', '.join(map(str, DTYPE_NAMES))} sums, NCCL the other real, integer, bool and "
-                             f"complex dtypes (cast an fp8 tensor up, e.g. to torch.bfloat16, and back)")
+        check_reducible(x.dtype, self.name)
         if state.world_size == 1:
             return Entry(Decision("noop", None, self.one_rank_reason(state.deterministic), mode=mode), identity)
         dtype = DTYPE_NAMES.get(x.dtype)

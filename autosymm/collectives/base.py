@@ -234,3 +234,23 @@ def prepare_call(state, record: Collective, key: tuple, args: tuple):
     entry.bytes_per_call = record.bytes_per_call(args)
     state.cache[key] = entry
     return entry
+
+
+def refuse_call(state, record: Collective, args: tuple):
+    """A call whose key cannot be built (an argument that is not a dense tensor, per-rank sizes
+    that are not ints): its checks (``record.check_call``, which name the argument) raise, after
+    they are agreed with every rank as :func:`prepare_call` agrees a call's first use, so a peer
+    making its first use of a call at the same point raises too, naming this rank's error."""
+    from ..group import stream_capturing
+
+    mode = "graph" if stream_capturing() else "eager"
+
+    def check():
+        record.check_call(state, None, args, mode)
+        raise TypeError(f"autosymm.{record.name}: the arguments are not tensors of one call")  # checks missed it
+
+    if state.check_calls:
+        from ..call_check import checked_entry
+
+        checked_entry(state, record, None, args, mode)  # raises the checks' error (or the peers')
+    state.agreed_check(f"{record.name} of arguments this rank refused", check)

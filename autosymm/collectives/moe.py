@@ -88,7 +88,7 @@ class MoEConversion(Collective):
         from ..group import check_tensor
 
         src, assignment, expt_indx, indx = args
-        check_tensor(src, state, self.name)
+        check_tensor(src, state, self.name, "src")
         if src.dim() != 2 or expt_indx.dim() != 2:
             raise ValueError(f"autosymm.{self.name}: src {tuple(src.shape)} and expt_indx {tuple(expt_indx.shape)} "
                              f"must be 2-D ([rows, d_model], [n_tokens_global, k])")

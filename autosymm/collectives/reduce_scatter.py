@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ..backends.rs_ag_layout import ReduceScatterConfig
 from ..problem import DTYPE_NAMES, Problem
-from .all_reduce import NCCL_OPS, SIZES, BytesKeyed
+from .all_reduce import NCCL_OPS, SIZES, BytesKeyed, check_reducible
 from .base import Collective, CustomOp, Lookups, TuningPoints
 
 log = logging.getLogger("autosymm")
@@ -40,7 +41,7 @@ def shard_counts(record: Collective, full: Tensor, shard: Tensor, sizes: Optiona
             raise ValueError(f"{what}: the full tensor {tuple(full.shape)} must hold world_size={world_size} times "
                              f"the {shard.numel()} elements of the shard {tuple(shard.shape)}")
         return None
-    sizes = tuple(int(s) for s in sizes)
+    sizes = checked_sizes(sizes, record.name)
     if len(sizes) != world_size or min(sizes) < 0:
         raise ValueError(f"{what}: sizes {list(sizes)} must be {world_size} non-negative dim-0 sizes, one per rank")
     if full.dim() < 1 or shard.dim() < 1 or full.shape[1:] != shard.shape[1:]:
@@ -51,6 +52,25 @@ def shard_counts(record: Collective, full: Tensor, shard: Tensor, sizes: Optiona
                          f"{sizes[rank]} rows on rank {rank}, got {tuple(full.shape)} and {tuple(shard.shape)}")
     row = math.prod(shard.shape[1:])
     return tuple(s * row for s in sizes)
+
+
+def checked_sizes(sizes, what: str) -> tuple[int, ...]:
+    """Per-rank dim-0 ``sizes`` (a list or tuple of host ints, numpy's too) as a tuple of ints;
+    TypeError naming ``sizes`` for anything else: a float, string or bool would be cut or read
+    as a row count, a tensor would be read from the device on every call."""
+    if isinstance(sizes, (list, tuple)):
+        found = tuple(sizes)
+        if all(type(s) is int for s in found):
+            return found
+        try:
+            if not any(isinstance(s, bool) for s in found):
+                return tuple(operator.index(s) for s in found)
+        except TypeError:
+            pass
+        kinds = sorted({type(s).__name__ for s in found if type(s) is not int})
+        raise TypeError(f"autosymm.{what}: sizes={list(found)!r} must be ints, one per rank (got {', '.join(kinds)})")
+    kind = "a tensor: pass host ints (sizes.tolist())" if isinstance(sizes, torch.Tensor) else type(sizes).__name__
+    raise TypeError(f"autosymm.{what}: sizes must be a list of ints, one per rank, not {kind}")
 
 
 def shards_text(shard: Tensor, sizes: Optional[Sequence[int]]) -> str:
@@ -79,11 +99,11 @@ class Sharded(BytesKeyed):
         return Entry(Decision("noop", None, self.one_rank_reason(False), mode=mode), launcher)
 
 
-def checked_tensors(record: Collective, state, tensors: Sequence[Tensor]) -> None:
+def checked_tensors(record: Collective, state, output: Tensor, input: Tensor) -> None:
     from ..group import check_tensor
 
-    for t in tensors:
-        check_tensor(t, state, record.name)
+    check_tensor(output, state, record.name, "output")
+    check_tensor(input, state, record.name, "input")
 
 
 class ReduceScatter(Sharded):
@@ -93,9 +113,10 @@ class ReduceScatter(Sharded):
 
     def check_call(self, state, key: tuple, args: tuple, mode: str):
         output, input, op, sizes = args
-        checked_tensors(self, state, (output, input))
+        checked_tensors(self, state, output, input)
         if op not in NCCL_OPS:
             raise ValueError(f"autosymm.reduce_scatter_tensor: op={op!r} is not one of {sorted(NCCL_OPS)}")
+        check_reducible(input.dtype, self.name)
         shard_counts(self, input, output, sizes, state.rank, state.world_size)
         if state.world_size == 1:
             return self.single_rank_entry(mode)
