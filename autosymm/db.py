@@ -47,7 +47,9 @@ read-only; a hot journal is rolled back first where the file is writable); a new
 :class:`DatabaseVersionError`; a file that is not a tuning database raises
 :class:`CorruptDatabaseError`; a locked one :class:`DatabaseLockedError` after ``LOCK_WAIT_S``
 (reads) or ``BUSY_TIMEOUT_S`` (the tuner's writes: several tune processes can share one file;
-writers take ``BEGIN IMMEDIATE``). :func:`verdict` says whether a file is usable, and why not.
+writers take ``BEGIN IMMEDIATE``; a merge waits ``autosymm.db_merge.MERGE_LOCK_WAIT_S``). The
+query clock bounds each statement, and each wait for a statement's next row, not an operation
+of many rows: a merge or export of any size passes, a statement that spins is stopped. :func:`verdict` says whether a file is usable, and why not.
 The user's database is ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite``
 (:func:`user_db_path`); shipped ones are ``tuning_db/<slug>.sqlite`` in the package
 (:func:`shipped_db_paths`), opened read-only.
