@@ -284,7 +284,7 @@ def _collect_rows(db_paths, op, world_size, winners_only: bool):
 def _row_json(r) -> dict:
     out = {"gpu": r.gpu, "hardware": r.hardware, "world_size": r.world_size, "op": r.op, "dtype": r.dtype,
            "mode": r.mode, "backend": r.backend, "config": json.loads(r.config or "{}"), "us": r.median_us,
-           "nccl_us": r.nccl_us, "speedup": r.speedup}
+           "nccl_us": r.nccl_us, "speedup": r.speedup, "nccl_version": r.nccl_version}
     if _in_bytes(r.op):
         out["size_bytes"] = r.bucket
     else:

@@ -1,6 +1,6 @@
 """The tuning database: measured rows in one SQLite file, written by the tuner, read by the dispatcher.
 
-Schema version 2 (open any file with the ``sqlite3`` CLI)::
+Schema version 3 (open any file with the ``sqlite3`` CLI)::
 
     CREATE TABLE results (          -- one row per key and backend: that backend's best config
       hardware TEXT NOT NULL,       -- hardware slug, e.g. 'nvidia-h200-nvlink'
@@ -24,6 +24,7 @@ Schema version 2 (open any file with the ``sqlite3`` CLI)::
       cuda_version TEXT, driver_version TEXT,
       created TEXT NOT NULL,        -- ISO 8601 date-time, UTC
       comm_env TEXT,                -- multicast/NVLS variables as the tune saw them (NULL: not recorded)
+      nccl_version TEXT,            -- the NCCL nccl_us was measured with, e.g. '2.28.9' (NULL: not recorded)
       PRIMARY KEY (hardware, world_size, op, dtype, bucket, shape, mode, backend));
     CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);  -- 'schema_version' and notes
     CREATE VIEW winners AS ...      -- results' fastest row per key (ties: backend name)
@@ -36,15 +37,19 @@ also defines a key's *winner* for dispatch and ``autosymm show``). For example::
       speedup FROM winners WHERE op = 'all_reduce' AND dtype = 'bf16' ORDER BY 1, 2"
 
 A database is untrusted data: values are always bound parameters, no pickle or eval, unknown
-extra columns are ignored; a row that does not validate (config included) is skipped by every
-read, digest and merge, with one :class:`BadRowWarning` per file and key; autosymm never reads the
+extra columns are ignored; a row that does not validate (autosymm.db_schema.checked_row, the one
+validator: fields, vocabulary, the bucket's bound, config, backend) is skipped by every read,
+digest, merge, export, ``show`` and the dispatcher, with one :class:`BadRowWarning` per file and
+key, and never written (``record_many`` refuses it); autosymm never reads the
 file's ``winners`` view nor runs its schema's code, and every query is bounded in time
 (autosymm.db_open). An older schema is migrated in one transaction (in memory when opened
 read-only; a hot journal is rolled back first where the file is writable); a newer one raises
 :class:`DatabaseVersionError`; a file that is not a tuning database raises
 :class:`CorruptDatabaseError`; a locked one :class:`DatabaseLockedError` after ``LOCK_WAIT_S``
 (reads) or ``BUSY_TIMEOUT_S`` (the tuner's writes: several tune processes can share one file;
-writers take ``BEGIN IMMEDIATE``). :func:`verdict` says whether a file is usable, and why not.
+writers take ``BEGIN IMMEDIATE``; a merge waits ``autosymm.db_merge.MERGE_LOCK_WAIT_S``). The
+query clock bounds each statement, and each wait for a statement's next row, not an operation
+of many rows: a merge or export of any size passes, a statement that spins is stopped. :func:`verdict` says whether a file is usable, and why not.
 The user's database is ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite``
 (:func:`user_db_path`); shipped ones are ``tuning_db/<slug>.sqlite`` in the package
 (:func:`shipped_db_paths`), opened read-only.
@@ -70,8 +75,12 @@ from .db_open import LOCK_WAIT_S, DatabaseLockedError, QueryTimeoutError, connec
 from .db_schema import (  # the schema's public names are re-exported (__all__)
     BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, MIGRATIONS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER, SCHEMA_VERSION,
     BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts, ReadOnlyDatabaseError, Row,
-    TuningDBError, create_schema, version_mismatch, where_clause,
+    TuningDBError, checked_row, create_schema, version_mismatch, where_clause,
 )
+
+#: Rows per write statement batch: the query clock is re-armed between batches, so it bounds a
+#: statement that spins without failing a legitimate bulk write of any size.
+WRITE_CHUNK = 2000
 
 #: Bad rows already warned about, per database file (a row is named once per process).
 _WARNED: dict[str, set[tuple]] = {}
@@ -181,6 +190,7 @@ class TuningDB:
                 yield
             return
         self.db.execute("BEGIN IMMEDIATE")
+        self._clock.arm()  # the wait for the lock (busy timeout) is not the query's time
         try:
             yield
             self.db.commit()
@@ -215,13 +225,26 @@ class TuningDB:
     # ---------------------------------------------------------------- writing
 
     def record_many(self, rows: Iterable[Row]) -> int:
-        """Insert or replace ``rows`` (validated Row objects) in one transaction, each under its
-        key and backend (a row of the same key and backend is replaced); returns how many."""
+        """Insert or replace ``rows`` (Row objects) in one transaction, each under its key and
+        backend (a row of the same key and backend is replaced); returns how many. A row the
+        reads would skip (autosymm.db_schema.checked_row) is a ValueError naming it: nothing is written."""
         self._require_writable()
         rows = list(rows)
+        for row in rows:
+            try:
+                checked_row(row)
+            except ValueError as exc:
+                raise ValueError(f"not recording {_named(row.pk)} in {self.location}: {exc}") from None
         with self._guarded(), self._transaction():
-            self._results.upsert_all([row.to_dict() for row in rows], pk=PK_COLUMNS)
+            self._upsert(rows)
         return len(rows)
+
+    def _upsert(self, rows: list[Row]) -> None:
+        """Upsert ``rows`` in WRITE_CHUNK batches, the clock re-armed for each (inside the caller's transaction)."""
+        for start in range(0, len(rows), WRITE_CHUNK):
+            self._clock.arm()
+            self._results.upsert_all([row.to_dict() for row in rows[start:start + WRITE_CHUNK]], pk=PK_COLUMNS,
+                                     batch_size=WRITE_CHUNK)
 
     def _merge_rows(self, incoming: list[Row], skipped: int) -> MergeCounts:
         """Merge ``incoming`` in: per key and backend the faster row wins (a bad row here is replaced)."""
@@ -230,7 +253,7 @@ class TuningDB:
             mine, stale = {row.pk: row.median_us for row in valid}, set(bad)
             new = [row for row in incoming if row.pk not in mine and row.pk not in stale]
             faster = [row for row in incoming if row.pk in stale or mine.get(row.pk, -1.0) > row.median_us]
-            self._results.upsert_all([row.to_dict() for row in new + faster], pk=PK_COLUMNS)
+            self._upsert(new + faster)
         return MergeCounts(len(new), len(faster), len(incoming) - len(new) - len(faster), skipped)
 
     def export(self, path: Union[str, os.PathLike], *, overwrite: bool = False, **filters: Any) -> int:
@@ -255,7 +278,10 @@ class TuningDB:
         notes = {k: v for k, v in self.meta().items() if k != "schema_version"}
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
+        try:
+            os.fchmod(fd, plain_file_mode())  # mkstemp's is 0600; an export is a file like any other
+        finally:
+            os.close(fd)
         tmp = Path(name)
         try:
             with TuningDB(tmp) as out:
@@ -277,15 +303,15 @@ class TuningDB:
         with self._guarded():
             for data in self._results.rows_where(where, list(params), order_by=ROW_ORDER):
                 try:
-                    rows.append(Row.from_dict(data))
+                    rows.append(checked_row(data))
                 except ValueError as exc:
                     pk = tuple(data.get(c) for c in PK_COLUMNS)
                     bad.append(pk)
                     if pk not in self._warned:
                         self._warned.add(pk)
-                        named = ", ".join(f"{c}={v!r}" for c, v in zip(PK_COLUMNS, pk))
                         warnings.warn(f"autosymm: skipping a bad row of tuning database {self.location} "
-                                      f"({named}): {exc}", BadRowWarning, stacklevel=3)
+                                      f"({_named(pk)}): {exc}", BadRowWarning, stacklevel=3)
+                self._clock.arm()  # a row came back: progress; the clock bounds the wait for the next
         return rows, bad
 
     def rows(self, **filters: Any) -> list[Row]:
@@ -299,6 +325,25 @@ class TuningDB:
     def digest(self, **filters: Any) -> str:
         """:func:`rows_digest` of the valid rows matching ``filters``."""
         return rows_digest(self.rows(**filters))
+
+
+def _named(pk: tuple) -> str:
+    """A row's primary key as messages name it: "hardware='...', world_size=2, ..."."""
+    return ", ".join(f"{c}={v!r}" for c, v in zip(PK_COLUMNS, pk))
+
+
+def plain_file_mode() -> int:
+    """The mode a new plain file gets under this process's umask: 0o666 & ~umask."""
+    try:
+        with open("/proc/self/status") as status:  # Linux: read without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting it, and put it back at once
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def rows_digest(rows: Iterable[Row]) -> str:

@@ -25,7 +25,7 @@ from .db_schema import SCHEMA_VERSION, V0_COLUMNS, CorruptDatabaseError, Databas
 
 #: How long a read (and `autosymm db merge`'s write) waits for another process's lock, seconds.
 LOCK_WAIT_S = 3.0
-#: The most one database operation (a statement and reading its rows) may take, seconds.
+#: The most one statement may run, or wait for its next row, seconds (QueryClock).
 QUERY_LIMIT_S = 10.0
 #: SQLite virtual-machine steps between two looks at the clock.
 _CLOCK_STEPS = 1000
@@ -41,15 +41,22 @@ class QueryTimeoutError(TuningDBError):
 
 
 class QueryClock:
-    """A deadline that interrupts the connection's statements once it passes (``arm`` sets it)."""
+    """A deadline that interrupts the connection's statement once it passes: set (``arm``) as each
+    statement starts (SQLite's statement trace) and by a reader each time a row comes back. So
+    it bounds one statement's run, or its wait for its next row, never a whole bulk operation of
+    many statements and rows: a merge of any size passes, a statement that spins is stopped."""
 
     def __init__(self, conn: sqlite3.Connection, limit_s: Optional[float] = None) -> None:
         self.limit_s = QUERY_LIMIT_S if limit_s is None else limit_s
         self.deadline = time.monotonic() + self.limit_s
         conn.set_progress_handler(self._late, _CLOCK_STEPS)
+        conn.set_trace_callback(self._started)
 
     def arm(self) -> None:
         self.deadline = time.monotonic() + self.limit_s
+
+    def _started(self, statement: str) -> None:
+        self.arm()
 
     def _late(self) -> int:
         return 1 if time.monotonic() > self.deadline else 0  # non-zero: SQLite interrupts

@@ -21,13 +21,17 @@ touches the file.
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .db import DatabaseLockedError, QueryTimeoutError, TuningDB, rows_digest
-from .db_schema import KEY_COLUMNS, Key, Row, row_matches, where_clause
+from .db_schema import KEY_COLUMNS, NCCL_TRUST_MARGIN, Key, Row, nccl_trust, row_matches, where_clause
+from .hardware import nccl_version
+
+log = logging.getLogger("autosymm")
 
 
 @dataclass
@@ -46,6 +50,20 @@ class DBSource:
     def digest(self) -> str:
         """The digest of the rows this source serves (autosymm.db.rows_digest): what ranks agree on."""
         return rows_digest(self._rows)
+
+    def nccl_note(self, running: str) -> str:
+        """What the NCCL trust rule (autosymm.db_schema.nccl_trust) does with this source's rows
+        under the running NCCL ``running``: '' when no row was measured with another major.minor."""
+        judged = [(row, nccl_trust(row, running)) for row in self._rows]
+        other = [(row, trusted) for row, (trusted, note) in judged if note]
+        if not other:
+            return ""
+        measured = sorted({row.nccl_version for row, _ in other})
+        passed_over = sum(not trusted for _, trusted in other)
+        return (f"{self.label}: {len(other)} of {len(self._rows)} rows were measured with NCCL "
+                f"{', '.join(measured)}, this process runs NCCL {running}: rows that beat that NCCL by "
+                f">= {NCCL_TRUST_MARGIN:g}x (and NCCL's own) stay, {passed_over} others are passed over "
+                f"(`autosymm explain` names each with its margin)")
 
     def family(self, key: Key, any_shape: bool = False) -> list[Row]:
         """The rows of ``key`` at every bucket (``any_shape``: and every shape), per key fastest first."""
@@ -107,7 +125,9 @@ def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSou
 
     A missing file is skipped; one that cannot be used (not SQLite, empty, foreign, a newer
     schema: autosymm.db.verdict) is skipped with a warning naming it and why (the decisions then
-    fall back), never misread. A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
+    fall back), never misread. A source whose rows were measured with another NCCL major.minor
+    than this process runs is logged once per call (once per group: the group's set-up opens
+    them) with what the trust rule does (:meth:`DBSource.nccl_note`). A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
     raises (DatabaseLockedError / QueryTimeoutError, naming the file): at a group's first call it
     goes through the ranks' agreement, so every rank takes NCCL and rank 0 says why.
     """
@@ -121,4 +141,7 @@ def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSou
             raise
         except Exception as exc:  # corrupt / foreign / too-new DB: never misread, say which and why
             warnings.warn(f"autosymm: ignoring tuning database {path}: {exc}", stacklevel=2)
+    running = nccl_version()
+    for note in filter(None, (source.nccl_note(running) for source in sources)):
+        log.warning("autosymm: %s", note)
     return sources

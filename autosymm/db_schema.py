@@ -8,8 +8,10 @@ and the view are created through sqlite-utils (``Table.create``, ``Database.crea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -17,22 +19,31 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import sqlite_utils
 
 from . import collectives
+from .backends import backend_names, get_backend
 from .configs import AnyConfig, as_int, config_from_json, config_to_json, config_types
+from .problem import DTYPES, MODES, MoEShape
 
 
 if not hasattr(sqlite_utils.Database, "atomic"):  # 3.x commits an open transaction on every write
     raise ImportError("autosymm.db needs sqlite-utils >= 4.0 (nested transactions): pip install -U sqlite-utils")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_S = 30.0
 KEY_COLUMNS = ("hardware", "world_size", "op", "dtype", "bucket", "shape", "mode")
 PK_COLUMNS = KEY_COLUMNS + ("backend",)
 FILTER_COLUMNS = PK_COLUMNS + ("gpu",)
 _VERSION_COLUMNS = ("autosymm_version", "torch_version", "triton_version", "cuda_version", "driver_version")
-#: Where a row was measured (autosymm.hardware.provenance): the versions, and ``comm_env``, the
+#: Where a row was measured (autosymm.hardware.provenance): the versions; ``comm_env``, the
 #: multicast/NVLS environment variables as the tune saw them (e.g. 'NCCL_NVLS_ENABLE=0 ...'),
-#: which decide whether NCCL's baseline in that row could use NVLink SHARP.
-PROVENANCE_COLUMNS = _VERSION_COLUMNS + ("comm_env",)
+#: which decide whether NCCL's baseline in that row could use NVLink SHARP; and
+#: ``nccl_version``, the NCCL whose time ``nccl_us`` is (e.g. '2.28.9'; NULL: not recorded).
+PROVENANCE_COLUMNS = _VERSION_COLUMNS + ("comm_env", "nccl_version")
+#: The largest tensor a call can have, bytes: 1 TiB. A collective's tensor lives in one GPU's
+#: memory (an all-gather's output, a reduce-scatter's input too), and no GPU holds 1 TiB (the
+#: largest, B300, has 288 GB). A row's bucket is bounded by it: bytes as they are, tokens per
+#: rank times the bytes of one token of the row's shape (autosymm.problem).
+MAX_TENSOR_BYTES = 1 << 40
+_NCCL_VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}(\.[0-9]{1,4})?")
 
 #: The results table, in on-disk column order (sqlite-utils types: str TEXT, int INTEGER, float REAL).
 RESULTS_COLUMNS: dict[str, type] = {
@@ -40,6 +51,7 @@ RESULTS_COLUMNS: dict[str, type] = {
     "mode": str, "backend": str, "config": str, "median_us": float, "p10_us": float, "p90_us": float,
     "nccl_us": float, "speedup": float, "trials": int, "autosymm_version": str, "torch_version": str,
     "triton_version": str, "cuda_version": str, "driver_version": str, "created": str, "comm_env": str,
+    "nccl_version": str,
 }
 RESULTS_NOT_NULL = PK_COLUMNS + ("gpu", "config", "median_us", "created")
 RESULTS_DEFAULTS = {"gpu": "", "shape": "", "config": "{}"}
@@ -127,6 +139,10 @@ def _positive(name: str, value: Any) -> float:
     return value
 
 
+#: Parsed configs by JSON text: a database holds few distinct configs, and configs are frozen.
+_config_of = functools.lru_cache(maxsize=4096)(config_from_json)
+
+
 def _opt(convert: Callable[[str, Any], Any], name: str, value: Any, *args: Any) -> Any:
     return None if value is None else convert(name, value, *args)
 
@@ -164,6 +180,7 @@ class Row:
     driver_version: Optional[str] = None
     created: str = field(default_factory=_utc_now)
     comm_env: Optional[str] = None
+    nccl_version: Optional[str] = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:  # the dataclass is frozen
@@ -184,12 +201,17 @@ class Row:
         for name in PROVENANCE_COLUMNS:
             value = getattr(self, name)
             put(name, None if value is None else str(value))
-        if self.config is None or isinstance(self.config, tuple(config_types().values())):
+        put("nccl_version", self.nccl_version or None)  # '' (the tuner without NCCL): not recorded
+        if self.nccl_version is not None and not _NCCL_VERSION.fullmatch(self.nccl_version):
+            raise ValueError(f"Row.nccl_version={self.nccl_version!r} must be a version like '2.28.9'")
+        self._check_vocabulary()
+        if self.config is None or (not isinstance(self.config, str)
+                                   and isinstance(self.config, tuple(config_types().values()))):
             put("config", config_to_json(self.config))
         if not isinstance(self.config, str) or not self.config.strip():
             raise ValueError(f"Row.config={self.config!r} must be a config's JSON text ('{{}}' for none)")
         try:
-            put("_config_obj", config_from_json(self.config))  # parsed once: validated and cached
+            put("_config_obj", _config_of(self.config))  # parsed once per text: validated and cached
         except ValueError as exc:
             raise ValueError(f"Row.config: {exc}") from None
         # the config type of the op's rows (its record's): a row of another op's type is refused
@@ -197,6 +219,31 @@ class Row:
         if self._config_obj is not None and kind is not None and not isinstance(self._config_obj, kind):
             raise ValueError(f"Row.config: config type {type(self._config_obj).__name__} does not belong to op "
                              f"{self.op!r} (its rows hold {kind.__name__})")
+
+    def _check_vocabulary(self) -> None:
+        """The key's words are autosymm's: a registered op, a dtype and mode it serves, a shape
+        of the op's kind, and a bucket no larger than a tensor can be (MAX_TENSOR_BYTES)."""
+        if self.op not in collectives.names():
+            raise ValueError(f"Row.op={self.op!r} is not one of {collectives.names()}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Row.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.mode not in MODES:
+            raise ValueError(f"Row.mode={self.mode!r} is not one of {MODES}")
+        record = collectives.get(self.op)
+        if not record.shape_param and self.shape:
+            raise ValueError(f"Row.shape={self.shape!r}: op {self.op} has no shape ('' only)")
+        per_unit = 1
+        if record.shape_param:
+            try:
+                shape = record.shape_of_key(self.shape)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"Row.shape={self.shape!r}: {exc}") from None
+            elements = shape.d_model if isinstance(shape, MoEShape) else int(shape)
+            per_unit = elements * DTYPES[self.dtype].itemsize if record.bucket_unit == "tokens" else 1
+        if self.bucket * per_unit > MAX_TENSOR_BYTES:
+            what = "bytes" if per_unit == 1 else f"tokens per rank of {per_unit} bytes each"
+            raise ValueError(f"Row.bucket={self.bucket} {what} is over the largest tensor a call can have "
+                             f"({MAX_TENSOR_BYTES} bytes, 1 TiB)")
 
     @property
     def key(self) -> Key:
@@ -227,6 +274,38 @@ class Row:
         return cls(**values)
 
 
+def backend_fault(row: Row) -> Optional[str]:
+    """Why ``row`` (a Row, its fields valid) is still unusable: its backend unknown, not serving
+    its op, or holding another algorithm's config; None when it is usable."""
+    if row.backend not in backend_names():
+        return f"unknown backend {row.backend!r} (known: {', '.join(backend_names())})"
+    try:
+        backend = get_backend(row.backend)
+    except ImportError:  # registered but not importable here: the name is all that can be checked
+        return None
+    if row.op not in backend.needs.ops:
+        return f"backend {row.backend} does not serve op {row.op!r}"
+    config = row.config_obj
+    if config is None and backend.needs.compiles_kernels:
+        return f"backend {row.backend} needs a launch config, the row holds none"
+    want, have = getattr(backend, "algorithm", None), getattr(config, "algorithm", None)
+    if config is not None and want is not None and have != want:
+        return f"backend {row.backend} runs algorithm {want!r}, the config holds {have!r}"
+    return None
+
+
+def checked_row(data: Union[Row, dict[str, Any]]) -> Row:
+    """The one row validator: ``data`` (a stored row's columns, or a Row) as a Row that every
+    read, merge, export, ``show`` and the dispatcher may use. Its fields as Row checks them
+    (types, ranges, the op/dtype/mode vocabulary, the bucket's bound MAX_TENSOR_BYTES, the
+    config), then its backend (:func:`backend_fault`). ValueError saying what is wrong."""
+    row = data if isinstance(data, Row) else Row.from_dict(data)
+    fault = backend_fault(row)
+    if fault is not None:
+        raise ValueError(f"Row.backend: {fault}")
+    return row
+
+
 ROW_FIELDS = tuple(f.name for f in dataclasses.fields(Row))
 _REQUIRED_FIELDS = tuple(f.name for f in dataclasses.fields(Row)
                          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
@@ -244,6 +323,42 @@ def version_mismatch(row: Row, torch_version: Optional[str], triton_version: Opt
     measured = ", ".join(f"{name} {version}" for name, version, _ in known)
     running = ", ".join(f"{name} {version}" for name, _, version in known)
     return f"measured with {measured} (running {running})"
+
+
+#: The trust rule under an NCCL change. A row's speed-up is over the NCCL of its run, and NCCL's
+#: small-message time moves between major.minor versions (2.28 -> 2.29 regressed, nccl#2094;
+#: symmetric kernels arrived in 2.27), by tens of percent in the reported cases. Where the
+#: running NCCL's major.minor differs from the row's, the row stays trusted only if it beat its
+#: NCCL by at least this factor (speedup = nccl_us / median_us): NCCL would have to have become
+#: 1.5x faster for it to lose. Others are passed over, so the call falls back towards NCCL.
+NCCL_TRUST_MARGIN = 1.5
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
+def nccl_trust(row: Row, running: Optional[str]) -> tuple[bool, str]:
+    """(whether dispatch may use ``row`` under the running NCCL ``running``, what to say of it).
+
+    The one rule (NCCL_TRUST_MARGIN), a pure function of the row and the NCCL version the ranks
+    agreed on (autosymm.hardware.nccl_version; every rank decides alike). No check, nothing
+    said, where either version is unknown ('' or None: torch without NCCL, a row that did not
+    record it) or their major.minor agree. Else: the op's NCCL baseline row (its ``fallback``)
+    and a row without an NCCL time (NCCL could not serve that call) stay, said; another row stays
+    if its speed-up over its NCCL is >= NCCL_TRUST_MARGIN, else it is not trusted."""
+    measured = row.nccl_version
+    if not running or not measured or _major_minor(running) == _major_minor(measured):
+        return True, ""
+    versions = f"measured with NCCL {measured}, running {running}"
+    if row.backend == collectives.get(row.op).fallback:
+        return True, f"{versions}: the NCCL baseline itself"
+    if row.speedup is None:
+        return True, f"{versions}: no NCCL time in its run, NCCL's version does not bear on it"
+    margin = f"{row.speedup:.2f}x over that NCCL"
+    if row.speedup >= NCCL_TRUST_MARGIN:
+        return True, f"{versions}: kept, {margin} >= {NCCL_TRUST_MARGIN:g}x"
+    return False, f"{versions}: only {margin} (< {NCCL_TRUST_MARGIN:g}x), not trusted across NCCL versions"
 
 
 _ANY_OF = (list, tuple, set, frozenset)
@@ -306,6 +421,15 @@ def _migrate_1_to_2(db: sqlite_utils.Database) -> None:
         results.add_column("comm_env", RESULTS_COLUMNS["comm_env"])
 
 
+def _migrate_2_to_3(db: sqlite_utils.Database) -> None:
+    """Version 2 had no ``nccl_version`` (its rows read it as NULL: the NCCL they beat unknown)."""
+    if "results" not in db.table_names():
+        raise CorruptDatabaseError("a version-2 tuning database without its results table")
+    results = db.table("results")
+    if "nccl_version" not in results.columns_dict:
+        results.add_column("nccl_version", RESULTS_COLUMNS["nccl_version"])
+
+
 #: MIGRATIONS[n] turns a version-n database into version n + 1 (inside one transaction).
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_0_to_1, _migrate_1_to_2]
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_0_to_1, _migrate_1_to_2, _migrate_2_to_3]
 assert len(MIGRATIONS) == SCHEMA_VERSION

@@ -26,6 +26,9 @@ Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth 
    modelled time; the reason names the tuned point and, off it, the neighbours.
    MoE shapes: the shape (d_model, experts, top-k) is matched exactly; without rows for it, the
    nearest tuned (shape, tokens per rank) by bytes per row and rows per rank.
+   Under a running NCCL of another major.minor than a row's (autosymm.db_schema.nccl_trust,
+   the one trust rule: a row that beat its NCCL by less than NCCL_TRUST_MARGIN is passed over,
+   said in ``skipped``; a kept row's reason names both versions and its margin).
 5. nothing usable -> the op's fallback order: NCCL for all-reduce; for MoE the Triton conversion
    with its default config where it can serve (no NCCL path is graph-capturable), else NCCL
    all_to_all.
@@ -47,8 +50,8 @@ from . import settings
 from .backends import Capabilities, get_backend
 from .configs import AnyConfig, config_fields
 from .db_read import DBSource, Lookup
-from .db_schema import Key, Row, version_mismatch
-from .hardware import running_versions
+from .db_schema import Key, Row, nccl_trust, version_mismatch
+from .hardware import nccl_version, running_versions
 from .neighbours import RowCandidate, candidates, floors_of, moe_ratios, nearest_moe_point, points_around
 from .problem import Problem
 
@@ -183,7 +186,9 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
         ranked = candidates(problem, chosen, floors_of(family))
         for candidate in ranked:
             row = candidate.row
-            why_not = _why_not(row.backend, problem, caps, mode, deterministic)
+            trusted, why_not = nccl_trust(row, nccl_version())
+            if trusted:
+                why_not = _why_not(row.backend, problem, caps, mode, deterministic)
             if why_not is not None:
                 text = f"{row.backend}: {why_not}"
                 if text not in skipped:
@@ -207,7 +212,7 @@ def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list
     if how:
         estimate = "interpolated" if candidate.interpolated else "modelled"
         reason += f" ({how}; {estimate} {candidate.modelled_us:.2f} us)"
-    for remark in (note, version_mismatch(row, *running_versions())):
+    for remark in (note, version_mismatch(row, *running_versions()), nccl_trust(row, nccl_version())[1]):
         if remark:
             reason += f" ({remark})"
     baseline = next((c.modelled_us for c in ranked if c.row.backend == problem.record.fallback), None)

@@ -228,13 +228,13 @@ class LocalSetup:
         from .db import shipped_db_paths, user_db_path
         from .db_read import open_sources
         from .geometry import MAX_WORLD_SIZE
-        from .hardware import fingerprint
+        from .hardware import fingerprint, nccl_version
 
         settings.check()  # a bad value of any runtime variable: every rank hears it and uses NCCL
         self.fingerprint = fingerprint()
         disabled = settings.disabled()
         agreed = self.report["settings"]
-        agreed.update(hardware=self.fingerprint.hardware_slug, disabled=disabled,
+        agreed.update(hardware=self.fingerprint.hardware_slug, nccl_version=nccl_version(), disabled=disabled,
                       deterministic=settings.deterministic(), check_calls=settings.check_calls())
         self.sources = open_sources(user_db_path(), shipped_db_paths())
         agreed["databases"] = hashlib.sha256("".join(s.digest() for s in self.sources).encode()).hexdigest()

@@ -120,6 +120,28 @@ def running_versions() -> tuple[str, str]:
     return torch.__version__, _triton_version()
 
 
+def _version_text(version) -> str:
+    """torch.cuda.nccl.version()'s answer as 'major.minor.patch': a tuple (torch >= 1.13), or
+    NCCL's integer code (major * 10000 + minor * 100 + patch since 2.9, major * 1000 + ... before)."""
+    if isinstance(version, tuple) and len(version) >= 3:
+        return ".".join(str(int(v)) for v in version[:3])
+    if isinstance(version, int) and version > 0:
+        base = 10000 if version >= 20900 else 1000
+        return f"{version // base}.{version % base // 100}.{version % 100}"
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def nccl_version() -> str:
+    """The NCCL this process's torch runs (torch.cuda.nccl.version()), e.g. '2.28.9', recorded
+    with every tuned row and compared with the rows' at dispatch; '' when torch has no NCCL (a
+    CPU build): then there is no running NCCL and no row is judged against one."""
+    try:
+        return _version_text(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError, TypeError, ImportError):
+        return ""
+
+
 def _driver_version() -> str:
     try:
         with open("/proc/driver/nvidia/version") as f:
@@ -342,7 +364,8 @@ def fingerprint() -> Fingerprint:
 
 
 def provenance(fp: Optional[Fingerprint] = None) -> dict:
-    """Provenance columns recorded with every tuning result: versions, GPU, and ``comm_env``,
+    """Provenance columns recorded with every tuning result: versions (NCCL's too: the baseline
+    each row's ``nccl_us`` and ``speedup`` are of), GPU, and ``comm_env``,
     the variables that turn NVLink multicast / NVLS off for torch, NCCL and NVSHMEM as this
     process sees them (``unset`` where absent), e.g. 'TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1': NCCL's baseline depends on them."""
@@ -351,6 +374,7 @@ def provenance(fp: Optional[Fingerprint] = None) -> dict:
     fp = fp or fingerprint()
     return {
         "comm_env": settings.comm_env(),
+        "nccl_version": nccl_version(),
         "autosymm_version": __version__,
         "torch_version": fp.torch_version,
         "triton_version": fp.triton_version,

@@ -131,7 +131,7 @@ def test_show_table_and_json(runner, db_file):
     ar = next(r for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == 4096)
     assert ar["us"] == 5.0 and ar["nccl_us"] == 20.0 and ar["speedup"] == 4.0 and ar["config"]["block_size"] == 2048
     assert set(ar) >= {"gpu", "world_size", "op", "dtype", "size_bytes", "mode", "backend", "config", "us",
-                       "nccl_us", "speedup"}
+                       "nccl_us", "speedup", "nccl_version"}
     moe = next(r for r in rows if r["op"] == "dp_to_ep")
     assert moe["shape"] == "d7168_e256_k8"
     every = json.loads(runner.invoke(main, ["show", "--db", str(db_file), "--json", "--all"]).output)

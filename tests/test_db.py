@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from autosymm import db as dbmod
 from autosymm.configs import AllReduceConfig, MoEConfig
 from autosymm.db import SCHEMA_VERSION, Key, MergeCounts, Row, TuningDB
+from autosymm.db_schema import MAX_TENSOR_BYTES
+from autosymm.problem import DTYPES
 from autosymm.db_merge import merge_files
 
 from _db_rows import HW, build_v0, key_buckets, key_rows, make_row, moe_row, run_processes, sql, winner_rows
@@ -92,8 +94,10 @@ def test_a_keys_rows_fastest_first(db):
 
 
 def test_a_keys_ties_break_by_backend_name(db):
-    db.record_many([make_row(backend="b", median_us=5.0), make_row(backend="a", median_us=5.0)])
-    assert [r.backend for r in key_rows(db, make_row().key)] == ["a", "b"]
+    push = AllReduceConfig("one_shot_push", 2048, 32, 8)
+    db.record_many([make_row(backend="triton_one_shot_push", median_us=5.0, config=push),
+                    make_row(backend="nccl", median_us=5.0, config=None)])
+    assert [r.backend for r in key_rows(db, make_row().key)] == ["nccl", "triton_one_shot_push"]
 
 
 def test_key_for_problem():
@@ -168,9 +172,9 @@ def test_writes_join_a_callers_open_transaction():
 
 def test_values_are_data_not_sql(db):
     sneaky = "x'); DROP TABLE results; --"
-    db.record_many([make_row(hardware=sneaky, backend='b" OR 1=1 --', shape="%_*")])
-    assert [r.hardware for r in db.rows()] == [sneaky] and db.rows(shape="%_*")[0].backend == 'b" OR 1=1 --'
-    assert db.rows(shape="%") == []
+    db.record_many([make_row(hardware=sneaky, gpu='b" OR 1=1 --')])
+    assert [r.hardware for r in db.rows()] == [sneaky] and db.rows(gpu='b" OR 1=1 --')[0].hardware == sneaky
+    assert db.rows(gpu="%") == [] and db.rows(hardware="%") == []
 
 
 def test_schema_is_documented():
@@ -249,14 +253,14 @@ N_OWN, N_SHARED = 60, 20
 
 def _writer(path: str, worker: int) -> None:
     tdb = TuningDB(path)  # every worker also races to create the schema of the fresh file
-    own = [make_row(backend=f"w{worker}", bucket=1 << (k % 30) if k < 30 else 4096 + k, median_us=1.0 + k)
+    own = [make_row(hardware=f"w{worker}", bucket=1 << (k % 30) if k < 30 else 4096 + k, median_us=1.0 + k)
            for k in range(N_OWN)]
     for start in range(0, N_OWN - 10, 10):
         tdb.record_many(own[start:start + 10])
     for row in own[N_OWN - 10:]:
         tdb.record_many([row])
     for k in range(N_SHARED):  # every worker writes these keys: the last writer wins, none is lost
-        tdb.record_many([make_row(backend="shared", bucket=1 << (k + 12), median_us=1.0 + worker)])
+        tdb.record_many([make_row(hardware="shared", bucket=1 << (k + 12), median_us=1.0 + worker)])
     tdb.close()
 
 
@@ -267,13 +271,13 @@ def test_concurrent_writers_lose_nothing(tmp_path):
         assert tdb.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert len(tdb) == 4 * N_OWN + N_SHARED
         for w in range(4):
-            assert len(tdb.rows(backend=f"w{w}")) == N_OWN
-        assert {r.median_us for r in tdb.rows(backend="shared")} <= {1.0, 2.0, 3.0, 4.0}
+            assert len(tdb.rows(hardware=f"w{w}")) == N_OWN
+        assert {r.median_us for r in tdb.rows(hardware="shared")} <= {1.0, 2.0, 3.0, 4.0}
 
 
 def _opener(path: str, worker: int) -> None:
     with TuningDB(path) as tdb:
-        tdb.record_many([make_row(backend=f"w{worker}")])
+        tdb.record_many([make_row(hardware=f"w{worker}")])
 
 
 def test_concurrent_openers_migrate_an_old_file_once(tmp_path):
@@ -316,26 +320,34 @@ def test_shipped_databases(monkeypatch, tmp_path):
 
 _text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
 _time = st.floats(min_value=1e-3, max_value=1e7, allow_nan=False, allow_infinity=False)
-_all_reduce_configs = st.none() | st.builds(
-    AllReduceConfig, st.sampled_from(["one_shot", "two_shot", "multimem"]), st.sampled_from([1024, 4096]),
-    st.integers(1, 256), st.sampled_from([4, 8, 32]))
-_moe_configs = st.none() | st.builds(
-    MoEConfig, st.sampled_from([1024, 2048]), st.sampled_from([1, 4, 16]), st.integers(1, 64), st.integers(0, 4096))
-_op_and_config = st.one_of(st.tuples(st.just("all_reduce"), _all_reduce_configs),
-                           st.tuples(st.sampled_from(["dp_to_ep", "ep_to_dp"]), _moe_configs))
+_algorithms = st.sampled_from(["one_shot", "two_shot", "multimem"])
+_all_reduce = st.one_of(
+    st.tuples(st.just("all_reduce"), st.sampled_from(["nccl", "nccl_symm"]), st.none()),
+    _algorithms.flatmap(lambda algorithm: st.tuples(
+        st.just("all_reduce"), st.just(f"triton_{algorithm}"),
+        st.builds(AllReduceConfig, st.just(algorithm), st.sampled_from([1024, 4096]), st.integers(1, 256),
+                  st.sampled_from([4, 8, 32])))))
+_moe = st.tuples(st.sampled_from(["dp_to_ep", "ep_to_dp"]), st.just("triton_moe"), st.builds(
+    MoEConfig, st.sampled_from([1024, 2048]), st.sampled_from([1, 4, 16]), st.integers(1, 64), st.integers(0, 4096)))
+_moe_shapes = st.sampled_from(["d7168_e256_k8", "d2048_e128_k8", "d1_e1_k1"])
 
 
-def _row(op_and_config, **fields):
-    op, config = op_and_config
-    return Row(op=op, config=config, **fields)
+def _row(op_backend_config, moe_shape, bucket, **fields):
+    """A valid row: a backend serving the op with a config of its algorithm, the op's kind of
+    shape, a bucket inside the bound (tokens of MoE rows scaled down to fit)."""
+    op, backend, config = op_backend_config
+    shape = moe_shape if op != "all_reduce" else ""
+    if shape:
+        bucket = max(1, bucket // (int(shape.split("_")[0][1:]) * DTYPES[fields["dtype"]].itemsize))
+    return Row(op=op, backend=backend, config=config, shape=shape, bucket=bucket, **fields)
 
 
 _rows = st.builds(
-    _row, _op_and_config, hardware=_text, gpu=st.text(max_size=8), world_size=st.integers(1, 8),
-    dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
-    bucket=st.integers(1, 1 << 40), shape=st.text(max_size=16), mode=st.sampled_from(["eager", "graph"]),
-    backend=_text, median_us=_time, p10_us=st.none() | _time, p90_us=st.none() | _time,
+    _row, _all_reduce | _moe, _moe_shapes, st.integers(1, MAX_TENSOR_BYTES), hardware=_text,
+    gpu=st.text(max_size=8), world_size=st.integers(1, 8), dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
+    mode=st.sampled_from(["eager", "graph"]), median_us=_time, p10_us=st.none() | _time, p90_us=st.none() | _time,
     nccl_us=st.none() | _time, trials=st.none() | st.integers(0, 10**6), torch_version=st.none() | _text,
+    nccl_version=st.none() | st.sampled_from(["2.28.9", "2.29.7", "2.27"]),
 )
 
 

@@ -43,6 +43,10 @@ INSERT INTO meta VALUES ('schema_version', '1');"""
 RELEASED_V2 = RELEASED_V1.replace("INSERT INTO meta VALUES ('schema_version', '1');", """
 ALTER TABLE results ADD COLUMN comm_env TEXT;
 INSERT INTO meta VALUES ('schema_version', '2');""")
+#: Version 3 = version 2 plus a nullable ``nccl_version`` column at the end of results.
+RELEASED_V3 = RELEASED_V2.replace("INSERT INTO meta VALUES ('schema_version', '2');", """
+ALTER TABLE results ADD COLUMN nccl_version TEXT;
+INSERT INTO meta VALUES ('schema_version', '3');""")
 
 
 def shape_of(conn: sqlite3.Connection) -> dict:
@@ -69,7 +73,7 @@ def test_new_files_have_the_released_schema(tmp_path):
     with TuningDB(path) as tdb:
         tdb.record_many([make_row()])
     released = sqlite3.connect(":memory:")
-    released.executescript(RELEASED_V2)
+    released.executescript(RELEASED_V3)
     with sqlite3.connect(path) as conn:
         assert shape_of(conn) == shape_of(released)
         # what the released code ran against its files runs against this one
@@ -98,14 +102,14 @@ def test_version_1_files_migrate_to_comm_env(tmp_path):
     conn.close()
     before = file_sha(path)
     with TuningDB(path, readonly=True) as tdb:  # a shipped file: migrated in memory, never written
-        assert tdb.schema_version == SCHEMA_VERSION == 2
+        assert tdb.schema_version == SCHEMA_VERSION == 3
         (old,) = tdb.rows()
         assert old.comm_env is None and old.median_us == 11.0
     assert file_sha(path) == before
     with TuningDB(path) as tdb:  # a user's file: migrated in place, then takes the new column
         tdb.record_many([make_row(comm_env="TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1")])
     released = sqlite3.connect(":memory:")
-    released.executescript(RELEASED_V2)
+    released.executescript(RELEASED_V3)
     with sqlite3.connect(path) as conn:
         assert shape_of(conn) == shape_of(released)
     with TuningDB(path, readonly=True) as tdb:

@@ -29,7 +29,7 @@ from autosymm.db_merge import merge_files
 from autosymm.db_open import db_error, harden
 from autosymm.db_read import open_sources
 
-from _db_rows import file_sha, make_row, moe_row, sql, winner_rows
+from _db_rows import file_sha, make_row, moe_row, plant, sql, winner_rows
 from _gloo import run_gloo
 
 SPIN = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n)"
@@ -216,12 +216,12 @@ def test_a_db_locked_on_one_rank_puts_every_rank_on_nccl_and_rank_0_names_it(tmp
 def test_merge_skips_rows_of_unknown_backends_and_foreign_configs(tmp_path):
     source, target = tmp_path / "source.sqlite", good_file(tmp_path, "target.sqlite", [moe_row()])
     with TuningDB(source) as tdb:
-        tdb.record_many([make_row(backend="nccl", median_us=20.0, config=None),  # the one good row
-                         make_row(backend="no_such_backend"),
-                         make_row(backend="x'); DROP TABLE results; --"),
-                         make_row(backend="nccl", op="dp_to_ep", shape="d7168_e256_k8", config=None),
-                         make_row(backend="triton_two_shot"),  # holds a one_shot config
-                         moe_row(config=None)])  # a Triton kernel without a launch config
+        plant(tdb, [make_row(backend="nccl", median_us=20.0, config=None),  # the one good row
+                    make_row(backend="no_such_backend"),
+                    make_row(backend="x'); DROP TABLE results; --"),
+                    make_row(backend="nccl", op="dp_to_ep", shape="d7168_e256_k8", config=None),
+                    make_row(backend="triton_two_shot"),  # holds a one_shot config
+                    moe_row(config=None)])  # a Triton kernel without a launch config
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert merge_files([source], target) == [MergeCounts(inserted=1, replaced=0, kept=0, skipped=5)]

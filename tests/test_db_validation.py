@@ -50,14 +50,14 @@ BAD_VALUES = {  # what a raw UPDATE puts in the bad row
 
 
 def corrupted_file(tmp_path, column: str, value, name: str = "t.sqlite"):
-    """A file holding GOOD and a row 'bad' (the fastest of KEY) whose ``column`` raw SQL then sets
+    """A file holding GOOD and a triton_one_shot row (the fastest of KEY) whose ``column`` raw SQL then sets
     to ``value``; and the digest of GOOD alone."""
     path = tmp_path / name
     with TuningDB(path) as tdb:
         tdb.record_many(GOOD)
         clean_digest = tdb.digest()
-        tdb.record_many([make_row(backend="bad", median_us=5.0)])
-        sql(tdb, f"UPDATE results SET {column} = ? WHERE backend = 'bad'", [value])
+        tdb.record_many([make_row(backend="triton_one_shot", median_us=5.0)])
+        sql(tdb, f"UPDATE results SET {column} = ? WHERE backend = 'triton_one_shot'", [value])
         assert len(tdb) == len(GOOD) + 1
     return path, clean_digest
 
@@ -84,7 +84,7 @@ def test_a_bad_row_is_skipped_by_every_read_with_one_warning(tmp_path, column, v
                 assert tdb.export(tmp_path / f"export{reader}.sqlite") == len(GOOD)
                 assert set(TuningDB(tmp_path / f"export{reader}.sqlite").rows()) == set(GOOD)
     (message,) = bad_row_warnings(caught)
-    assert str(path) in message and "backend='bad'" in message and f"Row.{column}" in message
+    assert str(path) in message and "backend='triton_one_shot'" in message and f"Row.{column}" in message
 
 
 def test_unreadable_row_is_skipped_with_a_clear_warning():
@@ -189,7 +189,8 @@ def test_a_failed_merge_leaves_the_target_as_it_was(tmp_path, kind, error):
     with pytest.raises(error):
         merge_files([good, bad], absent)
     assert not absent.exists()  # no new, empty target left behind
-    existing, mine = tmp_path / "existing.sqlite", make_row(op="dp_to_ep", bucket=8, shape="d7168_e256_k8", config=None)
+    existing, mine = tmp_path / "existing.sqlite", make_row(op="dp_to_ep", bucket=8, shape="d7168_e256_k8",
+                                                                    backend="nccl_all_to_all", config=None)
     with TuningDB(existing) as tdb:
         tdb.record_many([mine])
     before = file_sha(existing)

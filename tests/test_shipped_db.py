@@ -32,6 +32,15 @@ def test_shipped_database_is_well_formed(path):
         assert row.gpu and row.torch_version and row.triton_version and row.driver_version and row.created
         assert row.median_us > 0 and (row.nccl_us is None or row.nccl_us > 0)
         config_from_json(row.config)  # parses
+        assert row.nccl_version, "every shipped row records the NCCL it beat"
+
+
+def test_shipped_h200_rows_beat_nccl_2_28_9_as_their_environment_says():
+    # measured with torch 2.11.0+cu130, whose wheel pins nvidia-nccl-cu13==2.28.9 (docs/BENCHMARKS.md)
+    with TuningDB(shipped_db_for("nvidia-h200-nvlink-x2"), readonly=True) as db:
+        rows = db.rows()
+        assert {(r.torch_version, r.nccl_version) for r in rows} == {("2.11.0+cu130", "2.28.9")}
+        assert "NCCL 2.28.9" in db.meta()["measured"]
 
 
 def test_shipped_h200_rows_drive_dispatch():
