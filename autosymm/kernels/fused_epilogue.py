@@ -85,7 +85,8 @@ def _quantize(y, scale_ptr, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.c
         amax = tl.max(tl.abs(blocks), axis=2)
         scales = _e4m3(tl.minimum(global_scale * (amax * RCP_E2M1_MAX), E4M3_MAX))
         sf = scales.to(tl.float32)
-        output_scale = tl.where(sf != 0, tl.math.div_rn(1.0, sf * tl.math.div_rn(1.0, global_scale)), 0.0)
+        nonzero = tl.where(sf != 0, sf, 1.0)  # a zero block's values are 0 whatever the scale: 0, not 1 / 0
+        output_scale = tl.where(sf != 0, tl.math.div_rn(1.0, nonzero * tl.math.div_rn(1.0, global_scale)), 0.0)
         codes = tl.reshape(_e2m1_codes(blocks * output_scale[:, :, None]), (ROWS, BLOCK // 2, 2))
         even, odd = tl.split(codes)
         values = (even | (odd << 4)).to(tl.uint8)
