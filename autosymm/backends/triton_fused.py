@@ -10,7 +10,8 @@ hidden size, any token count whose stage fits) and a contiguous weight [hidden] 
 with the problem's epilogue (``problem.epilogue``, autosymm.epilogue; the default add + RMSNorm
 where the problem has none): without a residual add ``residual`` is None; ``scale`` is the float32
 scalar of fp8 / nvfp4. ``out`` (and ``scales``) are new tensors (autosymm.epilogue.Epilogue.empty_outputs)
-unless given, residual is updated in place, x is left unchanged. Stages: at the top of the region (clear of ``Workspace.empty``'s
+unless given (given nvfp4 scales must hold zeros in the swizzled layout's padding, which the kernels
+never write), residual is updated in place, x is left unchanged. Stages: at the top of the region (clear of ``Workspace.empty``'s
 tensors), as the all-reduce kernels' — the tensor itself (pull one-shot), one slot per peer
 (push), x's rows and the out rows (two-shot: twice the tensor) — or, for a one-shot config with
 ``double_buffer`` whose stage fits, in a half of the double-buffer region. Barrier failures are
