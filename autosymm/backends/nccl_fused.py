@@ -1,5 +1,7 @@
 """Backend ``nccl_fused``: NCCL all-reduce, torch add, torch ``rms_norm`` (the fallback and the
-baseline of ``all_reduce_rmsnorm``)."""
+baseline of ``all_reduce_rmsnorm``); for the other epilogues, NCCL's sum then the reference
+epilogue's torch ops (autosymm.epilogue.reference: + residual and the norm in fp32, then the
+quant), so every epilogue has a fallback."""
 
 from __future__ import annotations
 
@@ -19,8 +21,16 @@ class NcclFused(Backend):
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist
 
+        from ..collectives.fused_epilogue import DEFAULT, epilogue_launcher
+
         group, all_reduce, rms_norm = ctx.group, dist.all_reduce, torch.nn.functional.rms_norm
         hidden = (problem.hidden,)
+        if problem.epilogue != DEFAULT:  # launcher(x, residual, weight, eps, scale)
+            def total(x: torch.Tensor) -> torch.Tensor:
+                all_reduce(x, group=group)  # x holds NCCL's sum, rounded to x's dtype
+                return x.float()
+
+            return epilogue_launcher(problem.epilogue, total)
 
         def launcher(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
             all_reduce(x, group=group)

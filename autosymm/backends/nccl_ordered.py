@@ -156,7 +156,11 @@ class NcclOrderedFused(Backend):
     batch_invariant = True
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
+        from ..collectives.fused_epilogue import DEFAULT, epilogue_launcher
+
         group, world_size = ctx.group, problem.world_size
+        if problem.epilogue != DEFAULT:  # the fp32 in-order sum, unrounded, then the reference epilogue
+            return epilogue_launcher(problem.epilogue, lambda x: ordered_sum(_gather(x, world_size, group)))
 
         def launcher(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
             s = ordered_sum(_gather(x, world_size, group)).add_(residual)
