@@ -40,8 +40,8 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
     Epilogues (keyword-only; docs/INTEGRATIONS.md states each reference formula,
     autosymm.epilogue.reference computes it): ``residual=None``: no add, the norm reads the sum
-    itself and only new tensors are written (x stays scratch, as below); ``gemma=True``: the
-    weight applied as ``(1 + weight)``; ``quant="fp8"`` with ``scale`` (float32, one element):
+    itself and only new tensors are written (every path of an epilogue call leaves x unchanged);
+    ``gemma=True``: the weight applied as ``(1 + weight)``; ``quant="fp8"`` with ``scale`` (float32, one element):
     out is float8_e4m3fn ``clamp(norm * (1 / scale), -448, 448)``; ``quant="fp8_per_token"``:
     returns ``(out e4m3, scales [tokens, 1] float32)``; ``quant="nvfp4"`` with ``scale`` the
     float32 global scale: returns ``(packed uint8 [tokens, hidden / 2], e4m3 block scales in
@@ -53,8 +53,8 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     ``x`` and ``residual``: [tokens, hidden], contiguous, one dtype (bf16, fp16 or fp32) and
     ``residual`` the same on every rank (tensor parallelism); ``weight``: [hidden], same dtype.
     Sums and the norm are taken in fp32 (the norm of the unrounded sum) and rounded once; every
-    rank ends with bit-identical ``residual`` and output. ``x`` is scratch: the Triton kernels
-    leave it unchanged, the NCCL path leaves the sum in it. Under torch.compile (or another tracer,
+    rank ends with bit-identical ``residual`` and output. ``x`` is scratch (default epilogue): the
+    Triton kernels leave it unchanged, the NCCL path leaves the sum in it. Under torch.compile (or another tracer,
     which hands over tensor subclasses) the call is ``torch.ops.autosymm.all_reduce_rmsnorm``.
     Where an input requires grad it is ``all_reduce_rmsnorm_functional`` (differentiable:
     autosymm.autograd) and the new residual is copied into ``residual``.

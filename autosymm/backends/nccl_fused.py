@@ -1,7 +1,10 @@
 """Backend ``nccl_fused``: NCCL all-reduce, torch add, torch ``rms_norm`` (the fallback and the
-baseline of ``all_reduce_rmsnorm``); for the other epilogues, NCCL's sum then the reference
-epilogue's torch ops (autosymm.epilogue.reference: + residual and the norm in fp32, then the
-quant), so every epilogue has a fallback."""
+baseline of ``all_reduce_rmsnorm``); for the other epilogues, NCCL's sum of x in fp32 (a copy:
+x is left as it is) then the reference epilogue's torch ops (autosymm.epilogue.reference:
++ residual and the norm in fp32, then the quant), so every epilogue has a fallback whose
+quantized output is the stated formula's but where NCCL's summation order rounds the fp32 sum's
+last bit otherwise (16-bit x: twice the bytes of an all-reduce in x's dtype, whose rounded sum
+would put a quantized value many e4m3 steps off where the ranks' values cancel)."""
 
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ class NcclFused(Backend):
         hidden = (problem.hidden,)
         if problem.epilogue != DEFAULT:  # launcher(x, residual, weight, eps, scale)
             def total(x: torch.Tensor) -> torch.Tensor:
-                all_reduce(x, group=group)  # x holds NCCL's sum, rounded to x's dtype
-                return x.float()
+                s = x.to(torch.float32, copy=True)
+                all_reduce(s, group=group)
+                return s
 
             return epilogue_launcher(problem.epilogue, total)
 

@@ -3,9 +3,10 @@
 ValueError naming the bad argument, before anything is written) and the one-rank path.
 
 Which tensors a call writes: ``residual`` (when given) takes ``residual + all_reduce(x)``, rounded
-once to its dtype; every output (``out``; ``scales`` / block scales) is a new tensor; ``x`` is
-scratch, as for the default epilogue (the Triton kernels leave it unchanged, the NCCL paths leave
-the sum in it). ``weight`` and ``scale`` are read only.
+once to its dtype; every output (``out``; ``scales`` / block scales) is a new tensor; ``x``,
+``weight`` and ``scale`` are read only (the Triton kernels read x; the NCCL fallback reduces an
+fp32 copy and the ordered one gathers it; only the default epilogue's NCCL path, unchanged,
+leaves its sum in x).
 """
 
 from __future__ import annotations
@@ -15,18 +16,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..epilogue import QUANTS, Epilogue, reference
-
-#: The default epilogue (residual add, plain RMSNorm, output in x's dtype): today's op, whose
-#: database rows keep the shape key 'h{hidden}'.
-DEFAULT = Epilogue()
+from ..epilogue import DEFAULT, NVFP4_BLOCK, QUANTS, Epilogue, normalized, quantize, reference, residual_sum
 
 #: Quant modes that take a caller's ``scale`` (the static per-tensor FP8 scale; NVFP4's global scale).
-SCALED_QUANTS = ("fp8", "nvfp4")
+SCALED_QUANTS = tuple(q for q in QUANTS if Epilogue(quant=q).needs_scale)
 #: Quant modes that return two tensors (the quantized output and its scales).
-TWO_OUTPUT_QUANTS = ("fp8_per_token", "nvfp4")
-#: Elements per NVFP4 block (one e4m3 scale each; two e2m1 values a byte).
-NVFP4_BLOCK = 16
+TWO_OUTPUT_QUANTS = tuple(q for q in QUANTS if Epilogue(quant=q).has_scales)
 
 
 def epilogue_of(residual: Optional[Tensor], gemma, quant, scale: Optional[Tensor],
@@ -75,27 +70,26 @@ def check_problem_epilogue(epilogue: Epilogue, hidden: int, op: str) -> None:
         raise ValueError(f"{op}: quant='nvfp4' needs hidden % {NVFP4_BLOCK} == 0, got hidden={hidden}")
 
 
-def epilogue_launcher(epilogue: Epilogue, total):
+def epilogue_launcher(epilogue: Epilogue, total, inv_rms=None):
     """``launcher(x, residual, weight, eps, scale=None)`` of a non-default ``epilogue``:
     ``total(x)`` gives the fp32 sum of every rank's x (unrounded where the path keeps it so),
-    then :func:`autosymm.epilogue.reference`, writing the new residual (when there is one) in
-    place. Returns the reference's output(s)."""
+    then :func:`autosymm.epilogue.reference` (with ``inv_rms(s, eps)``: its steps with that
+    inverse RMS, the ordered fallback's fixed tree), the new residual (where there is one)
+    written in place. Returns out, or (out, scales)."""
 
     def launcher(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6,
                  scale: Optional[Tensor] = None):
-        return reference_into(total(x), residual, weight, eps, epilogue, scale)
+        if inv_rms is None:
+            out, new_residual, scales = reference(total(x), residual, weight, float(eps), epilogue, scale)
+        else:
+            new_residual = s = residual_sum(total(x), residual, epilogue)
+            out, scales = quantize(normalized(s, inv_rms(s, float(eps)), weight, epilogue), epilogue, weight.dtype,
+                                   scale)
+        if residual is not None:
+            residual.copy_(new_residual)  # rounded once to residual's dtype
+        return out if scales is None else (out, scales)
 
     return launcher
-
-
-def reference_into(sum_fp32: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, epilogue: Epilogue,
-                   scale: Optional[Tensor]):
-    """The reference epilogue of the fp32 ``sum_fp32``, ``residual`` (if any) updated in place
-    to ``residual + sum`` rounded once; returns out, or (out, scales)."""
-    new_residual, outputs = reference(sum_fp32, residual, weight, eps, epilogue, scale)
-    if residual is not None:
-        residual.copy_(new_residual)
-    return outputs
 
 
 def single_rank_launcher(epilogue: Epilogue):
@@ -105,20 +99,6 @@ def single_rank_launcher(epilogue: Epilogue):
 
 def outputs_like(x: Tensor, epilogue: Epilogue):
     """Empty outputs of ``epilogue`` for ``x`` [tokens, hidden] (the fakes' and an empty call's):
-    out (x's dtype, or float8_e4m3fn), or (out e4m3, scales [tokens, 1] fp32), or (packed uint8
-    [tokens, hidden / 2], block scales uint8 in the swizzled layout, :func:`nvfp4_scales_shape`)."""
-    tokens, hidden = x.shape
-    if epilogue.quant is None:
-        return x.new_empty((tokens, hidden))
-    if epilogue.quant == "fp8":
-        return x.new_empty((tokens, hidden), dtype=torch.float8_e4m3fn)
-    if epilogue.quant == "fp8_per_token":
-        return x.new_empty((tokens, hidden), dtype=torch.float8_e4m3fn), x.new_empty((tokens, 1), dtype=torch.float32)
-    return (x.new_empty((tokens, hidden // 2), dtype=torch.uint8),
-            x.new_empty(nvfp4_scales_shape(tokens, hidden), dtype=torch.float8_e4m3fn))
-
-
-def nvfp4_scales_shape(tokens, hidden) -> tuple:
-    """The block scales' shape in vLLM's swizzled layout: rows padded to 128, scale columns
-    (hidden / 16) padded to 4 (``scaled_fp4_quant``'s ``[round_up(m, 128), round_up(n / 16, 4)]``)."""
-    return (-(-tokens // 128) * 128, -(-(hidden // NVFP4_BLOCK) // 4) * 4)
+    out, or (out, scales) (autosymm.epilogue.Epilogue.empty_outputs)."""
+    out, scales = epilogue.empty_outputs(x.shape[0], x.shape[1], x.dtype, x.device)
+    return out if scales is None else (out, scales)
