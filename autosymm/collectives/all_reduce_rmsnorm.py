@@ -24,7 +24,7 @@ from ..configs import FusedConfig
 from .. import autograd
 from ..problem import DTYPE_NAMES, Problem, dtype_name
 from .base import Collective, CustomOp, PointRequest, TuningPoints
-from .fused_epilogue import (DEFAULT, TWO_OUTPUT_QUANTS, Epilogue, check_problem_epilogue, check_scale,
+from .fused_epilogue import (DEFAULT, EPILOGUES, TWO_OUTPUT_QUANTS, Epilogue, check_problem_epilogue, check_scale,
                              outputs_like, single_rank_launcher)
 from .moe import TOKENS
 
@@ -35,11 +35,6 @@ HIDDEN = (4096, 5120, 7168, 8192)
 #: within 1 us of the all-reduce alone up to 128 tokens, 1.5x NCCL + rms_norm up to 2048), so the
 #: DB holds a measured row there rather than a neighbour's config.
 EXTRA_TOKENS = (128, 2048)
-#: The epilogues autosymm serves (vLLM 0.33's AllReduceFusionPass patterns and per-token FP8),
-#: each tuned under its own shape key when asked for (``autosymm tune --epilogues``); the default
-#: sweep tunes the default epilogue only.
-EPILOGUES = tuple(Epilogue(residual=r, gemma=g, quant=q) for g, q in (
-    (False, None), (False, "fp8"), (False, "nvfp4"), (True, None), (False, "fp8_per_token")) for r in (True, False))
 
 
 def with_extra_tokens(tokens, extra=EXTRA_TOKENS) -> list[int]:

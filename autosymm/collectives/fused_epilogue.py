@@ -18,6 +18,12 @@ from torch import Tensor
 
 from ..epilogue import DEFAULT, NVFP4_BLOCK, QUANTS, Epilogue, normalized, quantize, reference, residual_sum
 
+#: The epilogues autosymm serves (vLLM 0.33's AllReduceFusionPass patterns, then per-token FP8),
+#: each tuned under its own shape key when asked for (``autosymm tune --epilogues``; the default
+#: sweep tunes the default epilogue only).
+EPILOGUES = tuple(Epilogue(residual=r, gemma=g, quant=q) for g, q in (
+    (False, None), (False, "fp8"), (False, "nvfp4"), (True, None), (False, "fp8_per_token")) for r in (True, False))
+
 #: Quant modes that take a caller's ``scale`` (the static per-tensor FP8 scale; NVFP4's global scale).
 SCALED_QUANTS = tuple(q for q in QUANTS if Epilogue(quant=q).needs_scale)
 #: Quant modes that return two tensors (the quantized output and its scales).
@@ -40,6 +46,24 @@ def epilogue_of(residual: Optional[Tensor], gemma, quant, scale: Optional[Tensor
         raise ValueError(f"autosymm.{what}: quant={quant!r} needs scale, a float32 scalar tensor on x's device "
                          f"({'the per-tensor FP8 scale: out = x / scale' if quant == 'fp8' else 'the NVFP4 global scale'})")
     return Epilogue(residual=residual is not None, gemma=gemma, quant=quant)
+
+
+def parse_epilogues(text: str) -> tuple[Epilogue, ...]:
+    """'default,add_rms_fp8,rms' -> those epilogues (keys of Epilogue.key; 'default' the default
+    add + RMSNorm, 'all' every one of :data:`EPILOGUES`); ValueError naming a bad item."""
+    found = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if item == "all":
+            found += EPILOGUES
+            continue
+        try:
+            found.append(DEFAULT if item == "default" else Epilogue.of_key(item))
+        except ValueError as exc:
+            raise ValueError(f"epilogue {item!r}: {exc}; known: default, all, "
+                             f"{', '.join(e.key for e in EPILOGUES if e.key)}") from None
+    if not found:
+        raise ValueError(f"no epilogue in {text!r} (examples: default, add_rms_fp8, rms_nvfp4, all)")
+    return tuple(dict.fromkeys(found))
 
 
 def check_scale(x: Tensor, epilogue: Epilogue, scale: Optional[Tensor], device: torch.device,
