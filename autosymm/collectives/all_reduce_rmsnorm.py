@@ -133,9 +133,10 @@ def split_key(key: str) -> tuple[int, Epilogue]:
     match = re.fullmatch(r"h([1-9][0-9]*)(?:_(.+))?", str(key))
     if match is None:
         raise ValueError(f"{key!r} is not a hidden-size key like 'h8192' or 'h8192_<epilogue>'")
-    epilogue = DEFAULT if match.group(2) is None else Epilogue.of_key(match.group(2))
-    if match.group(2) is not None and epilogue == DEFAULT:
-        raise ValueError(f"{key!r}: the default epilogue's key is 'h{match.group(1)}'")
+    try:
+        epilogue = DEFAULT if match.group(2) is None else Epilogue.of_key(match.group(2))
+    except ValueError as exc:
+        raise ValueError(f"{key!r}: {exc}") from None
     return int(match.group(1)), epilogue
 
 
