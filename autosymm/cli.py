@@ -15,7 +15,8 @@ import click
 from . import __version__
 from .cli_errors import OneLineErrorGroup
 from . import collectives
-from .cli_plans import DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table
+from .cli_plans import (DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines,
+                        explained_epilogue, explained_problem, plan, table)
 from .collectives.all_reduce import SIZES_SPEC
 from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
@@ -345,7 +346,7 @@ def explain(**opts) -> None:
     if shape_param == "hidden" and opts["hidden"] is None and not opts["all_sizes"]:
         raise click.BadParameter(f"{op} needs --hidden", param_hint="--hidden")
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
-    epilogue = _explained_epilogue(opts, shape_param)
+    epilogue = explained_epilogue(opts, shape_param)
     problem = None if opts["all_sizes"] else \
         explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"], epilogue)
     sources = _open(opts["db_paths"])
@@ -355,25 +356,6 @@ def explain(**opts) -> None:
         return
     for line in explain_lines(problem, modes, target, sources):
         click.echo(line)
-
-
-def _explained_epilogue(opts: dict, shape_param: str):
-    """The fused op's epilogue of `explain`'s --epilogue, or of --quant/--gemma/--no-residual
-    (None: not the fused op, or the default); a usage error naming the option otherwise."""
-    from .collectives.fused_epilogue import DEFAULT, Epilogue, parse_epilogues
-
-    flags = opts["quant"] is not None or opts["gemma"] or opts["no_residual"]
-    if (flags or opts["epilogue"]) and shape_param != "hidden":
-        raise click.BadParameter(f"--epilogue, --quant, --gemma and --no-residual are all_reduce_rmsnorm's, not "
-                                 f"{opts['op']}'s", param_hint="--op")
-    if opts["epilogue"] is None:
-        return Epilogue(residual=not opts["no_residual"], gemma=opts["gemma"], quant=opts["quant"]) if flags else None
-    if flags:
-        raise click.BadParameter("give --epilogue or --quant/--gemma/--no-residual, not both", param_hint="--epilogue")
-    epilogues = _parsed(parse_epilogues, opts["epilogue"], "--epilogue")
-    if len(epilogues) != 1:
-        raise click.BadParameter(f"{opts['epilogue']!r} is not one epilogue", param_hint="--epilogue")
-    return None if epilogues[0] == DEFAULT else epilogues[0]
 
 
 def _one_shape(text: str) -> MoEShape:

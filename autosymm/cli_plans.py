@@ -84,6 +84,28 @@ def check_hardware(target: Target, sources, whose: str) -> None:
         f"tuned: {listing or 'none'} (on untuned hardware NCCL serves every call)", param_hint="--gpu")
 
 
+def explained_epilogue(opts: dict, shape_param: str):
+    """The fused op's epilogue of `explain`'s --epilogue, or of --quant/--gemma/--no-residual
+    (None: not the fused op, or the default); a usage error naming the option otherwise."""
+    from .collectives.fused_epilogue import DEFAULT, Epilogue, parse_epilogues
+
+    flags = opts["quant"] is not None or opts["gemma"] or opts["no_residual"]
+    if (flags or opts["epilogue"]) and shape_param != "hidden":
+        raise click.BadParameter(f"--epilogue, --quant, --gemma and --no-residual are all_reduce_rmsnorm's, not "
+                                 f"{opts['op']}'s", param_hint="--op")
+    if opts["epilogue"] is None:
+        return Epilogue(residual=not opts["no_residual"], gemma=opts["gemma"], quant=opts["quant"]) if flags else None
+    if flags:
+        raise click.BadParameter("give --epilogue or --quant/--gemma/--no-residual, not both", param_hint="--epilogue")
+    try:
+        epilogues = parse_epilogues(opts["epilogue"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--epilogue") from None
+    if len(epilogues) != 1:
+        raise click.BadParameter(f"{opts['epilogue']!r} is not one epilogue", param_hint="--epilogue")
+    return None if epilogues[0] == DEFAULT else epilogues[0]
+
+
 def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: Target,
                       hidden: Optional[int] = None, epilogue=None) -> Problem:
     """The Problem `explain` is asked about (``--bytes`` for an op bucketed in bytes, else
