@@ -123,7 +123,7 @@ def fused_call(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.
     entry.calls += 1
     launcher = entry.launcher
     if not default:
-        return launcher(x, residual, weight, eps, scale)
+        return launcher(x, residual, weight, eps, scale=scale)
     if not key[-1] and type(launcher) is FusedReplay and not state.check_calls:  # checked: never hot
         FUSED_HOT[group] = HotFused(x.dtype, x.shape, launcher.device_index, entry, launcher)
     return launcher(x, residual, weight, eps)

@@ -108,12 +108,6 @@ class AllReduceRMSNorm(Collective):
             return Entry(Decision("noop", None, one_rank, mode=mode), single)
         return Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size, epilogue=epilogue)
 
-    def prepare(self, state, problem: Problem, mode: str):
-        entry = state.prepare(problem, mode)
-        if problem.epilogue != DEFAULT and hasattr(entry.launcher, "_miss_fused"):
-            entry.launcher = entry.launcher.launcher  # eager replay (autosymm.replay) serves the default epilogue
-        return entry
-
     def custom_ops(self) -> tuple[CustomOp, ...]:
         # x is declared mutated: the NCCL path sums into it
         return (CustomOp(self.name, _all_reduce_rmsnorm, _all_reduce_rmsnorm_fake, mutates_args=("x", "residual")),
@@ -231,7 +225,7 @@ def _single_rank_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -
     return torch.nn.functional.rms_norm(residual, (x.shape[1],), weight, eps)
 
 
-def _empty_epilogue_call(epilogue: Epilogue, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+def _empty_epilogue_call(epilogue: Epilogue, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, *,
                          scale: Optional[Tensor] = None):
     """No rows, a non-default epilogue: its empty outputs."""
     return outputs_like(x, epilogue)

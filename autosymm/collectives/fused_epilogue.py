@@ -95,13 +95,13 @@ def check_problem_epilogue(epilogue: Epilogue, hidden: int, op: str) -> None:
 
 
 def epilogue_launcher(epilogue: Epilogue, total, inv_rms=None):
-    """``launcher(x, residual, weight, eps, scale=None)`` of a non-default ``epilogue``:
+    """``launcher(x, residual, weight, eps, *, scale=None)`` of a non-default ``epilogue``:
     ``total(x)`` gives the fp32 sum of every rank's x (unrounded where the path keeps it so),
     then :func:`autosymm.epilogue.reference` (with ``inv_rms(s, eps)``: its steps with that
     inverse RMS, the ordered fallback's fixed tree), the new residual (where there is one)
     written in place. Returns out, or (out, scales)."""
 
-    def launcher(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6,
+    def launcher(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, *,
                  scale: Optional[Tensor] = None):
         if inv_rms is None:
             out, new_residual, scales = reference(total(x), residual, weight, float(eps), epilogue, scale)

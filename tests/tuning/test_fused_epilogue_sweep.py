@@ -38,8 +38,8 @@ class _Shifted(Backend):
         inner = nccl_fused.prepare(problem, None, ctx)
         steps = {1: 0, 2: 2, 4: 1}[config.num_blocks]
 
-        def launcher(x, residual, weight, eps, scale=None):
-            out = inner(x, residual, weight, eps, scale)
+        def launcher(x, residual, weight, eps, *, scale=None):
+            out = inner(x, residual, weight, eps, scale=scale)
             bits = out.view(torch.uint8)
             bits[0, 0] = (bits[0, 0] & 0x80) | ((bits[0, 0] & 0x7F) - steps if bits[0, 0] & 0x7F > 8
                                                 else (bits[0, 0] & 0x7F) + steps)

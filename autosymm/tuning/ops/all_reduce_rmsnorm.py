@@ -78,6 +78,16 @@ class FusedTuning(TuningOp):
         return [(t, r if epilogue.residual else None, data.weight, EPS, data.scale)
                 for t, r in zip(data.timing, data.timing_residuals)]
 
+    def callable(self, data, launcher: Any) -> Any:
+        """An epilogue's launcher takes ``scale`` by keyword; validation and timing pass it last."""
+        if _epilogue(data.problem) == DEFAULT:
+            return launcher
+
+        def call(x, residual, weight, eps, scale):
+            return launcher(x, residual, weight, eps, scale=scale)
+
+        return call
+
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
         from ...backends import triton_fused
 
