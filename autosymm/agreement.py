@@ -68,8 +68,8 @@ class Exchange:
     def exchange(self, tag: str, report: dict[str, Any]) -> list[dict[str, Any]]:
         """Publish this rank's ``report`` under ``tag``; return all ranks' reports in rank order.
         AgreementError naming the ranks that did not report within the deadline (on the rank that
-        waited, and on a late rank that reports after a peer gave up: both raise, see
-        :func:`gave_up`), or naming rank 0 when the store itself is gone (its host process died
+        waited, and on a late rank that reports after a peer gave up: both raise, as the module
+        docstring says), or naming rank 0 when the store itself is gone (its host process died
         or is unreachable)."""
         if self.world_size == 1:
             return [report]

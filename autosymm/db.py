@@ -49,7 +49,8 @@ read-only; a hot journal is rolled back first where the file is writable); a new
 (reads) or ``BUSY_TIMEOUT_S`` (the tuner's writes: several tune processes can share one file;
 writers take ``BEGIN IMMEDIATE``; a merge waits ``autosymm.db_merge.MERGE_LOCK_WAIT_S``). The
 query clock bounds each statement, and each wait for a statement's next row, not an operation
-of many rows: a merge or export of any size passes, a statement that spins is stopped. :func:`verdict` says whether a file is usable, and why not.
+of many rows: a merge or export of any size passes, a statement that spins is stopped.
+:func:`verdict` says whether a file is usable, and why not.
 The user's database is ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite``
 (:func:`user_db_path`); shipped ones are ``tuning_db/<slug>.sqlite`` in the package
 (:func:`shipped_db_paths`), opened read-only.
@@ -78,8 +79,8 @@ from .db_schema import (  # the schema's public names are re-exported (__all__)
     TuningDBError, checked_row, create_schema, version_mismatch, where_clause,
 )
 
-#: Rows per write statement batch: the query clock is re-armed between batches, so it bounds a
-#: statement that spins without failing a legitimate bulk write of any size.
+#: Rows per write statement (batch): the query clock times each statement from its start
+#: (autosymm.db_open.QueryClock), so a write of any size is many short statements.
 WRITE_CHUNK = 2000
 
 #: Bad rows already warned about, per database file (a row is named once per process).
@@ -190,7 +191,7 @@ class TuningDB:
                 yield
             return
         self.db.execute("BEGIN IMMEDIATE")
-        self._clock.arm()  # the wait for the lock (busy timeout) is not the query's time
+        self._clock.arm()  # the wait for the write lock is the busy timeout's, not the clock's
         try:
             yield
             self.db.commit()
@@ -240,9 +241,8 @@ class TuningDB:
         return len(rows)
 
     def _upsert(self, rows: list[Row]) -> None:
-        """Upsert ``rows`` in WRITE_CHUNK batches, the clock re-armed for each (inside the caller's transaction)."""
+        """Upsert ``rows`` in statements of WRITE_CHUNK rows (inside the caller's transaction)."""
         for start in range(0, len(rows), WRITE_CHUNK):
-            self._clock.arm()
             self._results.upsert_all([row.to_dict() for row in rows[start:start + WRITE_CHUNK]], pk=PK_COLUMNS,
                                      batch_size=WRITE_CHUNK)
 

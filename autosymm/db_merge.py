@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Sequence, Union
 
-from .db import MergeCounts, Row, TuningDB
+from .db import DatabaseLockedError, MergeCounts, Row, TuningDB
 
 #: How long a merge waits for the target's write lock, seconds: another merge or tune of the
 #: same file holds it for as long as its (legitimate, bulk) write takes, minutes for a file of
@@ -47,6 +47,19 @@ def merge_files(sources: Sequence[Union[str, os.PathLike]], target: Union[str, o
         with TuningDB(target, timeout_s=timeout_s) as into, into._guarded(), into._transaction():
             return [into._merge_rows(rows, skipped) for rows, skipped in loaded]
     except BaseException:
-        if created:
+        if created and _holds_no_rows(target):  # a concurrent merge may have filled the new file: keep it
             target.unlink(missing_ok=True)
         raise
+
+
+def _holds_no_rows(path: Path) -> bool:
+    """Whether the database file ``path`` is absent or holds no row (unreadable: treated as empty)."""
+    if not path.exists():
+        return True
+    try:
+        with TuningDB(path, readonly=True) as db:
+            return len(db) == 0
+    except DatabaseLockedError:  # another merge is writing it
+        return False
+    except Exception:  # a file this merge created and could not finish
+        return True

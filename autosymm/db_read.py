@@ -125,11 +125,12 @@ def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSou
 
     A missing file is skipped; one that cannot be used (not SQLite, empty, foreign, a newer
     schema: autosymm.db.verdict) is skipped with a warning naming it and why (the decisions then
-    fall back), never misread. A source whose rows were measured with another NCCL major.minor
-    than this process runs is logged once per call (once per group: the group's set-up opens
-    them) with what the trust rule does (:meth:`DBSource.nccl_note`). A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
+    fall back), never misread. A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
     raises (DatabaseLockedError / QueryTimeoutError, naming the file): at a group's first call it
-    goes through the ranks' agreement, so every rank takes NCCL and rank 0 says why.
+    goes through the ranks' agreement, so every rank takes NCCL and rank 0 says why. A source
+    whose rows were measured with another NCCL major.minor than this process runs is logged once
+    per call (once per group: the group's set-up opens them) with what the trust rule does
+    (:meth:`DBSource.nccl_note`).
     """
     sources: list[DBSource] = []
     for path in ([user_db] if user_db else []) + list(shipped):

@@ -281,7 +281,7 @@ def backend_fault(row: Row) -> Optional[str]:
         return f"unknown backend {row.backend!r} (known: {', '.join(backend_names())})"
     try:
         backend = get_backend(row.backend)
-    except ImportError:  # registered but not importable here: the name is all that can be checked
+    except Exception:  # registered, not importable here (a broken optional piece): only its name is checked
         return None
     if row.op not in backend.needs.ops:
         return f"backend {row.backend} does not serve op {row.op!r}"

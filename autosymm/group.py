@@ -68,7 +68,7 @@ def check_traced(x, what: str) -> None:
 def dense_error(x, what: str, name: str = "tensor"):
     """The error (TypeError, ValueError) naming argument ``name`` of ``autosymm.<what>`` unless
     ``x`` is a dense (strided) torch.Tensor, else None: the collectives move a tensor's storage,
-    which a list has not, and a sparse tensor keeps apart from its values' layout."""
+    which a list has not and a sparse tensor does not hold as one dense block."""
     if not isinstance(x, torch.Tensor):
         return TypeError(f"autosymm.{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.layout is not torch.strided:

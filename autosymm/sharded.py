@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .collectives import ALL_GATHER, REDUCE_SCATTER, prepare_call, refuse_call
 from .collectives.reduce_scatter import checked_sizes
 from .dist_compat import Work, group_name, reduce_op_name
-from .group import STATES, check_traced, state_of, stream_capturing
+from .group import STATES, check_traced, dense_error, state_of, stream_capturing
 
 _SUM = dist.ReduceOp.SUM
 _Tensor = torch.Tensor
@@ -54,7 +54,11 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes, g
         entry = prepare_call(state, REDUCE_SCATTER, key, (output, input, op, key[5]))
     entry.calls += 1
     row = math.prod(output.shape[1:])
-    return entry.launcher(output, input, None if key[5] is None else [s * row for s in key[5]])
+    try:
+        return entry.launcher(output, input, None if key[5] is None else [s * row for s in key[5]])
+    except (NotImplementedError, RuntimeError):
+        _refuse_layout(REDUCE_SCATTER, output, input)
+        raise
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes, group):
@@ -69,7 +73,20 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes, group):
         entry = prepare_call(state, ALL_GATHER, key, (output, input, key[4]))
     entry.calls += 1
     row = math.prod(input.shape[1:])
-    return entry.launcher(output, input, None if key[4] is None else [s * row for s in key[4]])
+    try:
+        return entry.launcher(output, input, None if key[4] is None else [s * row for s in key[4]])
+    except (NotImplementedError, RuntimeError):
+        _refuse_layout(ALL_GATHER, output, input)
+        raise
+
+
+def _refuse_layout(record, output, input) -> None:
+    """The error naming a sparse ``output`` or ``input`` of a call whose key was prepared for
+    dense tensors (its key holds no layout): the launcher failed at its first touch of it, before
+    anything ran (torch's collectives refuse sparse tensors, the kernels need a data pointer)."""
+    error = dense_error(output, record.name, "output") or dense_error(input, record.name, "input")
+    if error is not None:
+        raise error from None
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=_SUM, group=None, async_op: bool = False):

@@ -50,6 +50,12 @@ def _every_rank_refuses(rank, world_size):
             lambda: autosymm.reduce_scatter_tensor([0.0] * 4, torch.ones(8)))
     _raises(ValueError, r"autosymm.reduce_scatter: input is a sparse_coo tensor",
             lambda: autosymm.reduce_scatter_tensor(out, torch.ones(8).to_sparse()))
+    autosymm.reduce_scatter_tensor(out, torch.ones(8))  # prepared for dense tensors: a sparse one is still named
+    _raises(ValueError, r"autosymm.reduce_scatter: input is a sparse_coo tensor",
+            lambda: autosymm.reduce_scatter_tensor(out, torch.ones(8).to_sparse()))
+    autosymm.all_gather_into_tensor(torch.empty(8), torch.ones(4))
+    _raises(ValueError, r"autosymm.all_gather: output is a sparse_coo tensor",
+            lambda: autosymm.all_gather_into_tensor(torch.ones(8).to_sparse(), torch.ones(4)))
     _raises(TypeError, r"autosymm.all_gather: input must be a torch.Tensor, got tuple",
             lambda: autosymm.all_gather_into_tensor(torch.empty(8), (1.0,) * 4))
     _raises(ValueError, r"autosymm.reduce_scatter: dtype torch.float8_e4m3fn cannot be reduced",
