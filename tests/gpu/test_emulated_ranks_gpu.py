@@ -244,7 +244,9 @@ def test_fused_epilogues_emulated(world_size, case):
     algorithm, double_buffer, row_split, rows, n_tokens, hidden, dtype, key = case
     epilogue = Epilogue.of_key(key)
     wss = workspaces(world_size)
-    config = FusedConfig(algorithm, fused_block_size(hidden), 4, 4, rows_per_program=rows,
+    block = fused_block_size(hidden)
+    num_warps = max(4, rows * block // (64 * 32))  # FusedConfig: at most 64 values per thread
+    config = FusedConfig(algorithm, block, 4, num_warps, rows_per_program=rows,
                          double_buffer=double_buffer, row_split=row_split)
     problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype_name(dtype), world_size)
     launchers = [_FusedLauncher(problem, config, ws, epilogue) for ws in wss]
