@@ -32,6 +32,10 @@ The norm reads the unrounded fp32 ``s``. Then the output:
   unfused chain reads ``T(y)``.
 
 e4m3 conversions round to nearest even (torch's cast; the kernels' ``cvt.rn.satfinite``).
+The vLLM sources read (github.com/vllm-project/vllm, by function, at the commits read):
+csrc/quantization/w8a8/fp8/common.cu @096d3dc, common.cuh @0f5257e,
+csrc/quantization/fp4/nvfp4_utils.cuh @07c13c7, nvfp4_quant_kernels.cu @086f514; the allocation
+of the scales (zero padding) in vllm/_custom_ops.py ``create_fp4_scale_tensor`` (vLLM 0.33).
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ FP8_TOKEN = Epilogue(quant="fp8_per_token")
 NVFP4 = Epilogue(quant="nvfp4")
 
 # Each variant at W = 2, 3, 4, 8 across the kernels; every hidden size of the issue (2048..8192,
-# 5120, 7168: BLOCK 8192 masks columns) at least once; odd token counts; bf16 and fp16.
+# 5120, 7168: BLOCK 8192 masks columns) at least once; odd token counts; bf16 and fp16 (and fp32).
 CASES = [
     Case("pull", NO_ADD, 2, BF16, 3, 2048, rows=2),
     Case("two_shot", NO_ADD, 3, FP16, 5, 5120),
@@ -226,6 +226,7 @@ CASES = [
     Case("two_shot", FP8_TOKEN, 3, BF16, 7, 7168),
     Case("push", Epilogue(residual=False, quant="fp8_per_token"), 8, FP16, 1, 2048, split=4, programs=4),
     Case("pull", FP8_TOKEN, 4, BF16, 3, 8192, split=4, programs=3, double=True),
+    Case("two_shot", FP8, 3, torch.float32, 5, 2048),  # fp32 x: rows of 4-byte elements, fp8 rows of 1
     Case("pull", NVFP4, 2, BF16, 5, 2048, rows=2),
     Case("two_shot", NVFP4, 8, FP16, 9, 2048),
     Case("push", Epilogue(residual=False, gemma=True, quant="nvfp4"), 3, BF16, 3, 5120),

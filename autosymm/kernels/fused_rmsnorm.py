@@ -1,11 +1,18 @@
 """Fused all-reduce + residual add + RMSNorm kernels (Triton, device side only).
 
 Every rank holds ``x`` and ``residual`` of [n_rows, HIDDEN] (contiguous, bf16/fp16/fp32) and
-``weight`` [HIDDEN]. Each kernel leaves on every rank::
+``weight`` [HIDDEN]. Each kernel leaves on every rank (autosymm.epilogue states the formula)::
 
     s        = residual + sum over ranks of x                   (fp32, ranks 0..W-1 in order)
     residual = ELEM(s)
     out      = ELEM(s * rsqrt(mean(s^2) + eps) * weight)          (fp32)
+
+The epilogue is a compile-time variant (autosymm.kernels.fused_epilogue): HAS_RESIDUAL=False
+adds no residual (s is the sum; ``res_ptr`` is never touched), GEMMA applies ``1 + weight``,
+QUANT 1 / 2 / 3 writes out as fp8 e4m3 with the static scale at ``scale_ptr``, as fp8 e4m3 with
+a row scale per token (fp32 at ``scales_ptr``), or as nvfp4 (packed e2m1 bytes, e4m3 block
+scales swizzled at ``scales_ptr``, the global scale at ``scale_ptr``). Pointers a variant does not
+use may be any valid pointer.
 
 ``x`` is left unchanged. ``residual`` is replicated (tensor parallelism): the one-shots compute
 every row on every rank from the same inputs with the same code, so all ranks end bit-identical;
