@@ -207,3 +207,28 @@ def _refused(rank, world_size):
 def test_bad_epilogue_arguments_raise_before_anything_changes(tmp_path):
     env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"}}
     assert run_gloo(_refused, 2, env=env, deadline_s=120) == {0: True, 1: True}
+
+
+def _checked(rank, world_size):
+    """The checked mode compares an epilogue call's scale too: a float64 scale on rank 1 alone
+    raises there (naming it) and on rank 0 (naming the difference); the ranks stay in step."""
+    import autosymm
+    from autosymm.call_check import CallMismatchError
+
+    x, residual, weight = torch.full((4, 64), float(rank + 1)), torch.zeros(4, 64), torch.ones(64)
+    out = autosymm.all_reduce_rmsnorm(x.clone(), residual, weight, EPS, quant="fp8", scale=torch.tensor(1.0))
+    assert out.dtype == torch.float8_e4m3fn and torch.equal(residual, torch.full_like(residual, 3.0))
+    scale = torch.tensor(1.0, dtype=torch.float64 if rank == 1 else torch.float32)
+    error = ValueError if rank == 1 else CallMismatchError
+    with pytest.raises(error, match="scale has dtype torch.float64" if rank == 1 else "scale"):
+        autosymm.all_reduce_rmsnorm(x.clone(), residual.clone(), weight, EPS, quant="fp8", scale=scale)
+    packed, scales = autosymm.all_reduce_rmsnorm(x.clone(), None, weight, EPS, quant="nvfp4",
+                                                 scale=torch.tensor(100.0))
+    assert packed.shape == (4, 32) and scales.shape == (128, 4)
+    return True
+
+
+def test_the_checked_mode_compares_epilogue_arguments(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_CHECK_CALLS": "1",
+                   "AUTOSYMM_AGREE_TIMEOUT_S": "20"}}
+    assert run_gloo(_checked, 2, env=env, deadline_s=120) == {0: True, 1: True}

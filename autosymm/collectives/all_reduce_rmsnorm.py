@@ -24,7 +24,7 @@ from ..configs import FusedConfig
 from .. import autograd
 from ..problem import DTYPE_NAMES, Problem, dtype_name
 from .base import Collective, CustomOp, PointRequest, TuningPoints
-from .fused_epilogue import (DEFAULT, EPILOGUES, TWO_OUTPUT_QUANTS, Epilogue, check_problem_epilogue, check_scale,
+from .fused_epilogue import (DEFAULT, NVFP4_BLOCK, TWO_OUTPUT_QUANTS, Epilogue, check_problem_epilogue, check_scale,
                              outputs_like, single_rank_launcher)
 from .moe import TOKENS
 
@@ -60,10 +60,6 @@ class AllReduceRMSNorm(Collective):
         """The hidden size of a shape key 'h{hidden}' or 'h{hidden}_{epilogue key}'."""
         return split_key(key)[0]
 
-    def describe(self, problem: Problem) -> str:
-        return (f"{self.name} {problem.dtype} ws={problem.world_size} {self.shape_key(problem)} "
-                f"tokens/rank={problem.n_tokens_local}")
-
     def problems(self, request: PointRequest) -> list[Problem]:
         hidden = self.points.hidden if request.hidden is None else request.hidden
         tokens = list(self.points.tokens if request.tokens is None else request.tokens)
@@ -72,7 +68,7 @@ class AllReduceRMSNorm(Collective):
         epilogues = self.points.epilogues if request.epilogues is None else request.epilogues
         return [Problem.all_reduce_rmsnorm(t, h, d, request.world_size, epilogue=e)
                 for d in request.dtypes for e in epilogues for h in hidden for t in tokens
-                if e.quant != "nvfp4" or h % 16 == 0]
+                if e.quant != "nvfp4" or h % NVFP4_BLOCK == 0]  # NVFP4 packs blocks of 16
 
     def one_rank_reason(self, deterministic: bool) -> str:
         # deterministic: the ordered fallback, whose norm follows its fixed tree (torch's may not)

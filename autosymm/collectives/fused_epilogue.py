@@ -44,7 +44,7 @@ def epilogue_of(residual: Optional[Tensor], gemma, quant, scale: Optional[Tensor
                          f"scalar of quant in {SCALED_QUANTS}")
     if scale is None and quant in SCALED_QUANTS:
         raise ValueError(f"autosymm.{what}: quant={quant!r} needs scale, a float32 scalar tensor on x's device "
-                         f"({'the per-tensor FP8 scale: out = x / scale' if quant == 'fp8' else 'the NVFP4 global scale'})")
+                         f"({'the per-tensor FP8 scale: out = norm * (1 / scale)' if quant == 'fp8' else 'the NVFP4 global scale'})")
     return Epilogue(residual=residual is not None, gemma=gemma, quant=quant)
 
 

@@ -13,7 +13,7 @@ sitting on a rounding boundary by one step), so a candidate fails on any value t
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
