@@ -1,29 +1,20 @@
-"""vLLM's all-reduce -> fused add + RMSNorm as one fused call (checked against vLLM 0.33.0's graphs).
+"""vLLM's all-reduce -> RMSNorm pairs as one fused call, ahead of vLLM's own fusion (vLLM 0.33.0).
 
-In vLLM's compiled graphs a tensor-parallel layer's projection output reaches
-``torch.ops.vllm.all_reduce(x, group_name)`` and then the next RMSNorm layer's
-``torch.ops.vllm_ir.fused_add_rms_norm(sum, residual, weight, eps, None)`` -> ``(out, residual +
-sum)`` (vLLM's pre-grad pass turns the layer's ``maybe_inplace`` overload into this one;
-``vllm/model_executor/layers/layernorm.py:93``, ``compilation/passes/ir/inplace_functionalization.py``).
-:class:`VllmAllReduceRMSNormPass`, a post-grad pass, replaces the pair with
-``torch.ops.autosymm.vllm_all_reduce_rmsnorm(x, residual, weight, eps, group_name)``, which at
-run time asks the group's autosymm adapter (autosymm.integrations.vllm_plugin puts one on every
-``tp`` communicator): autosymm's fused op where its decision for the call is not NCCL, else
-vLLM's own two calls, unchanged (``GroupCoordinator.all_reduce``: vLLM's custom all-reduce,
-FlashInfer, ... then ``vllm_ir.fused_add_rms_norm``).
+In vLLM's compiled graphs a tensor-parallel layer's output reaches
+``torch.ops.vllm.all_reduce(x, group_name)`` and then the next RMSNorm's
+``vllm_ir.fused_add_rms_norm(sum, residual, w, eps, None)`` or ``vllm_ir.rms_norm(sum, w, eps,
+None)``, ``w`` being the layer's weight or Gemma's ``weight.float() + 1.0`` (vLLM's pre-grad
+pass makes the layer's ``maybe_inplace`` call functional; model_executor/layers/layernorm.py:93,
+171). :class:`VllmAllReduceRMSNormPass` replaces each of these 4 unquantized patterns (those of
+vLLM's ``AllReduceFusionPass``, compilation/passes/fusion/allreduce_rms_fusion.py:349-607) with
+``torch.ops.autosymm.vllm_all_reduce_rmsnorm``; a norm whose output is quantized (FP8, NVFP4) is
+left to vLLM's pass. :func:`install` (called by the plugin platform's ``check_and_update_config``)
+makes it inductor's post-grad pre pass, which runs before vLLM's pass manager. At run time the op
+serves with autosymm's decision where it is not NCCL, else runs what vLLM's default would have:
+FlashInfer's fused call where vLLM's pass would have fused the call, else vLLM's unfused ops.
 
-It rewrites only the simple case: [tokens, hidden] tensors of one dtype (bf16, fp16, fp32) for
-``x``, ``residual`` and ``weight``, ``x`` contiguous, a weight given, no ``variance_size``, and
-the sum read by the norm alone. vLLM's own ``fuse_allreduce_rms`` pass (FlashInfer's fused op)
-runs first where it is enabled; what it fused, this pass never sees.
-
-Install (vLLM resolves the name as ``autosymm.<attribute>``)::
-
-    vllm serve ... --compilation-config '{"inductor_passes":
-        {"post_grad_custom_post_pass": "autosymm.vllm_fusion_pass"}}'
-
-vLLM adds the pass to its PostGradPassManager after its own passes and before its IR lowering
-(``vllm/compilation/backends.py:983``, ``vllm/config/compilation.py:946``).
+It rewrites [tokens, hidden] tensors of one dtype (bf16, fp16, fp32), ``x`` contiguous, a weight
+given, no ``variance_size``; with the add, only where the norm alone reads the sum.
 """
 
 from __future__ import annotations
@@ -222,7 +213,7 @@ def _feeds_quant(norm: Node, depth: int = 4) -> bool:
 
 def _vllm_fusion_pass():
     """vLLM's ``AllReduceFusionPass`` in the pass manager compiling now (vLLM's
-    PostGradPassManager is inductor's post-grad post pass, compilation/backends.py:1000), or None."""
+    PostGradPassManager is inductor's post-grad post pass, compilation/backends.py:999), or None."""
     from torch._inductor import config as inductor_config
 
     manager = inductor_config.post_grad_custom_post_pass
