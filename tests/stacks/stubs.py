@@ -55,10 +55,7 @@ C_OPS: dict[str, str] = {
 _C_LIB: list = []  # the torch.library holding C_OPS, alive for the process
 
 #: module name -> the recorded fake that stands in for it, and why the real one cannot serve.
-STAND_INS: dict[str, str] = {
-    "flashinfer": "tests/stacks/_flashinfer_fake.py records flashinfer.comm's fused all-reduce calls: "
-                  "flashinfer needs CUDA (its JIT kernels and nvidia packages) to import",
-}
+STAND_INS: dict[str, str] = {}  # none yet
 
 
 def cache_dir() -> Path:
