@@ -1,0 +1,137 @@
+"""The one list of what tests/stacks does not take from the real vLLM 0.33.0 / SGLang 0.5.23 sources.
+
+:data:`STUBS`: compiled extensions that cannot load on a CPU (built for CUDA and another torch),
+each made an empty importable module by name, with the reason. :data:`STAND_INS`: modules that
+cannot import here at all and that a test replaces with a recorded fake (where and why).
+Everything else the tests import is the real code, unpacked by scripts/test_real_stacks.sh into
+``$AUTOSYMM_STACKS_CACHE/src`` (default ``~/.cache/autosymm-stacks``), with the pure-Python
+packages it needs in ``$AUTOSYMM_STACKS_CACHE/deps``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from pathlib import Path
+
+#: module name -> why it is an empty stub here.
+STUBS: dict[str, str] = {
+    "vllm._C_stable_libtorch": "vLLM's CUDA kernels (a CUDA .so for torch 2.14); vllm/platforms/cuda.py:23 "
+                               "imports it unconditionally; declares C_OPS' schemas",
+    "vllm._moe_C_stable_libtorch": "vLLM's CUDA MoE kernels (.so); imported by the CUDA platform's "
+                                   "import_kernels",
+}
+
+#: The ``torch.ops._C`` operators vLLM's Python names at import time (pattern tables, matchers),
+#: which ``vllm._C_stable_libtorch`` registers: declared here with the schemas of vLLM's
+#: csrc/torch_bindings.cpp, a no-op fake (they write their ``Tensor!`` outputs) and a CPU kernel
+#: that refuses. Ops vLLM probes with ``hasattr`` (NVFP4, per-group FP8) stay undeclared, as on a
+#: build without them.
+C_OPS: dict[str, str] = {
+    "rms_norm": "rms_norm(Tensor! result, Tensor input, Tensor weight, float epsilon) -> ()",
+    "fused_add_rms_norm": "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()",
+    "rms_norm_static_fp8_quant": "rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor weight, "
+                                 "Tensor scale, float epsilon) -> ()",
+    "fused_add_rms_norm_static_fp8_quant": "fused_add_rms_norm_static_fp8_quant(Tensor! result, Tensor input, "
+                                           "Tensor! residual, Tensor weight, Tensor scale, float epsilon) -> ()",
+    "rms_norm_dynamic_per_token_quant": "rms_norm_dynamic_per_token_quant(Tensor! result, Tensor input, "
+                                        "Tensor weight, Tensor! scale, float epsilon, Tensor? scale_ub, "
+                                        "Tensor!? residual) -> ()",
+    "static_scaled_fp8_quant": "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
+                               "(int, int)? group_shape=None) -> ()",
+    "dynamic_scaled_fp8_quant": "dynamic_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale) -> ()",
+    "dynamic_per_token_scaled_fp8_quant": "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, "
+                                          "Tensor! scale, Tensor? scale_ub) -> ()",
+    "silu_and_mul": "silu_and_mul(Tensor! result, Tensor input) -> ()",
+    "silu_and_mul_quant": "silu_and_mul_quant(Tensor! result, Tensor input, Tensor scale) -> ()",
+    "rotary_embedding": "rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, "
+                        "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()",
+    "fused_qk_norm_rope": "fused_qk_norm_rope(Tensor! qkv, int num_heads_q, int num_heads_k, int num_heads_v, "
+                          "int head_dim, float eps, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, "
+                          "bool is_neox, Tensor position_ids, int forced_token_heads_per_warp=-1) -> ()",
+}
+_C_LIB: list = []  # the torch.library holding C_OPS, alive for the process
+
+#: module name -> the recorded fake that stands in for it, and why the real one cannot serve.
+STAND_INS: dict[str, str] = {}  # none yet
+
+
+def cache_dir() -> Path:
+    """Where scripts/test_real_stacks.sh keeps the wheels, ``src/`` and ``deps/``."""
+    return Path(os.environ.get("AUTOSYMM_STACKS_CACHE", Path.home() / ".cache" / "autosymm-stacks"))
+
+
+def missing_reason() -> str | None:
+    """Why the real sources cannot be used here, or None when they can."""
+    src = cache_dir() / "src"
+    for name in ("vllm", "sglang"):
+        if not (src / name / "__init__.py").is_file():
+            return (f"the real {name} sources are not under {src}: run bash scripts/test_real_stacks.sh "
+                    "(it fetches and unpacks the wheels)")
+    if not (cache_dir() / "deps").is_dir():
+        return f"{cache_dir() / 'deps'} is missing: run bash scripts/test_real_stacks.sh"
+    return None
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves every name in :data:`STUBS` as an empty module (``__stub_reason__`` says why)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in STUBS:
+            return importlib.machinery.ModuleSpec(fullname, self, origin="autosymm-stub")
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.__stub_reason__ = STUBS[module.__name__]
+        if module.__name__ == "vllm._C_stable_libtorch":
+            _declare_c_ops()
+
+
+def _declare_c_ops() -> None:
+    """Declare :data:`C_OPS` in ``torch.ops._C`` (what the real extension's import registers)."""
+    import torch
+
+    if _C_LIB:
+        return
+    lib = torch.library.Library("_C", "FRAGMENT")
+    _C_LIB.append(lib)
+    for name, schema in C_OPS.items():
+        lib.define(schema)
+        lib.impl(name, _refuse(name), "CPU")
+        torch.library.register_fake(f"_C::{name}", lambda *args, **kwargs: None, lib=lib)
+
+
+def _refuse(name: str):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(f"torch.ops._C.{name} is vLLM's CUDA kernel, stubbed on this CPU (tests/stacks/stubs.py)")
+    return kernel
+
+
+def install() -> None:
+    """Make the :data:`STUBS` importable (idempotent; before vLLM or SGLang imports)."""
+    if not any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _StubFinder())
+
+
+def use_real_sources() -> None:
+    """Put the unpacked sources and their packages first on ``sys.path`` and install the stubs
+    (spawned ranks inherit ``sys.path``; they call this again for the stubs)."""
+    for path in (cache_dir() / "deps", cache_dir() / "src"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    install()
+
+
+def require_real_sources() -> None:
+    """Skip the calling test module, saying why, where the real sources are absent; else use them."""
+    import pytest
+
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason, allow_module_level=True)
+    use_real_sources()
