@@ -179,7 +179,9 @@ def wrap(stack_object, group=None, device=None, *, device_group=None, determinis
     ``stack_object`` itself, its class swapped for :func:`slot_class`'s, where it is enabled and
     its class takes a subclass; else a standalone :class:`AutosymmCustomAllReduce` over it.
     Arguments as :class:`AutosymmCustomAllReduce`. Collective over the group's ranks."""
-    if stack_object is None or getattr(stack_object, "disabled", True) or "autosymm" in vars(stack_object):
+    if isinstance(getattr(stack_object, "autosymm", None), AutosymmServing):
+        return stack_object  # a slot already
+    if stack_object is None or getattr(stack_object, "disabled", True):
         return AutosymmCustomAllReduce(group, device, device_group=device_group, fallback=stack_object,
                                        deterministic=deterministic)
     serving = AutosymmServing(group, device, device_group=device_group, deterministic=deterministic)

@@ -129,7 +129,7 @@ def _communicator_class():
             self.autosymm = attach(self, deterministic=batch_invariant())
 
         def destroy(self):
-            if self.autosymm is not None:
+            if getattr(self, "autosymm", None) is not None:
                 self.autosymm.stop()
                 self.autosymm = None
             super().destroy()
