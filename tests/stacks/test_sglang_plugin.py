@@ -6,9 +6,10 @@ the K3 all-reduce fusion probe, the fused MoE finalize registration, the Muse Sp
 all-gather gate); V2's own methods keep their signatures; autosymm serves where its decision is not
 NCCL and V2 (or SGLang's next path) where it declines; ``close()`` stops both.
 
-Stand-ins, where SGLang needs a GPU: V2's NVLink topology probe (``can_use_custom_all_reduce_v2``
+Stand-ins, where SGLang needs a GPU: the device query behind V2's tuned table (SGLang's own sm90
+table for 132 SMs, an H200's, is used), V2's NVLink topology probe (``can_use_custom_all_reduce_v2``
 answers True), its symmetric-memory workspace (``_init_workspace`` builds CPU tensors of the same
-layout; ``obj`` is a marker), its cudaIPC manager and its JIT kernel launch
+layout; ``obj`` is a marker), its cudaIPC manager, CUDA's stream-capture query (False) and its JIT kernel launch
 (``custom_all_reduce_v2.custom_all_reduce`` records), and the CUDA check of
 ``dispatch_custom_allreduce`` (``_is_cuda``). The fused kernels' ``register_comm`` record what
 SGLang hands them."""
@@ -22,11 +23,12 @@ import sys
 import types
 
 import pytest
+import stubs
 import torch
 from _adapter_decisions import adapter_decisions
 from _gloo import run_gloo
 
-pytest.importorskip("sglang.srt.plugins")
+stubs.require_real_sources()
 
 CPU = torch.device("cpu")
 
@@ -65,8 +67,11 @@ def _v2_on_cpu(launches):
     """SGLang's V2 module with the GPU-only pieces above standing in; ``launches`` records kernel calls."""
     from sglang.srt.distributed.device_communicators import custom_all_reduce as ca
     from sglang.srt.distributed.device_communicators import custom_all_reduce_v2 as v2
+    from sglang.srt.distributed.device_communicators.configs import custom_all_reduce_v2 as tuned
 
     ca._is_cuda = True
+    torch.cuda.is_current_stream_capturing = lambda: False  # a CPU build of torch raises instead: no stream captures
+    tuned._get_all_reduce_configs = lambda: tuned._sm90_configs(132)  # SGLang's own H200 table (sm90, 132 SMs)
     v2.can_use_custom_all_reduce_v2 = lambda group, device: True
     v2.CustomAllReduceV2._init_workspace = _cpu_workspace
     v2.IPCManager = _CpuIpcManager
@@ -126,7 +131,6 @@ def _isinstance_paths(slot, cpu_group, rank):
     from sglang.kernels.ops.communication import all_reduce_fusion, all_reduce_residual
     from sglang.kernels.ops.communication.muse_spark_all_gather import gemm_ag_supported
     from sglang.srt.layers.communication import k3_ar_fusion
-    from sglang.srt.layers.quantization import mxfp4_flashinfer_trtllm_moe as mxfp4
 
     from autosymm.integrations.custom_all_reduce import AutosymmCustomAllReduce
 
@@ -139,9 +143,7 @@ def _isinstance_paths(slot, cpu_group, rank):
     with _tp_group(slot, cpu_group, rank):
         state = k3_ar_fusion._get_state.__wrapped__()  # SGLANG_K3_AR_FUSION=1 (the env)
         assert state is not None and state.comm is slot and state.world_size == 2
-        mxfp4.register_fused_all_reduce_comm()
-        assert mxfp4._fused_all_reduce_comm is slot
-    assert registered == [slot.obj, slot.obj]
+    assert registered == [slot.obj]
 
 
 def _serving(slot, v2, launches, rank):
