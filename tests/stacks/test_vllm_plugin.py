@@ -37,26 +37,13 @@ def test_generated_classes_pickle_by_reference():
 
 
 def _elastic_config():
-    from vllm.config import ParallelConfig, VllmConfig
+    """vLLM's config with ``--enable-elastic-ep`` (the field it sets), set after validation:
+    ParallelConfig's EPLB checks, which elastic EP requires, refuse a CPU platform."""
+    from vllm.config import VllmConfig
 
-    return VllmConfig(parallel_config=ParallelConfig(enable_elastic_ep=True, enable_eplb=True,
-                                                     enable_expert_parallel=True))
-
-
-def test_elastic_ep_names_vllms_own_communicator():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
-    from autosymm.integrations import vllm_plugin
-
-    platform = vllm_plugin.AutosymmCudaPlatform
-    with set_current_vllm_config(_elastic_config()):
-        assert vllm_plugin.elastic_ep()
-        assert resolve_obj_by_qualname(platform.get_device_communicator_cls()) is CudaCommunicator
-    with set_current_vllm_config(VllmConfig()):
-        assert not vllm_plugin.elastic_ep()
-        assert resolve_obj_by_qualname(platform.get_device_communicator_cls()) is vllm_plugin.AutosymmCudaCommunicator
+    config = VllmConfig()
+    config.parallel_config.enable_elastic_ep = True
+    return config
 
 
 def _stateless_coordinator(rank, world_size, elastic):
@@ -67,6 +54,7 @@ def _stateless_coordinator(rank, world_size, elastic):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.device_communicators import cuda_communicator
     from vllm.distributed.stateless_coordinator import StatelessGroupCoordinator
+    from vllm.utils.import_utils import resolve_obj_by_qualname
 
     from autosymm.integrations import vllm_plugin
     from autosymm.tuning.workers import free_port
@@ -80,6 +68,9 @@ def _stateless_coordinator(rank, world_size, elastic):
     dist.broadcast_object_list(port, src=0)
     store = TCPStore("127.0.0.1", port[0], world_size, is_master=rank == 0)
     with set_current_vllm_config(_elastic_config() if elastic else VllmConfig()):
+        named = resolve_obj_by_qualname(vllm.platforms.current_platform.get_device_communicator_cls())
+        assert vllm_plugin.elastic_ep() is elastic
+        assert named is (cuda_communicator.CudaCommunicator if elastic else vllm_plugin.AutosymmCudaCommunicator)
         try:
             group = StatelessGroupCoordinator(group_ranks=[list(range(world_size))], local_rank=rank,
                                               torch_distributed_backend="gloo", use_device_communicator=True,
