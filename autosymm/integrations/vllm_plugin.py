@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import vllm_fusion  # noqa: F401  (registers torch.ops.autosymm.vllm_all_reduce_rmsnorm in every vLLM process)
+from . import vllm_fusion  # registers torch.ops.autosymm.vllm_all_reduce_rmsnorm in every vLLM process
 from .custom_all_reduce import wrap
 from .serving import AutosymmServing
 
@@ -160,6 +160,13 @@ def _platform_class():
             # Elastic EP's StatelessGroupCoordinator asserts that this names CudaCommunicator
             # itself (vllm/distributed/stateless_coordinator.py:189-193): vLLM's own class there.
             return super().get_device_communicator_cls() if elastic_ep() else COMMUNICATOR_QUALNAME
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config) -> None:
+            """vLLM's, then autosymm's fusion pass ahead of vLLM's (vllm_fusion.install); vLLM
+            calls this after its optimization-level defaults (config/vllm.py:1855, 2067)."""
+            super().check_and_update_config(vllm_config)
+            vllm_fusion.install(vllm_config)
 
     AutosymmCudaPlatform.__module__ = __name__
     AutosymmCudaPlatform.__qualname__ = "AutosymmCudaPlatform"

@@ -34,6 +34,11 @@ def test_every_stub_is_a_compiled_extension_of_the_wheel():
     assert all(reason.strip() for reason in stubs.STUBS.values())
 
 
+def _where(module) -> str:
+    """A module's file, or a namespace package's first directory."""
+    return getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or ()), "")
+
+
 def test_the_stand_ins_in_use_are_the_listed_ones():
     """Print the list; every loaded vllm/sglang module is a real file or a listed stub, and every
     loaded module of a stand-in's name is its listed fake."""
@@ -41,7 +46,7 @@ def test_the_stand_ins_in_use_are_the_listed_ones():
     print("stand-ins:", *(f"  {name}: {why}" for name, why in sorted(stubs.STAND_INS.items())), sep="\n")
     src = str(stubs.cache_dir() / "src")
     loaded = {name: mod for name, mod in sys.modules.items() if name.split(".")[0] in _VERSIONS and mod is not None}
-    fake = {name for name, mod in loaded.items() if not (getattr(mod, "__file__", None) or "").startswith(src)}
+    fake = {name for name, mod in loaded.items() if not _where(mod).startswith(src)}
     assert fake == {name for name in loaded if name in stubs.STUBS}
     assert all(getattr(sys.modules[name], "__stub_reason__", None) == stubs.STUBS[name] for name in fake)
     assert "vllm._C_stable_libtorch" in fake  # the CUDA platform imports it unconditionally
