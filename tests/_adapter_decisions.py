@@ -9,9 +9,9 @@ from contextlib import contextmanager
 @contextmanager
 def adapter_decisions(explain=None, backend: str = "triton_one_shot"):
     """Within: the adapters' ``autosymm.explain`` is ``explain``, or a stub deciding ``backend``
-    (not NCCL) for every call. Adapters cache decisions per key: clear ``adapter._use`` inside."""
+    (not NCCL) for every call. Adapters cache decisions per key: clear ``slot.autosymm._use`` inside."""
     from autosymm.dispatch import Decision
-    from autosymm.integrations import custom_all_reduce as module
+    from autosymm.integrations import serving as module
 
     real = module.autosymm.explain
     module.autosymm.explain = explain or (lambda *a, **k: Decision(backend, None, "stub", mode="eager"))

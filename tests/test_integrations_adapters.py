@@ -51,7 +51,7 @@ def _custom_all_reduce(rank, world_size):
     # gloo: autosymm's decision is the fallback (NCCL's stand-in), so the stack keeps its own path
     assert not car.should_custom_ar(x)
     assert car.custom_all_reduce(x) is None
-    summed = car.all_reduce(x)
+    summed = car.autosymm.all_reduce(x)
     assert summed is not x and torch.equal(x, before)
     assert torch.equal(summed, torch.full_like(x, sum(range(1, world_size + 1))))
     assert not car.should_custom_ar(torch.ones(8, dtype=torch.int32))  # no tuned kernel for int32
@@ -66,7 +66,7 @@ def _custom_all_reduce(rank, world_size):
         return Decision("triton_one_shot", None, "stub", mode=mode)
 
     with adapter_decisions(fake_explain):
-        car._use.clear()
+        car.autosymm._use.clear()
         for _ in range(3):
             out = car.custom_all_reduce(x)
             assert out is not None and out is not x and torch.equal(out, summed) and torch.equal(x, before)
@@ -152,10 +152,10 @@ def _stack_construction(rank, world_size):
     want = x.clone()
     dist.all_reduce(want)
     for car in (vllm_style, sglang_style):
-        assert car.group is cpu_group and car.device == torch.device("cpu")  # gloo serves CPU tensors
-        decision = autosymm.explain(x, group=car.group)
+        assert car.autosymm.group is cpu_group and car.autosymm.device == torch.device("cpu")  # gloo serves CPU tensors
+        decision = autosymm.explain(x, group=car.autosymm.group)
         assert "group" not in decision.reason, decision.reason  # decided on the merits, not refused for the group
-        assert torch.equal(car.all_reduce(x), want)
+        assert torch.equal(car.autosymm.all_reduce(x), want)
     try:
         AutosymmCustomAllReduce(group=cpu_group, device="cpu", max_sizes=1)
     except TypeError as exc:
@@ -233,8 +233,8 @@ def _wrapped_stack_object(rank):
     assert car.fully_connected and car.mnnvl_lamport_ag_multicast_ptr == 1234
     assert torch.equal(car.custom_all_gather(torch.ones(2)), torch.ones(4))
     with car.capture():
-        assert car._mode() == "graph"
-    assert car._mode() == "eager"
+        assert car.autosymm._mode() == "graph"
+    assert car.autosymm._mode() == "eager"
     car.close()
     assert car.disabled and stack.closed and car.custom_all_reduce(eight) is None
     return stack.calls
@@ -252,7 +252,7 @@ def _fused_convention(rank, world_size):
     kept = residual.clone()
     assert car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6) is None
     with adapter_decisions(backend="triton_fused"):
-        car._use.clear()  # decisions are cached per key: forget the gloo one
+        car.autosymm._use.clear()  # decisions are cached per key: forget the gloo one
         out, residual_out = car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6)
     want_residual = residual + xs.sum(0)
     torch.testing.assert_close(residual_out, want_residual)

@@ -145,8 +145,8 @@ def _vllm(rank, world_size, cpu_group):
     comm = types.SimpleNamespace(unique_name="tp:0", world_size=world_size, cpu_group=cpu_group,
                                  device=torch.device("cpu"), device_group=None, ca_comm=_StackCA())
     stack = comm.ca_comm
-    adapter = vllm_plugin.attach(comm)
-    assert comm.ca_comm is adapter and adapter.fallback is stack
+    adapter = vllm_plugin.attach(comm)  # the serving half; _StackCA has no `disabled`: a standalone slot over it
+    assert comm.ca_comm.autosymm is adapter and comm.ca_comm.fallback is stack
     assert vllm_plugin.attach(types.SimpleNamespace(unique_name="dp:0", world_size=world_size)) is None
     x = torch.full((64,), float(rank + 1))
     chain = []
@@ -172,15 +172,16 @@ def _vllm(rank, world_size, cpu_group):
         shard = vllm_plugin.scatter_first(adapter, gathered, 0, vllm_own)
         assert vllm_plugin.gather_first(adapter, rows, 1, vllm_own) is rows  # another dim: vLLM's
         assert vllm_plugin.scatter_first(adapter, rows, 0, vllm_own) is rows  # 3 rows do not split in 2
-        assert torch.equal(adapter.custom_all_gather(rows), gathered)
+        assert torch.equal(comm.ca_comm.custom_all_gather(rows), gathered)
     total = gathered.clone()
     dist.all_reduce(total)
     assert torch.equal(shard, total.view(world_size, 3, 2)[rank])
     assert calls == [0, 1, 0]
-    assert torch.equal(adapter.custom_all_gather(torch.ones(2)), torch.ones(4))  # NCCL decision: the stack's own
-    alone = vllm_plugin.attach(types.SimpleNamespace(unique_name="tp:0", world_size=world_size, cpu_group=cpu_group,
-                                                     device=torch.device("cpu"), device_group=cpu_group, ca_comm=None))
-    assert alone.custom_reduce_scatter(x) is None  # neither autosymm nor a stack object: vLLM's NCCL path
+    assert torch.equal(comm.ca_comm.custom_all_gather(torch.ones(2)), torch.ones(4))  # NCCL decision: the stack's
+    # --disable-custom-all-reduce (ca_comm None): autosymm stays out of the group
+    assert vllm_plugin.attach(types.SimpleNamespace(unique_name="tp:0", world_size=world_size, cpu_group=cpu_group,
+                                                    device=torch.device("cpu"), device_group=cpu_group,
+                                                    ca_comm=None)) is None
     return True
 
 
@@ -194,9 +195,19 @@ def _install_fake_sglang(coordinator):
     sys.modules[fusion.__name__] = fusion
 
 
+def _install_fake_sglang_envs():
+    """sglang.srt.environ.envs with SGLANG_ENABLE_DETERMINISTIC_INFERENCE unset, what build() reads."""
+    for name in ("sglang", "sglang.srt"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    environ = types.ModuleType("sglang.srt.environ")
+    environ.envs = types.SimpleNamespace(SGLANG_ENABLE_DETERMINISTIC_INFERENCE=types.SimpleNamespace(get=lambda: False))
+    sys.modules[environ.__name__] = environ
+
+
 def _sglang(rank, world_size, cpu_group):
     from autosymm.integrations import AutosymmCustomAllReduce, sglang_plugin
 
+    _install_fake_sglang_envs()
     factory = sglang_plugin.dispatch_custom_allreduce(lambda group, device: _StackCA, group=cpu_group, device="cpu")
     adapter = factory(group=cpu_group, device="cpu")
     assert isinstance(adapter, AutosymmCustomAllReduce) and isinstance(adapter.fallback, _StackCA)
@@ -218,7 +229,7 @@ def _sglang(rank, world_size, cpu_group):
     assert hook(original, xs[rank].clone(), residual, weight, 1e-6, max_token_num=2048) == (None, None)
     assert flashinfer == [{"max_token_num": 2048}]  # gloo: FlashInfer's path is asked, unchanged
     with adapter_decisions():
-        adapter._use.clear()
+        adapter.autosymm._use.clear()
         out, residual_out = hook(original, xs[rank].clone(), residual, weight, 1e-6, use_attn_tp_group=False)
     assert len(flashinfer) == 1
     torch.testing.assert_close(residual_out, residual + xs.sum(0))

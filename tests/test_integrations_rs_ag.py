@@ -44,7 +44,7 @@ def _adapter(rank, world_size):
         asked.append((op, problem.dtype, problem.nbytes, mode))
         return Decision(f"triton_{op}_push", None, "stub", mode=mode)
 
-    wrapped._use.clear()  # the decisions above are cached per key
+    wrapped.autosymm._use.clear()  # the decisions above are cached per key
     with adapter_decisions(fake_explain):
         for _ in range(2):
             gathered, shard = wrapped.custom_all_gather(x), wrapped.custom_reduce_scatter(x)

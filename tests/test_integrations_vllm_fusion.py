@@ -20,13 +20,12 @@ HIDDEN = 32
 def _body(rank, world_size):
     import torch.distributed as dist
 
-    from autosymm.integrations import vllm_fusion, vllm_plugin
+    from autosymm.integrations import vllm_fusion
+    from autosymm.integrations.serving import AutosymmServing
 
     define_vllm_stand_ins()
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
-    comm = types.SimpleNamespace(unique_name="tp:0", world_size=world_size, cpu_group=cpu_group,
-                                 device=torch.device("cpu"), device_group=None, ca_comm=None)
-    adapter = vllm_plugin.attach(comm)
+    adapter = AutosymmServing(group=cpu_group, device=torch.device("cpu"))  # what attach puts on the communicator
     coordinator = types.SimpleNamespace(device_communicator=types.SimpleNamespace(autosymm=adapter),
                                         all_reduce=lambda t: torch.ops.vllm.all_reduce(t, "tp:0"))
     vllm_fusion.group_coordinator = lambda name: coordinator if name == "tp:0" else None

@@ -7,9 +7,11 @@ hooks (``sglang.srt.plugins.hook_registry.HookRegistry``). Two AROUND hooks:
 
 * :data:`CA_DISPATCH` (``dispatch_custom_allreduce(group, device)``, the class SGLang then builds
   as ``CAClass(group=cpu_group, device=device)``): returns a factory building SGLang's own custom
-  all-reduce and an :class:`~autosymm.integrations.AutosymmCustomAllReduce` wrapping it. autosymm
-  serves where its decision is not NCCL, SGLang's own object where that one accepts, else SGLang's
-  next path (pynccl, NCCL).
+  all-reduce with autosymm first in its slot calls (:func:`build`): the object itself, of a
+  generated subclass of its class (so ``isinstance(ca_comm, CustomAllReduceV2)`` holds and SGLang's
+  own V2 fusions stay on, its methods unshadowed), or autosymm's standalone slot where SGLang's
+  is disabled or failed. autosymm serves where its decision is not NCCL, SGLang's own object where
+  that one accepts, else SGLang's next path (pynccl, NCCL).
 * :data:`FUSED` (``flashinfer_allreduce_residual_rmsnorm(input_tensor, residual, weight, eps,
   ..., use_attn_tp_group)`` -> ``(norm_out, residual_out)``, what SGLang's RMSNorm calls with
   ``--enable-flashinfer-allreduce-fusion``): autosymm's fused op where the group's slot holds an
@@ -28,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from .custom_all_reduce import AutosymmCustomAllReduce
+from .custom_all_reduce import wrap
+from .serving import AutosymmServing
 
 log = logging.getLogger("autosymm")
 
@@ -50,24 +53,38 @@ def dispatch_custom_allreduce(original, *args, **kwargs):
     return functools.partial(build, original(*args, **kwargs))
 
 
-def build(stack_class, group, device) -> AutosymmCustomAllReduce:
-    """An adapter over SGLang's ``stack_class(group=group, device=device)``; where that one cannot
-    be built (SGLang then warns and goes without), the adapter alone. Collective."""
+def build(stack_class, group, device):
+    """The slot over SGLang's ``stack_class(group=group, device=device)``
+    (:func:`~autosymm.integrations.custom_all_reduce.wrap`: that object itself, its class a
+    subclass of ``stack_class``, where it is enabled, so SGLang's ``isinstance(ca_comm,
+    CustomAllReduceV2)`` paths stay on); where it cannot be built (SGLang then warns and goes
+    without), autosymm's standalone slot. Under SGLang's deterministic inference autosymm serves
+    with its deterministic setting. Collective."""
     try:
         inner = stack_class(group=group, device=device)
     except Exception as exc:  # what SGLang's own construction does with it: warn, go on without
         log.warning("autosymm: SGLang's custom all-reduce %s failed (%s); autosymm serves alone",
                     getattr(stack_class, "__name__", stack_class), exc)
         inner = None
-    return AutosymmCustomAllReduce(group=group, device=device, fallback=inner)
+    return wrap(inner, group=group, device=device, deterministic=_deterministic())
 
 
-def serve_fused(adapter, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+def _deterministic() -> Optional[bool]:
+    """True under SGLang's deterministic inference (``SGLANG_ENABLE_DETERMINISTIC_INFERENCE``, read
+    through SGLang's ``envs``), else None (autosymm's own default)."""
+    from sglang.srt.environ import envs
+
+    return True if envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get() else None
+
+
+def serve_fused(slot, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``(norm_out, residual_out)`` from autosymm where ``adapter`` is an autosymm adapter whose
-    fused decision is not NCCL, else None."""
-    if isinstance(adapter, AutosymmCustomAllReduce) and residual.shape == x.shape and adapter.serves_fused(x):
-        return adapter.all_reduce_rmsnorm(x, residual, weight, eps)
+    """``(norm_out, residual_out)`` from autosymm where ``slot`` carries autosymm (``.autosymm``, in
+    place or standalone), is not disabled and autosymm's fused decision is not NCCL, else None."""
+    serving = getattr(slot, "autosymm", None)
+    if (isinstance(serving, AutosymmServing) and not getattr(slot, "disabled", True)
+            and residual.shape == x.shape and serving.serves_fused(x)):
+        return serving.all_reduce_rmsnorm(x, residual, weight, eps)
     return None
 
 

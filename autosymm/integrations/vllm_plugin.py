@@ -6,9 +6,12 @@ Installing autosymm declares the ``vllm.platform_plugins`` entry point ``autosym
 :class:`AutosymmCudaCommunicator`, vLLM's ``CudaCommunicator`` with, on each ``tp`` group of
 more than one rank (the groups vLLM gives its custom all-reduce):
 
-* an :class:`~autosymm.integrations.AutosymmCustomAllReduce` built on the communicator's CPU
-  group, device and device group, wrapping vLLM's own ``ca_comm`` and put in its place (vLLM's
-  graph capture enters its ``capture()``, which enters the wrapped one's);
+* autosymm in vLLM's own ``ca_comm`` slot (:func:`~autosymm.integrations.custom_all_reduce.wrap`,
+  on the communicator's CPU group, device and device group: vLLM's ``CustomAllreduce`` itself with
+  autosymm first in its slot calls, or a standalone slot over it where it is disabled; vLLM's graph
+  capture enters its ``capture()``). Under ``--disable-custom-all-reduce`` (``ca_comm`` None)
+  autosymm stays out of the group entirely; under ``VLLM_BATCH_INVARIANT=1`` it serves with
+  autosymm's deterministic setting (batch-invariant backends only). ``destroy()`` stops it;
 * ``all_reduce(x)``: autosymm's sum where autosymm's decision is not NCCL, else vLLM's own chain
   unchanged (NCCL symmetric memory, FlashInfer, custom all-reduce, symm_mem, pynccl);
 * ``all_gather(x, dim)`` / ``reduce_scatter(x, dim)`` (what ``GroupCoordinator.all_gather`` /
@@ -17,6 +20,11 @@ more than one rank (the groups vLLM gives its custom all-reduce):
   own (NCCL symmetric memory, pynccl) unchanged; other dims always vLLM's;
 * ``custom_all_gather`` / ``custom_reduce_scatter``: vLLM's, which ask ``ca_comm`` (the adapter:
   autosymm's where it serves, else vLLM's custom all-reduce's, else None).
+
+With ``--enable-elastic-ep`` the platform names vLLM's own ``CudaCommunicator``: elastic EP's
+``StatelessGroupCoordinator`` asserts that class (``distributed/stateless_coordinator.py:189-193``)
+and the platform cannot tell its groups from the others, so under elastic EP autosymm serves no
+group (vLLM's own chain runs unchanged).
 
 vLLM's allow-list selects plugins: ``VLLM_PLUGINS=autosymm`` (or a list without it to leave
 autosymm out). Nothing here imports vLLM until vLLM asks for a class.
@@ -30,7 +38,8 @@ from typing import Callable, Optional
 import torch
 
 from . import vllm_fusion  # registers torch.ops.autosymm.vllm_all_reduce_rmsnorm in every vLLM process
-from .custom_all_reduce import AutosymmCustomAllReduce
+from .custom_all_reduce import wrap
+from .serving import AutosymmServing
 
 PLATFORM_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaPlatform"
 COMMUNICATOR_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaCommunicator"
@@ -44,20 +53,38 @@ def platform_plugin() -> Optional[str]:
     return PLATFORM_QUALNAME if cuda_platform_plugin() is not None else None
 
 
-def attach(comm) -> Optional[AutosymmCustomAllReduce]:
+def attach(comm, deterministic: Optional[bool] = None) -> Optional[AutosymmServing]:
     """Put autosymm on a vLLM communicator (``cpu_group``, ``device``, ``device_group``,
-    ``unique_name``, ``world_size``, ``ca_comm``): on a ``tp`` group of more than one rank, an
-    adapter wrapping ``comm.ca_comm`` becomes ``comm.ca_comm`` and is returned; else None.
+    ``unique_name``, ``world_size``, ``ca_comm``) and return its serving half; None where vLLM has no
+    custom all-reduce there (not a ``tp`` group of more than one rank, or
+    ``--disable-custom-all-reduce``: ``ca_comm`` None, and autosymm stays out too). vLLM's
+    ``ca_comm`` becomes the slot (:func:`~autosymm.integrations.custom_all_reduce.wrap`: in place
+    where it is enabled). ``deterministic``: autosymm's batch-invariant setting (None: its default).
     Collective over the group's ranks (vLLM builds every rank's communicator together)."""
-    if comm.unique_name.split(":")[0] != "tp" or comm.world_size <= 1:
+    if comm.unique_name.split(":")[0] != "tp" or comm.world_size <= 1 or comm.ca_comm is None:
         return None
-    adapter = AutosymmCustomAllReduce(group=comm.cpu_group, device=comm.device, device_group=comm.device_group,
-                                      fallback=comm.ca_comm)
-    comm.ca_comm = adapter
-    return adapter
+    comm.ca_comm = wrap(comm.ca_comm, group=comm.cpu_group, device=comm.device, device_group=comm.device_group,
+                        deterministic=deterministic)
+    return comm.ca_comm.autosymm
 
 
-def serve_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor,
+def batch_invariant() -> Optional[bool]:
+    """True under vLLM's batch-invariant mode (``vllm.envs.VLLM_BATCH_INVARIANT``, which vLLM's
+    own communicators read), else None (autosymm's own default)."""
+    import vllm.envs as envs
+
+    return True if envs.VLLM_BATCH_INVARIANT else None
+
+
+def elastic_ep() -> bool:
+    """True when the current vLLM config enables elastic EP (``--enable-elastic-ep``)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return bool(config is not None and config.parallel_config.enable_elastic_ep)
+
+
+def serve_first(adapter: Optional[AutosymmServing], x: torch.Tensor,
                 chain: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """autosymm's out-of-place sum of ``x`` where it serves, else ``chain(x)`` (vLLM's own)."""
     if adapter is not None and adapter.serves(x):
@@ -65,7 +92,7 @@ def serve_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor,
     return chain(x)
 
 
-def gather_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor, dim: int,
+def gather_first(adapter: Optional[AutosymmServing], x: torch.Tensor, dim: int,
                  chain: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """autosymm's all-gather of ``x`` along dim 0 where it serves, else ``chain(x, dim)`` (vLLM's)."""
     if adapter is None:
@@ -73,7 +100,7 @@ def gather_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor, di
     return _dim0_first(adapter.serves_all_gather, adapter.all_gather, x, dim, chain)
 
 
-def scatter_first(adapter: Optional[AutosymmCustomAllReduce], x: torch.Tensor, dim: int,
+def scatter_first(adapter: Optional[AutosymmServing], x: torch.Tensor, dim: int,
                   chain: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """autosymm's reduce-scatter of ``x`` along dim 0 where it serves, else ``chain(x, dim)``."""
     if adapter is None:
@@ -99,7 +126,13 @@ def _communicator_class():
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.autosymm = attach(self)
+            self.autosymm = attach(self, deterministic=batch_invariant())
+
+        def destroy(self):
+            if getattr(self, "autosymm", None) is not None:
+                self.autosymm.stop()
+                self.autosymm = None
+            super().destroy()
 
         def all_reduce(self, input_):
             return serve_first(self.autosymm, input_, super().all_reduce)
@@ -111,6 +144,7 @@ def _communicator_class():
             return scatter_first(self.autosymm, input_, dim, super().reduce_scatter)
 
     AutosymmCudaCommunicator.__module__ = __name__
+    AutosymmCudaCommunicator.__qualname__ = "AutosymmCudaCommunicator"  # pickled by reference: __getattr__
     return AutosymmCudaCommunicator
 
 
@@ -123,7 +157,9 @@ def _platform_class():
 
         @classmethod
         def get_device_communicator_cls(cls) -> str:
-            return COMMUNICATOR_QUALNAME
+            # Elastic EP's StatelessGroupCoordinator asserts that this names CudaCommunicator
+            # itself (vllm/distributed/stateless_coordinator.py:189-193): vLLM's own class there.
+            return super().get_device_communicator_cls() if elastic_ep() else COMMUNICATOR_QUALNAME
 
         @classmethod
         def check_and_update_config(cls, vllm_config) -> None:
@@ -133,6 +169,7 @@ def _platform_class():
             vllm_fusion.install(vllm_config)
 
     AutosymmCudaPlatform.__module__ = __name__
+    AutosymmCudaPlatform.__qualname__ = "AutosymmCudaPlatform"
     return AutosymmCudaPlatform
 
 
