@@ -100,6 +100,9 @@ def _communicator_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.autosymm = attach(self)
+            from .vllm_all2all import install  # MoE: autosymm's subclass of vLLM's default all2all manager
+
+            install(self)
 
         def all_reduce(self, input_):
             return serve_first(self.autosymm, input_, super().all_reduce)
