@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .moe_all2all import AutosymmAll2AllManager, DispatchHandle
+from .moe_all2all import AutosymmAll2AllManager, DispatchHandle, error_of
 
 #: dtypes the conversions move and ``combine`` sums
 SUMMED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -80,15 +80,24 @@ class GatheredRows:
                              f"(rank {self.rank}) equal to its {n_tokens} tokens")
         return sizes
 
+    def _check_dispatch(self, hidden_states, topk_ids, sizes) -> None:
+        for name, value in (("hidden_states", hidden_states), ("topk_ids", topk_ids)):
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                raise ValueError(f"dispatch: {name} must be a 2-D tensor, got {getattr(value, 'shape', value)!r}")
+        self.check_sizes(sizes, hidden_states.shape[0])
+        if row_view(hidden_states.contiguous()) is None:
+            raise ValueError(f"dispatch: hidden_states of {hidden_states.dtype} {tuple(hidden_states.shape)} is "
+                             f"neither bf16/fp16/fp32 nor a 1-byte dtype with an even row length")
+
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, sizes):
         """(hidden_states [sum(sizes), d], topk_ids [sum(sizes), k] in ``topk_ids``' dtype,
         :class:`GatheredCall`): every rank's tokens in rank order, zero rows where this rank owns
-        none of the token's experts."""
+        none of the token's experts. A bad argument on one rank raises on every rank."""
+        error = error_of(self._check_dispatch, hidden_states, topk_ids, sizes)
+        if error is not None:  # agreed in the manager's dispatch: no rank is left in a collective
+            self.manager.dispatch(None, None, caller_error=error)
         sizes = self.check_sizes(sizes, hidden_states.shape[0])
         rows_in = row_view(hidden_states.contiguous())
-        if rows_in is None:
-            raise ValueError(f"dispatch: hidden_states of {hidden_states.dtype} {tuple(hidden_states.shape)} is "
-                             f"neither bf16/fp16/fp32 nor a 1-byte dtype with an even row length")
         width, n_tokens = max(max(sizes), 1), hidden_states.shape[0]
         padded = rows_in.new_zeros((width, rows_in.shape[1]))
         padded[:n_tokens] = rows_in
@@ -110,9 +119,12 @@ class GatheredRows:
     def combine(self, partial: torch.Tensor, call: GatheredCall) -> torch.Tensor:
         """This rank's [sizes[rank], d] rows of the sum over ranks of ``partial`` [sum(sizes), d]."""
         handle = call.handle
-        if partial.dim() != 2 or partial.shape[0] != call.rows.numel() or partial.dtype not in SUMMED_DTYPES:
-            raise ValueError(f"combine: partial has shape {tuple(partial.shape)} and dtype {partial.dtype}; "
-                             f"expected [sum(sizes) = {call.rows.numel()}, d_model] of bf16, fp16 or fp32")
+        if (not isinstance(partial, torch.Tensor) or partial.dim() != 2 or partial.shape[0] != call.rows.numel()
+                or partial.dtype not in SUMMED_DTYPES):
+            error = ValueError(f"combine: partial has shape {tuple(getattr(partial, 'shape', ()))} and dtype "
+                               f"{getattr(partial, 'dtype', None)}; expected [sum(sizes) = {call.rows.numel()}, "
+                               f"d_model] of bf16, fp16 or fp32")
+            self.manager.combine(None, handle, caller_error=error)  # raises on every rank
         n_padded, k = handle.expt_indx.shape
         padded = partial.new_zeros((n_padded, partial.shape[1]))
         padded.index_copy_(0, call.rows, partial.contiguous())
