@@ -1,6 +1,6 @@
 """vLLM's all-gather / reduce-scatter MoE layout over autosymm's dp->ep / ep->dp conversions.
 
-vLLM 0.33.0's ``AgRsAll2AllManager`` (``distributed/device_communicators/all2all.py:56``) hands
+vLLM 0.33.0's ``AgRsAll2AllManager`` (``distributed/device_communicators/all2all.py:55``) hands
 every rank of the call's group every rank's tokens, concatenated in rank order, rank ``r``
 contributing ``sizes[r]`` tokens (uneven under data parallelism: ``dp_metadata``'s chunk sizes),
 and its combine is a reduce-scatter of each rank's per-token partial outputs back to

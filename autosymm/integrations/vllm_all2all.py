@@ -21,7 +21,7 @@ condition below holds, each the same on every rank (config, host-side token coun
 * the experts are placed by expert parallelism over this group: every MoE layer vLLM registered
   (``compilation_config.static_forward_context``, ``runner/moe_runner.py:68``) has
   ``use_ep``, ``ep_size`` equal to the group's size and one common ``num_experts`` (placement
-  linear: ``expert_map_manager.py:117-146`` turns round-robin into linear for this backend);
+  linear: ``expert_map_manager.py:116-149`` turns round-robin into linear for this backend);
 * the call's group (vLLM's ``_get_comm_group``: the DP or EP group) holds the EP group's ranks in
   its order, the group is not stateless and within one node;
 * the rows are bf16 / fp16 / fp32 or a 1-byte dtype with an even row length (moved as 2-byte
