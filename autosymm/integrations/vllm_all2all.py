@@ -19,7 +19,8 @@ moe_rows`) serve ``dispatch`` and the ``combine`` / ``combine_into_output`` afte
 condition below holds, each the same on every rank (config, host-side token counts, dtypes):
 
 * the experts are placed by expert parallelism over this group: every MoE layer vLLM registered
-  (``compilation_config.static_forward_context``, ``runner/moe_runner.py:68``) has
+  (``compilation_config.static_all_moe_layers`` / ``static_forward_context``,
+  ``runner/moe_runner.py:59-69``) has
   ``use_ep``, ``ep_size`` equal to the group's size and one common ``num_experts`` (placement
   linear: ``expert_map_manager.py:116-149`` turns round-robin into linear for this backend);
 * the call's group (vLLM's ``_get_comm_group``: the DP or EP group) holds the EP group's ranks in
@@ -67,10 +68,14 @@ def install(comm) -> None:
 def moe_layout(vllm_config, world_size: int) -> tuple[Optional[int], str]:
     """(num_experts, '') of the MoE layers ``vllm_config`` registered when autosymm can place their
     experts on a group of ``world_size`` ranks, else (None, why not)."""
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    configs = [layer.moe_config for layer in context.values() if getattr(layer, "moe_config", None) is not None]
-    if not configs:
+    compilation = getattr(vllm_config, "compilation_config", None)
+    context = getattr(compilation, "static_forward_context", None) or {}
+    names = getattr(compilation, "static_all_moe_layers", None) or []
+    if not names:
         return None, "no MoE layer registered"
+    configs = [getattr(context.get(name), "moe_config", None) for name in names]
+    if any(config is None for config in configs):
+        return None, "a registered MoE layer has no moe_config"
     layouts = {(c.num_experts, c.moe_parallel_config.use_ep, c.moe_parallel_config.ep_size) for c in configs}
     if len(layouts) > 1:
         return None, f"the MoE layers differ in (num_experts, use_ep, ep_size): {sorted(layouts)}"
