@@ -17,6 +17,7 @@ import pytest
 import torch
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+STACK_TESTS = Path(__file__).resolve().parent / "stacks"  # scripts/test_real_stacks.sh runs them
 GPU_SKIP_REASON = ("tests/gpu need kernels compiled for the GPU; this session runs the interpreter suites "
                    "(TRITON_INTERPRET=1): run scripts/run_gpu_tests.sh (pytest tests/gpu) for them")
 
@@ -24,9 +25,20 @@ os.environ.update({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's warning; same default
 
 
-def _inside_gpu_tests(arg: str) -> bool:
+def _inside(arg: str, root: Path) -> bool:
     path = Path(arg.split("::", 1)[0]).resolve()
-    return path == GPU_TESTS or GPU_TESTS in path.parents
+    return path == root or root in path.parents
+
+
+def _inside_gpu_tests(arg: str) -> bool:
+    return _inside(arg, GPU_TESTS)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Leave tests/stacks (the real vLLM / SGLang sources) to a session that names it."""
+    if collection_path == STACK_TESTS and not any(_inside(arg, STACK_TESTS) for arg in config.args):
+        return True
+    return None
 
 
 def pytest_configure(config):

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Run tests/stacks/ against the real vLLM 0.33.0 and SGLang 0.5.23 Python sources on this CPU.
+#
+# The wheels are fetched without their dependencies (pip download --no-deps) into the cache
+# ($AUTOSYMM_STACKS_CACHE, default ~/.cache/autosymm-stacks; reused when present), their Python
+# sources and metadata (no .so) are unpacked under $CACHE/src, and the pure-Python packages their
+# modules import on a CPU are installed, pinned and without dependencies, under $CACHE/deps (the
+# torch, triton and numpy of this environment stay the ones used). Compiled extensions that cannot
+# load on a CPU are stubbed by name in tests/stacks/stubs.py. Exits 0 with the reason when the
+# wheels cannot be fetched; otherwise pytest's status.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VLLM_VERSION=0.33.0
+SGLANG_VERSION=0.5.23
+CACHE="${AUTOSYMM_STACKS_CACHE:-$HOME/.cache/autosymm-stacks}"
+PYTHON="${PYTHON:-python3}"
+# What the two stacks' Python modules import on a CPU, found by importing them (pins within the
+# wheels' own requirement ranges); --no-deps, so each one's own imports are listed too.
+DEPS=(
+  cbor2==6.3.0 psutil==7.2.2 pyzmq==27.3.0 msgspec==0.20.0 cachetools==6.2.4 pybase64==1.4.3
+  transformers==5.20.0 huggingface_hub==1.31.0 tokenizers==0.23.3 safetensors==0.8.0 tqdm==4.67.3
+  httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.12.1 sniffio==1.3.1
+  aiohttp==3.13.3 multidict==6.9.1 yarl==1.22.0 propcache==0.4.1 aiohappyeyeballs==2.6.1
+  aiosignal==1.4.0 frozenlist==1.8.0 openai_harmony==0.0.8 openai==2.25.0 prometheus_client==0.24.1
+  pillow==13.0.0 uvloop==0.22.1 xgrammar==0.2.8
+)
+
+mkdir -p "$CACHE/src" "$CACHE/deps"
+fetch() {  # fetch NAME VERSION: the wheel into $CACHE unless one is there
+  local name=$1 version=$2
+  if ! ls "$CACHE/$name-$version-"*.whl >/dev/null 2>&1; then
+    if ! "$PYTHON" -m pip download -q --no-deps --dest "$CACHE" "$name==$version" >"$CACHE/download-$name.log" 2>&1; then
+      echo "SKIP: cannot fetch the $name $version wheel (pip download --no-deps); see $CACHE/download-$name.log:"
+      tail -3 "$CACHE/download-$name.log"
+      exit 0
+    fi
+  fi
+}
+unpack() {  # unpack NAME VERSION: its Python sources and metadata into $CACHE/src, once
+  local name=$1 version=$2 wheel marker
+  wheel=$(ls "$CACHE/$name-$version-"*.whl | head -1)
+  marker="$CACHE/src/.unpacked-$(basename "$wheel")"
+  [ -e "$marker" ] && return
+  "$PYTHON" - "$wheel" "$CACHE/src" <<'PY'
+import sys, zipfile
+wheel, dest = sys.argv[1:]
+with zipfile.ZipFile(wheel) as zf:
+    zf.extractall(dest, [n for n in zf.namelist() if not n.endswith(".so") and ".so." not in n])
+PY
+  touch "$marker"
+}
+fetch vllm "$VLLM_VERSION"
+fetch sglang "$SGLANG_VERSION"
+unpack vllm "$VLLM_VERSION"
+unpack sglang "$SGLANG_VERSION"
+
+DEPS_MARKER="$CACHE/deps/.installed-$(printf '%s\n' "${DEPS[@]}" | sha256sum | cut -c1-16)"
+if [ ! -e "$DEPS_MARKER" ]; then
+  "$PYTHON" -m pip install -q --no-deps --upgrade --target "$CACHE/deps" "${DEPS[@]}"
+  touch "$DEPS_MARKER"
+fi
+
+export AUTOSYMM_STACKS_CACHE="$CACHE"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The versions and the files imported, as the tests import them (tests/stacks/stubs.py first).
+"$PYTHON" - <<'PY'
+import sys
+sys.path[:0] = ["tests/stacks"]
+import stubs
+stubs.use_real_sources()
+import importlib.metadata as md, vllm, sglang
+for mod in (vllm, sglang):
+    print(f"{mod.__name__} {md.version(mod.__name__)} from {mod.__file__}")
+print("stubbed (cannot load on a CPU):", ", ".join(sorted(stubs.STUBS)))
+PY
+exec "$PYTHON" -m pytest -q tests/stacks/ "$@"

@@ -1,0 +1,88 @@
+"""The one list of what tests/stacks does not take from the real vLLM 0.33.0 / SGLang 0.5.23 sources.
+
+:data:`STUBS`: compiled extensions that cannot load on a CPU (built for CUDA and another torch),
+each made an empty importable module by name, with the reason. :data:`STAND_INS`: modules that
+cannot import here at all and that a test replaces with a recorded fake (where and why).
+Everything else the tests import is the real code, unpacked by scripts/test_real_stacks.sh into
+``$AUTOSYMM_STACKS_CACHE/src`` (default ``~/.cache/autosymm-stacks``), with the pure-Python
+packages it needs in ``$AUTOSYMM_STACKS_CACHE/deps``.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from pathlib import Path
+
+#: module name -> why it is an empty stub here.
+STUBS: dict[str, str] = {
+    "vllm._C_stable_libtorch": "vLLM's CUDA kernels (a CUDA .so for torch 2.14); vllm/platforms/cuda.py:23 "
+                               "imports it unconditionally",
+    "vllm._moe_C_stable_libtorch": "vLLM's CUDA MoE kernels (.so); imported by the CUDA platform's "
+                                   "import_kernels",
+}
+
+#: module name -> the recorded fake that stands in for it, and why the real one cannot serve.
+STAND_INS: dict[str, str] = {
+    "flashinfer": "tests/stacks/_flashinfer_fake.py records flashinfer.comm's fused all-reduce calls: "
+                  "flashinfer needs CUDA (its JIT kernels and nvidia packages) to import",
+}
+
+
+def cache_dir() -> Path:
+    """Where scripts/test_real_stacks.sh keeps the wheels, ``src/`` and ``deps/``."""
+    return Path(os.environ.get("AUTOSYMM_STACKS_CACHE", Path.home() / ".cache" / "autosymm-stacks"))
+
+
+def missing_reason() -> str | None:
+    """Why the real sources cannot be used here, or None when they can."""
+    src = cache_dir() / "src"
+    for name in ("vllm", "sglang"):
+        if not (src / name / "__init__.py").is_file():
+            return (f"the real {name} sources are not under {src}: run bash scripts/test_real_stacks.sh "
+                    "(it fetches and unpacks the wheels)")
+    if not (cache_dir() / "deps").is_dir():
+        return f"{cache_dir() / 'deps'} is missing: run bash scripts/test_real_stacks.sh"
+    return None
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves every name in :data:`STUBS` as an empty module (``__stub_reason__`` says why)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in STUBS:
+            return importlib.machinery.ModuleSpec(fullname, self, origin="autosymm-stub")
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.__stub_reason__ = STUBS[module.__name__]
+
+
+def install() -> None:
+    """Make the :data:`STUBS` importable (idempotent; before vLLM or SGLang imports)."""
+    if not any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _StubFinder())
+
+
+def use_real_sources() -> None:
+    """Put the unpacked sources and their packages first on ``sys.path`` and install the stubs
+    (spawned ranks inherit ``sys.path``; they call this again for the stubs)."""
+    for path in (cache_dir() / "deps", cache_dir() / "src"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    install()
+
+
+def require_real_sources() -> None:
+    """Skip the calling test module, saying why, where the real sources are absent; else use them."""
+    import pytest
+
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason, allow_module_level=True)
+    use_real_sources()
