@@ -227,6 +227,7 @@ def _manager_class():
             super().destroy()
 
     AutosymmAgRsAll2AllManager.__module__ = __name__
+    AutosymmAgRsAll2AllManager.__qualname__ = "AutosymmAgRsAll2AllManager"  # pickles by reference
     return AutosymmAgRsAll2AllManager
 
 
