@@ -75,3 +75,26 @@ def test_layout_from_vllms_moe_configs():
     assert "differ" in vllm_all2all.moe_layout(config(runner(8), runner(6)), 2)[1]
     assert "not expert-parallel" in vllm_all2all.moe_layout(config(runner(8, use_ep=False)), 2)[1]
     assert "not expert-parallel" in vllm_all2all.moe_layout(config(runner(8, ep_size=4)), 2)[1]
+
+
+def test_dispatch_stays_vllms_where_autosymm_cannot_serve():
+    """why_not_dispatch's reasons, each decided from what every rank shares (stand-ins: the
+    manager's state and vLLM's GroupCoordinator, which need a process group)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def manager(reason="", ranks=(0, 1), layout=(8, "")):
+        served = vllm_all2all.Served(None, list(ranks), reason)
+        served.layout = layout
+        return SimpleNamespace(autosymm=served, vllm_config=None)
+
+    dp = SimpleNamespace(ranks=[0, 1], unique_name="dp:0")
+    x, ids = torch.zeros(4, 16), torch.zeros(4, 2, dtype=torch.int32)
+    assert vllm_all2all.why_not_dispatch(manager("the group spans nodes"), dp, x, ids, [4, 4])[0] == \
+        "the group spans nodes"
+    assert "not the EP group's ranks" in vllm_all2all.why_not_dispatch(manager(ranks=(1, 0)), dp, x, ids, [4, 4])[0]
+    assert vllm_all2all.why_not_dispatch(manager(layout=(None, "no MoE layer registered")), dp, x, ids,
+                                         [4, 4])[0] == "no MoE layer registered"
+    odd = torch.zeros(4, 15, dtype=torch.uint8)  # 1-byte rows of odd length: not moved as 2-byte words
+    assert "rows autosymm moves" in vllm_all2all.why_not_dispatch(manager(), dp, odd, ids, [4, 4])[0]
