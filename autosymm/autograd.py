@@ -12,7 +12,10 @@ custom op; autosymm.ops registers them with ``torch.library.register_autograd``)
   ``dL/ds = r * g - s * r^3 * mean(g * s) + dL/dnew_residual``; then ``dL/dresidual = dL/ds``,
   ``dL/dx = all_reduce(dL/ds)`` and ``dL/dweight = sum over rows of dL/dout * s * r`` (this rank's
   rows: the weight is replicated, as in the composition of torch's functional all-reduce, add
-  and ``rms_norm``). Computed in fp32 from the rounded ``new_residual``.
+  and ``rms_norm``). Computed in fp32 from the rounded ``new_residual``. ``gemma``: the weight
+  applied is ``1 + weight``, so ``g = dL/dout * (1 + weight)`` and ``dL/dweight`` is unchanged;
+  without a residual (None) ``s`` is the sum itself and no residual gradient is returned. The
+  quantized epilogues have no backward (autosymm.fused refuses a quantized call needing grad).
 * ``dp_to_ep`` / ``ep_to_dp``: pure row moves, so each one's backward is the other direction with
   the same routing: the gradient rows of dp->ep go back to their tokens' ranks by ep->dp and are
   summed over each token's top-k slots; those of ep->dp go to their experts' ranks by dp->ep with
@@ -41,7 +44,9 @@ def all_reduce_backward(ctx, grad: torch.Tensor):
 
 
 def fused_setup(ctx, inputs, output) -> None:
-    _, _, weight, ctx.eps, ctx.group_name = inputs
+    _, residual, weight, ctx.eps, ctx.group_name = inputs[:5]
+    ctx.gemma = bool(inputs[5]) if len(inputs) > 5 else False
+    ctx.has_residual = residual is not None
     ctx.save_for_backward(output[1], weight)
 
 
@@ -52,14 +57,14 @@ def fused_backward(ctx, grad_out, grad_residual):
     grad_s = torch.zeros_like(s)
     grad_weight = None
     if grad_out is not None:
-        g = grad_out.float() * weight.float()
+        g = grad_out.float() * (weight.float() + 1 if ctx.gemma else weight.float())
         grad_s += r * g - s * r.pow(3) * (g * s).mean(-1, keepdim=True)
         grad_weight = (grad_out.float() * s * r).sum(0).to(weight.dtype)
     if grad_residual is not None:
         grad_s += grad_residual.float()
     grad_s = grad_s.to(new_residual.dtype)
     grad_x = torch.ops.autosymm.all_reduce(grad_s, "sum", ctx.group_name)
-    return grad_x, grad_s, grad_weight, None, None
+    return grad_x, grad_s if ctx.has_residual else None, grad_weight, None, None, None
 
 
 def _valid(expt_indx: torch.Tensor, n_expts_tot: int) -> torch.Tensor:

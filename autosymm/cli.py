@@ -15,7 +15,8 @@ import click
 from . import __version__
 from .cli_errors import OneLineErrorGroup
 from . import collectives
-from .cli_plans import DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table
+from .cli_plans import (DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines,
+                        explained_epilogue, explained_problem, plan, table)
 from .collectives.all_reduce import SIZES_SPEC
 from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
@@ -122,6 +123,9 @@ def run(ctx: click.Context) -> None:
 @click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
 @click.option("--backends", "backend_list", default=None,
               help="only these backends, comma-separated (default: every registered one; NCCL is always timed)")
+@click.option("--epilogues", default="default", show_default=True,
+              help="all_reduce_rmsnorm's epilogues, by key (default, rms, add_rms_fp8, rms_nvfp4, add_gemma, "
+                   "add_rms_fp8_per_token, ...; 'all': every served one), each tuned under its own shape key")
 def tune(nproc, json_summary, **opts) -> None:
     """Tune every applicable backend on the local GPUs and record the winners."""
     import torch
@@ -147,6 +151,7 @@ def tune(nproc, json_summary, **opts) -> None:
 
 def _tune_options(opts: dict):
     """autosymm.tuning.session.TuneOptions of `tune`'s options; bad values are usage errors."""
+    from .collectives.fused_epilogue import parse_epilogues
     from .db import user_db_path
     from .tuning.session import TuneOptions
 
@@ -158,7 +163,7 @@ def _tune_options(opts: dict):
             ops=items("ops"), sizes=parse_size_range(opts["sizes"]), dtypes=items("dtypes"), modes=items("modes"),
             shapes=_parse_shapes(opts["shapes"]), tokens=_parse_tokens(opts["tokens"]),
             strategy=opts["strategy"], trials=opts["trials"], db_path=str(opts["db_path"] or user_db_path()),
-            backends=_parse_backends(opts["backend_list"]))
+            backends=_parse_backends(opts["backend_list"]), epilogues=list(parse_epilogues(opts["epilogues"])))
         options.settings()  # validates strategy, trials and modes before any worker starts
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
@@ -317,6 +322,12 @@ def _short_config(config_json: Optional[str]) -> str:
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None, help="default: both")
 @click.option("--shape", default=None, help="MoE shape: model name or d{D}_e{E}_k{K}")
 @click.option("--tokens", type=click.IntRange(min=1), default=None, help="MoE / all_reduce_rmsnorm tokens per rank")
+@click.option("--quant", type=click.Choice(["fp8", "fp8_per_token", "nvfp4"]), default=None,
+              help="all_reduce_rmsnorm: the output quantization (default: none, x's dtype)")
+@click.option("--gemma", is_flag=True, help="all_reduce_rmsnorm: the Gemma norm (weight applied as 1 + w)")
+@click.option("--no-residual", is_flag=True, help="all_reduce_rmsnorm: no residual add")
+@click.option("--epilogue", default=None, help="all_reduce_rmsnorm: the epilogue by key (e.g. add_rms_fp8, rms_nvfp4, "
+              "gemma; 'default'), instead of --quant/--gemma/--no-residual")
 @click.option("--all", "all_sizes", is_flag=True, help="plan over all sizes (or token counts)")
 @click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False))
 def explain(**opts) -> None:
@@ -335,12 +346,13 @@ def explain(**opts) -> None:
     if shape_param == "hidden" and opts["hidden"] is None and not opts["all_sizes"]:
         raise click.BadParameter(f"{op} needs --hidden", param_hint="--hidden")
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
+    epilogue = explained_epilogue(opts, shape_param)
     problem = None if opts["all_sizes"] else \
-        explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"])
+        explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"], epilogue)
     sources = _open(opts["db_paths"])
     check_hardware(target, sources, "--gpu" if opts["gpu"] else "this machine's GPU")
     if problem is None:
-        plan(_console(), target, sources, moe_shape, [op], modes, hidden=opts["hidden"])
+        plan(_console(), target, sources, moe_shape, [op], modes, hidden=opts["hidden"], epilogue=epilogue)
         return
     for line in explain_lines(problem, modes, target, sources):
         click.echo(line)

@@ -84,14 +84,37 @@ def check_hardware(target: Target, sources, whose: str) -> None:
         f"tuned: {listing or 'none'} (on untuned hardware NCCL serves every call)", param_hint="--gpu")
 
 
+def explained_epilogue(opts: dict, shape_param: str):
+    """The fused op's epilogue of `explain`'s --epilogue, or of --quant/--gemma/--no-residual
+    (None: not the fused op, or the default); a usage error naming the option otherwise."""
+    from .collectives.fused_epilogue import DEFAULT, Epilogue, parse_epilogues
+
+    flags = opts["quant"] is not None or opts["gemma"] or opts["no_residual"]
+    if (flags or opts["epilogue"]) and shape_param != "hidden":
+        raise click.BadParameter(f"--epilogue, --quant, --gemma and --no-residual are all_reduce_rmsnorm's, not "
+                                 f"{opts['op']}'s", param_hint="--op")
+    if opts["epilogue"] is None:
+        return Epilogue(residual=not opts["no_residual"], gemma=opts["gemma"], quant=opts["quant"]) if flags else None
+    if flags:
+        raise click.BadParameter("give --epilogue or --quant/--gemma/--no-residual, not both", param_hint="--epilogue")
+    try:
+        epilogues = parse_epilogues(opts["epilogue"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--epilogue") from None
+    if len(epilogues) != 1:
+        raise click.BadParameter(f"{opts['epilogue']!r} is not one epilogue", param_hint="--epilogue")
+    return None if epilogues[0] == DEFAULT else epilogues[0]
+
+
 def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: Target,
-                      hidden: Optional[int] = None) -> Problem:
+                      hidden: Optional[int] = None, epilogue=None) -> Problem:
     """The Problem `explain` is asked about (``--bytes`` for an op bucketed in bytes, else
-    ``--tokens`` with the op's shape: ``moe_shape`` or ``hidden``); sizes no call can have (or
-    that exceed the workspace's all-reduce region) are usage errors."""
+    ``--tokens`` with the op's shape: ``moe_shape`` or ``hidden``, and the fused op's
+    ``epilogue``, None the default); sizes no call can have (or that exceed the workspace's
+    all-reduce region) are usage errors."""
     record = collectives.get(op)
     request = PointRequest((target.dtype,), target.world_size, moe_shapes=(moe_shape,), hidden=(hidden,),
-                           extra_tokens=False)
+                           extra_tokens=False, epilogues=None if epilogue is None else (epilogue,))
     if record.bucket_unit == "bytes":
         if nbytes is None:
             raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
@@ -102,7 +125,11 @@ def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe
         return record.problems(replace(request, sizes=(_checked_bytes(nbytes, size, target),)))[0]
     if tokens is None:
         raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
-    problem = record.problems(replace(request, tokens=(tokens,)))[0]
+    problems = record.problems(replace(request, tokens=(tokens,)))
+    if not problems:  # the epilogue cannot take this hidden size (NVFP4: a multiple of 16)
+        raise click.BadParameter(f"epilogue {epilogue.key!r} cannot serve hidden={hidden} (NVFP4 packs blocks of 16)",
+                                 param_hint="--hidden")
+    problem = problems[0]
     if problem.nbytes > MAX_SIZE:
         raise click.BadParameter(f"{tokens} tokens per rank make {problem.nbytes} bytes, over 2^63 - 1",
                                  param_hint="--tokens")
@@ -170,7 +197,8 @@ def explain_lines(problem: Problem, modes, target: Target, sources) -> list[str]
     return lines
 
 
-def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: Optional[int] = None) -> None:
+def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: Optional[int] = None,
+         epilogue=None) -> None:
     """One table per op: the decision at every default and tuned size (or shape x token count)."""
     from .dispatch import decide
 
@@ -178,7 +206,7 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
     caps, deterministic = offline_caps(target), settings.deterministic()
     for this_op in ops:
         record = collectives.get(this_op)
-        problems = _plan_problems(record, target, sources, moe_shape, hidden)
+        problems = _plan_problems(record, target, sources, moe_shape, hidden, epilogue)
         if not problems:
             continue
         body = []
@@ -204,17 +232,19 @@ def _plan_cells(decision, problem: Problem, caps, mode: str) -> list[str]:
             f"{decision.nccl_us / us:.2f}x" if decision.nccl_us and us else "-"]
 
 
-def _plan_problems(record, target: Target, sources, moe_shape, hidden: Optional[int]) -> list[tuple[str, Problem]]:
+def _plan_problems(record, target: Target, sources, moe_shape, hidden: Optional[int],
+                   epilogue=None) -> list[tuple[str, Problem]]:
     """(label, problem) of every default point of the op (``record``: its sizes; its shapes or
-    hidden sizes, tuned by default) and every point the sources tuned it at, 1.5 x 2^k too, for
-    the target's hardware and world size."""
+    hidden sizes, tuned by default; the fused op's ``epilogue``, None the default) and every
+    point the sources tuned it at, 1.5 x 2^k too, for the target's hardware and world size."""
     hardware, _, world_size, dtype = target
     rows = [row for source in sources
             for row in source.db.rows(hardware=hardware, world_size=world_size, op=record.name)]
     points = {row.bucket for row in rows}
     tuned = [record.shape_of_key(key) for key in sorted({row.shape for row in rows if row.shape})]
     request = PointRequest((dtype,), world_size, sizes=sorted(points | set(parse_size_range(DEFAULT_SIZES))),
-                           tokens=sorted(points | set(TOKENS)), extra_tokens=False)
+                           tokens=sorted(points | set(TOKENS)), extra_tokens=False,
+                           epilogues=None if epilogue is None else (epilogue,))
     if record.shape_param == "moe_shape":
         request = replace(request, moe_shapes=[moe_shape] if moe_shape else
                           sorted(set(tuned) | set(record.points.moe_shapes), key=lambda shape: shape.key))

@@ -6,12 +6,21 @@
                        Tensor gate_indx, str group_name) -> Tensor
     autosymm::ep_to_dp(Tensor src, Tensor[] assignment, SymInt[] n_expts_per_shard, Tensor expt_indx,
                        Tensor topk_indx, str group_name) -> Tensor
-    autosymm::all_reduce_rmsnorm(Tensor(a0!) x, Tensor(a1!) residual, Tensor weight, float eps,
-                                 str group_name) -> Tensor
+    autosymm::all_reduce_rmsnorm(Tensor(a0!) x, Tensor(a1!)? residual, Tensor weight, float eps,
+                                 str group_name, bool gemma=False, str? quant=None,
+                                 Tensor? scale=None) -> Tensor
+    autosymm::all_reduce_rmsnorm_quant(Tensor(a0!) x, Tensor(a1!)? residual, Tensor weight, float eps,
+                                       str group_name, bool gemma, str quant,
+                                       Tensor? scale) -> (Tensor, Tensor)
     autosymm::reduce_scatter_tensor(Tensor input, str op, int group_size, str group_name) -> Tensor
     autosymm::all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor
-    autosymm::all_reduce_rmsnorm_functional(Tensor x, Tensor residual, Tensor weight, float eps,
-                                            str group_name) -> (Tensor out, Tensor new_residual)
+    autosymm::all_reduce_rmsnorm_functional(Tensor x, Tensor? residual, Tensor weight, float eps,
+                                            str group_name, bool gemma=False) -> (Tensor out, Tensor new_residual)
+
+The fused op's epilogues (autosymm.epilogue): ``all_reduce_rmsnorm`` returns one tensor (``quant``
+None: x's dtype; "fp8": float8_e4m3fn), ``all_reduce_rmsnorm_quant`` two ("fp8_per_token": out and
+its [tokens, 1] scales; "nvfp4": the packed values and the swizzled block scales); each refuses the
+other's quant modes. Only the unquantized epilogues have a functional, differentiable form.
 
 ``op`` is a reduce op's name ("sum", "avg", "max", "min", "product", "band", "bor", "bxor");
 ``group_name`` the name torch.distributed resolves a group by (``group.group_name``; see

@@ -98,6 +98,8 @@ class Problem:
     shape: Optional[MoEShape] = None
     n_tokens_local: int = 0
     hidden: int = 0  # all_reduce_rmsnorm only: elements per row
+    #: all_reduce_rmsnorm only: its autosymm.epilogue.Epilogue (None: the default, set by the record)
+    epilogue: Any = None
     #: The op's registered record (autosymm.collectives), found once: it keys and describes the problem.
     record: Any = field(init=False, repr=False, compare=False)
 
@@ -128,7 +130,7 @@ class Problem:
     @property
     def shape_key(self) -> str:
         """The database `shape` column: '' for all-reduce, MoEShape.key for MoE, 'h{hidden}' for
-        all_reduce_rmsnorm (the op's record decides)."""
+        all_reduce_rmsnorm, 'h{hidden}_{epilogue}' for its other epilogues (the op's record decides)."""
         return self.record.shape_key(self)
 
     @classmethod
@@ -145,13 +147,14 @@ class Problem:
 
     @classmethod
     def all_reduce_rmsnorm(cls, n_tokens_local: int, hidden: int, dtype: str = "bf16",
-                           world_size: int = 2) -> "Problem":
-        """The fused all-reduce + residual add + RMSNorm of [n_tokens_local, hidden] per rank."""
+                           world_size: int = 2, epilogue: Any = None) -> "Problem":
+        """The fused all-reduce + residual add + RMSNorm of [n_tokens_local, hidden] per rank, with
+        ``epilogue`` (autosymm.epilogue.Epilogue; None: the default, residual add and x's dtype)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
         elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
         return cls("all_reduce_rmsnorm", dtype, world_size, nbytes=n_tokens_local * hidden * elem,
-                   n_tokens_local=n_tokens_local, hidden=hidden)
+                   n_tokens_local=n_tokens_local, hidden=hidden, epilogue=epilogue)
 
     def describe(self) -> str:
         return self.record.describe(self)

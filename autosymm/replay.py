@@ -80,6 +80,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import settings
+from .epilogue import DEFAULT as DEFAULT_EPILOGUE
 
 log = logging.getLogger("autosymm")
 
@@ -168,6 +169,8 @@ def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Call
         capture = None
     elif capture is None and launcher.workspace.device.type == "cuda":
         capture = capture_cuda_graph
+    if getattr(launcher, "epilogue", None) not in (None, DEFAULT_EPILOGUE):
+        return launcher  # FusedReplay plans the default epilogue's call (one out of x's dtype, no scale)
     cls = FusedReplay if getattr(launcher, "eager_call", "in_place") == "new_output" else EagerReplay
     return cls(launcher, capture, max_graphs=max_graphs or cls.MAX_GRAPHS, capture_after=capture_after)
 

@@ -15,18 +15,21 @@ VLLM_VERSION=0.33.0
 SGLANG_VERSION=0.5.23
 CACHE="${AUTOSYMM_STACKS_CACHE:-$HOME/.cache/autosymm-stacks}"
 PYTHON="${PYTHON:-python3}"
-# What the two stacks' Python modules import on a CPU, found by importing them (pins within the
-# wheels' own requirement ranges); --no-deps, so each one's own imports are listed too.
+# What the two stacks' Python modules import on a CPU, found by importing them; --no-deps, so
+# each one's own imports are listed too (SGLang's beside vLLM's).
 DEPS=(
-  cbor2==6.3.0 psutil==7.2.2 pyzmq==27.3.0 msgspec==0.20.0 cachetools==6.2.4 pybase64==1.4.3
-  transformers==5.20.0 huggingface_hub==1.31.0 tokenizers==0.23.3 safetensors==0.8.0 tqdm==4.67.3
-  httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.12.1 sniffio==1.3.1
-  aiohttp==3.13.3 multidict==6.9.1 yarl==1.22.0 propcache==0.4.1 aiohappyeyeballs==2.6.1
-  aiosignal==1.4.0 frozenlist==1.8.0 openai_harmony==0.0.8 openai==2.25.0 prometheus_client==0.24.1
-  pillow==13.0.0 uvloop==0.22.1 xgrammar==0.2.8
+  aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated_doc==0.0.7 anyio==4.11.0
+  apache-tvm-ffi==0.1.11 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.136.1 frozenlist==1.8.0 h11==0.16.0
+  httpcore2==2.16.2 httpx2==2.16.2 huggingface_hub==2.4.0 llguidance==1.9.1 msgspec==0.23.0
+  multidict==7.2.1 openai==3.57.0 openai-harmony==0.0.8 partial-json-parser==0.2.1.1.post7 pillow==13.0.0
+  prometheus_client==0.26.0 propcache==0.5.4 psutil==7.2.2 pybase64==1.5.1 pyzmq==27.3.0
+  safetensors==0.8.0 starlette==1.0.1 tokenizers==0.23.3 tqdm==4.70.1 transformers==5.20.0
+  truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1
 )
 
 mkdir -p "$CACHE/src" "$CACHE/deps"
+exec 9>"$CACHE/.lock"
+flock 9  # one fetch / unpack / install at a time per cache
 fetch() {  # fetch NAME VERSION: the wheel into $CACHE unless one is there
   local name=$1 version=$2
   if ! ls "$CACHE/$name-$version-"*.whl >/dev/null 2>&1; then
@@ -61,6 +64,7 @@ if [ ! -e "$DEPS_MARKER" ]; then
   touch "$DEPS_MARKER"
 fi
 
+flock -u 9
 export AUTOSYMM_STACKS_CACHE="$CACHE"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The versions and the files imported, as the tests import them (tests/stacks/stubs.py first).

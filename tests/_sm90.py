@@ -41,6 +41,11 @@ def ptx_features(ptx: str) -> dict:
         "error_adds": len(re.findall(r"(?:red|atom)\.global\.gpu\.relaxed\.add", ptx)),
         "arrivals": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
         "counter_resets": len(re.findall(r"atom\.global\.gpu\.relaxed\.exch", ptx)),
+        "e4m3_cvts": len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)),
+        "div_rn": len(re.findall(r"div\.rn\.f32", ptx)),
+        "nibble_shifts": len(re.findall(r"shl\.b32\s+%r\d+, %r\d+, 4;", ptx)),
+        "byte_permutes": len(re.findall(r"prmt\.b32", ptx)),
+        "byte_stores": len(re.findall(r"st\.global(?:\.\w+)*\.b8 ", ptx)),
     }
 
 

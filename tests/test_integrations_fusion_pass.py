@@ -161,9 +161,77 @@ def _sum_read_elsewhere(rank, world_size):
     assert torch.equal(s, torch.full((4, 16), float(sum(range(1, world_size + 1)))))
 
 
+def _e4m3_steps(got, want) -> int:
+    """The largest distance of two float8_e4m3fn tensors in representable steps."""
+    def ordinal(t):
+        bits = t.view(torch.uint8).to(torch.int32)
+        return torch.where(bits & 0x80 != 0, -(bits & 0x7F), bits & 0x7F)
+
+    return int((ordinal(got) - ordinal(want)).abs().max())
+
+
+def _no_residual_and_fp8(rank, world_size):
+    """The norm of the sum itself (no add), and a static FP8 quant after the norm, with or without
+    the add: each one op (quant="fp8", scale), the e4m3 values within one step of the unfused graph's."""
+    import torch._inductor.config as inductor_config
+
+    from autosymm.integrations.fusion_pass import AllReduceRMSNormPass
+
+    inductor_config.fx_graph_cache = False
+    weight = (torch.rand(16, generator=torch.Generator().manual_seed(3)) + 0.5).bfloat16()
+    scale = torch.tensor(0.02)
+
+    def plain(y):
+        return torch.nn.functional.rms_norm(_autosymm_reduce(y * 1.0), (16,), weight, 1e-6)
+
+    def fp8(y, residual):
+        h = residual + _autosymm_reduce(y * 1.0)
+        return (torch.nn.functional.rms_norm(h, (16,), weight, 1e-6) / scale).clamp(-448, 448).to(
+            torch.float8_e4m3fn), h
+
+    def fp8_no_residual(y):
+        s = _autosymm_reduce(y * 1.0)
+        return (torch.nn.functional.rms_norm(s, (16,), weight, 1e-6) / scale).clamp(min=-448.0, max=448.0).to(
+            torch.float8_e4m3fn)
+
+    gen = torch.Generator().manual_seed(20 + rank)
+    y, residual = torch.randn(2, 3, 16, generator=gen).bfloat16(), torch.ones(2, 3, 16).bfloat16()
+    with torch.no_grad():
+        for fn, args in ((plain, (y,)), (fp8, (y, residual)), (fp8_no_residual, (y,))):
+            want = fn(*(a.clone() for a in args))
+            fusion = AllReduceRMSNormPass()
+            got, code = _run(_compile(fn, fusion), *(a.clone() for a in args))
+            assert fusion.rewrites == 1 and FUSED in code, fn.__name__
+            call = next(line for line in code.splitlines() if FUSED in line)
+            assert ("'fp8'" in call) == (fn is not plain) and (", None, " in call) == (fn is not fp8), call
+            got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+            for g, w in zip(got, want):
+                if g.dtype == torch.float8_e4m3fn:
+                    assert _e4m3_steps(g, w) <= 1, fn.__name__
+                else:
+                    torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def _no_residual_sum_read_elsewhere(rank, world_size):
+    """The sum returned beside its norm: the op without a residual does not return it, so the graph stays."""
+    from autosymm.integrations.fusion_pass import AllReduceRMSNormPass
+
+    weight = torch.ones(16)
+
+    def fn(y):
+        s = _autosymm_reduce(y * 1.0)
+        return torch.nn.functional.rms_norm(s, (16,), weight, 1e-6), s
+
+    fusion = AllReduceRMSNormPass()
+    (_, s), code = _run(_compile(fn, fusion), torch.ones(4, 16) * (rank + 1))
+    assert fusion.rewrites == 0 and FUSED not in code
+    assert torch.equal(s, torch.full((4, 16), float(sum(range(1, world_size + 1)))))
+
+
 def _body(rank, world_size):
     torch.set_num_threads(1)
-    for case in (_example_layer, _hf_layer, _titan_block, _sum_read_elsewhere):
+    for case in (_example_layer, _hf_layer, _titan_block, _sum_read_elsewhere, _no_residual_and_fp8,
+                 _no_residual_sum_read_elsewhere):
         case(rank, world_size)
     return True
 

@@ -76,7 +76,7 @@ def _check_all(runs, xs, residual, weight):
 def _launch_one_shot(ws, run, weight, n_rows, hidden, case, *, push, double, offset, slot_bytes, split=1):
     world_size, _, _, _, block, rows, programs, warps = case
     xv, _, rv, _, out = run
-    _one_shot_all_reduce_rmsnorm[(programs,)](xv, rv, weight, out, ws.region_ptrs("all_reduce"),
+    _one_shot_all_reduce_rmsnorm[(programs,)](xv, rv, weight, out, out, out, ws.region_ptrs("all_reduce"),
                                               ws.signal_ptrs("all_reduce"), *split_scratch(ws), n_rows, EPS, offset,
                                               slot_bytes, HALF_BYTES, RANK=ws.rank, WORLD_SIZE=world_size,
                                               HIDDEN=hidden, BLOCK=block, ROWS=rows, SPLIT=split, PUSH=push,
@@ -182,7 +182,7 @@ def test_two_shot(case):
     runs = _outputs(xs, residual)
     for phase in (1, 2, 3):
         for ws, (xv, _, rv, _, out) in zip(wss, runs):
-            _two_shot_all_reduce_rmsnorm[(programs,)](xv, rv, weight, out, ws.region_ptrs("all_reduce"),
+            _two_shot_all_reduce_rmsnorm[(programs,)](xv, rv, weight, out, out, out, ws.region_ptrs("all_reduce"),
                                                       ws.signal_ptrs("all_reduce"), n_rows, EPS, STAGE, out_offset,
                                                       RANK=ws.rank, WORLD_SIZE=world_size, HIDDEN=hidden,
                                                       BLOCK=block, ROWS=rows, PHASE=phase, num_warps=warps)

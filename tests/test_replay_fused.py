@@ -72,6 +72,21 @@ def test_the_fused_launcher_gets_a_fused_replay(launches):
     assert replay.wrap_eager(launcher, Decision("triton_fused_one_shot", config, "t", mode="graph")) is launcher
 
 
+def test_an_epilogue_launcher_is_not_replayed(launches):
+    """FusedReplay plans the default epilogue's call (one out of x's dtype); another epilogue's
+    launcher runs as it is, and serves its call."""
+    from autosymm.epilogue import Epilogue
+
+    (ws,) = simulated_workspaces(1, all_reduce_bytes=1 << 16, moe_bytes=256, double_buffer_bytes=1 << 14)
+    config = FusedConfig("one_shot", HIDDEN, 4, 2)
+    problem = Problem.all_reduce_rmsnorm(4, HIDDEN, "bf16", 1, epilogue=Epilogue(quant="fp8"))
+    launcher = triton_fused_one_shot.prepare(problem, config, RunContext(workspace=ws))
+    assert _wrapped(launcher, config, []) is launcher
+    x, residual, weight = _tensors()
+    out = launcher(x, residual, weight, 1e-6, scale=torch.tensor(1.0))
+    assert out.dtype == torch.float8_e4m3fn and len(launches) == 1
+
+
 @pytest.mark.parametrize("backend", [triton_fused_one_shot, triton_fused_one_shot_push, triton_fused_two_shot])
 def test_bound_launch_is_the_checked_launch(backend, launches):
     launcher, _ = _launcher(backend)

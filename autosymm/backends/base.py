@@ -17,7 +17,9 @@ A backend never decides; it answers:
 Launchers:
   all_reduce:         ``launcher(x) -> x`` (sum in place over the group);
   all_reduce_rmsnorm: ``launcher(x, residual, weight, eps) -> out`` (residual += the sum of x,
-                      in place; out = RMSNorm(residual) * weight, a new tensor);
+                      in place; out = RMSNorm(residual) * weight, a new tensor); for a problem
+                      with another epilogue, ``launcher(x, residual, weight, eps, *, scale=None) -> out``
+                      or ``(out, scales)`` (residual None: no add; autosymm.epilogue);
   dp_to_ep:           ``launcher(src, assignment, expt_indx, gate_indx) -> dst`` (this rank's EP buffer);
   ep_to_dp:           ``launcher(src, assignment, expt_indx, topk_indx) -> dst`` (this rank's DP rows).
 """

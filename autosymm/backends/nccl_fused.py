@@ -1,5 +1,10 @@
 """Backend ``nccl_fused``: NCCL all-reduce, torch add, torch ``rms_norm`` (the fallback and the
-baseline of ``all_reduce_rmsnorm``)."""
+baseline of ``all_reduce_rmsnorm``); for the other epilogues, NCCL's sum of x in fp32 (a copy:
+x is left as it is) then the reference epilogue's torch ops (autosymm.epilogue.reference:
++ residual and the norm in fp32, then the quant), so every epilogue has a fallback whose
+quantized output is the stated formula's but where NCCL's summation order rounds the fp32 sum's
+last bit otherwise (16-bit x: twice the bytes of an all-reduce in x's dtype, whose rounded sum
+would put a quantized value many e4m3 steps off where the ranks' values cancel)."""
 
 from __future__ import annotations
 
@@ -19,8 +24,17 @@ class NcclFused(Backend):
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist
 
+        from ..collectives.fused_epilogue import DEFAULT, epilogue_launcher
+
         group, all_reduce, rms_norm = ctx.group, dist.all_reduce, torch.nn.functional.rms_norm
         hidden = (problem.hidden,)
+        if problem.epilogue != DEFAULT:  # launcher(x, residual, weight, eps, scale)
+            def total(x: torch.Tensor) -> torch.Tensor:
+                s = x.to(torch.float32, copy=True)
+                all_reduce(s, group=group)
+                return s
+
+            return epilogue_launcher(problem.epilogue, total)
 
         def launcher(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
             all_reduce(x, group=group)

@@ -78,11 +78,16 @@ def pairwise_row_sum(values: torch.Tensor) -> torch.Tensor:
     return level[:, 0]
 
 
+def ordered_inv_rms(s: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 [rows, 1]: ``rsqrt(mean(s^2) + eps)`` of rows ``s`` [rows, hidden], the mean by
+    :func:`pairwise_row_sum` (the epilogues' inverse RMS under the ``deterministic`` setting)."""
+    return torch.rsqrt(pairwise_row_sum(s * s) / s.shape[1] + eps)[:, None]
+
+
 def ordered_rmsnorm(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 ``s * rsqrt(mean(s^2) + eps) * weight`` of rows ``s`` [rows, hidden] (unrounded), the
     mean by :func:`pairwise_row_sum`."""
-    inv_rms = torch.rsqrt(pairwise_row_sum(s * s) / s.shape[1] + eps)
-    return s * inv_rms[:, None] * weight.float()
+    return s * ordered_inv_rms(s, eps) * weight.float()
 
 
 def _gather(x: torch.Tensor, world_size: int, group) -> torch.Tensor:
@@ -156,7 +161,12 @@ class NcclOrderedFused(Backend):
     batch_invariant = True
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
+        from ..collectives.fused_epilogue import DEFAULT, epilogue_launcher
+
         group, world_size = ctx.group, problem.world_size
+        if problem.epilogue != DEFAULT:  # the fp32 in-order sum, unrounded, then the reference epilogue
+            return epilogue_launcher(problem.epilogue, lambda x: ordered_sum(_gather(x, world_size, group)),
+                                     inv_rms=ordered_inv_rms)
 
         def launcher(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
             s = ordered_sum(_gather(x, world_size, group)).add_(residual)

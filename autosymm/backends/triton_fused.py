@@ -4,14 +4,20 @@ symmetric workspace's all-reduce region (and its signal channel: calls are strea
 the all-reduces, as theirs are with each other). Each is a record of :data:`ALGORITHMS`
 (autosymm.backends.launch.Algorithm) with its search space (:func:`fused_space`) beside it.
 
-A launcher ``launcher(x, residual, weight, eps) -> out`` serves contiguous x and residual of
-[tokens, hidden] (the prepared dtype and hidden size, any token count whose stage fits) and a
-contiguous weight [hidden] of the same dtype; ``out`` is a new tensor, residual is updated in
-place, x is left unchanged. Stages: at the top of the region (clear of ``Workspace.empty``'s
-tensors), as the all-reduce kernels' — the tensor itself (pull one-shot), one slot per peer
-(push), x's rows and the out rows (two-shot: twice the tensor) — or, for a one-shot config with
-``double_buffer`` whose stage fits, in a half of the double-buffer region. Barrier failures are
-reported after the fact, as for the all-reduce backends (``Workspace.barrier_errors()``).
+A launcher ``launcher(x, residual, weight, eps, out=None, *, scale=None) -> out`` (``(out,
+scales)`` for an epilogue with scales) serves contiguous x and residual of [tokens, hidden] (the
+prepared dtype and hidden size, any token count whose stage fits) and a contiguous weight [hidden]
+of the same dtype, with the problem's epilogue (``problem.epilogue``, autosymm.epilogue; the
+default add + RMSNorm where the problem has none): without a residual add ``residual`` is None;
+``scale`` is the float32 scalar of fp8 / nvfp4. ``out`` (an ``(out, scales)`` pair with scales) is
+written where given, else new tensors (autosymm.epilogue.Epilogue.empty_outputs; given nvfp4
+scales must hold zeros in the swizzled layout's padding, which the kernels never write); residual
+is updated in place, x is left unchanged. Stages: at the top of the region (clear of
+``Workspace.empty``'s tensors), as the all-reduce kernels' — the tensor itself (pull one-shot), one
+slot per peer (push), x's rows and the out rows (two-shot: twice the tensor; quantized out rows
+and their scales fit there) — or, for a one-shot config with ``double_buffer`` whose stage fits,
+in a half of the double-buffer region. Barrier failures are reported after the fact, as for the
+all-reduce backends (``Workspace.barrier_errors()``).
 
 Split rows (a one-shot config's ``row_split`` > 1) use this rank's scratch (:func:`split_scratch`:
 per-row counters and partial sums in the signal region, the fp32 stash region): a call with more
@@ -29,6 +35,7 @@ import torch
 
 from ..collectives import ALL_REDUCE_RMSNORM
 from ..configs import FUSED_MAX_TILE_PER_THREAD, WARP_SIZE, FusedConfig, useful_counts
+from ..epilogue import DEFAULT, NVFP4_BLOCK, Epilogue
 from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET,
                         FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_REGION, align, push_stage_bytes,
                         rows_and_out_stage_bytes, tensor_stage_bytes)
@@ -73,14 +80,21 @@ def split_scratch(workspace) -> tuple:
     return counts, partials, stash
 
 
+def epilogue_of(problem: Problem) -> Epilogue:
+    """The epilogue a fused problem asks for (``problem.epilogue``; the default without one)."""
+    return getattr(problem, "epilogue", None) or DEFAULT
+
+
 class _FusedLauncher(RegionLauncher):
-    """``launcher(x, residual, weight, eps) -> out``. Bound to one workspace, hidden size and config."""
+    """``launcher(x, residual, weight, eps, *, scale=None) -> out`` or ``(out, scales)``. Bound to
+    one workspace, hidden size, epilogue and config."""
 
     eager_call = "new_output"  # autosymm.replay wraps eager calls in a FusedReplay
 
-    def __init__(self, problem: Problem, config: FusedConfig, workspace) -> None:
+    def __init__(self, problem: Problem, config: FusedConfig, workspace, epilogue: Optional[Epilogue] = None) -> None:
         super().__init__(problem, config, workspace)
         self.hidden = problem.hidden
+        self.epilogue = epilogue or epilogue_of(problem)
         self._rows_by_rank = self.record.splits_by_rank  # the two-shot: its stage holds the out rows too
         self.row_split, self.split_rows, self._scratch = config.row_split, 0, split_scratch(workspace)
         if not self.record.row_split:  # the two-shot kernel takes no split-row scratch
@@ -91,37 +105,45 @@ class _FusedLauncher(RegionLauncher):
         self._scratch_addrs = tuple(int(t.data_ptr()) for t in self._scratch)
 
     # -- hot path ---------------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                 phase: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """residual += all-reduce(x); returns RMSNorm(residual) * weight. ``phase`` != 0 runs one
-        phase of the two-shot kernel into ``out`` (tests: every phase writes the same tensor)."""
-        self._check(x, residual, weight)
-        out = torch.empty_like(x) if out is None else out
-        plan = self._plan(x, residual, weight, out, eps, phase)
-        if plan is None:
-            return out
-        key, ptrs, tail = plan
-        direct = self._direct.get(key)
-        if direct is not None:  # bound: int addresses, no per-pointer driver query
-            direct(*ptrs, self._region_addr, self._signal_addr, *self._scratch_addrs, *tail)
-            return out
-        launch = self._variants.get(key) or self._variant(key)
-        launch(x, residual, weight, out, self.region_ptrs, self.signal_ptrs, *self._scratch, *tail)
-        if launch.direct is not None:
-            self._direct[key] = launch.direct
-        return out
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
+                 phase: int = 0, out=None, *, scale: Optional[torch.Tensor] = None):
+        """residual += all-reduce(x) (with a residual); returns the epilogue's out (RMSNorm *
+        weight, quantized or not), and ``(out, scales)`` where it has scales. ``out``: the tensor
+        to write (an ``(out, scales)`` pair with scales), new ones when None. ``phase`` != 0 runs
+        one phase of the two-shot kernel (tests: every phase writes the same tensors)."""
+        epilogue = self.epilogue
+        out, scales = out if isinstance(out, tuple) else (out, None)
+        if out is None or (scales is None and epilogue.has_scales):
+            new_out, new_scales = epilogue.empty_outputs(x.shape[0], self.hidden, self.dtype, self.device)
+            out = new_out if out is None else out
+            scales = new_scales if scales is None else scales
+        self._check(x, residual, weight, out, scale, scales)
+        plan = self._plan(x, residual, weight, (out, scale, scales), eps, phase)
+        if plan is not None:
+            key, ptrs, tail = plan
+            direct = self._direct.get(key)
+            if direct is not None:  # bound: int addresses, no per-pointer driver query
+                direct(*ptrs, self._region_addr, self._signal_addr, *self._scratch_addrs, *tail)
+            else:
+                launch = self._variants.get(key) or self._variant(key)
+                launch(x, x if residual is None else residual, weight, out, out if scale is None else scale,
+                       out if scales is None else scales, self.region_ptrs, self.signal_ptrs, *self._scratch, *tail)
+                if launch.direct is not None:
+                    self._direct[key] = launch.direct
+        return (out, scales) if epilogue.has_scales else out
 
-    def bind(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-             eps: float = 1e-6) -> Optional[Callable[[], None]]:
-        """``launch()``: this call's kernel launch writing ``out``, its arguments bound (int
-        addresses), on the current stream, without any check; None when it launches nothing or
-        its variant is not bound yet (call ``self(...)`` first). Valid for every call with
-        tensors at these four addresses, of these dtypes, shapes and devices, and this ``eps``,
+    def bind(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, out: torch.Tensor,
+             eps: float = 1e-6, *, scale: Optional[torch.Tensor] = None,
+             scales: Optional[torch.Tensor] = None) -> Optional[Callable[[], None]]:
+        """``launch()``: this call's kernel launch writing ``out`` (and ``scales``), its arguments
+        bound (int addresses), on the current stream, without any check; None when it launches
+        nothing or its variant is not bound yet (call ``self(...)`` first). Valid for every call
+        with tensors at these addresses, of these dtypes, shapes and devices, and this ``eps``,
         while ``workspace.empty_bytes`` is unchanged (autosymm.replay relies on it): the variant
         and the integer arguments are a function of those alone; the split-row counters return
         to 0 after every call, so a bound launch, or a CUDA graph of one, stays right."""
-        self._check(x, residual, weight)
-        plan = self._plan(x, residual, weight, out, eps, 0)
+        self._check(x, residual, weight, out, scale, scales)
+        plan = self._plan(x, residual, weight, (out, scale, scales), eps, 0)
         if plan is None:
             return None
         key, ptrs, tail = plan
@@ -130,24 +152,48 @@ class _FusedLauncher(RegionLauncher):
             return None
         return partial(direct, *ptrs, self._region_addr, self._signal_addr, *self._scratch_addrs, *tail)
 
-    def _check(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
-        dtype, device = self.dtype, self.device
-        if not (x.dtype is dtype and residual.dtype is dtype and weight.dtype is dtype and x.device == device
-                and residual.device == device and weight.device == device and x.is_contiguous()
-                and residual.is_contiguous() and weight.is_contiguous() and x.dim() == 2
-                and x.shape[1] == self.hidden and residual.shape == x.shape and weight.shape[0] == self.hidden
-                and weight.dim() == 1 and x.numel() <= MAX_NUMEL):
-            raise self._bad_input(x, residual, weight)
+    def _check(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, out: torch.Tensor,
+               scale: Optional[torch.Tensor], scales: Optional[torch.Tensor]) -> None:
+        dtype, device, epilogue = self.dtype, self.device, self.epilogue
+        if not (x.dtype is dtype and weight.dtype is dtype and x.device == device and weight.device == device
+                and x.is_contiguous() and weight.is_contiguous() and x.dim() == 2 and x.shape[1] == self.hidden
+                and weight.shape[0] == self.hidden and weight.dim() == 1 and x.numel() <= MAX_NUMEL
+                and ((residual is None) if not epilogue.residual else
+                     (residual is not None and residual.dtype is dtype and residual.device == device
+                      and residual.is_contiguous() and residual.shape == x.shape))
+                and self._outputs_ok(x, out, scale, scales)):
+            raise self._bad_input(x, residual, weight, out, scale, scales)
 
-    def _plan(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
-              phase: int) -> Optional[tuple[tuple, tuple, tuple]]:
-        """(variant key, the four tensors' addresses, the kernel's arguments after the scratch) of
-        a checked call, or None without rows; BackendError when x or residual overlaps the stage."""
+    def _outputs_ok(self, x: torch.Tensor, out: torch.Tensor, scale: Optional[torch.Tensor],
+                    scales: Optional[torch.Tensor]) -> bool:
+        """Whether out, scale and scales are what the epilogue writes and reads (on the device)."""
+        epilogue, device, tokens = self.epilogue, self.device, x.shape[0]
+        if not (out.dtype is epilogue.out_dtype(self.dtype) and tuple(out.shape) == epilogue.out_shape(tokens, self.hidden)
+                and out.device == device and out.is_contiguous()):
+            return False
+        if epilogue.needs_scale and not (scale is not None and scale.dtype is torch.float32 and scale.numel() == 1
+                                         and scale.device == device):
+            return False
+        if epilogue.has_scales:
+            want = torch.float32 if epilogue.quant == "fp8_per_token" else torch.float8_e4m3fn
+            return (scales is not None and scales.dtype is want and scales.device == device and scales.is_contiguous()
+                    and tuple(scales.shape) == epilogue.scales_shape(tokens, self.hidden))
+        return True
+
+    def _plan(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, outputs: tuple,
+              eps: float, phase: int) -> Optional[tuple[tuple, tuple, tuple]]:
+        """(variant key, the six pointer arguments' addresses, the kernel's arguments after the
+        scratch) of a checked call with ``outputs`` = (out, scale, scales), or None without rows;
+        BackendError when x or residual overlaps the stage. Unused pointer arguments (no residual,
+        scale or scales) get x's or out's address."""
+        out, scale, scales = outputs
         n_rows, nbytes, eps = x.shape[0], x.numel() * self.elem_bytes, float(eps)  # an int eps: another signature
         if n_rows == 0:
             return None
         stage, stage_end, sizes, double = self._stage(nbytes)
-        ptrs = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr())
+        out_addr = out.data_ptr()
+        ptrs = (x.data_ptr(), x.data_ptr() if residual is None else residual.data_ptr(), weight.data_ptr(), out_addr,
+                out_addr if scale is None else scale.data_ptr(), out_addr if scales is None else scales.data_ptr())
         if (ptrs[0] < stage_end and ptrs[0] + nbytes > stage) or (ptrs[1] < stage_end and ptrs[1] + nbytes > stage):
             raise BackendError(f"x or residual {tuple(x.shape)} overlaps the {self.algorithm} stage of the all-reduce "
                                "region, where peers write")
@@ -157,24 +203,48 @@ class _FusedLauncher(RegionLauncher):
 
     run = __call__
 
-    def _bad_input(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> BackendError:
+    def _bad_input(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, out: torch.Tensor,
+                   scale: Optional[torch.Tensor], scales: Optional[torch.Tensor]) -> BackendError:
         """A BackendError naming every bad property of the tensors."""
-        problems = []
-        for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        problems, epilogue = [], self.epilogue
+        if epilogue.residual and residual is None:
+            problems.append(f"residual is None, but the epilogue {epilogue.key or 'add_rms'} adds it")
+        elif not epilogue.residual and residual is not None:
+            problems.append(f"a residual was passed to the epilogue {epilogue.key}, which adds none")
+        named = [("x", x), ("weight", weight)] + ([("residual", residual)] if residual is not None else [])
+        for name, t in named:
             if t.dtype is not self.dtype:
                 problems.append(f"{name} dtype {t.dtype} (prepared for {self.dtype})")
             if t.device != self.device:
                 problems.append(f"{name} on {t.device} (the workspace is on {self.device})")
             if not t.is_contiguous():
                 problems.append(f"{name} strides {tuple(t.stride())} (must be contiguous)")
-        if x.dim() != 2 or x.shape[1] != self.hidden or residual.shape != x.shape:
-            problems.append(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must both be "
-                            f"[tokens, {self.hidden}]")
+        if x.dim() != 2 or x.shape[1] != self.hidden or (residual is not None and residual.shape != x.shape):
+            problems.append(f"x {tuple(x.shape)} and residual {None if residual is None else tuple(residual.shape)} "
+                            f"must both be [tokens, {self.hidden}]")
         if tuple(weight.shape) != (self.hidden,):
             problems.append(f"weight {tuple(weight.shape)} must be [{self.hidden}]")
         if x.numel() > MAX_NUMEL:
             problems.append(f"{x.numel()} elements exceed int32 indexing")
+        if x.dim() == 2 and not self._outputs_ok(x, out, scale, scales):
+            problems.append(self._outputs_wanted(x.shape[0], out, scale, scales))
         return BackendError(f"triton_fused_{self.algorithm} cannot serve all_reduce_rmsnorm: " + "; ".join(problems))
+
+    def _outputs_wanted(self, tokens: int, out: torch.Tensor, scale: Optional[torch.Tensor],
+                        scales: Optional[torch.Tensor]) -> str:
+        """What the epilogue's out, scale and scales must be, and what they are."""
+        epilogue = self.epilogue
+
+        def desc(t):
+            return "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+        text = (f"epilogue {epilogue.key or 'add_rms'} writes out {epilogue.out_dtype(self.dtype)} "
+                f"{epilogue.out_shape(tokens, self.hidden)} (got {desc(out)})")
+        if epilogue.needs_scale:
+            text += f", reads a float32 scale of one element (got {desc(scale)})"
+        if epilogue.has_scales:
+            text += f", writes scales {epilogue.scales_shape(tokens, self.hidden)} (got {desc(scales)})"
+        return text + f", contiguous, on {self.device}"
 
     def _stage(self, nbytes: int) -> tuple[int, int, tuple, bool]:
         """(stage start and end addresses, the kernel's integer arguments after eps, double-buffered?)
@@ -201,7 +271,8 @@ class _FusedLauncher(RegionLauncher):
         double, phase, split = key[0], key[1], key[2]
         cfg = self.config
         constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, HIDDEN=self.hidden, BLOCK=cfg.block_size,
-                          ROWS=cfg.rows_per_program)
+                          ROWS=cfg.rows_per_program, HAS_RESIDUAL=self.epilogue.residual, GEMMA=self.epilogue.gemma,
+                          QUANT=self.epilogue.quant_code)
         if self.record.splits_by_rank:
             constexprs.update(PHASE=phase)
         elif phase:
@@ -315,6 +386,9 @@ class TritonFused(Backend):
         if config.block_size < problem.hidden:
             raise BackendError(f"{self.name}: block_size={config.block_size} must be >= hidden={problem.hidden} "
                                "(a row is held in registers)")
+        if epilogue_of(problem).quant == "nvfp4" and problem.hidden % NVFP4_BLOCK:
+            raise BackendError(f"{self.name}: nvfp4 packs blocks of {NVFP4_BLOCK}: hidden={problem.hidden} is not "
+                               "a multiple")
         return _FusedLauncher(problem, config, ws)
 
 

@@ -34,13 +34,15 @@ class Lookups:
 class TuningPoints:
     """An op's default tuning points (``autosymm tune`` without options), as data: ``sizes``
     (bytes), ``moe_shapes``, ``hidden`` sizes (elements per row), ``tokens`` per rank, and
-    ``extra_tokens`` also tuned where they lie inside the asked-for token range."""
+    ``extra_tokens`` also tuned where they lie inside the asked-for token range, and the fused
+    op's ``epilogues`` (autosymm.epilogue.Epilogue)."""
 
     sizes: tuple[int, ...] = ()
     moe_shapes: tuple[MoEShape, ...] = ()
     hidden: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
     extra_tokens: tuple[int, ...] = ()
+    epilogues: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class PointRequest:
     hidden: Optional[Sequence[int]] = None
     tokens: Optional[Sequence[int]] = None
     extra_tokens: bool = True
+    epilogues: Optional[Sequence[Any]] = None
 
 
 @dataclass(frozen=True)

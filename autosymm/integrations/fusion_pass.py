@@ -1,11 +1,17 @@
-"""An inductor pass that fuses all-reduce -> residual add -> RMSNorm into ``autosymm::all_reduce_rmsnorm``.
+"""An inductor pass that fuses all-reduce -> residual add -> RMSNorm (-> FP8 quant) into ``autosymm::all_reduce_rmsnorm``.
 
 For any model under ``torch.compile`` (inductor): a tensor-parallel layer's
 
     h = residual + all_reduce(x);  y = rms_norm(h) * weight
 
 becomes one ``torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, group_name)``
-(``residual`` then holds ``h``). Sources of the all-reduce: autosymm's ops
+(``residual`` then holds ``h``). Without the add (``y = rms_norm(all_reduce(x)) * weight``, the
+sum read by the norm alone) it becomes the op with ``residual=None``; a static FP8 quant of the
+norm's output as torch code writes it, ``(y / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``
+(any float casts between, ``clamp`` or ``clamp_min`` / ``clamp_max``, ``scale`` a float32 tensor of
+one element; ``y`` read by the quant alone), becomes the op with ``quant="fp8", scale=scale``: its
+e4m3 output is ``clamp(y_fp32 * (1 / scale))`` of the unrounded norm (autosymm.epilogue), so it
+agrees with the model's cast of the rounded ``y / scale`` to within one e4m3 step. Sources of the all-reduce: autosymm's ops
 (``torch.ops.autosymm.all_reduce`` / ``all_reduce_``, what ``autosymm.all_reduce`` traces to) and
 torch.distributed's functional all-reduce (``torch.ops._c10d_functional.all_reduce`` +
 ``wait_tensor``: ``torch.distributed._functional_collectives.all_reduce`` and DTensor's
@@ -60,6 +66,49 @@ class _Norm:
     weight: Node
     eps: float
     nodes: list[Node]
+
+
+@dataclass
+class _Quant:
+    """A static FP8 quant of the norm's output: the e4m3 node, the scale and the nodes in between."""
+
+    out: Node
+    scale: Node
+    nodes: list[Node]
+
+
+_CLAMPS = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fp8_quant_of(y: Node) -> Optional[_Quant]:
+    """``(y / scale).clamp(-448, 448).to(float8_e4m3fn)`` after ``y`` (module docstring), or None."""
+    nodes, scale, bounds, node = [], None, set(), y
+    while True:
+        nxt = _only_user(node)
+        if nxt is None:
+            return None
+        if _convert(nxt, torch.float8_e4m3fn):
+            break
+        if _call(nxt, prims.convert_element_type.default) and nxt.args[1] in _FLOATS:
+            pass
+        elif _call(nxt, aten.div.Tensor) and nxt.args[0] is node and scale is None and isinstance(nxt.args[1], Node):
+            scale = nxt.args[1]
+        elif _call(nxt, *_CLAMPS) and nxt.args[0] is node and scale is not None:
+            args = list(nxt.args[1:]) + [nxt.kwargs.get(k) for k in ("min", "max") if k in nxt.kwargs]
+            kinds = {aten.clamp_min.default: ("min",), aten.clamp_max.default: ("max",)}.get(nxt.target, ("min", "max"))
+            for kind, value in zip(kinds, args):
+                if value is not None:
+                    bounds.add((kind, float(value)))
+        else:
+            return None
+        nodes.append(nxt)
+        node = nxt
+    s = _val(scale)
+    if s is None or s.dtype != torch.float32 or tuple(s.shape) not in ((), (1,)) or bounds != {("min", -448.0),
+                                                                                             ("max", 448.0)}:
+        return None
+    return _Quant(nxt, scale, nodes + [nxt])
 
 
 def _call(node, *targets) -> bool:
@@ -194,6 +243,9 @@ class AllReduceRMSNormPass(CustomGraphPass):
         for node in list(graph.nodes):
             if node.graph is graph and _call(node, aten.add.Tensor) and len(node.args) == 2 and not node.kwargs:
                 self._try(graph, node)
+        for node in list(graph.nodes):  # what is left: sums the norm reads without an add
+            if node.graph is graph and not getattr(node, "_erased", False):
+                self._try_no_residual(graph, node)
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))
@@ -206,9 +258,24 @@ class AllReduceRMSNormPass(CustomGraphPass):
             residual = add.args[1 - side]
             norm = _rms_norm_of(add) if _eligible(s, add, residual) else None
             if norm is not None and _before(graph, norm.weight, add):
-                _rewrite(graph, s, add, residual, norm)
-                self.rewrites += 1
-                return
+                quant = _fp8_quant_of(norm.out)
+                if quant is None or _before(graph, quant.scale, add):
+                    _rewrite(graph, s, add, residual, norm, quant)
+                    self.rewrites += 1
+                    return
+
+    def _try_no_residual(self, graph: Graph, sum_node: Node) -> None:
+        s = _sum_of(sum_node) if _call(sum_node, operator.getitem, torch.ops._c10d_functional.wait_tensor.default,
+                                       torch.ops.autosymm.all_reduce.default) else None
+        if s is None or not _eligible(s, sum_node, sum_node):
+            return
+        norm = _rms_norm_of(sum_node)
+        if norm is None or not set(sum_node.users) <= set(norm.nodes) or not _before(graph, norm.weight, sum_node):
+            return  # the sum read elsewhere: the op without a residual does not return it
+        quant = _fp8_quant_of(norm.out)
+        if quant is None or _before(graph, quant.scale, sum_node):
+            _rewrite(graph, s, sum_node, None, norm, quant)
+            self.rewrites += 1
 
 
 def _before(graph: Graph, node, anchor: Node) -> bool:
@@ -223,27 +290,35 @@ def _before(graph: Graph, node, anchor: Node) -> bool:
     return False
 
 
-def _rewrite(graph: Graph, s: _Sum, add: Node, residual: Node, norm: _Norm) -> None:
-    """Insert the fused op before ``add``; its outputs take the places of the norm's output and
-    of the residual sum; the replaced nodes go."""
+def _rewrite(graph: Graph, s: _Sum, add: Node, residual: Optional[Node], norm: _Norm,
+             quant: Optional[_Quant]) -> None:
+    """Insert the fused op before ``add`` (without a residual: before the sum ``add``); its
+    outputs take the places of the norm's output (or the quant's) and of the residual sum; the
+    replaced nodes go."""
     shape = _val(add).shape
     hidden = int(shape[-1])
     with graph.inserting_before(add):
-        x2, r2 = _flat(graph, s.x, hidden), _flat(graph, residual, hidden)
-        fused = graph.call_function(
-            torch.ops.higher_order.auto_functionalized_v2, (torch.ops.autosymm.all_reduce_rmsnorm.default,),
-            {"weight": norm.weight, "eps": norm.eps, "group_name": s.group_name, "_x_base_index": 0,
-             "_residual_base_index": 1, "_all_bases": [x2, r2]})
-        xv, rv = _val(x2), _val(r2)
-        fused.meta["val"] = (torch.empty_like(xv), torch.empty_like(xv), torch.empty_like(rv))
-        out = _item(graph, fused, 0)
-        new_residual = _item(graph, fused, 2)
-        out, new_residual = _unflat(graph, out, s.x, shape), _unflat(graph, new_residual, s.x, shape)
-    norm.out.replace_all_uses_with(out)
-    add.replace_all_uses_with(new_residual)
-    for node in reversed(norm.nodes):
+        x2 = _flat(graph, s.x, hidden)
+        bases = [x2] if residual is None else [x2, _flat(graph, residual, hidden)]
+        kwargs = {"weight": norm.weight, "eps": norm.eps, "group_name": s.group_name, "_x_base_index": 0,
+                  "_residual_base_index": None if residual is None else 1, "_all_bases": bases}
+        if quant is not None:
+            kwargs.update(gemma=False, quant="fp8", scale=quant.scale)
+        fused = graph.call_function(torch.ops.higher_order.auto_functionalized_v2,
+                                    (torch.ops.autosymm.all_reduce_rmsnorm.default,), kwargs)
+        xv = _val(x2)
+        out_val = torch.empty_like(xv, dtype=torch.float8_e4m3fn) if quant is not None else torch.empty_like(xv)
+        fused.meta["val"] = (out_val, *(torch.empty_like(_val(b)) for b in bases))
+        out = _unflat(graph, _item(graph, fused, 0), s.x, shape)
+        if residual is not None:
+            new_residual = _unflat(graph, _item(graph, fused, 2), s.x, shape)
+    (quant.out if quant is not None else norm.out).replace_all_uses_with(out)
+    if residual is not None:
+        add.replace_all_uses_with(new_residual)
+    for node in reversed(norm.nodes + (quant.nodes if quant is not None else [])):
         graph.erase_node(node)
-    graph.erase_node(add)
+    if residual is not None:
+        graph.erase_node(add)
     for node in reversed(s.nodes):
         graph.erase_node(node)
 

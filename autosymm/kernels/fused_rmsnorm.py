@@ -1,11 +1,18 @@
 """Fused all-reduce + residual add + RMSNorm kernels (Triton, device side only).
 
 Every rank holds ``x`` and ``residual`` of [n_rows, HIDDEN] (contiguous, bf16/fp16/fp32) and
-``weight`` [HIDDEN]. Each kernel leaves on every rank::
+``weight`` [HIDDEN]. Each kernel leaves on every rank (autosymm.epilogue states the formula)::
 
     s        = residual + sum over ranks of x                   (fp32, ranks 0..W-1 in order)
     residual = ELEM(s)
     out      = ELEM(s * rsqrt(mean(s^2) + eps) * weight)          (fp32)
+
+The epilogue is a compile-time variant (autosymm.kernels.fused_epilogue): HAS_RESIDUAL=False
+adds no residual (s is the sum; ``res_ptr`` is never touched), GEMMA applies ``1 + weight``,
+QUANT 1 / 2 / 3 writes out as fp8 e4m3 with the static scale at ``scale_ptr``, as fp8 e4m3 with
+a row scale per token (fp32 at ``scales_ptr``), or as nvfp4 (packed e2m1 bytes, e4m3 block
+scales swizzled at ``scales_ptr``, the global scale at ``scale_ptr``). Pointers a variant does not
+use may be any valid pointer.
 
 ``x`` is left unchanged. ``residual`` is replicated (tensor parallelism): the one-shots compute
 every row on every rank from the same inputs with the same code, so all ranks end bit-identical;
@@ -43,22 +50,8 @@ import triton.language as tl
 
 from .all_reduce import _advance_epoch, _epoch_stage, _stage_ptr
 from .barrier import barrier
+from .fused_epilogue import _normalise_and_store, _store_block_scales, _store_outputs, _tile
 from .push_all_reduce import _slot_ptr
-
-
-@triton.jit
-def _tile(row0, row_end, col0, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """(element offsets [ROWS, BLOCK], mask, columns [BLOCK]) of columns col0 .. col0 + BLOCK - 1
-    (a multiple of BLOCK, < HIDDEN) of rows row0 .. row0 + ROWS - 1 (rows >= row_end and columns
-    >= HIDDEN masked)."""
-    rows = row0 + tl.arange(0, ROWS)
-    cols = col0 + tl.arange(0, BLOCK)
-    offs = rows[:, None] * HIDDEN + cols[None, :]
-    if HIDDEN % BLOCK == 0:  # whole column blocks, row-constant mask: 128-bit accesses stay possible
-        mask = tl.broadcast_to((rows < row_end)[:, None], (ROWS, BLOCK))
-    else:
-        mask = (rows < row_end)[:, None] & (cols < HIDDEN)[None, :]
-    return offs, mask, cols
 
 
 @triton.jit
@@ -111,47 +104,56 @@ def _scatter(region_ptrs, offset, offs, mask, val, RANK: tl.constexpr, WORLD_SIZ
 
 
 @triton.jit
-def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, out_offset, row0, row_end,
-                eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                ROWS: tl.constexpr, PUSH: tl.constexpr, SCATTER: tl.constexpr):
-    """For one row group: residual += sum of x (rounded once) and out = RMSNorm * weight of the
-    unrounded fp32 sum (rounded once). SCATTER (two-shot): both also go to every peer's stage,
-    the residual over the x rows just read there, out at ``out_offset``."""
+def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
+                out_offset, scales_offset, row0, row_end, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PUSH: tl.constexpr,
+                SCATTER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr):
+    """For one row group: s = sum of x (+ the residual, then written back rounded once), and out
+    (and scales) from the norm of the unrounded fp32 s (autosymm.kernels.fused_epilogue). SCATTER
+    (two-shot): both also go to every peer's stage, the residual over the x rows just read there,
+    out at ``out_offset`` and the scales (row-major) at ``scales_offset``."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     offs, mask, cols = _tile(row0, row_end, 0, HIDDEN, BLOCK, ROWS)
     acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
-    acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    new_residual = acc.to(ELEM)
-    tl.store(res_ptr + offs, new_residual, mask=mask)
+    if HAS_RESIDUAL:
+        acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        new_residual = acc.to(ELEM)
+        tl.store(res_ptr + offs, new_residual, mask=mask)
     inv_rms = tl.math.rsqrt(tl.sum(acc * acc, axis=1) / HIDDEN + eps)
-    w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
-    out = (acc * inv_rms[:, None] * w[None, :]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, out, mask=mask)
+    values, scales = _normalise_and_store(acc, inv_rms, w_ptr, out_ptr, scale_ptr, scales_ptr, row0, row_end, HIDDEN,
+                                          BLOCK, ROWS, GEMMA, QUANT)
     if SCATTER:
-        _scatter(region_ptrs, stage_offset, offs, mask, new_residual, RANK, WORLD_SIZE)
-        _scatter(region_ptrs, out_offset, offs, mask, out, RANK, WORLD_SIZE)
+        if HAS_RESIDUAL:
+            _scatter(region_ptrs, stage_offset, offs, mask, new_residual, RANK, WORLD_SIZE)
+        for step in tl.static_range(1, WORLD_SIZE):
+            peer = (RANK + step) % WORLD_SIZE
+            _store_outputs(values, scales, _stage_ptr(region_ptrs, peer, out_offset, True, out_ptr.dtype.element_ty),
+                           _stage_ptr(region_ptrs, peer, scales_offset, True, scales_ptr.dtype.element_ty), row0,
+                           row_end, HIDDEN, BLOCK, ROWS, QUANT, False)
 
 
 @triton.jit
-def _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                SPLIT: tl.constexpr, N_PARTS: tl.constexpr):
-    """out = RMSNorm * weight of a whole row from its parts' stores: the fp32 sums s in the
-    stash, the sum of squares = the sum of the parts' partial sums. The whole row is one tile,
-    so its loads are in flight together (one L2 round trip, not one per part)."""
+def _finish_row(w_ptr, out_ptr, scale_ptr, scales_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN: tl.constexpr,
+                BLOCK: tl.constexpr, SPLIT: tl.constexpr, N_PARTS: tl.constexpr, GEMMA: tl.constexpr,
+                QUANT: tl.constexpr):
+    """out (and scales) of a whole row from its parts' stores: the fp32 sums s in the stash, the
+    sum of squares = the sum of the parts' partial sums. The whole row is one tile, so its loads
+    are in flight together (one L2 round trip, not one per part)."""
     # .cg: the other parts were stored by other programs (other SMs); L2 is where they are.
     parts = tl.arange(0, SPLIT)
     partial = tl.load(partials_ptr + row * N_PARTS + parts, mask=parts < N_PARTS, other=0.0, cache_modifier=".cg")
     offs, mask, cols = _tile(row, row + 1, 0, HIDDEN, BLOCK, 1)
     s = tl.load(stash_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(partial, axis=0) / HIDDEN + eps)
-    tl.store(out_ptr + offs, (s * inv_rms * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    inv_rms = tl.math.rsqrt(tl.sum(partial, axis=0) / HIDDEN + eps) + tl.zeros((1,), tl.float32)
+    _normalise_and_store(s, inv_rms, w_ptr, out_ptr, scale_ptr, scales_ptr, row, row + 1, HIDDEN, BLOCK, 1, GEMMA,
+                         QUANT)
 
 
 @triton.jit
-def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, counts_ptr, partials_ptr,
-                stash_ptr, row, part, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-                BLOCK: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr):
+def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
+                counts_ptr, partials_ptr, stash_ptr, row, part, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr):
     """One part (BLOCK / SPLIT columns) of a row shared by N_PARTS programs (see the one-shot
     kernel): reduce, store the residual part, then count in; the row's last program writes its out."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
@@ -159,9 +161,9 @@ def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_
     N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
     offs, mask, cols = _tile(row, row + 1, part * CHUNK, HIDDEN, CHUNK, 1)
     acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
-    acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    new_residual = acc.to(ELEM)
-    tl.store(res_ptr + offs, new_residual, mask=mask)
+    if HAS_RESIDUAL:
+        acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res_ptr + offs, acc.to(ELEM), mask=mask)
     tl.store(stash_ptr + offs, acc, mask=mask)  # unrounded: out is rounded once, as with whole rows
     tl.store(partials_ptr + row * N_PARTS + part, tl.sum(tl.sum(acc * acc, axis=1), axis=0))
     tl.debug_barrier()  # every thread's stores of this part precede the release below
@@ -169,15 +171,18 @@ def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_
     if arrived == N_PARTS - 1:
         tl.atomic_xchg(counts_ptr + row, 0, sem="relaxed", scope="gpu")  # 0 again for the next call
         tl.debug_barrier()  # every thread reads after the acquire
-        _finish_row(w_ptr, out_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN, BLOCK, SPLIT, N_PARTS)
+        _finish_row(w_ptr, out_ptr, scale_ptr, scales_ptr, partials_ptr, stash_ptr, row, eps, HIDDEN, BLOCK, SPLIT,
+                    N_PARTS, GEMMA, QUANT)
 
 
 @triton.jit(do_not_specialize=["n_rows", "stage_offset", "slot_bytes", "half_bytes"])
-def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, counts_ptr, partials_ptr,
-                                 stash_ptr, n_rows: tl.int32, eps, stage_offset: tl.int64, slot_bytes: tl.int64,
-                                 half_bytes: tl.int64, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
-                                 HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                                 PUSH: tl.constexpr, DOUBLE_BUFFER: tl.constexpr):
+def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs,
+                                 counts_ptr, partials_ptr, stash_ptr, n_rows: tl.int32, eps, stage_offset: tl.int64,
+                                 slot_bytes: tl.int64, half_bytes: tl.int64, RANK: tl.constexpr,
+                                 WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                                 ROWS: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr,
+                                 DOUBLE_BUFFER: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
+                                 GEMMA: tl.constexpr = False, QUANT: tl.constexpr = 0):
     """One-shot, pull (every rank reads every stage) or PUSH (every rank writes its x into its
     slot, ``slot_bytes`` apart, of every peer's stage). DOUBLE_BUFFER: the stage alternates
     between the halves at ``stage_offset`` and ``stage_offset + half_bytes`` by the epoch of
@@ -206,6 +211,7 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
     with the same code, so out stays bit-identical across ranks."""
     tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
     tl.static_assert(SPLIT == 1 or ROWS == 1, "rows are split only one row at a time")
+    tl.static_assert(QUANT != 3 or (HIDDEN % 16 == 0 and BLOCK >= 16), "nvfp4 packs whole blocks of 16")
     CHUNK: tl.constexpr = BLOCK // SPLIT
     N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
@@ -225,27 +231,50 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
     barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every rank's x is staged (pull: own stage; push: ours)
     for item in range(pid, n_items, n_programs):
         if SPLIT == 1:
-            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, 0, item * ROWS,
-                        n_rows, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False)
+            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
+                        0, 0, item * ROWS, n_rows, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False,
+                        HAS_RESIDUAL, GEMMA, QUANT)
         else:
-            _split_part(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, slot_bytes, counts_ptr,
-                        partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK,
-                        SPLIT, PUSH)
+            _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
+                        counts_ptr, partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK, WORLD_SIZE,
+                        HIDDEN, BLOCK, SPLIT, PUSH, HAS_RESIDUAL, GEMMA, QUANT)
     if DOUBLE_BUFFER:
         _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK)
     else:
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads our stage
 
 
+@triton.jit
+def _copy_outputs(out_ptr, scales_ptr, region_ptrs, out_offset, scales_offset, row0, row_end, RANK: tl.constexpr,
+                  HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr):
+    """Copy one row group's out (and scales) from this rank's stage (as ``_fused_rows`` scattered
+    them) to ``out_ptr`` (and ``scales_ptr``; nvfp4: swizzled)."""
+    out_stage = _stage_ptr(region_ptrs, RANK, out_offset, True, out_ptr.dtype.element_ty)
+    if QUANT == 3:
+        _copy_rows(out_ptr, out_stage, row0, row_end, 0, HIDDEN // 2, BLOCK // 2, ROWS)
+        scale_stage = _stage_ptr(region_ptrs, RANK, scales_offset, True, scales_ptr.dtype.element_ty)
+        offs, mask, _ = _tile(row0, row_end, 0, HIDDEN // 16, BLOCK // 16, ROWS)
+        _store_block_scales(scales_ptr, tl.load(scale_stage + offs, mask=mask), row0, row_end, HIDDEN, BLOCK, ROWS,
+                            True)
+    else:
+        _copy_rows(out_ptr, out_stage, row0, row_end, 0, HIDDEN, BLOCK, ROWS)
+        if QUANT == 2:
+            scale_stage = _stage_ptr(region_ptrs, RANK, scales_offset, True, scales_ptr.dtype.element_ty)
+            _copy_rows(scales_ptr, scale_stage, row0, row_end, 0, 1, 1, ROWS)
+
+
 @triton.jit(do_not_specialize=["n_rows", "stage_offset", "out_offset"])
-def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, signal_ptrs, n_rows: tl.int32,
-                                 eps, stage_offset: tl.int64, out_offset: tl.int64,
+def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs,
+                                 n_rows: tl.int32, eps, stage_offset: tl.int64, out_offset: tl.int64,
                                  RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, PHASE: tl.constexpr):
+                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, PHASE: tl.constexpr,
+                                 HAS_RESIDUAL: tl.constexpr = True, GEMMA: tl.constexpr = False,
+                                 QUANT: tl.constexpr = 0):
     """Two-shot by rows (see the module docstring). The stage holds x's rows at ``stage_offset``
-    and the out rows at ``out_offset`` (bytes into the region). PHASE 0 runs everything; 1, 2, 3
-    run copy-in + barrier, reduce + normalise + scatter, barrier + copy-out + end barrier alone
-    (tests).
+    and the out rows at ``out_offset`` (bytes into the region), quantized ones followed by their
+    scales (row-major: fp32 per token, e4m3 [rows, HIDDEN / 16] for nvfp4) at the next 16 bytes;
+    they fit the area of x's rows. PHASE 0 runs everything; 1, 2, 3 run copy-in + barrier, reduce
+    + normalise + scatter, barrier + copy-out + end barrier alone (tests).
 
     In-place invariant (as the all-reduce two-shot's): in phase 2 rank r reads and writes only
     segment r's rows of every stage, each element read and then overwritten (with the new
@@ -254,10 +283,13 @@ def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
     """
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
+    tl.static_assert(QUANT != 3 or (HIDDEN % 16 == 0 and BLOCK >= 16), "nvfp4 packs whole blocks of 16")
+    OUT_ROW_BYTES: tl.constexpr = HIDDEN // 2 if QUANT == 3 else HIDDEN  # quantized rows (the scales follow)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     seg = tl.cdiv(n_rows, WORLD_SIZE)
     seg_groups = tl.cdiv(seg, ROWS)
+    scales_offset = out_offset + tl.cdiv(n_rows.to(tl.int64) * OUT_ROW_BYTES, 16) * 16
     stage = _stage_ptr(region_ptrs, RANK, stage_offset, True, ELEM)
     if PHASE == 0 or PHASE == 1:
         for s in tl.static_range(WORLD_SIZE):
@@ -268,15 +300,17 @@ def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, si
     if PHASE == 0 or PHASE == 2:
         seg_end = tl.minimum(RANK * seg + seg, n_rows)
         for group in range(pid, seg_groups, n_programs):
-            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, region_ptrs, stage_offset, 0, out_offset,
-                        RANK * seg + group * ROWS, seg_end, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, False, True)
+            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, 0,
+                        out_offset, scales_offset, RANK * seg + group * ROWS, seg_end, eps, RANK, WORLD_SIZE, HIDDEN,
+                        BLOCK, ROWS, False, True, HAS_RESIDUAL, GEMMA, QUANT)
     if PHASE == 0 or PHASE == 3:
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every segment's rows are in every stage
-        out_stage = _stage_ptr(region_ptrs, RANK, out_offset, True, ELEM)
         for s in tl.static_range(WORLD_SIZE):
             if s != RANK:
                 seg_end = tl.minimum(s * seg + seg, n_rows)
                 for group in range(pid, seg_groups, n_programs):
-                    _copy_rows(res_ptr, stage, s * seg + group * ROWS, seg_end, 0, HIDDEN, BLOCK, ROWS)
-                    _copy_rows(out_ptr, out_stage, s * seg + group * ROWS, seg_end, 0, HIDDEN, BLOCK, ROWS)
+                    if HAS_RESIDUAL:
+                        _copy_rows(res_ptr, stage, s * seg + group * ROWS, seg_end, 0, HIDDEN, BLOCK, ROWS)
+                    _copy_outputs(out_ptr, scales_ptr, region_ptrs, out_offset, scales_offset, s * seg + group * ROWS,
+                                  seg_end, RANK, HIDDEN, BLOCK, ROWS, QUANT)
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads its stage (module docstring)

@@ -45,6 +45,7 @@ class SweepEvaluator:
         launcher = self.backends[candidate.backend].prepare(self.problem, candidate.config, self.ctx)
         if self.mode == "eager":  # what autosymm.group prepares for an eager call: replays where it can
             launcher = wrap_eager(launcher, Decision(candidate.backend, candidate.config, "tuning", mode="eager"))
+        launcher = self.data.op.callable(self.data, launcher)
         self.data.refresh()
         ws = self.ctx.workspace
         if ws is not None:

@@ -44,6 +44,7 @@ class TuneOptions:
     db_path: str = ""  # "": a dry run, nothing written
     seed: int = 0
     backends: Optional[list[str]] = None  # None: every registered backend
+    epilogues: Optional[list] = None  # all_reduce_rmsnorm's (autosymm.epilogue.Epilogue); None: its default points
 
     def settings(self) -> TuneSettings:
         """The session settings of these options."""
@@ -53,15 +54,18 @@ class TuneOptions:
 
 def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
     """The sweep of ``options`` (see :func:`sweep_problems`)."""
-    return sweep_problems(options.ops, options.sizes, options.dtypes, options.shapes, options.tokens, world_size)
+    return sweep_problems(options.ops, options.sizes, options.dtypes, options.shapes, options.tokens, world_size,
+                          options.epilogues)
 
 
 def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: dict[str, MoEShape],
-                   tokens: list[int], world_size: int) -> list[Problem]:
+                   tokens: list[int], world_size: int, epilogues: Optional[list] = None) -> list[Problem]:
     """The problems of the ops in ``ops``, in registry order (autosymm.collectives), each op's
     points of these: all-reduce sizes x dtypes, MoE shapes x token counts, the fused all-reduce +
-    RMSNorm at its hidden sizes x ``tokens`` (and its extra token counts inside their range)."""
-    request = PointRequest(tuple(dtypes), world_size, sizes=sizes, moe_shapes=tuple(shapes.values()), tokens=tokens)
+    RMSNorm at its hidden sizes x ``tokens`` (and its extra token counts inside their range) x
+    ``epilogues`` (None: its default points' epilogues)."""
+    request = PointRequest(tuple(dtypes), world_size, sizes=sizes, moe_shapes=tuple(shapes.values()), tokens=tokens,
+                           epilogues=None if epilogues is None else tuple(epilogues))
     return [p for record in collectives.ALL if record.name in ops for p in record.problems(request)]
 
 

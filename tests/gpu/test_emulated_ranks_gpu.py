@@ -4,7 +4,8 @@ hardware whenever any GPU is lent.
 
 Families: the all-reduces (pull one-shot staged, zero-copy and double-buffered; push one-shot,
 single and double-buffered; two-shot staged and zero-copy; the Lamport one-shot), the fused
-all-reduce + RMSNorm (pull one-shot, double-buffered, push, two-shot by rows, split rows), the MoE dp->ep and ep->dp
+all-reduce + RMSNorm (pull one-shot, double-buffered, push, two-shot by rows, split rows; and each
+epilogue variant: no residual, Gemma, fp8, fp8 per token, nvfp4), the MoE dp->ep and ep->dp
 conversions (fused and separate end barrier), the stream-ordered barrier, and, where their kernels
 are on the branch, the reduce-scatter and all-gather (push, pull; even and ragged). Three rounds each
 (the double buffer's halves alternate; the pads must balance). Sums are compared bit-exactly
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from ._dist import requires_cuda
-from ._emulated import WORLD_SIZES, assert_bits, fp32_sum, random, run_ranks, workspaces
+from ._emulated import WORLD_SIZES, assert_bits, bits, fp32_sum, random, run_ranks, workspaces
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -174,6 +175,112 @@ def test_fused_rmsnorm_emulated(world_size, case):
         for rank in range(1, world_size):
             assert_bits(res_out[rank][round_], res_out[0][round_], f"{algorithm} residual rank {rank} round {round_}")
             assert_bits(outs[rank][round_], outs[0][round_], f"{algorithm} out rank {rank} round {round_}")
+
+
+#: The epilogue variants: (algorithm, double_buffer, row_split, rows_per_program, n_tokens, hidden,
+#: dtype, epilogue key): each variant on a one-shot, the two-shot or split rows; hidden 2048 to 8192
+#: (5120, 7168: masked columns); odd token counts; bf16 and fp16.
+FUSED_EPILOGUES = [
+    ("one_shot", False, 1, 1, 7, 2048, BF16, "rms"),
+    ("one_shot_push", False, 1, 1, 5, 4096, torch.float16, "add_gemma"),
+    ("two_shot", False, 1, 1, 9, 8192, BF16, "add_rms_fp8"),
+    ("one_shot_push", True, 1, 1, 3, 8192, BF16, "gemma_fp8"),
+    ("one_shot", True, 1, 2, 5, 5120, torch.float16, "add_rms_fp8_per_token"),
+    ("two_shot", False, 1, 2, 9, 4096, BF16, "rms_fp8_per_token"),
+    ("one_shot", False, 4, 1, 3, 7168, BF16, "rms_nvfp4"),
+    ("two_shot", False, 1, 1, 9, 2048, torch.float16, "add_gemma_nvfp4"),
+    ("one_shot", False, 8, 1, 1, 8192, torch.float16, "add_rms_nvfp4"),
+]
+#: fp8's static scale and nvfp4's global scale of the cases.
+EPILOGUE_SCALE = {"fp8": 0.01, "nvfp4": 300.0}
+
+
+def _close_to_the_formula(got, want, epilogue, what):
+    """The GPU's out against autosymm.epilogue.reference of the same fp32 sum: the norm's sum of
+    squares (its tree) and rsqrt (rsqrt.approx) may move y by an ulp, so a quantized value may
+    land one step away: unquantized within 1 ulp of y rounded; fp8 within one e4m3 step and 99 %
+    identical; nvfp4 99 % identical bytes and block scales; per-token scales within 2 fp32 ulp."""
+    from _fused_ref import ulps_off
+
+    out, scales = got
+    if epilogue.quant is None:
+        assert ulps_off(out, want.out.float()) <= 1.0, f"{what}: out more than 1 ulp off"
+        return
+    same = (bits(out) == bits(want.out)).float().mean().item()
+    assert same >= 0.99, f"{what}: only {same:.4f} of the quantized values are the formula's"
+    if epilogue.quant in ("fp8", "fp8_per_token"):
+        got_f, want_f = out.float(), want.out.float()
+        _, exponent = torch.frexp(want_f.abs().clamp_min(2.0**-6))
+        assert bool(((got_f - want_f).abs() <= torch.ldexp(torch.ones_like(want_f), exponent - 4)).all()), \
+            f"{what}: an e4m3 value more than one step off"
+    if epilogue.quant == "fp8_per_token":
+        torch.testing.assert_close(scales, want.scales, rtol=2.0**-22, atol=0.0)
+    if epilogue.quant == "nvfp4":
+        from autosymm.epilogue import NVFP4_BLOCK, nvfp4_scale_offsets
+
+        tokens, n_blocks = out.shape[0], 2 * out.shape[1] // NVFP4_BLOCK
+        rows = torch.arange(tokens, device=out.device)[:, None].expand(tokens, n_blocks)
+        cols = torch.arange(n_blocks, device=out.device)[None, :].expand(tokens, n_blocks)
+        real = torch.zeros(scales.numel(), dtype=torch.bool, device=out.device)
+        real[nvfp4_scale_offsets(rows, cols, n_blocks).reshape(-1)] = True
+        got_bytes, want_bytes = bits(scales).reshape(-1), bits(want.scales).reshape(-1)
+        assert int(got_bytes[~real].count_nonzero()) == 0, f"{what}: the swizzled layout's padding is not 0"
+        same = (got_bytes[real] == want_bytes[real]).float().mean().item()
+        assert same >= 0.99, f"{what}: only {same:.4f} of the block scales are the formula's"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", FUSED_EPILOGUES, ids=lambda c: f"{c[0]}{'-double' if c[1] else ''}-split{c[2]}"
+                         f"-rows{c[3]}-{c[4]}x{c[5]}-{str(c[6])[6:]}-{c[7]}")
+def test_fused_epilogues_emulated(world_size, case):
+    """Each epilogue variant's launcher on every rank, three rounds: the residual (where added) the
+    fp32 in-order sum rounded once, bit for bit; out and scales bit-identical on every rank and
+    the formula's up to the norm's last fp32 bit (:func:`_close_to_the_formula`)."""
+    from autosymm.backends.triton_fused import _FusedLauncher, fused_block_size
+    from autosymm.configs import FusedConfig
+    from autosymm.epilogue import Epilogue, reference
+    from autosymm.problem import Problem, dtype_name
+
+    algorithm, double_buffer, row_split, rows, n_tokens, hidden, dtype, key = case
+    epilogue = Epilogue.of_key(key)
+    wss = workspaces(world_size)
+    config = FusedConfig(algorithm, fused_block_size(hidden), 4, 4, rows_per_program=rows,
+                         double_buffer=double_buffer, row_split=row_split)
+    problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype_name(dtype), world_size)
+    launchers = [_FusedLauncher(problem, config, ws, epilogue) for ws in wss]
+    scale = torch.tensor([EPILOGUE_SCALE.get(epilogue.quant, 1.0)], dtype=torch.float32, device="cuda")
+    xs = [[random((n_tokens, hidden), dtype, seed=100 * k + r) for r in range(world_size)] for k in range(ROUNDS)]
+    residual_in = [random((n_tokens, hidden), dtype, seed=7000 + k) for k in range(ROUNDS)]
+    weight = random(hidden, torch.float32, seed=9, scale=0.5).to(dtype)
+    residuals = [torch.empty(n_tokens, hidden, dtype=dtype, device="cuda") for _ in range(world_size)]
+    results = [[epilogue.empty_outputs(n_tokens, hidden, dtype, "cuda") for _ in range(ROUNDS)]
+               for _ in range(world_size)]
+    res_out = [[torch.empty(n_tokens, hidden, dtype=dtype, device="cuda") for _ in range(ROUNDS)]
+               for _ in range(world_size)]
+
+    def launch(rank, round_):
+        residuals[rank].copy_(residual_in[round_])
+        out, scales = results[rank][round_]
+        launchers[rank](xs[round_][rank], residuals[rank] if epilogue.residual else None, weight, EPS,
+                        out=out if scales is None else (out, scales), scale=scale)
+        res_out[rank][round_].copy_(residuals[rank])
+
+    run_ranks(wss, launch, ROUNDS)
+    for round_ in range(ROUNDS):
+        total = torch.zeros(n_tokens, hidden, dtype=torch.float32, device="cuda")
+        for x in xs[round_]:
+            total = total + x.float()
+        want = reference(total, residual_in[round_], weight, EPS, epilogue, scale)
+        what = f"{key} round {round_}"
+        if epilogue.residual:
+            assert_bits(res_out[0][round_], want.residual, f"{what} residual")
+        else:
+            assert_bits(res_out[0][round_], residual_in[round_], f"{what}: the residual is untouched")
+        _close_to_the_formula(results[0][round_], want, epilogue, what)
+        for rank in range(1, world_size):
+            for got, first in zip(results[rank][round_], results[0][round_]):
+                if got is not None:
+                    assert_bits(got, first, f"{what} rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -19,10 +19,40 @@ from pathlib import Path
 #: module name -> why it is an empty stub here.
 STUBS: dict[str, str] = {
     "vllm._C_stable_libtorch": "vLLM's CUDA kernels (a CUDA .so for torch 2.14); vllm/platforms/cuda.py:23 "
-                               "imports it unconditionally",
+                               "imports it unconditionally; declares C_OPS' schemas",
     "vllm._moe_C_stable_libtorch": "vLLM's CUDA MoE kernels (.so); imported by the CUDA platform's "
                                    "import_kernels",
 }
+
+#: The ``torch.ops._C`` operators vLLM's Python names at import time (pattern tables, matchers),
+#: which ``vllm._C_stable_libtorch`` registers: declared here with the schemas of vLLM's
+#: csrc/torch_bindings.cpp, a no-op fake (they write their ``Tensor!`` outputs) and a CPU kernel
+#: that refuses. Ops vLLM probes with ``hasattr`` (NVFP4, per-group FP8) stay undeclared, as on a
+#: build without them.
+C_OPS: dict[str, str] = {
+    "rms_norm": "rms_norm(Tensor! result, Tensor input, Tensor weight, float epsilon) -> ()",
+    "fused_add_rms_norm": "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()",
+    "rms_norm_static_fp8_quant": "rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor weight, "
+                                 "Tensor scale, float epsilon) -> ()",
+    "fused_add_rms_norm_static_fp8_quant": "fused_add_rms_norm_static_fp8_quant(Tensor! result, Tensor input, "
+                                           "Tensor! residual, Tensor weight, Tensor scale, float epsilon) -> ()",
+    "rms_norm_dynamic_per_token_quant": "rms_norm_dynamic_per_token_quant(Tensor! result, Tensor input, "
+                                        "Tensor weight, Tensor! scale, float epsilon, Tensor? scale_ub, "
+                                        "Tensor!? residual) -> ()",
+    "static_scaled_fp8_quant": "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
+                               "(int, int)? group_shape=None) -> ()",
+    "dynamic_scaled_fp8_quant": "dynamic_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale) -> ()",
+    "dynamic_per_token_scaled_fp8_quant": "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, "
+                                          "Tensor! scale, Tensor? scale_ub) -> ()",
+    "silu_and_mul": "silu_and_mul(Tensor! result, Tensor input) -> ()",
+    "silu_and_mul_quant": "silu_and_mul_quant(Tensor! result, Tensor input, Tensor scale) -> ()",
+    "rotary_embedding": "rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, "
+                        "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()",
+    "fused_qk_norm_rope": "fused_qk_norm_rope(Tensor! qkv, int num_heads_q, int num_heads_k, int num_heads_v, "
+                          "int head_dim, float eps, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, "
+                          "bool is_neox, Tensor position_ids, int forced_token_heads_per_warp=-1) -> ()",
+}
+_C_LIB: list = []  # the torch.library holding C_OPS, alive for the process
 
 #: module name -> the recorded fake that stands in for it, and why the real one cannot serve.
 STAND_INS: dict[str, str] = {
@@ -61,6 +91,28 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         module.__stub_reason__ = STUBS[module.__name__]
+        if module.__name__ == "vllm._C_stable_libtorch":
+            _declare_c_ops()
+
+
+def _declare_c_ops() -> None:
+    """Declare :data:`C_OPS` in ``torch.ops._C`` (what the real extension's import registers)."""
+    import torch
+
+    if _C_LIB:
+        return
+    lib = torch.library.Library("_C", "FRAGMENT")
+    _C_LIB.append(lib)
+    for name, schema in C_OPS.items():
+        lib.define(schema)
+        lib.impl(name, _refuse(name), "CPU")
+        torch.library.register_fake(f"_C::{name}", lambda *args, **kwargs: None, lib=lib)
+
+
+def _refuse(name: str):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(f"torch.ops._C.{name} is vLLM's CUDA kernel, stubbed on this CPU (tests/stacks/stubs.py)")
+    return kernel
 
 
 def install() -> None:

@@ -47,6 +47,11 @@ class TuningOp:
     def timing_args(self, data) -> list[tuple]:
         return [(t, *data.extra) for t in data.timing]
 
+    def callable(self, data, launcher: Any) -> Any:
+        """What validation and timing call with their positional arguments: ``launcher`` itself,
+        or an op's adapter of it (the fused op's epilogues pass ``scale`` by keyword)."""
+        return launcher
+
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
         """(all-reduce, MoE) region bytes ``problem`` needs (0: none of that region)."""
         raise NotImplementedError(self.name)

@@ -1,0 +1,259 @@
+"""The epilogue of the fused all-reduce + RMSNorm (``all_reduce_rmsnorm``): what follows the sum
+(residual add or not, RMSNorm or Gemma RMSNorm, output quantization), as one record
+(:class:`Epilogue`), and THE reference formula every path of the op follows (:func:`reference`).
+
+Reference formula. Given ``sum_fp32``, the all-reduced x in fp32 (ranks 0..W-1 in order, every
+add rounded to fp32), the dtype ``T`` of x (= the weight's), for each row::
+
+    s        = sum_fp32 (+ residual.float() with a residual)                  fp32
+    residual = T(s)                                (written in place; none without a residual)
+    y        = s * rsqrt(sum(s * s) / hidden + eps) * (weight.float() (+ 1 if gemma))   fp32
+
+The norm reads the unrounded fp32 ``s``. Then the output:
+
+* ``quant=None``: ``T(y)``.
+* ``"fp8"`` (static per-tensor, ``scale`` a float32 scalar tensor): ``e4m3(clamp(y * (1 / scale),
+  -448, 448))``, the reciprocal rounded to fp32 first (vLLM csrc/quantization/w8a8/fp8/common.cu,
+  ``scaled_fp8_quant_kernel_strided``: ``inv_scale = 1.0f / (*scale)``; ``scaled_fp8_conversion``
+  in common.cuh multiplies when the scale is inverted, clamps, then converts).
+* ``"fp8_per_token"``: per row ``scale_row = max(amax(|y_row|) / 448, 1 / (448 * 512))`` (fp32,
+  returned as [tokens, 1]) and ``e4m3(clamp(y / scale_row, -448, 448))``: a true division, as in
+  common.cu's ``dynamic_per_token_scaled_fp8_quant_kernel_strided`` (``scaled_fp8_conversion<false>``
+  divides; the floor is ``min_scaling_factor`` of w8a8/utils: ``1.0f / (448 * 512.0f)``).
+* ``"nvfp4"`` (``scale`` the float32 global scale ``gs``): per block of 16 columns, ``sf =
+  e4m3(min(gs * (amax(|y_block|) * fp32(1/6)), 448))``, ``output_scale = 1 / (fp32(sf) * (1 / gs))``
+  (0 where sf is 0), values ``e2m1(y * output_scale)`` rounded to nearest even and saturating at 6,
+  two per byte, the even column in the low nibble; the block scales in the swizzled 128x4 layout
+  of vLLM's ``scaled_fp4_quant`` (:func:`nvfp4_scale_offsets`; padding 0). After vLLM
+  csrc/quantization/fp4/nvfp4_utils.cuh ``cvt_warp_fp16_to_fp4`` and
+  ``cvt_quant_to_fp4_get_sf_out_offset``, and nvfp4_quant_kernels.cu ``cvt_fp16_to_fp4``. vLLM
+  takes its reciprocals with ``rcp.approx.ftz``; here they are IEEE fp32 divisions (the same but
+  for the last bit where the approximation is off), and the quant reads fp32 ``y`` where vLLM's
+  unfused chain reads ``T(y)``.
+
+e4m3 conversions round to nearest even (torch's cast; the kernels' ``cvt.rn.satfinite``).
+The vLLM sources read (github.com/vllm-project/vllm, by function, at the commits read):
+csrc/quantization/w8a8/fp8/common.cu @096d3dc, common.cuh @0f5257e,
+csrc/quantization/fp4/nvfp4_utils.cuh @07c13c7, nvfp4_quant_kernels.cu @086f514; the allocation
+of the scales (zero padding) in vllm/_custom_ops.py ``create_fp4_scale_tensor`` (vLLM 0.33).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+QUANTS = ("fp8", "fp8_per_token", "nvfp4")
+#: The kernels' QUANT constexpr of each quant mode (autosymm.kernels.fused_rmsnorm).
+QUANT_CODES = {None: 0, "fp8": 1, "fp8_per_token": 2, "nvfp4": 3}
+FP8_E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+#: vLLM's floor of a dynamic fp8 scale: ``1.0f / (448 * 512.0f)`` (fp32), w8a8/utils.cuh.
+FP8_MIN_SCALING_FACTOR = float(torch.tensor(1.0, dtype=torch.float32) / (FP8_E4M3_MAX * 512.0))
+#: fp32(1/6): nvfp4's ``amax * (1 / 6)`` multiplies by it.
+E2M1_MAX_RECIPROCAL = float(torch.tensor(1.0, dtype=torch.float32) / E2M1_MAX)
+#: e2m1 magnitudes by code 0..7, and the code thresholds of round-to-nearest-even: a magnitude
+#: a gets code sum(a > t for t in GT) + sum(a >= t for t in GE) (the ties go to the even code).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_GT = (0.25, 1.25, 2.5, 5.0)
+E2M1_GE = (0.75, 1.75, 3.5)
+
+_KEY = re.compile(r"(add_)?(rms|gemma)(?:_(fp8_per_token|fp8|nvfp4))?")
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the fused op does after the sum: add the residual (and write it back) or not, a
+    Gemma norm (weight applied as ``1 + w``) or not, and the output quantization (None or one of
+    :data:`QUANTS`)."""
+
+    residual: bool = True
+    gemma: bool = False
+    quant: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.quant is not None and self.quant not in QUANTS:
+            raise ValueError(f"quant={self.quant!r} is not a quantization: choose None or one of {QUANTS}")
+        if not isinstance(self.residual, bool) or not isinstance(self.gemma, bool):
+            raise ValueError(f"residual={self.residual!r} and gemma={self.gemma!r} must be bools")
+
+    @property
+    def key(self) -> str:
+        """The DB shape key's epilogue part: '' for the default (add + RMSNorm, unquantized: the
+        'h{hidden}' rows tuned before epilogues existed), else e.g. 'rms', 'add_gemma',
+        'add_rms_fp8', 'rms_nvfp4', 'add_rms_fp8_per_token'."""
+        if self == DEFAULT:
+            return ""
+        key = ("add_" if self.residual else "") + ("gemma" if self.gemma else "rms")
+        return key + (f"_{self.quant}" if self.quant else "")
+
+    @classmethod
+    def of_key(cls, key: str) -> "Epilogue":
+        """Inverse of :attr:`key`; a ValueError naming ``key`` for any other text."""
+        if key == "":
+            return DEFAULT
+        match = _KEY.fullmatch(str(key))
+        if match is None or key == "add_rms":
+            raise ValueError(f"{key!r} is not an epilogue key like 'rms', 'add_gemma' or 'add_rms_fp8' "
+                             "('' is the default add + RMSNorm)")
+        return cls(residual=bool(match.group(1)), gemma=match.group(2) == "gemma", quant=match.group(3))
+
+    @property
+    def quant_code(self) -> int:
+        """The kernels' QUANT constexpr (:data:`QUANT_CODES`)."""
+        return QUANT_CODES[self.quant]
+
+    @property
+    def needs_scale(self) -> bool:
+        """Whether a float32 ``scale`` input is taken (fp8's static scale, nvfp4's global scale)."""
+        return self.quant in ("fp8", "nvfp4")
+
+    @property
+    def has_scales(self) -> bool:
+        """Whether scales are a second output (fp8 per token: [tokens, 1]; nvfp4: the block scales)."""
+        return self.quant in ("fp8_per_token", "nvfp4")
+
+    def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The output's dtype for x of ``dtype``."""
+        return {None: dtype, "nvfp4": torch.uint8}.get(self.quant, torch.float8_e4m3fn)
+
+    def out_shape(self, tokens: int, hidden: int) -> tuple[int, int]:
+        return (tokens, hidden // 2) if self.quant == "nvfp4" else (tokens, hidden)
+
+    def scales_shape(self, tokens: int, hidden: int) -> Optional[tuple[int, int]]:
+        """The scales output's shape (float32 [tokens, 1]; nvfp4: e4m3 [round_up(tokens, 128),
+        round_up(hidden / 16, 4)]), None without one."""
+        if self.quant == "fp8_per_token":
+            return (tokens, 1)
+        if self.quant == "nvfp4":
+            return (_round_up(tokens, 128), _round_up(hidden // NVFP4_BLOCK, 4))
+        return None
+
+    def empty_outputs(self, tokens: int, hidden: int, dtype: torch.dtype, device) -> tuple:
+        """(out, scales or None) to write, on ``device``; nvfp4's scales zero-filled (the swizzled
+        layout's padding is 0, as vLLM's)."""
+        out = torch.empty(self.out_shape(tokens, hidden), dtype=self.out_dtype(dtype), device=device)
+        shape = self.scales_shape(tokens, hidden)
+        if shape is None:
+            return out, None
+        if self.quant == "nvfp4":
+            return out, torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device)
+        return out, torch.empty(shape, dtype=torch.float32, device=device)
+
+
+DEFAULT = Epilogue()
+
+
+class EpilogueResult(NamedTuple):
+    """The reference's results: ``out``, the new ``residual`` (None without one), ``scales``."""
+
+    out: torch.Tensor
+    residual: Optional[torch.Tensor]
+    scales: Optional[torch.Tensor]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def residual_sum(sum_fp32: torch.Tensor, residual: Optional[torch.Tensor], epilogue: Epilogue) -> torch.Tensor:
+    """s: the fp32 sum plus the residual (fp32) where the epilogue adds it."""
+    s = sum_fp32.float()
+    if epilogue.residual:
+        if residual is None:
+            raise ValueError(f"epilogue {epilogue} adds a residual, but residual is None")
+        s = s + residual.float()
+    return s
+
+
+def inverse_rms(s: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 [tokens, 1]: rsqrt(sum(s * s) / hidden + eps) per row (the sum's order is the
+    kernels' own; torch's here)."""
+    return torch.rsqrt((s * s).sum(-1, keepdim=True) / s.shape[-1] + eps)
+
+
+def normalized(s: torch.Tensor, inv_rms: torch.Tensor, weight: torch.Tensor, epilogue: Epilogue) -> torch.Tensor:
+    """y = s * inv_rms * w (fp32), w = weight (+ 1 for Gemma)."""
+    w = weight.float() + 1.0 if epilogue.gemma else weight.float()
+    return s * inv_rms * w
+
+
+def quantize(y: torch.Tensor, epilogue: Epilogue, dtype: torch.dtype,
+             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(out, scales) of the fp32 norm output ``y`` [tokens, hidden] (module docstring)."""
+    if epilogue.quant is None:
+        return y.to(dtype), None
+    if epilogue.needs_scale and scale is None:
+        raise ValueError(f"quant={epilogue.quant!r} needs a float32 scale tensor, got None")
+    if epilogue.quant == "fp8":
+        inverse = 1.0 / scale.float().reshape(())
+        return _e4m3(y * inverse), None
+    if epilogue.quant == "fp8_per_token":
+        row_scale = (y.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(FP8_MIN_SCALING_FACTOR)
+        return _e4m3(y / row_scale), row_scale
+    return nvfp4_quantize(y, scale)
+
+
+def _e4m3(values: torch.Tensor) -> torch.Tensor:
+    return values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes (sign in bit 3) of fp32 ``values``: round to nearest even, saturating
+    at +-6; -0.0 and negatives rounding to 0 keep the sign (0x8)."""
+    magnitude = values.abs()
+    code = torch.zeros(values.shape, dtype=torch.uint8, device=values.device)
+    for threshold in E2M1_GT:
+        code += (magnitude > threshold).to(torch.uint8)
+    for threshold in E2M1_GE:
+        code += (magnitude >= threshold).to(torch.uint8)
+    return code | (torch.signbit(values).to(torch.uint8) << 3)
+
+
+def nvfp4_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """Element offsets, in vLLM's swizzled scale tensor, of the scale of block ``blocks`` (16
+    columns each) of row ``rows`` for rows of ``n_blocks`` blocks: tiles of 128 rows x 4 blocks
+    (512 bytes), row-tile major, in a tile (row % 32) * 16 + (row // 32 % 4) * 4 + block % 4
+    (nvfp4_utils.cuh ``cvt_quant_to_fp4_get_sf_out_offset``)."""
+    k_tiles = -(-n_blocks // 4)
+    return (((rows // 128) * k_tiles + blocks // 4) * 512 + (rows % 32) * 16 + (rows // 32 % 4) * 4
+            + blocks % 4)
+
+
+def nvfp4_quantize(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [tokens, hidden / 2], swizzled e4m3 block scales) of fp32 ``y``."""
+    tokens, hidden = y.shape
+    if hidden % NVFP4_BLOCK:
+        raise ValueError(f"nvfp4 packs blocks of {NVFP4_BLOCK}: hidden={hidden} is not a multiple")
+    gs = global_scale.float().reshape(())
+    blocks = y.reshape(tokens, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = blocks.abs().amax(-1)
+    sf = (gs * (amax * E2M1_MAX_RECIPROCAL)).clamp_max(FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    sf_value = sf.float()
+    output_scale = torch.where(sf_value != 0, 1.0 / (sf_value * (1.0 / gs)), torch.zeros_like(sf_value))
+    codes = e2m1_codes(blocks * output_scale[..., None]).reshape(tokens, hidden)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    n_blocks = hidden // NVFP4_BLOCK
+    scales = torch.zeros(Epilogue(quant="nvfp4").scales_shape(tokens, hidden), dtype=torch.float8_e4m3fn,
+                         device=y.device)
+    rows = torch.arange(tokens, device=y.device)[:, None].expand(tokens, n_blocks)
+    cols = torch.arange(n_blocks, device=y.device)[None, :].expand(tokens, n_blocks)
+    flat = scales.view(torch.uint8).view(-1)
+    flat[nvfp4_scale_offsets(rows, cols, n_blocks).reshape(-1)] = sf.view(torch.uint8).reshape(-1)
+    return packed, scales
+
+
+def reference(sum_fp32: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+              epilogue: Epilogue = DEFAULT, scale: Optional[torch.Tensor] = None) -> EpilogueResult:
+    """THE formula of ``all_reduce_rmsnorm`` (module docstring) from the fp32 all-reduced sum
+    [tokens, hidden]: (out, new residual or None, scales or None). The dtype of the outputs is
+    the weight's (x's)."""
+    s = residual_sum(sum_fp32, residual, epilogue)
+    new_residual = s.to(residual.dtype) if epilogue.residual else None
+    y = normalized(s, inverse_rms(s, eps), weight, epilogue)
+    out, scales = quantize(y, epilogue, weight.dtype, scale)
+    return EpilogueResult(out, new_residual, scales)
