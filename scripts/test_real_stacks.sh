@@ -25,6 +25,7 @@ DEPS=(
   prometheus_client==0.26.0 propcache==0.5.4 psutil==7.2.2 pybase64==1.5.1 pyzmq==27.3.0
   safetensors==0.8.0 starlette==1.0.1 tokenizers==0.23.3 tqdm==4.70.1 transformers==5.20.0
   truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1
+  einops==0.8.2  # vllm.model_executor.layers.fused_moe's config (tests/stacks/test_moe_vllm.py)
 )
 
 mkdir -p "$CACHE/src" "$CACHE/deps"

@@ -262,52 +262,48 @@ def _fused_convention(rank, world_size):
 
 
 def _moe_shapes(rank, world_size):
-    """vLLM's AgRs contract (dispatch gathers, combine sums each rank's partials) and torchtitan's
-    dispatcher (compact expert-major rows, score-weighted combine) against torch on gathered data."""
+    """vLLM's gathered-rows layout (GatheredRows: dispatch gathers uneven token counts, combine sums
+    each rank's partials) and torchtitan's dispatcher (compact expert-major rows, score-weighted
+    combine into the padded buffer) against torch on gathered data."""
     import torch.distributed as dist
 
-    from autosymm.integrations import TitanTokenDispatcher, VllmAll2AllManager
+    from autosymm.integrations import GatheredRows, TitanTokenDispatcher
 
     n_local, d_model, n_experts, k = 6, 32, 5, 2
     x, ids, weights = _moe_inputs(rank, world_size, n_local, d_model, n_experts, k)
-    cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
-    vllm = VllmAll2AllManager(cpu_group, n_experts=n_experts, device=torch.device("cpu"))
-    extra = torch.arange(n_local, dtype=torch.float32)[:, None] + 100 * rank
-    hs, w, got_ids, extras = vllm.dispatch(x[rank], weights[rank], ids[rank], extra_tensors=[extra])
-    flat_ids = ids.reshape(-1, k)
-    torch.testing.assert_close(w, weights.reshape(-1, k))
+    sizes = [n_local - 2 * r for r in range(world_size)]  # uneven, as vLLM's DP chunk sizes
+    layout = GatheredRows(n_experts, dist.new_group(list(range(world_size)), backend="gloo"))
+    hs, got_ids, call = layout.dispatch(x[rank, :sizes[rank]], ids[rank, :sizes[rank]], sizes)
+    flat_ids = torch.cat([ids[r, :size] for r, size in enumerate(sizes)])
+    tokens = torch.cat([x[r, :size] for r, size in enumerate(sizes)])
     assert torch.equal(got_ids, flat_ids) and got_ids.dtype == ids.dtype
-    assert torch.equal(extras[0], torch.cat([torch.arange(n_local)[:, None] + 100 * r for r in range(world_size)])
-                       .float())
-    owned = set(vllm.manager.local_experts)
-    routed_here = torch.tensor([any(int(e) in owned for e in row) for row in flat_ids])
-    tokens = x.reshape(-1, d_model)
-    assert torch.equal(hs[routed_here], tokens[routed_here]) and not hs[~routed_here].any()
-    # each rank's partial: its experts' weighted outputs summed per token (expert e scales by e + 1)
-    scale = torch.arange(1, n_experts + 1, dtype=torch.float32)
+    owned = set(layout.manager.local_experts)
     local = torch.tensor([[int(e) in owned for e in row] for row in flat_ids])
-    factor = torch.where(local, w * scale[flat_ids.clamp(min=0)], 0.0)
-    partial = hs * factor.sum(1, keepdim=True)
-    combined = vllm.combine(partial)
-    everyone = torch.where(flat_ids >= 0, w * scale[flat_ids.clamp(min=0)], 0.0).sum(1, keepdim=True) * tokens
-    torch.testing.assert_close(combined, everyone[rank * n_local:(rank + 1) * n_local], rtol=1e-5, atol=1e-5)
-    try:
-        vllm.dispatch(x[rank], weights[rank], ids[rank], is_sequence_parallel=True)
-    except ValueError as exc:
-        assert "is_sequence_parallel" in str(exc)
-    else:
-        raise AssertionError("a call for another group must raise")
+    assert torch.equal(hs[local.any(1)], tokens[local.any(1)]) and not hs[~local.any(1)].any()
+    # each rank's partial: its experts' outputs summed per token (expert e scales by e + 1)
+    scale = torch.arange(1, n_experts + 1, dtype=torch.float32)
+    flat_weights = torch.cat([weights[r, :size] for r, size in enumerate(sizes)])
+    factor = torch.where(flat_ids >= 0, flat_weights * scale[flat_ids.clamp(min=0)], 0.0)
+    combined = layout.combine(hs * torch.where(local, factor, 0.0).sum(1, keepdim=True), call)
+    everyone = factor.sum(1, keepdim=True) * tokens
+    start = sum(sizes[:rank])
+    torch.testing.assert_close(combined, everyone[start:start + sizes[rank]], rtol=1e-5, atol=1e-5)
 
     titan = TitanTokenDispatcher(n_experts)
     counts_in = torch.bincount(ids[rank][ids[rank] >= 0].flatten(), minlength=n_experts)
     routed, counts, metadata = titan.dispatch(x[rank], weights[rank], ids[rank], counts_in)
+    flat_ids, tokens = ids.reshape(-1, k), x.reshape(-1, d_model)
     pairs = sorted(((int(e), t) for t in range(flat_ids.shape[0]) for e in flat_ids[t] if int(e) in owned))
     assert torch.equal(routed, torch.stack([tokens[t] for _, t in pairs]))
     assert counts.tolist() == [sum(e == g for e, _ in pairs) for g in titan.manager.local_experts]
     expert_of = torch.tensor([e for e, _ in pairs])
-    out = titan.combine(routed * scale[expert_of][:, None], metadata, x[rank])
+    out = titan.combine(routed * scale[expert_of][:, None], metadata, x[rank], num_local_tokens_after_padding=8,
+                        local_seq_len_after_padding=8)
+    everyone = torch.where(flat_ids >= 0, weights.reshape(-1, k) * scale[flat_ids.clamp(min=0)], 0.0).sum(
+        1, keepdim=True) * tokens
     mine = slice(rank * n_local, (rank + 1) * n_local)
-    torch.testing.assert_close(out, everyone[mine], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:n_local], everyone[mine], rtol=1e-5, atol=1e-5)
+    assert out.shape == (8, d_model) and not out[n_local:].any()  # the padding rows
     return len(pairs)
 
 

@@ -97,6 +97,49 @@ def _body(rank, world_size):
     return True
 
 
+def _titan_reference(rank, world_size, xs, scores, ids, padded, seq_len, sp_size, sp_rank):
+    """torchtitan's AllToAllTokenDispatcher.combine on this rank's tokens, every expert's output
+    being its input scaled by (expert id + 1): out[global(t)] += score * (e + 1) * x[t]."""
+    x, score, expert = xs[rank], scores[rank], ids[rank]
+    out = torch.zeros(padded * sp_size, x.shape[1])
+    for t in range(x.shape[0]):
+        g = t if sp_size == 1 else (t // seq_len) * seq_len * sp_size + sp_rank * seq_len + t % seq_len
+        for j in range(expert.shape[1]):
+            if 0 <= int(expert[t, j]) < N_EXPERTS:
+                out[g] += score[t, j] * (int(expert[t, j]) + 1) * x[t]
+    return out
+
+
+def _titan_signature(rank, world_size):
+    import inspect
+
+    from autosymm.integrations import TitanTokenDispatcher
+
+    params = inspect.signature(TitanTokenDispatcher.combine).parameters
+    assert [p.kind for p in params.values()][-2:] == [inspect.Parameter.KEYWORD_ONLY] * 2
+    assert list(params)[-2:] == ["num_local_tokens_after_padding", "local_seq_len_after_padding"]
+    xs, ids, scores = map(torch.stack, zip(*[_inputs(r, seed=5) for r in range(world_size)]))
+    counts = torch.bincount(ids[rank].flatten(), minlength=N_EXPERTS)
+    # (padded tokens, local sequence length, sp_size): none, padding rows, two SP ranks of 2 x 4
+    for padded, seq_len, sp_size in ((N_TOKENS, N_TOKENS, 1), (8, 8, 1), (8, 4, 2)):
+        titan = TitanTokenDispatcher(N_EXPERTS, sp_size=sp_size, sp_rank=rank % sp_size)
+        routed, per_expert, metadata = titan.dispatch(xs[rank], scores[rank], ids[rank], counts)
+        assert per_expert.shape == (len(titan.manager.local_experts),) and int(per_expert.sum()) == routed.shape[0]
+        expert_of = torch.repeat_interleave(torch.tensor(titan.manager.local_experts), per_expert)
+        out = titan.combine(routed * (expert_of + 1)[:, None], metadata, xs[rank],
+                            num_local_tokens_after_padding=padded, local_seq_len_after_padding=seq_len)
+        want = _titan_reference(rank, world_size, xs, scores, ids, padded, seq_len, sp_size, rank % sp_size)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError):  # keyword-only, as torchtitan declares them
+        titan.combine(routed, metadata, xs[rank], 8, 4)
+    return True
+
+
+def test_titan_combine_takes_torchtitans_padding_keywords(tmp_path):
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"}}
+    assert run_gloo(_titan_signature, 2, env=env, deadline_s=120) == {0: True, 1: True}
+
+
 def test_one_ranks_bad_or_different_dispatch_raises_on_every_rank(tmp_path):
     env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite"), "AUTOSYMM_AGREE_TIMEOUT_S": "10"}}
     assert run_gloo(_body, 2, env=env, deadline_s=150) == {0: True, 1: True}

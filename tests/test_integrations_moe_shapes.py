@@ -1,6 +1,7 @@
-"""The vLLM and torchtitan MoE shapes (autosymm.integrations.moe_shapes) on 2 gloo ranks: their own
-checks of a call failing on one rank after a first good call raise on every rank, through the
-manager's agreed header, instead of leaving the peer in a collective."""
+"""torchtitan's dispatcher and vLLM's gathered-rows layout (autosymm.integrations.moe_shapes /
+moe_rows) on 2 gloo ranks: their own checks of a call failing on one rank after a first good call
+raise on every rank, through the manager's agreed header, instead of leaving the peer in a
+collective."""
 
 from __future__ import annotations
 
@@ -23,21 +24,25 @@ def _everyone_raises(rank, bad_rank, call, mine, call_name):
         call()
 
 
-def _body(rank, world_size):
-    import torch.distributed as dist
+def _gathered(rank, x, ids):
+    from autosymm.integrations import GatheredRows
 
-    from autosymm.integrations import TitanTokenDispatcher, VllmAll2AllManager
-
-    x, weights, ids = _inputs(rank)
-    vllm = VllmAll2AllManager(dist.new_group([0, 1], backend="gloo"), n_experts=N_EXPERTS, device=torch.device("cpu"))
-    hs = vllm.dispatch(x, weights, ids)[0]
-    good = vllm.combine(hs)
-    short = weights[:, :1] if rank == 1 else weights
-    _everyone_raises(rank, 1, lambda: vllm.dispatch(x, short, ids), "topk_weights .* and topk_ids", "dispatch")
-    hs = vllm.dispatch(x, weights, ids)[0]
+    layout = GatheredRows(N_EXPERTS)
+    sizes = [N_TOKENS, N_TOKENS - 1]
+    mine = slice(0, sizes[rank])
+    hs, _, call = layout.dispatch(x[mine], ids[mine], sizes)
+    good = layout.combine(hs, call)
+    wrong = [N_TOKENS, N_TOKENS] if rank == 1 else sizes  # rank 1's own count is 3
+    _everyone_raises(rank, 1, lambda: layout.dispatch(x[mine], ids[mine], wrong), r"sizes=\[4, 4\]", "dispatch")
+    hs, _, call = layout.dispatch(x[mine], ids[mine], sizes)
     rows = hs[:-1] if rank == 0 else hs
-    _everyone_raises(rank, 0, lambda: vllm.combine(rows), "combine: hidden_states has shape", "combine")
-    assert torch.equal(vllm.combine(vllm.dispatch(x, weights, ids)[0]), good)  # still in step
+    _everyone_raises(rank, 0, lambda: layout.combine(rows, call), "combine: partial has shape", "combine")
+    hs, _, call = layout.dispatch(x[mine], ids[mine], sizes)
+    assert torch.equal(layout.combine(hs, call), good)  # still in step
+
+
+def _titan(rank, x, weights, ids):
+    from autosymm.integrations import TitanTokenDispatcher
 
     titan = TitanTokenDispatcher(N_EXPERTS)
     counts = torch.zeros(N_EXPERTS, dtype=torch.int64)
@@ -50,7 +55,18 @@ def _body(rank, world_size):
     bad_routed = routed.new_zeros(routed.shape[0] + 1, D_MODEL) if rank == 0 else routed
     _everyone_raises(rank, 0, lambda: titan.combine(bad_routed, metadata, x), "routed_output_RD has shape",
                      "combine")
+    routed, _, metadata = titan.dispatch(x, weights, ids, counts)
+    short = N_TOKENS - 1 if rank == 1 else N_TOKENS  # fewer rows than x_TD's tokens
+    _everyone_raises(rank, 1, lambda: titan.combine(routed, metadata, x, num_local_tokens_after_padding=short),
+                     "num_local_tokens_after_padding=3 is fewer than x_TD's 4 tokens", "combine")
+    routed, _, metadata = titan.dispatch(x, weights, ids, counts)
     assert torch.equal(titan.combine(routed, metadata, x), good)
+
+
+def _body(rank, world_size):
+    x, weights, ids = _inputs(rank)
+    _gathered(rank, x, ids)
+    _titan(rank, x, weights, ids)
     return True
 
 

@@ -1,23 +1,23 @@
-"""The MoE manager (:class:`~autosymm.integrations.AutosymmAll2AllManager`) in the shapes stacks call.
+"""The MoE manager (:class:`~autosymm.integrations.AutosymmAll2AllManager`) in torchtitan's shape.
 
-* :class:`VllmAll2AllManager`: vLLM 0.33.0's ``All2AllManagerBase`` contract as its all-gather /
-  reduce-scatter manager (``AgRsAll2AllManager``, ``distributed/device_communicators/all2all.py``)
-  defines it: ``dispatch(hidden_states, topk_weights, topk_ids, is_sequence_parallel=False,
-  extra_tensors=None) -> (hidden_states, topk_weights, topk_ids[, extras])``, every rank's tokens
-  in rank order; ``combine(hidden_states, is_sequence_parallel=False)``: the sum over ranks of
-  each rank's [n_tokens_global, d_model] partial expert output, this rank's rows. Through
-  autosymm's dp->ep / ep->dp a token's row travels only to the ranks owning its experts, not
-  to every rank: rows of tokens routed to no local expert come back zero (vLLM's experts skip
-  them through ``expert_map``), and combine sends each rank's partial once per token.
-* :class:`TitanTokenDispatcher`: torchtitan's EP token dispatcher (``models/common/
-  token_dispatcher.py``, head b5bcd76): ``dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK,
-  num_local_tokens_per_expert_E) -> (routed_input_RD, num_tokens_per_local_expert_e, metadata)``
-  with the rows of this rank's experts compact and expert-major; ``combine(routed_output_RD,
-  metadata, x_TD) -> out_TD``: the score-weighted sum per token (fp32, cast once).
+:class:`TitanTokenDispatcher`: torchtitan's EP token dispatcher (``AllToAllTokenDispatcher`` in
+``torchtitan/models/common/token_dispatcher.py``, pytorch/torchtitan main):
+``dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E) ->
+(routed_input_RD, num_tokens_per_local_expert_e, metadata)`` with the rows of this rank's experts
+compact and expert-major; ``combine(routed_output_RD, metadata, x_TD, *,
+num_local_tokens_after_padding, local_seq_len_after_padding) -> out_TD``: the score-weighted sum
+per token (fp32, cast once to ``x_TD``'s dtype), written into a zero buffer of
+``num_local_tokens_after_padding * sp_size`` rows where local token ``t`` lands at torchtitan's
+sequence-parallel position (``BaseEPTokenDispatcher._sp_global_token_indices``: batch
+``t // local_seq_len_after_padding``, position ``t % local_seq_len_after_padding``, shifted by
+``sp_rank * local_seq_len_after_padding`` in a sequence of ``sp_size`` times that length). Rows
+no token reaches (padding, other SP ranks' tokens) are zero.
 
-SGLang 0.5.23's ``BaseDispatcher.dispatch(hidden_states, topk_output) -> DispatchOutput`` hands
-its result to MoE runners chosen by the output's ``format`` (standard, DeepEP, ...); no runner
-reads autosymm's layout, so no SGLang shape is offered here (docs/INTEGRATIONS.md).
+vLLM's shape is :mod:`autosymm.integrations.vllm_all2all` (a subclass of vLLM's own manager), over
+:mod:`autosymm.integrations.moe_rows`. SGLang 0.5.23's ``BaseDispatcher.dispatch(hidden_states,
+topk_output) -> DispatchOutput`` hands its result to MoE runners chosen by the output's ``format``
+(standard, DeepEP, ...); no runner reads autosymm's layout, so no SGLang shape is offered here
+(docs/INTEGRATIONS.md).
 
 Every rank must hold the same number of tokens (pad with ids -1); one dispatch, then its combine.
 """
@@ -28,109 +28,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from autosymm.dist_compat import group_device
-
-from .groups import device_group_for, serving_backend
-from .moe_all2all import AutosymmAll2AllManager, DispatchHandle, error_of
-
-
-def _gather_rows(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
-    """Every rank's ``t`` stacked along dim 0 in rank order (one all-gather)."""
-    t = t.contiguous()
-    out = t.new_empty((world_size * t.shape[0], *t.shape[1:]))
-    dist.all_gather_into_tensor(out, t, group=group)
-    return out
-
-
-class VllmAll2AllManager:
-    """vLLM's all-gather / reduce-scatter MoE contract over autosymm's conversions.
-
-    ``cpu_group``, ``tcp_store_group``: as vLLM's managers take them (the latter must be None);
-    ``n_experts`` and ``assignment``: as :class:`AutosymmAll2AllManager`; ``device``: this rank's
-    device (default: the current CUDA device, else the group's); ``sequence_parallel``: the
-    ``is_sequence_parallel`` every call passes (a manager serves one group). Collective over the
-    group's ranks.
-    """
-
-    def __init__(self, cpu_group, tcp_store_group=None, *, n_experts: int, assignment=None,
-                 device: Optional[torch.device] = None, sequence_parallel: bool = False) -> None:
-        if tcp_store_group is not None:
-            raise ValueError("VllmAll2AllManager serves torch.distributed groups; a stateless "
-                             "tcp_store_group has no device group for autosymm")
-        if device is None:  # where vLLM's managers compute: the current CUDA device
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-                group_device(cpu_group)
-        device = torch.device(device)
-        self.cpu_group = cpu_group
-        self.group = device_group_for(cpu_group, serving_backend(device))
-        self.manager = AutosymmAll2AllManager(n_experts, self.group, assignment)
-        self.rank, self.world_size = self.manager.rank, self.manager.world_size
-        self.sequence_parallel = sequence_parallel
-        self._handle: Optional[DispatchHandle] = None
-
-    def _check(self, is_sequence_parallel: bool) -> None:
-        if is_sequence_parallel != self.sequence_parallel:
-            raise ValueError(f"is_sequence_parallel={is_sequence_parallel}, but this manager serves the group of "
-                             f"sequence_parallel={self.sequence_parallel}: build one manager per group")
-
-    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 is_sequence_parallel: bool = False, extra_tensors: Optional[list[torch.Tensor]] = None):
-        """(hidden_states, topk_weights, topk_ids[, extras]) of every rank's tokens, in rank order;
-        ``hidden_states`` holds only the rows of tokens routed to this rank's experts (zeros elsewhere)."""
-        error = error_of(self._check_dispatch, is_sequence_parallel, topk_weights, topk_ids)
-        out = self.manager.dispatch(hidden_states, topk_ids, caller_error=error)  # every rank learns of an error
-        self._handle = handle = out.handle
-        n_global, k = handle.expt_indx.shape
-        # token of each expert-ordered row; rows of other ranks' experts go to a scratch row
-        token = torch.where(out.local_expert_ids >= 0, handle.topk_indx.long() // k, n_global)
-        gathered = out.hidden_states.new_zeros((n_global + 1, hidden_states.shape[1]))
-        gathered.index_copy_(0, token, out.hidden_states)  # a token's local rows are copies of one row
-        result = (gathered[:n_global], _gather_rows(topk_weights, self.group, self.world_size),
-                  handle.expt_indx.to(topk_ids.dtype))
-        if extra_tensors is None:
-            return result
-        return (*result, [_gather_rows(t, self.group, self.world_size) for t in extra_tensors])
-
-    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> torch.Tensor:
-        """This rank's [n_tokens_local, d_model] rows of the sum over ranks of ``hidden_states``
-        [n_tokens_global, d_model] (each rank's partial output for every token)."""
-        handle = self._handle
-        if handle is None:
-            raise RuntimeError("VllmAll2AllManager.combine before dispatch")
-        error = error_of(self._check_combine, is_sequence_parallel, hidden_states)
-        if error is not None:  # every rank learns of it in the manager's combine
-            return self.manager.combine(None, handle, caller_error=error)
-        n_global, k = handle.expt_indx.shape
-        expt = handle.expt_indx.long()
-        local_map = self.manager.assignment.expt_map[self.rank].to(expt.device)
-        in_range = (expt >= 0) & (expt < self.manager.n_experts)
-        local = in_range & (local_map[expt.clamp(0, self.manager.n_experts - 1)] >= 0)  # [n_global, k]
-        first = torch.argmax(local.to(torch.int8), dim=1)  # the first local pair of each token
-        pair = handle.topk_indx.long()
-        token, slot = pair // k, pair % k
-        send = local.reshape(-1)[pair] & (slot == first[token])  # this rank's partial, once per token
-        rows = torch.where(send[:, None], hidden_states[token], torch.zeros((), dtype=hidden_states.dtype,
-                                                                               device=hidden_states.device))
-        return self.manager.combine(rows, handle, reduce=True)
-
-    def _check_dispatch(self, is_sequence_parallel: bool, topk_weights, topk_ids) -> None:
-        self._check(is_sequence_parallel)
-        if getattr(topk_weights, "shape", None) != getattr(topk_ids, "shape", ()):
-            raise ValueError(f"dispatch: topk_weights {tuple(getattr(topk_weights, 'shape', ()))} and topk_ids "
-                             f"{tuple(getattr(topk_ids, 'shape', ()))} must both be [n_tokens_local, k]")
-
-    def _check_combine(self, is_sequence_parallel: bool, hidden_states) -> None:
-        self._check(is_sequence_parallel)
-        n_global = self._handle.expt_indx.shape[0]
-        if (not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2
-                or hidden_states.shape[0] != n_global):
-            raise ValueError(f"combine: hidden_states has shape {tuple(getattr(hidden_states, 'shape', ()))}; "
-                             f"expected [n_tokens_global = {n_global}, d_model]")
-
-    def destroy(self) -> None:
-        self.manager.destroy()
+from .moe_all2all import AutosymmAll2AllManager, DispatchHandle
 
 
 @dataclass
@@ -144,10 +43,31 @@ class TitanDispatchMetadata:
 
 class TitanTokenDispatcher:
     """torchtitan's EP token-dispatcher interface over autosymm's conversions (see the module
-    docstring). ``n_experts``, ``group``, ``assignment``: as :class:`AutosymmAll2AllManager`."""
+    docstring). ``n_experts``, ``group``, ``assignment``: as :class:`AutosymmAll2AllManager`;
+    ``sp_size`` / ``sp_rank``: torchtitan's sequence-parallel coordinates (its TP mesh's size and
+    this rank's coordinate; :meth:`wire_meshes` sets them as torchtitan does)."""
 
-    def __init__(self, n_experts: int, group=None, assignment=None) -> None:
+    def __init__(self, n_experts: int, group=None, assignment=None, *, sp_size: int = 1, sp_rank: int = 0) -> None:
         self.manager = AutosymmAll2AllManager(n_experts, group, assignment)
+        self._set_sp(sp_size, sp_rank)
+
+    def _set_sp(self, sp_size: int, sp_rank: int) -> None:
+        if not (isinstance(sp_size, int) and isinstance(sp_rank, int) and 0 <= sp_rank < sp_size):
+            raise ValueError(f"sp_size={sp_size!r}, sp_rank={sp_rank!r}: expected ints with 0 <= sp_rank < sp_size")
+        self.sp_size, self.sp_rank = sp_size, sp_rank
+
+    def wire_meshes(self, *, ep_mesh=None, tp_mesh=None) -> None:
+        """torchtitan's ``BaseEPTokenDispatcher.wire_meshes``: the SP coordinates from ``tp_mesh``
+        (1-D); ``ep_mesh`` must span this dispatcher's group (ValueError otherwise)."""
+        import torch.distributed as dist
+
+        if ep_mesh is not None:
+            mine = dist.get_process_group_ranks(self.manager.group or dist.group.WORLD)
+            if dist.get_process_group_ranks(ep_mesh.get_group()) != mine:
+                raise ValueError(f"wire_meshes: ep_mesh spans ranks {dist.get_process_group_ranks(ep_mesh.get_group())}"
+                                 f", this dispatcher's group {mine}")
+        if tp_mesh is not None:
+            self._set_sp(tp_mesh.size(), tp_mesh.get_local_rank())
 
     def dispatch(self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
                  num_local_tokens_per_expert_E: torch.Tensor):
@@ -164,14 +84,42 @@ class TitanTokenDispatcher:
         metadata = TitanDispatchMetadata(out.handle, rows, out.hidden_states.shape[0])
         return out.hidden_states[rows], out.tokens_per_expert, metadata
 
-    def combine(self, routed_output_RD: torch.Tensor, metadata: TitanDispatchMetadata,
-                x_TD: torch.Tensor) -> torch.Tensor:
-        """out_TD: each token's sum over its top-k pairs of score * expert output, in x_TD's dtype."""
-        if (not isinstance(routed_output_RD, torch.Tensor) or routed_output_RD.dim() != 2
-                or routed_output_RD.shape[0] != metadata.rows.numel()):
+    def combine(self, routed_output_RD: torch.Tensor, metadata: TitanDispatchMetadata, x_TD: torch.Tensor, *,
+                num_local_tokens_after_padding: Optional[int] = None,
+                local_seq_len_after_padding: Optional[int] = None) -> torch.Tensor:
+        """out_TD [num_local_tokens_after_padding * sp_size, D] in x_TD's dtype: each token's sum
+        over its top-k pairs of score * expert output at its sequence-parallel position, zero rows
+        elsewhere (module docstring). The two counts default to x_TD's tokens (no padding)."""
+        n_tokens = int(x_TD.shape[0]) if isinstance(x_TD, torch.Tensor) and x_TD.dim() == 2 else -1
+        padded = n_tokens if num_local_tokens_after_padding is None else num_local_tokens_after_padding
+        seq_len = padded if local_seq_len_after_padding is None else local_seq_len_after_padding
+        error = _padding_error(n_tokens, padded, seq_len, self.sp_size)
+        if error is None and (not isinstance(routed_output_RD, torch.Tensor) or routed_output_RD.dim() != 2
+                              or routed_output_RD.shape[0] != metadata.rows.numel()):
             error = ValueError(f"combine: routed_output_RD has shape {tuple(getattr(routed_output_RD, 'shape', ()))}; "
                                f"expected [R = {metadata.rows.numel()}, D]")
+        if error is not None:
             return self.manager.combine(None, metadata.handle, caller_error=error)  # every rank learns of it
         full = routed_output_RD.new_zeros((metadata.n_rows, routed_output_RD.shape[1]))
         full.index_copy_(0, metadata.rows, routed_output_RD)
-        return self.manager.combine(full, metadata.handle, reduce=True).to(x_TD.dtype)
+        combined = self.manager.combine(full, metadata.handle, reduce=True).to(x_TD.dtype)
+        out = combined.new_zeros((padded * self.sp_size, combined.shape[1]))
+        token = torch.arange(n_tokens, device=combined.device)
+        if self.sp_size > 1:  # torchtitan's BaseEPTokenDispatcher._sp_global_token_indices
+            token = (token // seq_len) * (seq_len * self.sp_size) + self.sp_rank * seq_len + token % seq_len
+        return out.index_copy_(0, token, combined)
+
+
+def _padding_error(n_tokens: int, padded, seq_len, sp_size: int) -> Optional[ValueError]:
+    """Why combine's padding arguments cannot place ``n_tokens`` local tokens, or None."""
+    if n_tokens < 0:
+        return ValueError("combine: x_TD must be a [T, D] tensor")
+    for name, value in (("num_local_tokens_after_padding", padded), ("local_seq_len_after_padding", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return ValueError(f"combine: {name}={value!r} must be an int >= 0")
+    if padded < n_tokens:
+        return ValueError(f"combine: num_local_tokens_after_padding={padded} is fewer than x_TD's {n_tokens} tokens")
+    if sp_size > 1 and (seq_len < 1 or padded % seq_len):
+        return ValueError(f"combine: with sp_size={sp_size}, local_seq_len_after_padding={seq_len} must divide "
+                          f"num_local_tokens_after_padding={padded} (batch x local sequence length)")
+    return None

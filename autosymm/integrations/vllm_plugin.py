@@ -40,6 +40,7 @@ import torch
 from . import vllm_fusion  # registers torch.ops.autosymm.vllm_all_reduce_rmsnorm in every vLLM process
 from .custom_all_reduce import wrap
 from .serving import AutosymmServing
+from .vllm_all2all import install as install_all2all
 
 PLATFORM_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaPlatform"
 COMMUNICATOR_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaCommunicator"
@@ -127,6 +128,7 @@ def _communicator_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.autosymm = attach(self, deterministic=batch_invariant())
+            install_all2all(self)  # MoE: autosymm's subclass of vLLM's default all2all manager
 
         def destroy(self):
             if getattr(self, "autosymm", None) is not None:

@@ -1,0 +1,238 @@
+"""autosymm's all-to-all manager for vLLM 0.33.0's expert-parallel MoE (checked against its sources).
+
+**Selection.** vLLM picks its manager by name in ``CudaCommunicator.__init__``
+(``distributed/device_communicators/cuda_communicator.py:202-278``, a ValueError on any other
+name) from ``parallel_config.all2all_backend``, a pydantic ``Literal`` (``config/parallel.py:45``)
+whose default is ``"allgather_reducescatter"`` (``config/parallel.py:220``; ``"naive"`` is
+rewritten to it at ``config/parallel.py:537``). A new name would fail that validation and the CLI's
+choices, so autosymm serves under the default: the plugin's ``AutosymmCudaCommunicator`` calls
+:func:`install`, which replaces the ``AgRsAll2AllManager`` vLLM just built
+(``cuda_communicator.py:203-208``) by :class:`AutosymmAgRsAll2AllManager`, its subclass. Any other
+``all2all_backend`` keeps vLLM's manager; ``VLLM_PLUGINS`` without autosymm keeps vLLM's classes.
+
+**What it serves.** The modular kernels' naive prepare/finalize
+(``model_executor/layers/fused_moe/prepare_finalize/naive_dp_ep.py:219``, ``:280``), used with
+expert parallelism and data parallelism at this default, call ``dispatch(hidden_states,
+topk_weights, topk_ids, is_sequence_parallel, extra_tensors)`` then ``allocate_combine_input`` and
+``combine_into_output``. autosymm's dp->ep / ep->dp conversions (:mod:`~autosymm.integrations.
+moe_rows`) serve ``dispatch`` and the ``combine`` / ``combine_into_output`` after it when every
+condition below holds, each the same on every rank (config, host-side token counts, dtypes):
+
+* the experts are placed by expert parallelism over this group: every MoE layer vLLM registered
+  (``compilation_config.static_all_moe_layers`` / ``static_forward_context``,
+  ``runner/moe_runner.py:59-69``) has
+  ``use_ep``, ``ep_size`` equal to the group's size and one common ``num_experts`` (placement
+  linear: ``expert_map_manager.py:116-149`` turns round-robin into linear for this backend);
+* the call's group (vLLM's ``_get_comm_group``: the DP or EP group) holds the EP group's ranks in
+  its order, the group is not stateless and within one node;
+* the rows are bf16 / fp16 / fp32 or a 1-byte dtype with an even row length (moved as 2-byte
+  words); combine's partials are bf16 / fp16 / fp32;
+* inside a CUDA-graph capture, autosymm's Triton conversion serves both directions from the
+  workspace it has (nothing is allocated in a capture; eager calls grow it first).
+
+Uneven DP token counts are vLLM's own (``dp_metadata`` chunk sizes, ``_get_sizes``). Everything
+else is vLLM's ``AgRsAll2AllManager`` unchanged: ``dispatch_router_logits`` (routing happens after
+it, so every rank needs every token), ``allocate_combine_input``, the other calls, and every
+method vLLM's callers reach (``max_sms_used`` / ``set_num_sms``, ``ubatch_utils.py:110``;
+``checkpoint_*``, ``cuda_communicator.py:874``; ``mask_remote_ranks``, ``stage_ep_size``,
+``commit_ep_size``, ``destroy``) keep the base classes' behaviour. ``topk_weights`` and
+``extra_tensors`` (quantization scales, the LoRA mapping) go through vLLM's ``all_gatherv``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+MANAGER_QUALNAME = "autosymm.integrations.vllm_all2all.AutosymmAgRsAll2AllManager"
+
+
+def install(comm) -> None:
+    """Replace ``comm.all2all_manager`` by :class:`AutosymmAgRsAll2AllManager` where vLLM built its
+    all-gather / reduce-scatter manager (``all2all_backend`` ``allgather_reducescatter``, vLLM's
+    default, or ``naive``); other managers, and none, stay. Collective over the group's ranks, as
+    vLLM's construction is."""
+    from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+
+    manager = getattr(comm, "all2all_manager", None)
+    if type(manager) is not AgRsAll2AllManager:
+        return
+    comm.all2all_manager = _manager_class()(comm.cpu_group, manager.tcp_store_group,
+                                             device_group=comm.device_group)
+
+
+def moe_layout(vllm_config, world_size: int) -> tuple[Optional[int], str]:
+    """(num_experts, '') of the MoE layers ``vllm_config`` registered when autosymm can place their
+    experts on a group of ``world_size`` ranks, else (None, why not)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    context = getattr(compilation, "static_forward_context", None) or {}
+    names = getattr(compilation, "static_all_moe_layers", None) or []
+    if not names:
+        return None, "no MoE layer registered"
+    configs = [getattr(context.get(name), "moe_config", None) for name in names]
+    if any(config is None for config in configs):
+        return None, "a registered MoE layer has no moe_config"
+    layouts = {(c.num_experts, c.moe_parallel_config.use_ep, c.moe_parallel_config.ep_size) for c in configs}
+    if len(layouts) > 1:
+        return None, f"the MoE layers differ in (num_experts, use_ep, ep_size): {sorted(layouts)}"
+    n_experts, use_ep, ep_size = layouts.pop()
+    if not use_ep or ep_size != world_size:
+        return None, f"experts are not expert-parallel over this group (use_ep={use_ep}, ep_size={ep_size}, " \
+                     f"group of {world_size})"
+    return int(n_experts), ""
+
+
+class Served:
+    """autosymm's side of the manager: the conversions per expert count, the pending call per thread."""
+
+    def __init__(self, device_group, ranks: list[int], reason: str = "") -> None:
+        self.device_group = device_group
+        self.ranks = ranks
+        self.reason = reason  #: why nothing is served on this group ('' where something may be)
+        self.rows: dict[int, object] = {}  # n_experts -> GatheredRows
+        self.pending = threading.local()  # DBO runs each micro-batch on its own thread
+        self.layout: Optional[tuple[Optional[int], str]] = None
+        self.why_not = ""  #: why the last dispatch was vLLM's ('' when autosymm served it)
+
+    def rows_for(self, n_experts: int):
+        from .moe_rows import GatheredRows
+
+        if n_experts not in self.rows:  # collective: every rank reaches the first call together
+            self.rows[n_experts] = GatheredRows(n_experts, self.device_group)
+        return self.rows[n_experts]
+
+    def take(self):
+        """The pending served dispatch of this thread (forgotten)."""
+        call = getattr(self.pending, "call", None)
+        self.pending.call = None
+        return call
+
+
+def _capturable(rows, hidden: torch.Tensor, k: int, n_tokens: int) -> bool:
+    """Whether both conversions of this call run the Triton kernels on the workspace as it is."""
+    from autosymm.backends.triton_moe import TRITON_MOE, fits
+    from autosymm.group import state_of
+    from autosymm.problem import MoEShape, Problem, dtype_name
+
+    state = state_of(rows.manager.group)
+    shape = MoEShape(hidden.shape[1], rows.manager.n_experts, k)
+    for op in ("dp_to_ep", "ep_to_dp"):
+        problem = Problem.moe(op, shape, n_tokens, dtype_name(hidden.dtype), rows.world_size)
+        if state.workspace is None or not fits(problem, state.caps.moe_bytes) or \
+                state.decide(problem, "graph").backend != TRITON_MOE.name:
+            return False
+    return True
+
+
+def why_not_dispatch(manager, dist_group, hidden_states, topk_ids, sizes) -> tuple[str, Optional[object]]:
+    """('', GatheredRows) where autosymm serves this dispatch, else (why not, None); the same on every rank."""
+    from .moe_rows import row_view
+
+    served = manager.autosymm
+    if served.reason:
+        return served.reason, None
+    if list(dist_group.ranks) != served.ranks:
+        return f"the call's group {dist_group.unique_name} is not the EP group's ranks", None
+    if served.layout is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        served.layout = moe_layout(manager.vllm_config or get_current_vllm_config_or_none(), len(served.ranks))
+    n_experts, why = served.layout
+    if n_experts is None:
+        return why, None
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or topk_ids.dim() != 2 or \
+            row_view(hidden_states.contiguous()) is None:
+        return "hidden_states are not [tokens, d] rows autosymm moves", None
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if n_experts not in served.rows:  # setting up allocates and agrees: never inside a capture
+            return "the first call on the group is inside a CUDA-graph capture", None
+        if not _capturable(served.rows[n_experts], row_view(hidden_states.contiguous()), topk_ids.shape[1],
+                           max(max(sizes), 1)):
+            return "the Triton conversion cannot serve this call inside the capture", None
+    return "", served.rows_for(n_experts)
+
+
+@functools.cache
+def _manager_class():
+    from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+
+    class AutosymmAgRsAll2AllManager(AgRsAll2AllManager):
+        """vLLM's all-gather / reduce-scatter manager with autosymm's conversions serving
+        ``dispatch`` and its combine where they apply (module docstring). ``device_group``: the
+        group's device group (vLLM's ``CudaCommunicator.device_group``)."""
+
+        def __init__(self, cpu_group, tcp_store_group=None, *, device_group=None):
+            super().__init__(cpu_group, tcp_store_group)
+            from vllm.config import get_current_vllm_config_or_none
+
+            self.vllm_config = get_current_vllm_config_or_none()
+            stateless = tcp_store_group is not None or device_group is None
+            reason = ("a stateless group (elastic EP)" if stateless else
+                      "the group spans nodes" if self.internode else "")
+            ranks = [] if stateless else dist.get_process_group_ranks(cpu_group)
+            self.autosymm = Served(device_group, ranks, reason)
+
+        def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
+            self.autosymm.take()
+            dist_group = self._get_comm_group(is_sequence_parallel)
+            sizes = self._get_sizes(hidden_states.shape[0], dist_group)
+            self.autosymm.why_not, rows = why_not_dispatch(self, dist_group, hidden_states, topk_ids, sizes)
+            if rows is None:
+                return super().dispatch(hidden_states, topk_weights, topk_ids, is_sequence_parallel, extra_tensors)
+            hidden, ids, call = rows.dispatch(hidden_states, topk_ids, sizes)
+            others = dist_group.all_gatherv([topk_weights, *(extra_tensors or [])], dim=0, sizes=list(sizes))
+            self.autosymm.pending.call = (dist_group, rows, call)
+            if extra_tensors is None:
+                return hidden, others[0], ids
+            return hidden, others[0], ids, others[1:]
+
+        def dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
+                                   extra_tensors=None):
+            self.autosymm.take()
+            return super().dispatch_router_logits(hidden_states, router_logits, is_sequence_parallel, extra_tensors)
+
+        def _served_combine(self, hidden_states, is_sequence_parallel):
+            """autosymm's combine of the pending served dispatch, or None (vLLM's then runs)."""
+            from .moe_rows import SUMMED_DTYPES
+
+            pending = self.autosymm.take()
+            if pending is None:
+                return None
+            dist_group, rows, call = pending
+            if (self._get_comm_group(is_sequence_parallel) is not dist_group or hidden_states.dim() != 2
+                    or hidden_states.shape[0] != call.rows.numel() or hidden_states.dtype not in SUMMED_DTYPES):
+                return None
+            return rows.combine(hidden_states, call)
+
+        def combine(self, hidden_states, is_sequence_parallel=False):
+            out = self._served_combine(hidden_states, is_sequence_parallel)
+            return super().combine(hidden_states, is_sequence_parallel) if out is None else out
+
+        def combine_into_output(self, hidden_states, output, is_sequence_parallel=False):
+            out = self._served_combine(hidden_states, is_sequence_parallel)
+            if out is None:
+                return super().combine_into_output(hidden_states, output, is_sequence_parallel)
+            output.copy_(out)
+            return output
+
+        def destroy(self):
+            """Stop serving (later calls are vLLM's) and release autosymm's conversions."""
+            for rows in self.autosymm.rows.values():
+                rows.destroy()
+            self.autosymm = Served(None, [], "destroyed")
+            super().destroy()
+
+    AutosymmAgRsAll2AllManager.__module__ = __name__
+    AutosymmAgRsAll2AllManager.__qualname__ = "AutosymmAgRsAll2AllManager"  # pickles by reference
+    return AutosymmAgRsAll2AllManager
+
+
+def __getattr__(name: str):
+    """:class:`AutosymmAgRsAll2AllManager`, built (importing vLLM) on first access."""
+    if name == "AutosymmAgRsAll2AllManager":
+        return _manager_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
