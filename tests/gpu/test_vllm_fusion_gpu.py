@@ -20,12 +20,13 @@ def _body(rank, world_size):
     import torch.distributed as dist
 
     from _vllm_stand_ins import check_fused_step, compile_options, define_vllm_stand_ins, layer
-    from autosymm.integrations import AutosymmCustomAllReduce, vllm_fusion
+    from autosymm.integrations import vllm_fusion
+    from autosymm.integrations.serving import AutosymmServing
 
     define_vllm_stand_ins()
     device = torch.device("cuda", rank)
-    adapter = AutosymmCustomAllReduce(group=dist.new_group(backend="gloo"), device=device,
-                                      device_group=dist.group.WORLD)
+    adapter = AutosymmServing(group=dist.new_group(backend="gloo"), device=device,
+                              device_group=dist.group.WORLD)  # what attach puts on the communicator
     coordinator = types.SimpleNamespace(device_communicator=types.SimpleNamespace(autosymm=adapter),
                                         all_reduce=lambda t: torch.ops.vllm.all_reduce(t, "tp:0"))
     vllm_fusion.group_coordinator = lambda name: coordinator
