@@ -82,7 +82,7 @@ def test_explain_and_plans_follow_the_deterministic_setting(runner, db_file, mon
 def test_tune_accepts_both_ops_which_are_not_tuned_by_default(runner):
     options = _tune_options({"ops": "reduce_scatter,all_gather", "sizes": "1MiB,3000000", "dtypes": "bf16",
                              "modes": "eager,graph", "shapes": "deepseek-v3", "tokens": "1", "strategy": "auto",
-                             "trials": None, "db_path": None, "backend_list": None})
+                             "trials": None, "db_path": None, "backend_list": None, "epilogues": "default"})
     assert options.ops == ["reduce_scatter", "all_gather"]
     from autosymm.tuning.session import problems_for
 

@@ -246,7 +246,7 @@ def test_fused_epilogues_emulated(world_size, case):
     wss = workspaces(world_size)
     block = fused_block_size(hidden)
     num_warps = max(4, rows * block // (64 * 32))  # FusedConfig: at most 64 values per thread
-    config = FusedConfig(algorithm, block, 4, num_warps, rows_per_program=rows,
+    config = FusedConfig(algorithm, block, num_warps, 4, rows_per_program=rows,
                          double_buffer=double_buffer, row_split=row_split)
     problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype_name(dtype), world_size)
     launchers = [_FusedLauncher(problem, config, ws, epilogue) for ws in wss]
