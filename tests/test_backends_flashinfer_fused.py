@@ -360,3 +360,27 @@ def test_dispatch_serves_the_row_only_where_why_not_is_empty(comm):
 def test_dispatch_without_flashinfer_falls_back(no_flashinfer):
     decision = _decide(SM90)
     assert decision.backend == "nccl_fused" and any("flashinfer not importable" in text for text in decision.skipped)
+
+
+def test_the_tuner_times_it_beside_the_triton_and_nccl_candidates(comm):
+    from autosymm.tuning.session import _load_backends
+    from autosymm.tuning.sweep import candidates_for
+
+    backends, _ = _load_backends(None)
+    caps = Capabilities(2, all_reduce_bytes=1 << 24, compute_capability=(9, 0))
+    problem = _problem(tokens=16, hidden=4096)
+    candidates, why_not = candidates_for(problem, "graph", backends, caps)
+    assert candidates["flashinfer_fused"] == BACKEND.search_space(problem)
+    assert "nccl_fused" in candidates and any(name.startswith("triton_fused") for name in candidates)
+    candidates, why_not = candidates_for(problem, "graph", backends, Capabilities(2, all_reduce_bytes=1 << 24))
+    assert "flashinfer_fused" not in candidates and why_not["flashinfer_fused"].startswith("not CUDA")
+
+
+def test_the_tuner_lists_why_without_flashinfer(no_flashinfer):
+    from autosymm.tuning.session import _load_backends
+    from autosymm.tuning.sweep import candidates_for
+
+    backends, unavailable = _load_backends(None)
+    assert "flashinfer_fused" in backends and "flashinfer_fused" not in unavailable
+    _, why_not = candidates_for(_problem(), "eager", backends, SM90)
+    assert why_not["flashinfer_fused"].startswith("flashinfer not importable")
