@@ -322,6 +322,14 @@ def test_a_multicast_workspace_is_refused(comm):
     assert comm.workspaces[0][1].destroyed and not fi._WORKSPACES
 
 
+def test_no_workspace_is_created_inside_a_graph_capture(comm, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(BackendError, match="inside a CUDA-graph capture; make the call once eagerly first"):
+        BACKEND.prepare(_problem(hidden=64), None, RunContext())
+    assert comm.workspaces == []
+
+
 def test_prepare_without_flashinfer_raises(no_flashinfer):
     with pytest.raises(BackendError, match="flashinfer_fused: flashinfer not importable"):
         BACKEND.prepare(_problem(), None, RunContext())

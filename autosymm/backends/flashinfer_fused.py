@@ -24,7 +24,9 @@ The API used, read at FlashInfer commit fb28d72 (github.com/flashinfer-ai/flashi
   max_token_num, hidden_dim, dtype, group=...)`` (allreduce.py:357-369; vLLM
   device_communicators/flashinfer_all_reduce.py:89-98), a collective, destroyed by
   ``workspace.destroy()`` (allreduce.py:265-274). Only the "trtllm" (IPC) workspace: its buffers
-  are peer-mapped with ``enable_multicast=False`` (trtllm_ar.py:686-696); the "mnnvl" and "auto"
+  are peer-mapped with ``enable_multicast=False`` (trtllm_ar.py:686-696; under confidential
+  computing, where NVLink multicast does not exist, torch's symm_mem buffers instead:
+  allreduce.py:135-137, torch_symmetric_memory.py:45-75); the "mnnvl" and "auto"
   workspaces need or may pick NVLink multicast (vLLM flashinfer_all_reduce.py:98-103), so they
   are never asked for, and a workspace reporting another backend is refused.
 * Limits FlashInfer states: up to 16 ranks (allreduce.py:282-296), kernels built for 2, 4, 8 and
@@ -251,6 +253,9 @@ def workspace_for(comm, group, problem: Problem):
     if workspace is not None and workspace.is_buffer_size_sufficient(problem.world_size, problem.n_tokens_local,
                                                                      problem.hidden, dtype):
         return workspace
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise BackendError(f"flashinfer_fused: FlashInfer's workspace for {problem.describe()} would be created "
+                           "(collectively) inside a CUDA-graph capture; make the call once eagerly first")
     if workspace is not None:
         close_key(key)
     tokens = next_pow2(max(problem.n_tokens_local, MIN_WORKSPACE_TOKENS))
