@@ -302,6 +302,10 @@ def reset_barriers(group=None) -> None:
 
 
 def reset() -> None:
-    """Forget every group's state and prepared calls (tests; after destroy_process_group)."""
+    """Forget every group's state and prepared calls (tests; after destroy_process_group), and
+    free FlashInfer's fused workspaces (autosymm.backends.flashinfer_fused)."""
+    from .backends import flashinfer_fused
+
     forget_all()
+    flashinfer_fused.close_all()
     STATES.clear()

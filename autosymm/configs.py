@@ -266,8 +266,24 @@ class FusedConfig:
                              f"fewer than the {threads} threads of num_warps={self.num_warps}")
 
 
-AnyConfig = AllReduceConfig | MoEConfig | FusedConfig
-_CONFIG_TYPES = {"AllReduceConfig": AllReduceConfig, "MoEConfig": MoEConfig, "FusedConfig": FusedConfig}
+@dataclass(frozen=True)
+class FlashInferFusedConfig:
+    """One call of FlashInfer's fused all-reduce (autosymm.backends.flashinfer_fused): its
+    ``use_oneshot`` flag (True: one-shot Lamport all-reduce; False: two-shot reduce-scatter +
+    all-gather) and ``fp32_acc`` (accumulate the peers' sum in fp32)."""
+
+    use_oneshot: bool
+    fp32_acc: bool
+
+    def __post_init__(self) -> None:
+        for name in ("use_oneshot", "fp32_acc"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+
+
+AnyConfig = AllReduceConfig | MoEConfig | FusedConfig | FlashInferFusedConfig
+_CONFIG_TYPES = {"AllReduceConfig": AllReduceConfig, "MoEConfig": MoEConfig, "FusedConfig": FusedConfig,
+                 "FlashInferFusedConfig": FlashInferFusedConfig}
 
 
 def config_types() -> dict[str, type]:

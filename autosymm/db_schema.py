@@ -215,8 +215,10 @@ class Row:
         except ValueError as exc:
             raise ValueError(f"Row.config: {exc}") from None
         # the config type of the op's rows (its record's): a row of another op's type is refused
-        kind = collectives.get(self.op).config_type if self.op in collectives.names() else None
-        if self._config_obj is not None and kind is not None and not isinstance(self._config_obj, kind):
+        record = collectives.get(self.op) if self.op in collectives.names() else None
+        kind = record.config_type if record is not None else None
+        kinds = (kind, *record.other_config_types) if kind is not None else ()
+        if self._config_obj is not None and kind is not None and not isinstance(self._config_obj, kinds):
             raise ValueError(f"Row.config: config type {type(self._config_obj).__name__} does not belong to op "
                              f"{self.op!r} (its rows hold {kind.__name__})")
 

@@ -32,6 +32,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "triton_fused_one_shot": ("autosymm.backends.triton_fused", "triton_fused_one_shot"),
     "triton_fused_one_shot_push": ("autosymm.backends.triton_fused", "triton_fused_one_shot_push"),
     "triton_fused_two_shot": ("autosymm.backends.triton_fused", "triton_fused_two_shot"),
+    "flashinfer_fused": ("autosymm.backends.flashinfer_fused", "flashinfer_fused"),
     "nccl_reduce_scatter": ("autosymm.backends.nccl_rs_ag", "nccl_reduce_scatter"),
     "nccl_all_gather": ("autosymm.backends.nccl_rs_ag", "nccl_all_gather"),
     "triton_reduce_scatter_pull": ("autosymm.backends.triton_rs_ag", "triton_reduce_scatter_pull"),

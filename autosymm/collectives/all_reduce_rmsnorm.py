@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..configs import FusedConfig
+from ..configs import FlashInferFusedConfig, FusedConfig
 from .. import autograd
 from ..problem import DTYPE_NAMES, Problem, dtype_name
 from .base import Collective, CustomOp, PointRequest, TuningPoints
@@ -296,6 +296,7 @@ def _functional_fake(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps:
 
 ALL_REDUCE_RMSNORM = AllReduceRMSNorm("all_reduce_rmsnorm", "tokens", fallback="nccl_fused",
                                       fallback_order=("nccl_fused",), shape_param="hidden", config_type=FusedConfig,
+                                      other_config_types=(FlashInferFusedConfig,),
                                       points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS,
                                                           epilogues=(DEFAULT,)),
                                       tuned_by_default=False, invariant_fallback="nccl_ordered_fused",

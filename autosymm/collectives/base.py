@@ -82,7 +82,8 @@ class Collective:
     ``shape`` column holds: '' none, 'moe_shape', 'hidden'); ``fallback`` (the backend that always
     serves it: the tuner's baseline, the dispatcher's last resort) and ``fallback_order`` (where
     no row serves, the first of these that can serve runs with its ``fallback_config``);
-    ``config_type`` (the config class its database rows hold; None for config-less backends);
+    ``config_type`` (the config class its database rows hold; None for config-less backends) and
+    ``other_config_types`` (those of backends outside autosymm's families: FlashInfer's fused call);
     ``lookups`` and the growth model (:meth:`moved_ratio`) of the dispatcher; its default tuning
     ``points``; ``tuned_by_default`` (in `autosymm tune`'s default ``--ops``);
     ``prepare_in_check`` (the decision and launcher are made inside the agreed check; False when
@@ -99,6 +100,7 @@ class Collective:
     points: TuningPoints
     config_type: type
     lookups: Lookups = Lookups()
+    other_config_types: tuple[type, ...] = ()
     shape_param: str = ""
     tuned_by_default: bool = True
     prepare_in_check: bool = True

@@ -88,6 +88,21 @@ class FusedTuning(TuningOp):
 
         return call
 
+    def bench_rows(self):
+        from ..bench_fused import fused_rows
+
+        return fused_rows
+
+    def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        from ..bench_fused import OTHERS
+
+        return OTHERS, OTHERS
+
+    def bench_table(self, result):
+        from ..bench_fused import fused_table
+
+        return fused_table(result, self.name)
+
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
         from ...backends import triton_fused
 

@@ -1,0 +1,296 @@
+"""Backend ``flashinfer_fused``: FlashInfer's fused all-reduce + (residual add) + RMSNorm (+ FP8 /
+NVFP4 quant), the call vLLM's ``AllReduceFusionPass`` rewrites to, as a candidate the tuner times
+beside the Triton and NCCL backends of ``all_reduce_rmsnorm``, so the database (not vLLM's size
+table) decides between them. It serves only where ``flashinfer.comm`` imports; no row of it exists
+until a GPU node with FlashInfer tunes.
+
+The API used, read at FlashInfer commit fb28d72 (github.com/flashinfer-ai/flashinfer) and vLLM
+0.33.0 (the wheel's Python sources):
+
+* ``flashinfer.comm.allreduce_fusion(input, workspace, pattern, launch_with_pdl,
+  trigger_completion_at_end, output, residual_out, norm_out, quant_out, scale_out, residual_in,
+  rms_gamma, rms_eps, scale_factor, layout_code, use_oneshot, fp32_acc, ..., weight_bias)``:
+  flashinfer/comm/allreduce.py:547-582; ``weight_bias=1.0`` is Gemma's ``(1 + w)``
+  (allreduce.py:704-714; trtllm_ar.py:1096-1099); vLLM calls it so in
+  vllm/compilation/passes/fusion/allreduce_rms_fusion.py:265-293 (Gemma: :530-531, :588-589).
+* Patterns (``AllReduceFusionPattern``, trtllm_ar.py:68-98): ``kARResidualRMSNorm`` (1),
+  ``kARResidualRMSNormFP8Quant`` (2), ``kARResidualRMSNormFP4Quant`` (3) as vLLM uses them
+  (allreduce_rms_fusion.py:394, :663-666, :837-839), ``kARResidualRMSNormDynamicFP8Quant`` (10)
+  where the installed FlashInfer has it. No residual: vLLM passes a zero residual
+  (allreduce_rms_fusion.py:381-394); so does this backend. NVFP4's scales in the swizzled 128x4
+  layout (``QuantizationSFLayout.SWIZZLED_128x4``, trtllm_ar.py:100-116; vLLM :262-263), which is
+  autosymm.epilogue's layout.
+* The workspace: ``create_allreduce_fusion_workspace(backend="trtllm", world_size, rank,
+  max_token_num, hidden_dim, dtype, group=...)`` (allreduce.py:357-369; vLLM
+  device_communicators/flashinfer_all_reduce.py:89-98), a collective, destroyed by
+  ``workspace.destroy()`` (allreduce.py:265-274). Only the "trtllm" (IPC) workspace: its buffers
+  are peer-mapped with ``enable_multicast=False`` (trtllm_ar.py:686-696; under confidential
+  computing, where NVLink multicast does not exist, torch's symm_mem buffers instead:
+  allreduce.py:135-137, torch_symmetric_memory.py:45-75); the "mnnvl" and "auto"
+  workspaces need or may pick NVLink multicast (vLLM flashinfer_all_reduce.py:98-103), so they
+  are never asked for, and a workspace reporting another backend is refused.
+* Limits FlashInfer states: up to 16 ranks (allreduce.py:282-296), kernels built for 2, 4, 8 and
+  16 ranks (include/flashinfer/comm/trtllm_allreduce_fusion.cuh:1914-1929); fp16, bf16, fp32
+  (csrc/trtllm_allreduce_fusion.cu:10-27), FP4 patterns not for fp32 (.cuh:1881-1893); hidden a
+  multiple of 16 bytes of elements (.cuh:31, :1687); two-shot needs more tokens than ranks
+  (trtllm_ar.py:1115); one-shot's Lamport buffer at most ``MAX_COMM_SIZE`` bytes (trtllm_ar.py:555,
+  :1117-1127: beyond it FlashInfer silently runs two-shot, so such a config is not offered).
+  Clusters need sm_90 (vLLM's table starts at sm_90: allreduce_rms_fusion.py:103-126).
+
+Workspace lifetime: one per (process group, fp32-or-16-bit x), created collectively by the first
+``prepare`` that needs it, on every rank at the same point (dispatch's decision and the tuner's
+candidates are the same on every rank), sized for the largest call asked for so far (rows of
+``hidden`` elements, tokens rounded up to a power of two), recreated larger when a bigger call
+comes, freed by :func:`close` / :func:`close_all` (autosymm.api.reset, and at exit as vLLM does:
+flashinfer_all_reduce.py:390). FlashInfer caches its IPC buffers per argument tuple
+(trtllm_ar.py:588, ``functools.cache``), so their memory returns when the process ends.
+
+The result is FlashInfer's arithmetic (its sum order, fp32 or 16-bit accumulation by
+``fp32_acc``, its norm and quant), not autosymm's reference bit for bit: the backend is not
+batch-invariant, and the tuner's validation against the reference decides whether it may enter
+the database at all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import inspect
+from typing import Any, Optional
+
+import torch
+
+from ..configs import FlashInferFusedConfig
+from ..epilogue import DEFAULT, Epilogue
+from ..problem import DTYPES, Problem, next_pow2
+from .base import Backend, BackendError, Capabilities, Needs, RunContext
+
+#: FlashInfer's pattern (AllReduceFusionPattern attribute) of each autosymm quant mode.
+PATTERNS = {None: "kARResidualRMSNorm", "fp8": "kARResidualRMSNormFP8Quant",
+            "nvfp4": "kARResidualRMSNormFP4Quant", "fp8_per_token": "kARResidualRMSNormDynamicFP8Quant"}
+#: Rank counts FlashInfer's fused kernels are instantiated for.
+WORLD_SIZES = (2, 4, 8, 16)
+#: Bytes one FlashInfer thread loads per access: hidden must be a multiple of it in elements.
+ACCESS_BYTES = 16
+#: FlashInfer's cap on the one-shot Lamport buffer (bytes): INT32_MAX rounded down to 2 MiB.
+MAX_COMM_SIZE = 2147483647 & ~((1 << 21) - 1)
+#: The only workspace backend asked for: the IPC (multicast-free) one.
+WORKSPACE_BACKEND = "trtllm"
+#: Fewest tokens a workspace is sized for (rows of the problem's hidden size).
+MIN_WORKSPACE_TOKENS = 128
+#: What flashinfer.comm must have (vLLM's own check is the first two: allreduce_rms_fusion.py:92-93).
+REQUIRED = ("allreduce_fusion", "create_allreduce_fusion_workspace", "AllReduceFusionPattern",
+            "QuantizationSFLayout")
+
+
+def flashinfer_comm() -> tuple[Any, Optional[str]]:
+    """(``flashinfer.comm``, None), or (None, why it cannot serve: not importable, or lacking
+    the fused API)."""
+    try:
+        comm = importlib.import_module("flashinfer.comm")
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        return None, f"flashinfer not importable ({type(exc).__name__}: {exc})"
+    missing = [name for name in REQUIRED if not hasattr(comm, name)]
+    if missing:
+        return None, f"flashinfer.comm has no {', '.join(missing)} (a FlashInfer without the fused all-reduce API)"
+    return comm, None
+
+
+def has_weight_bias(comm) -> bool:
+    """Whether this FlashInfer's ``allreduce_fusion`` takes ``weight_bias`` (the Gemma norm)."""
+    try:
+        return "weight_bias" in inspect.signature(comm.allreduce_fusion).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def lamport_bytes(problem: Problem) -> int:
+    """Bytes of the one-shot Lamport buffer a call needs: world_size x tokens x hidden x (2, or 4
+    for fp32 x) (trtllm_ar.py:1117-1121)."""
+    elem = 4 if problem.dtype == "fp32" else 2
+    return problem.world_size * problem.n_tokens_local * problem.hidden * elem
+
+
+def strategies(problem: Problem) -> tuple[bool, ...]:
+    """The ``use_oneshot`` values FlashInfer really runs for ``problem`` (True: one-shot)."""
+    out = []
+    if lamport_bytes(problem) <= MAX_COMM_SIZE:
+        out.append(True)
+    if problem.n_tokens_local > problem.world_size:
+        out.append(False)
+    return tuple(out)
+
+
+class FlashInferFused(Backend):
+    """FlashInfer's ``allreduce_fusion`` on its IPC workspace: ``launcher(x, residual, weight, eps,
+    *, scale=None)`` with autosymm's contract (residual += sum in place where there is one; x,
+    weight and scale read only; the outputs new tensors)."""
+
+    name = "flashinfer_fused"
+    needs = Needs(ops=("all_reduce_rmsnorm",), dtypes=("bf16", "fp16", "fp32"), intra_node=True,
+                  min_compute_capability=(9, 0))
+
+    def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
+        if problem.op not in self.needs.ops:
+            return super().why_not(problem, caps, mode)
+        _, missing = flashinfer_comm()
+        if missing:
+            return missing
+        if tuple(caps.compute_capability) == (0, 0):
+            return "not CUDA (no GPU compute capability on this group)"
+        return super().why_not(problem, caps, mode)
+
+    def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+        comm, missing = flashinfer_comm()
+        if missing:
+            return missing
+        if problem.world_size not in WORLD_SIZES:
+            return f"world size {problem.world_size} (FlashInfer's fused kernels serve {WORLD_SIZES})"
+        vec = ACCESS_BYTES // problem.elem_bytes
+        if problem.hidden % vec:
+            return f"hidden {problem.hidden} is not a multiple of {vec} elements (FlashInfer loads 16 bytes per access)"
+        epilogue = problem.epilogue or DEFAULT
+        pattern = PATTERNS[epilogue.quant]
+        if not hasattr(comm.AllReduceFusionPattern, pattern):
+            return f"this FlashInfer has no AllReduceFusionPattern.{pattern} (quant={epilogue.quant!r})"
+        if epilogue.quant == "nvfp4" and problem.dtype == "fp32":
+            return "quant='nvfp4' with fp32 x (FlashInfer's FP4 patterns take fp16/bf16)"
+        if epilogue.gemma and not has_weight_bias(comm):
+            return "gemma=True, but this FlashInfer's allreduce_fusion has no weight_bias"
+        if not strategies(problem):
+            return (f"{problem.n_tokens_local} tokens: two-shot needs more than {problem.world_size} (the ranks) "
+                    f"and one-shot's {lamport_bytes(problem)} B Lamport buffer exceeds {MAX_COMM_SIZE} B")
+        return None
+
+    def search_space(self, problem: Problem) -> list[FlashInferFusedConfig]:
+        """One-shot / two-shot (where FlashInfer runs it as asked) x fp32 accumulation or not
+        (fp32 x: accumulated in fp32 either way, so only True)."""
+        accumulations = (True,) if problem.dtype == "fp32" else (True, False)
+        return [FlashInferFusedConfig(use_oneshot=o, fp32_acc=a) for o in strategies(problem) for a in accumulations]
+
+    def prepare(self, problem: Problem, config: Optional[FlashInferFusedConfig], ctx: RunContext) -> "FlashInferLauncher":
+        """The launcher of ``problem`` with ``config`` (None: vLLM's settings, FlashInfer's own
+        one-shot heuristic and fp32 accumulation, allreduce_rms_fusion.py:243-248, :322)."""
+        comm, missing = flashinfer_comm()
+        if missing:
+            raise BackendError(f"{self.name}: {missing}")
+        if config is not None and not isinstance(config, FlashInferFusedConfig):
+            raise BackendError(f"{self.name}: config must be a FlashInferFusedConfig, got {type(config).__name__}")
+        workspace = workspace_for(comm, ctx.group, problem)
+        return FlashInferLauncher(comm, workspace, problem.epilogue or DEFAULT, config)
+
+
+class FlashInferLauncher:
+    """``launcher(x, residual, weight, eps=1e-6, *, scale=None)``: one ``allreduce_fusion`` call.
+    Returns out (x's dtype, or fp8), or (out, scales) for fp8_per_token and nvfp4."""
+
+    def __init__(self, comm, workspace, epilogue: Epilogue, config: Optional[FlashInferFusedConfig]) -> None:
+        self.call = comm.allreduce_fusion
+        self.workspace = workspace
+        self.epilogue = epilogue
+        self.constants = call_constants(comm, epilogue, config)
+
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
+                 *, scale: Optional[torch.Tensor] = None):
+        epilogue = self.epilogue
+        if epilogue.residual:
+            if residual is None:
+                raise BackendError("flashinfer_fused: this epilogue adds a residual, but residual is None")
+            residual_in = residual_out = residual  # in place, as vLLM passes it
+        else:  # vLLM's no-residual form: add zeros; the pre-norm sum goes to a scratch tensor, x stays
+            residual_in, residual_out = torch.zeros_like(x), torch.empty_like(x)
+        quant_out, scale_out = (None, None) if epilogue.quant is None else \
+            epilogue.empty_outputs(x.shape[0], x.shape[1], x.dtype, x.device)
+        norm_out = torch.empty_like(x) if epilogue.quant in (None, "fp8", "nvfp4") else None
+        self.call(input=x, workspace=self.workspace, output=None, residual_out=residual_out, norm_out=norm_out,
+                  quant_out=quant_out, scale_out=scale_out, residual_in=residual_in, rms_gamma=weight,
+                  rms_eps=float(eps), scale_factor=scale, **self.constants)
+        if epilogue.quant is None:
+            return norm_out
+        return quant_out if scale_out is None else (quant_out, scale_out)
+
+
+def call_constants(comm, epilogue: Epilogue, config: Optional[FlashInferFusedConfig]) -> dict[str, Any]:
+    """The keyword arguments of every call of a prepared launcher: the pattern, the config's flags,
+    the NVFP4 layout, Gemma's weight bias. No PDL: the next kernel is not known to wait for its
+    grid dependency, so completion is signalled at the end (allreduce.py:635-643)."""
+    constants: dict[str, Any] = {
+        "pattern": int(getattr(comm.AllReduceFusionPattern, PATTERNS[epilogue.quant])),
+        "launch_with_pdl": False, "trigger_completion_at_end": True,
+        "use_oneshot": None if config is None else config.use_oneshot,
+        "fp32_acc": True if config is None else config.fp32_acc,
+        "layout_code": int(comm.QuantizationSFLayout.SWIZZLED_128x4) if epilogue.quant == "nvfp4" else None,
+    }
+    if epilogue.gemma:
+        constants["weight_bias"] = 1.0
+    return constants
+
+
+# --------------------------------------------------------------------------------------------
+# Workspaces: one per (group, fp32 x or not), created collectively, freed on close
+# --------------------------------------------------------------------------------------------
+
+_WORKSPACES: dict[tuple, Any] = {}
+_AT_EXIT: list[bool] = []
+
+
+def _group_key(group) -> Any:
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    return getattr(group, "group_name", None) or id(group)
+
+
+def workspace_for(comm, group, problem: Problem):
+    """The group's FlashInfer workspace for ``problem``: the existing one where it holds the call
+    (its ``is_buffer_size_sufficient``), else a new one (collective over ``group``) for
+    ``next_pow2(tokens)`` rows of ``hidden`` (at least :data:`MIN_WORKSPACE_TOKENS` rows)."""
+    import torch.distributed as dist
+
+    dtype = DTYPES[problem.dtype]
+    key = (_group_key(group), problem.dtype == "fp32")
+    workspace = _WORKSPACES.get(key)
+    if workspace is not None and workspace.is_buffer_size_sufficient(problem.world_size, problem.n_tokens_local,
+                                                                     problem.hidden, dtype):
+        return workspace
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise BackendError(f"flashinfer_fused: FlashInfer's workspace for {problem.describe()} would be created "
+                           "(collectively) inside a CUDA-graph capture; make the call once eagerly first")
+    if workspace is not None:
+        close_key(key)
+    tokens = next_pow2(max(problem.n_tokens_local, MIN_WORKSPACE_TOKENS))
+    workspace = comm.create_allreduce_fusion_workspace(
+        backend=WORKSPACE_BACKEND, world_size=problem.world_size, rank=dist.get_rank(group), max_token_num=tokens,
+        hidden_dim=problem.hidden, dtype=dtype, group=group)
+    if getattr(workspace, "backend", None) != WORKSPACE_BACKEND:
+        workspace.destroy()
+        raise BackendError(f"flashinfer_fused: asked for FlashInfer's {WORKSPACE_BACKEND!r} (multicast-free) workspace, "
+                           f"got {getattr(workspace, 'backend', None)!r}")
+    _WORKSPACES[key] = workspace
+    if not _AT_EXIT:
+        atexit.register(close_all)
+        _AT_EXIT.append(True)
+    return workspace
+
+
+def close_key(key: tuple) -> None:
+    workspace = _WORKSPACES.pop(key, None)
+    if workspace is not None:
+        workspace.destroy()
+
+
+def close(group=None) -> None:
+    """Free ``group``'s FlashInfer workspaces (local: FlashInfer's destroy drops references)."""
+    group_key = _group_key(group)
+    for key in [k for k in _WORKSPACES if k[0] == group_key]:
+        close_key(key)
+
+
+def close_all() -> None:
+    """Free every FlashInfer workspace this process created."""
+    for key in list(_WORKSPACES):
+        close_key(key)
+
+
+flashinfer_fused = FlashInferFused()
+BACKENDS = (flashinfer_fused,)
