@@ -58,8 +58,6 @@ C_OPS: dict[str, str] = {
                           "int head_dim, float eps, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, "
                           "bool is_neox, Tensor position_ids, int forced_token_heads_per_warp=-1) -> ()",
 }
-#: C_OPS whose fake vLLM's own Python registers (vllm/_custom_ops.py:90-100), so none is added here.
-VLLM_FAKES = frozenset({"scaled_fp4_quant"})
 _C_LIB: list = []  # the torch.library holding C_OPS, alive for the process
 
 #: module name -> the recorded fake that stands in for it, and why the real one cannot serve.
@@ -98,6 +96,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__stub_reason__ = STUBS[module.__name__]
         if module.__name__ == "vllm._C_stable_libtorch":
             _declare_c_ops()
+
+
+#: C_OPS whose fake vLLM's own Python registers (vllm/_custom_ops.py:90-100), so none is added here.
+VLLM_FAKES = frozenset({"scaled_fp4_quant"})
 
 
 def _declare_c_ops() -> None:
