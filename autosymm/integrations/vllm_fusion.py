@@ -178,7 +178,7 @@ class VllmAllReduceRMSNormPass(CustomGraphPass):
             self._rewrite_quant(graph, match, use, max_tokens)
             key = "_" + quant_fusion.FORMS[use.form]
         else:
-            max_tokens = _vllm_fused_max_tokens(vllm_pass, _val(x), _val(norm_weight(match)), eps)
+            max_tokens = _vllm_fused_max_tokens(vllm_pass, _val(x), _val(_norm_weight(match)), eps)
             self._rewrite_plain(graph, match, max_tokens)
             key = ""
         self.rewrites += 1
@@ -233,7 +233,7 @@ def _item(graph: Graph, node: Node, index: int, val) -> Node:
     return item
 
 
-def norm_weight(match: _Match):
+def _norm_weight(match: _Match):
     """The norm's own weight argument (Gemma's ``w.float() + 1.0``), for vLLM's size check."""
     return match.norm.args[2] if match.args[1] is not None else match.norm.args[1]
 
@@ -312,7 +312,7 @@ def _vllm_fused_max_tokens(vllm_pass, x, weight, eps: float, form: Optional[str]
     applicable, a pattern of its epsilons and model dtype, vLLM's dtype check), else 0
     (compilation/passes/fusion/allreduce_rms_fusion.py:1069-1132). With a quant chain ``form``
     (vllm_fusion_quant.FORMS): negative where vLLM's pass has no quantized pattern for it and fuses
-    the norm alone (1100-1130: no quant workspace; NVFP4 below sm100; the FP8 pattern of the other
+    the norm alone (1051-1090: no quant workspace; NVFP4 below sm100; the FP8 pattern of the other
     QuantFP8 form, matcher_utils.py:384)."""
     if vllm_pass is None or getattr(vllm_pass, "disabled", True) or eps not in (1e-5, 1e-6):
         return 0
@@ -329,7 +329,7 @@ def _vllm_fused_max_tokens(vllm_pass, x, weight, eps: float, form: Optional[str]
 
 
 def _vllm_has_quant_pattern(vllm_pass, form: str) -> bool:
-    """Whether vLLM's enabled pass registered its quantized pattern of ``form`` (allreduce_rms_fusion.py:1100-1130)."""
+    """Whether vLLM's enabled pass registered its quantized pattern of ``form`` (allreduce_rms_fusion.py:1051-1090)."""
     if not getattr(vllm_pass, "supports_quant_fusion", False):
         return False
     if form == "nvfp4":

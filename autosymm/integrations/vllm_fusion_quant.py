@@ -12,7 +12,7 @@ RMSNorm with and without the residual add followed by
   reciprocal(s)``, ``clamp_min(-448)``, ``clamp_max(448)``, ``convert_element_type(e4m3)``;
 * NVFP4 quant, ``"nvfp4"``: ``auto_functionalized(_C.scaled_fp4_quant.out, input=y, input_scale=s,
   is_sf_swizzled_layout=True, output=empty, output_scale=empty)`` as vLLM's pattern writes it
-  (allreduce_rms_fusion.py:791-798; ``ops.scaled_fp4_quant``, _custom_ops.py:1592; schema
+  (allreduce_rms_fusion.py:804-811, 912-919; ``ops.scaled_fp4_quant``, _custom_ops.py:1592; schema
   ``scaled_fp4_quant.out(Tensor input, Tensor input_scale, bool is_sf_swizzled_layout, *,
   Tensor(a!) output, Tensor(b!) output_scale) -> ()``).
 
@@ -136,7 +136,7 @@ def quantize(y: Tensor, quant: str, scale: Tensor) -> tuple[Tensor, Tensor]:
 def flashinfer_fused_quant(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, world_size: int,
                            quant: str, scale: Tensor, max_token_num: int) -> tuple[Tensor, Tensor, Tensor]:
     """vLLM's FlashInfer replacement of the chain, called as vLLM's quantized patterns write it
-    (allreduce_rms_fusion.py:647-670 and 713-733 for FP8, 800-832 and 900-932 for NVFP4), on
+    (allreduce_rms_fusion.py:653-668 and 736-751 for FP8, 827-842 and 934-949 for NVFP4), on
     copies and new buffers: ``(quant out, residual + sum, scales)``."""
     from vllm.compilation.passes.fusion import allreduce_rms_fusion as fusion
 
