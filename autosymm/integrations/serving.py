@@ -133,14 +133,16 @@ class AutosymmServing:
             raise bad_out
         return out
 
-    def serves_fused(self, x: torch.Tensor) -> bool:
+    def serves_fused(self, x: torch.Tensor, epilogue=None) -> bool:
         """True when autosymm's decision for the fused all-reduce + RMSNorm of ``x`` [tokens,
-        hidden] is not its NCCL fallback."""
+        hidden] with ``epilogue`` (autosymm.epilogue.Epilogue; None: the default) is not its NCCL
+        fallback."""
         if not self._fits(x) or x.dim() != 2:
             return False
-        problem = Problem.all_reduce_rmsnorm(x.shape[0], x.shape[1], dtype_name(x.dtype), self.world_size)
-        return self._decides(("all_reduce_rmsnorm", x.dtype, tuple(x.shape), self._mode()), ALL_REDUCE_RMSNORM,
-                             problem)
+        problem = Problem.all_reduce_rmsnorm(x.shape[0], x.shape[1], dtype_name(x.dtype), self.world_size,
+                                             epilogue=epilogue)
+        return self._decides(("all_reduce_rmsnorm", x.dtype, tuple(x.shape), epilogue, self._mode()),
+                             ALL_REDUCE_RMSNORM, problem)
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:

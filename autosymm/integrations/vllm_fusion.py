@@ -1,17 +1,21 @@
-"""vLLM's all-reduce -> RMSNorm pairs as one fused call, ahead of vLLM's own fusion (vLLM 0.33.0).
+"""vLLM's all-reduce -> RMSNorm [-> quant] chains as one fused call, ahead of vLLM's own fusion (vLLM 0.33.0).
 
 In vLLM's compiled graphs a tensor-parallel layer's output reaches
 ``torch.ops.vllm.all_reduce(x, group_name)`` and then the next RMSNorm's
 ``vllm_ir.fused_add_rms_norm(sum, residual, w, eps, None)`` or ``vllm_ir.rms_norm(sum, w, eps,
 None)``, ``w`` being the layer's weight or Gemma's ``weight.float() + 1.0`` (vLLM's pre-grad
 pass makes the layer's ``maybe_inplace`` call functional; model_executor/layers/layernorm.py:93,
-171). :class:`VllmAllReduceRMSNormPass` replaces each of these 4 unquantized patterns (those of
-vLLM's ``AllReduceFusionPass``, compilation/passes/fusion/allreduce_rms_fusion.py:349-607) with
-``torch.ops.autosymm.vllm_all_reduce_rmsnorm``; a norm whose output is quantized (FP8, NVFP4) is
-left to vLLM's pass. :func:`install` (called by the plugin platform's ``check_and_update_config``)
-makes it inductor's post-grad pre pass, which runs before vLLM's pass manager. At run time the op
-serves with autosymm's decision where it is not NCCL, else runs what vLLM's default would have:
-FlashInfer's fused call where vLLM's pass would have fused the call, else vLLM's unfused ops.
+171), the norm's output possibly quantized to static FP8 or NVFP4 (autosymm.integrations.vllm_fusion_quant).
+:class:`VllmAllReduceRMSNormPass` replaces each of the 8 patterns of vLLM's ``AllReduceFusionPass``
+(compilation/passes/fusion/allreduce_rms_fusion.py:349-954): the 4 unquantized ones with
+``torch.ops.autosymm.vllm_all_reduce_rmsnorm``, the 4 quantized ones (RMSNorm, with and without
+the add, then FP8 or NVFP4; its Gemma patterns have no quant) with
+``torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant``. A quant chain autosymm cannot serve is left
+to vLLM's pass; a norm whose output reaches anything else fuses unquantized, as in vLLM's pass.
+:func:`install` (called by the plugin platform's ``check_and_update_config``) makes it inductor's
+post-grad pre pass, which runs before vLLM's pass manager. At run time the ops serve with
+autosymm's decision where it is not NCCL, else run what vLLM's default would have: FlashInfer's
+fused call where vLLM's pass would have fused the call, else vLLM's unfused ops.
 
 It rewrites [tokens, hidden] tensors of one dtype (bf16, fp16, fp32), ``x`` contiguous, a weight
 given, no ``variance_size``; with the add, only where the norm alone reads the sum.
@@ -20,6 +24,8 @@ given, no ``variance_size``; with the add, only where the norm alone reads the s
 from __future__ import annotations
 
 import operator
+from collections import Counter
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,9 +34,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx import Graph, Node
 
 import autosymm
+from autosymm.epilogue import NVFP4_BLOCK
+
+from . import vllm_fusion_quant as quant_fusion  # the quantized chains; it reads this module's helpers at run time
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8)
 _FLOAT_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
@@ -122,11 +130,26 @@ def _args(node: Node, names: tuple[str, ...], defaults: dict) -> Optional[dict]:
     return out
 
 
+@dataclass
+class _Match:
+    """One all-reduce -> norm pair: the nodes, the fused op's arguments, and the norm's output
+    node ``y`` (None where the graph reads the add's output only)."""
+
+    norm: Node
+    summed: Node
+    args: tuple  # (x, residual, raw weight, eps, group_name): the fused ops' first 5 arguments
+    gemma: bool
+    y: Optional[Node]
+
+
 class VllmAllReduceRMSNormPass(CustomGraphPass):
-    """The pass (module docstring); ``rewrites`` counts the fusions made."""
+    """The pass (module docstring); ``rewrites`` counts the fusions made, ``patterns`` them by
+    pattern ('add_rms', 'rms', 'add_gemma', 'gemma', 'add_rms_fp8', 'rms_fp8', 'add_rms_nvfp4',
+    'rms_nvfp4')."""
 
     def __init__(self) -> None:
         self.rewrites = 0
+        self.patterns: Counter = Counter()
 
     def __call__(self, graph: Graph) -> None:
         sum_op = _overload("vllm", "all_reduce")
@@ -140,46 +163,121 @@ class VllmAllReduceRMSNormPass(CustomGraphPass):
                 self._try(graph, node, sum_op, norms[node.target], vllm_pass)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, quant_fusion.__file__))
 
     def _try(self, graph: Graph, norm: Node, sum_op, with_residual: bool, vllm_pass) -> None:
-        names = ("x", "x_residual", "weight", "epsilon", "variance_size") if with_residual else \
-            ("x", "weight", "epsilon", "variance_size")
-        norm_args = _args(norm, names, {"variance_size": None})
-        if norm_args is None or norm_args["variance_size"] is not None or _feeds_quant(norm):
-            return  # quantized epilogues stay with vLLM's own pass
-        summed, weight = norm_args["x"], norm_args["weight"]
-        residual = norm_args.get("x_residual")
-        if not (isinstance(summed, Node) and summed.op == "call_function" and summed.target is sum_op
-                and isinstance(weight, Node)):
+        match = _match(norm, sum_op, with_residual)
+        if match is None:
             return
-        if with_residual and len(summed.users) != 1:
-            return
-        sum_args = _args(summed, ("tensor", "group_name"), {})
-        gemma_weight = _gemma_weight(weight)
-        raw_weight = gemma_weight if gemma_weight is not None else weight
-        x = _val(sum_args["tensor"]) if sum_args else None
-        if x is None or not _eligible(x, _val(residual) if with_residual else x, _val(raw_weight)):
-            return
-        eps = float(norm_args["epsilon"])
-        max_tokens = _vllm_fused_max_tokens(vllm_pass, x, _val(weight), eps)
+        x, residual, weight, eps, _ = match.args
+        use = quant_fusion.quant_use(match.y) if match.y is not None and not match.gemma else None
+        if use is not None:  # vLLM's quantized patterns take raw weights only: a Gemma norm fuses unquantized
+            if not _quant_eligible(use, _val(x), graph, match.norm):
+                return  # left to vLLM's pass, whose quantized pattern may take it
+            max_tokens = _vllm_fused_max_tokens(vllm_pass, _val(x), _val(weight), eps, use.form)
+            self._rewrite_quant(graph, match, use, max_tokens)
+            key = "_" + quant_fusion.FORMS[use.form]
+        else:
+            max_tokens = _vllm_fused_max_tokens(vllm_pass, _val(x), _val(_norm_weight(match)), eps)
+            self._rewrite_plain(graph, match, max_tokens)
+            key = ""
+        self.rewrites += 1
+        self.patterns[("add_" if residual is not None else "") + ("gemma" if match.gemma else "rms") + key] += 1
+
+    def _rewrite_plain(self, graph: Graph, match: _Match, max_tokens: int) -> None:
+        """The pair -> ``autosymm.vllm_all_reduce_rmsnorm`` (its items: the norm, the sum)."""
+        norm, summed = match.norm, match.summed
+        x = _val(match.args[0])
         with graph.inserting_before(norm):
             fused = graph.call_function(torch.ops.autosymm.vllm_all_reduce_rmsnorm.default,
-                                        (sum_args["tensor"], residual, raw_weight, eps, sum_args["group_name"],
-                                         gemma_weight is not None, max_tokens))
+                                        match.args + (match.gemma, max_tokens))
             fused.meta["val"] = (torch.empty_like(x), torch.empty_like(x))
-            if with_residual:
+            if match.args[1] is not None:
                 norm.replace_all_uses_with(fused)  # users take items 0 (out) and 1 (the new residual) alike
             else:
-                out = graph.call_function(operator.getitem, (fused, 0))
-                out.meta["val"] = norm.meta.get("val")
-                total = graph.call_function(operator.getitem, (fused, 1))
-                total.meta["val"] = summed.meta.get("val")
-                norm.replace_all_uses_with(out)
-                summed.replace_all_uses_with(total)
+                norm.replace_all_uses_with(_item(graph, fused, 0, norm.meta.get("val")))
+                summed.replace_all_uses_with(_item(graph, fused, 1, summed.meta.get("val")))
         graph.erase_node(norm)
         graph.erase_node(summed)
-        self.rewrites += 1
+
+    def _rewrite_quant(self, graph: Graph, match: _Match, use, max_tokens: int) -> None:
+        """The pair and its quant chain -> ``autosymm.vllm_all_reduce_rmsnorm_quant`` (its items:
+        the quantized output, the sum, NVFP4's block scales), where the chain's values were."""
+        norm, summed = match.norm, match.summed
+        x = _val(match.args[0])
+        quant_out, scales_out = use.outputs
+        sum_vals = summed.meta.get("val") if match.args[1] is None else norm.meta["val"][1]
+        with graph.inserting_before(norm):
+            fused = graph.call_function(torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant.default,
+                                        match.args + (use.form, use.scale, max_tokens))
+            fused.meta["val"] = quant_fusion.fake_outputs(x, use.form)
+            new_sum = _item(graph, fused, 1, sum_vals)
+            for old, index in ((quant_out, 0), (scales_out, 2)):
+                if old is not None:
+                    old.replace_all_uses_with(_item(graph, fused, index, old.meta.get("val")))
+        if match.args[1] is not None:
+            for item in [u for u in norm.users if u.target is operator.getitem and u.args[1] == 1]:
+                item.replace_all_uses_with(new_sum)
+        else:
+            summed.replace_all_uses_with(new_sum, delete_user_cb=lambda user: user is not norm)
+        for node in use.nodes + tuple(u for u in norm.users if u.target is operator.getitem) + (norm, summed):
+            if not node.users and node.op == "call_function":
+                graph.erase_node(node)
+        if not new_sum.users:
+            graph.erase_node(new_sum)
+
+
+def _item(graph: Graph, node: Node, index: int, val) -> Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = val
+    return item
+
+
+def _norm_weight(match: _Match):
+    """The norm's own weight argument (Gemma's ``w.float() + 1.0``), for vLLM's size check."""
+    return match.norm.args[2] if match.args[1] is not None else match.norm.args[1]
+
+
+def _match(norm: Node, sum_op, with_residual: bool) -> Optional[_Match]:
+    """The pair ending in ``norm`` where the pass rewrites it (module docstring), else None."""
+    names = ("x", "x_residual", "weight", "epsilon", "variance_size") if with_residual else \
+        ("x", "weight", "epsilon", "variance_size")
+    norm_args = _args(norm, names, {"variance_size": None})
+    if norm_args is None or norm_args["variance_size"] is not None:
+        return None
+    summed, weight = norm_args["x"], norm_args["weight"]
+    residual = norm_args.get("x_residual")
+    if not (isinstance(summed, Node) and summed.op == "call_function" and summed.target is sum_op
+            and isinstance(weight, Node)):
+        return None
+    if with_residual and len(summed.users) != 1:
+        return None
+    sum_args = _args(summed, ("tensor", "group_name"), {})
+    gemma_weight = _gemma_weight(weight)
+    raw_weight = gemma_weight if gemma_weight is not None else weight
+    x = _val(sum_args["tensor"]) if sum_args else None
+    if x is None or not _eligible(x, _val(residual) if with_residual else x, _val(raw_weight)):
+        return None
+    if with_residual:
+        outs = [u for u in norm.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(norm.users) != sum(u.target is operator.getitem for u in norm.users):
+            return None  # the tuple itself is read: the plain rewrite's tuple stands in, a quant chain's would not
+        y = outs[0] if len(outs) == 1 else None
+    else:
+        y = norm
+    return _Match(norm, summed, (sum_args["tensor"], residual, raw_weight, float(norm_args["epsilon"]),
+                                 sum_args["group_name"]), gemma_weight is not None, y)
+
+
+def _quant_eligible(use, x, graph: Graph, norm: Node) -> bool:
+    """autosymm serves the chain: NVFP4 of bf16 / fp16 with hidden a multiple of 16, the scale
+    defined before the norm (the fused call takes the norm's place)."""
+    if quant_fusion.FORMS[use.form] == "nvfp4" and (x.dtype == torch.float32 or x.shape[1] % NVFP4_BLOCK):
+        return False
+    if use.scale.op in ("placeholder", "get_attr"):
+        return True
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return order[use.scale] < order[norm]
 
 
 def _gemma_weight(weight: Node) -> Optional[Node]:
@@ -197,20 +295,6 @@ def _gemma_weight(weight: Node) -> Optional[Node]:
     return base if _val(base) is not None and _val(base).dtype == torch.float32 else None
 
 
-def _feeds_quant(norm: Node, depth: int = 4) -> bool:
-    """True when the norm's output reaches an FP8 / FP4 value within ``depth`` nodes (the quantized
-    patterns of vLLM's pass: static FP8 and NVFP4, with or without the add)."""
-    frontier = [norm]
-    for _ in range(depth):
-        frontier = [user for node in frontier for user in node.users]
-        for node in frontier:
-            val = _val(node)
-            vals = val if isinstance(val, (tuple, list)) else (val,)
-            if any(isinstance(v, Tensor) and v.dtype in _QUANT_DTYPES for v in vals) or "quant" in str(node.target):
-                return True
-    return False
-
-
 def _vllm_fusion_pass():
     """vLLM's ``AllReduceFusionPass`` in the pass manager compiling now (vLLM's
     PostGradPassManager is inductor's post-grad post pass, compilation/backends.py:999), or None."""
@@ -223,10 +307,13 @@ def _vllm_fusion_pass():
     return None
 
 
-def _vllm_fused_max_tokens(vllm_pass, x, weight, eps: float) -> int:
+def _vllm_fused_max_tokens(vllm_pass, x, weight, eps: float, form: Optional[str] = None) -> int:
     """vLLM's ``max_token_num`` where its pass fuses this call now (enabled, this compile range
     applicable, a pattern of its epsilons and model dtype, vLLM's dtype check), else 0
-    (compilation/passes/fusion/allreduce_rms_fusion.py:1069-1132)."""
+    (compilation/passes/fusion/allreduce_rms_fusion.py:1069-1132). With a quant chain ``form``
+    (vllm_fusion_quant.FORMS): negative where vLLM's pass has no quantized pattern for it and fuses
+    the norm alone (1051-1090: no quant workspace; NVFP4 below sm100; the FP8 pattern of the other
+    QuantFP8 form, matcher_utils.py:384)."""
     if vllm_pass is None or getattr(vllm_pass, "disabled", True) or eps not in (1e-5, 1e-6):
         return 0
     from vllm.compilation.passes.pass_manager import get_pass_context
@@ -235,7 +322,23 @@ def _vllm_fused_max_tokens(vllm_pass, x, weight, eps: float) -> int:
         return 0
     if x.dtype != vllm_pass.model_dtype:
         return 0
-    return int(vllm_pass.max_token_num)
+    max_tokens = int(vllm_pass.max_token_num)
+    if form is None:
+        return max_tokens
+    return max_tokens if _vllm_has_quant_pattern(vllm_pass, form) else -max_tokens
+
+
+def _vllm_has_quant_pattern(vllm_pass, form: str) -> bool:
+    """Whether vLLM's enabled pass registered its quantized pattern of ``form`` (allreduce_rms_fusion.py:1051-1090)."""
+    if not getattr(vllm_pass, "supports_quant_fusion", False):
+        return False
+    if form == "nvfp4":
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.has_device_capability(100))
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+
+    return (form == "fp8") == bool(QuantFP8.enabled())  # MatcherQuantFP8's form is QuantFP8's
 
 
 def _eligible(x, residual, weight) -> bool:

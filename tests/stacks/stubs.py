@@ -26,12 +26,14 @@ STUBS: dict[str, str] = {
 
 #: The ``torch.ops._C`` operators vLLM's Python names at import time (pattern tables, matchers),
 #: which ``vllm._C_stable_libtorch`` registers: declared here with the schemas of vLLM's
-#: csrc/torch_bindings.cpp, a no-op fake (they write their ``Tensor!`` outputs) and a CPU kernel
-#: that refuses. Ops vLLM probes with ``hasattr`` (NVFP4, per-group FP8) stay undeclared, as on a
-#: build without them.
+#: csrc/torch_bindings.cpp as the 0.33.0 wheel's ``vllm/_C_stable_libtorch.abi3.so`` carries them
+#: (test_stubs.py compares), a no-op fake (they write their ``Tensor!`` outputs; except
+#: :data:`VLLM_FAKES`) and a CPU kernel that refuses. NVFP4's ``scaled_fp4_quant`` is declared, as
+#: on the CUDA wheel (vLLM probes it with ``hasattr``: allreduce_rms_fusion.py:99); per-group FP8
+#: stays undeclared, as on a build without it.
 C_OPS: dict[str, str] = {
-    "rms_norm": "rms_norm(Tensor! result, Tensor input, Tensor weight, float epsilon) -> ()",
-    "fused_add_rms_norm": "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon) -> ()",
+    "rms_norm": "rms_norm(Tensor! result, Tensor input, Tensor? weight, float epsilon) -> ()",
+    "fused_add_rms_norm": "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor? weight, float epsilon) -> ()",
     "rms_norm_static_fp8_quant": "rms_norm_static_fp8_quant(Tensor! result, Tensor input, Tensor weight, "
                                  "Tensor scale, float epsilon) -> ()",
     "fused_add_rms_norm_static_fp8_quant": "fused_add_rms_norm_static_fp8_quant(Tensor! result, Tensor input, "
@@ -40,7 +42,11 @@ C_OPS: dict[str, str] = {
                                         "Tensor weight, Tensor! scale, float epsilon, Tensor? scale_ub, "
                                         "Tensor!? residual) -> ()",
     "static_scaled_fp8_quant": "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
-                               "(int, int)? group_shape=None) -> ()",
+                               "int[]? group_shape=None) -> ()",
+    "scaled_fp4_quant": "scaled_fp4_quant(Tensor input, Tensor input_scale, bool is_sf_swizzled_layout) "
+                        "-> (Tensor, Tensor)",
+    "scaled_fp4_quant.out": "scaled_fp4_quant.out(Tensor input, Tensor input_scale, bool is_sf_swizzled_layout, "
+                            "*, Tensor(a!) output, Tensor(b!) output_scale) -> ()",
     "dynamic_scaled_fp8_quant": "dynamic_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale) -> ()",
     "dynamic_per_token_scaled_fp8_quant": "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, "
                                           "Tensor! scale, Tensor? scale_ub) -> ()",
@@ -92,6 +98,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             _declare_c_ops()
 
 
+#: C_OPS whose fake vLLM's own Python registers (vllm/_custom_ops.py:90-100), so none is added here.
+VLLM_FAKES = frozenset({"scaled_fp4_quant"})
+
+
 def _declare_c_ops() -> None:
     """Declare :data:`C_OPS` in ``torch.ops._C`` (what the real extension's import registers)."""
     import torch
@@ -103,7 +113,8 @@ def _declare_c_ops() -> None:
     for name, schema in C_OPS.items():
         lib.define(schema)
         lib.impl(name, _refuse(name), "CPU")
-        torch.library.register_fake(f"_C::{name}", lambda *args, **kwargs: None, lib=lib)
+        if name not in VLLM_FAKES:
+            torch.library.register_fake(f"_C::{name}", lambda *args, **kwargs: None, lib=lib)
 
 
 def _refuse(name: str):

@@ -53,3 +53,30 @@ def test_the_stand_ins_in_use_are_the_listed_ones():
     for name in stubs.STAND_INS:
         module = sys.modules.get(name)
         assert module is None or getattr(module, "__stand_in__", False), f"{name} loaded but not the listed fake"
+
+
+def _wheel_schemas(names) -> dict:
+    """name -> the schemas (whitespace collapsed) the 0.33.0 wheel's ``vllm/_C_stable_libtorch.abi3.so``
+    carries for it: the string literals of csrc/torch_bindings.cpp its ``ops.def`` calls register."""
+    import re
+
+    (wheel,) = stubs.cache_dir().glob("vllm-0.33.0-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        strings = zf.read("vllm/_C_stable_libtorch.abi3.so").split(b"\0")
+    found: dict = {name: set() for name in names}
+    for raw in strings:
+        text = raw.decode("latin-1")
+        head = text.split("(", 1)[0]
+        if head in found and "->" in text:
+            found[head].add(re.sub(r"\s+", " ", text).strip())
+    return found
+
+
+def test_the_declared_c_ops_have_the_schemas_of_the_real_extension():
+    import torch
+
+    found = _wheel_schemas(stubs.C_OPS)
+    for name, schema in stubs.C_OPS.items():
+        assert len(found[name]) == 1, (name, found[name])
+        (real,) = found[name]
+        assert torch._C.parse_schema(schema) == torch._C.parse_schema(real), (name, schema, real)
