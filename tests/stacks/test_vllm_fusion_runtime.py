@@ -53,7 +53,8 @@ def _fake_flashinfer_fused(allreduce_in: torch.Tensor, residual: torch.Tensor, r
     RECORDED.append(dict(rms_eps=rms_eps, world_size=world_size, launch_with_pdl=launch_with_pdl,
                          fp32_acc=fp32_acc, max_token_num=max_token_num, pattern_code=pattern_code,
                          norm_out=norm_out is not None, quant_out=quant_out, scale_out=scale_out,
-                         scale_factor=scale_factor, weight_bias=weight_bias, tokens=allreduce_in.shape[0]))
+                         scale_factor=scale_factor, weight_bias=weight_bias, tokens=allreduce_in.shape[0],
+                         gamma_dtype=rms_gamma.dtype, residual_in_zero=not bool(residual.any())))
     summed = allreduce_in.clone()
     torch.distributed.all_reduce(summed)  # the sum vLLM's chain ends in on gloo (the 2 ranks' world)
     gamma = rms_gamma.float() + weight_bias if weight_bias else rms_gamma
@@ -205,7 +206,8 @@ def test_runtime_flashinfer_branch_called_as_vllms_replacement(tmp_path, gemma, 
     out = run_gloo(_run, 2, gemma, with_residual, "flashinfer", env=env, deadline_s=400)
     call = dict(rms_eps=EPS, world_size=2, launch_with_pdl=True, fp32_acc=True, max_token_num=TABLE_TOKENS,
                 pattern_code=K_AR_RESIDUAL_RMSNORM, norm_out=not with_residual, quant_out=None, scale_out=None,
-                scale_factor=None, weight_bias=1.0 if gemma else 0.0, tokens=4)
+                scale_factor=None, weight_bias=1.0 if gemma else 0.0, tokens=4,
+                gamma_dtype=torch.bfloat16, residual_in_zero=not with_residual)  # Gemma: its raw weight
     assert out == {0: (1, [call], []), 1: (1, [call], [])}  # vLLM's sum ran only inside the fake's composition
 
 
