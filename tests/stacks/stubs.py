@@ -60,8 +60,18 @@ C_OPS: dict[str, str] = {
 }
 _C_LIB: list = []  # the torch.library holding C_OPS, alive for the process
 
-#: module name -> the recorded fake that stands in for it, and why the real one cannot serve.
-STAND_INS: dict[str, str] = {}  # none yet
+#: module / op / class name -> the recorded fake that stands in for it, and why the real one cannot serve.
+STAND_INS: dict[str, str] = {
+    "torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm": (
+        "tests/stacks/test_vllm_fusion_runtime.py: vLLM registers it only where flashinfer.comm imports "
+        "(compilation/passes/fusion/allreduce_rms_fusion.py:100-230; FlashInfer needs CUDA); a fake with its "
+        "schema and mutated arguments records each call and writes vLLM's unfused all-reduce + norm, and "
+        "the module's flashinfer_comm holds only AllReduceFusionPattern.kARResidualRMSNorm"),
+    "AllReduceFusionPass (its __init__)": (
+        "tests/stacks/test_vllm_fusion_runtime.py: vLLM's class, left as its __init__ leaves it on sm90 "
+        "(enabled, bf16, max_token_num from the size table, no patterns): the real __init__ builds a "
+        "FlashInfer workspace on CUDA"),
+}
 
 
 def cache_dir() -> Path:
