@@ -55,7 +55,11 @@ def _store_host_dies(rank, world_size, port, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     channel = Exchange(None, rank, world_size)
     channel.exchange("first", {"rank": rank})
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.set("first read", "1")  # rank 1 has read every 'first' report: the store may go
     if rank == 0:
+        store.wait(["first read"])
         queue.put((rank, "exiting", None))
         queue.close()
         queue.join_thread()
