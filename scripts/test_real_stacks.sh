@@ -26,6 +26,10 @@ DEPS=(
   safetensors==0.8.0 starlette==1.0.1 tokenizers==0.23.3 tqdm==4.70.1 transformers==5.20.0
   truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1
   einops==0.8.2  # vllm.model_executor.layers.fused_moe's config (tests/stacks/test_moe_vllm.py)
+  # SGLang's srt.utils and vLLM's config on a bare venv (found by importing them in .ci/run's venv)
+  attrs==26.1.0 certifi==2026.10.19.post1 idna==3.20 ipython==9.18.1 orjson==3.13.0 pydantic==2.14.4
+  pydantic_core==2.50.5 requests==2.34.2 sniffio==1.3.1 traitlets==5.16.1 typing_inspection==0.4.5
+  urllib3==2.8.0
 )
 
 mkdir -p "$CACHE/src" "$CACHE/deps"
