@@ -29,7 +29,7 @@ DEPS=(
   # SGLang's srt.utils and vLLM's config on a bare venv (found by importing them in .ci/run's venv)
   attrs==26.1.0 certifi==2026.10.19.post1 idna==3.20 ipython==9.18.1 orjson==3.13.0 pydantic==2.14.4
   pydantic_core==2.50.5 requests==2.34.2 sniffio==1.3.1 traitlets==5.16.1 typing_inspection==0.4.5
-  urllib3==2.8.0
+  urllib3==2.8.0 annotated_types==0.8.0 regex==2026.11.19 cloudpickle==3.1.3 py-cpuinfo==9.0.0
 )
 
 mkdir -p "$CACHE/src" "$CACHE/deps"
