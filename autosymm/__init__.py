@@ -11,31 +11,15 @@ See README.md for tuning (`autosymm tune`) and the shipped databases.
 
 __version__ = "0.1.0"
 
-from .api import (  # noqa: E402
-    all_reduce,
-    barrier_errors,
-    convert_dp_to_ep,
-    convert_ep_to_dp,
-    empty,
-    explain,
-    init,
-    reset,
-    reset_barriers,
-    stats,
-)
-from .dispatch import Decision  # noqa: E402
+from .api import (all_reduce, barrier_errors, convert_dp_to_ep, convert_ep_to_dp, empty, explain, init, reset,
+                  reset_barriers, stats)
+from .runtime.dispatch import Decision  # noqa: E402
 from .fused import all_reduce_rmsnorm  # noqa: E402
 from .sharded import all_gather_into_tensor, all_gatherv, reduce_scatter_tensor, reduce_scatterv  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.autosymm.*)
-from .routing import (  # noqa: E402
-    ExptAssignment,
-    make_expt_assignment,
-    make_expt_dict_random,
-    make_expt_dict_uniform,
-    route,
-)
+from .routing import ExptAssignment, make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, route
 from .problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
-from .moe_room import MoEPlan  # noqa: E402
+from .runtime.moe_room import MoEPlan  # noqa: E402
 
 
 def vllm_fusion_pass(graph) -> None:

@@ -1,9 +1,9 @@
 """The public runtime: ``all_reduce``, the MoE conversions, ``explain``, ``stats``, ``init``.
 
-Per process group a ``GroupState`` (autosymm.group) holds what the first call found out, agreed
+Per process group a ``GroupState`` (autosymm.runtime.group) holds what the first call found out, agreed
 by every rank, and a dict of prepared calls keyed by (op, dtype, size, device, mode). A repeated call is a
 dict lookup, one counter increment and the backend's launcher; a repeated eager all-reduce of a
-tensor whose address has a plan (autosymm.replay.HOT) skips even the key: five attribute checks
+tensor whose address has a plan (autosymm.runtime.replay.HOT) skips even the key: five attribute checks
 and the plan. Call ``init(group)`` (or make one eager call) before capturing a CUDA
 graph: the first call on a group runs collectives that must not be captured.
 """
@@ -15,17 +15,17 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import moe_room
+from .runtime import moe_room
 from .collectives import ALL_REDUCE, DP_TO_EP, EP_TO_DP, Collective, prepare_call, refuse_call
 from .collectives import get as collective, names as op_names
 from .collectives.all_reduce import NCCL_OPS
-from .dispatch import Decision
+from .runtime.dispatch import Decision
 from .dist_compat import Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name
-from .group import (STATES, Entry, GroupState, check_traced, current_raw_stream, dense_error, state_key, state_of,
-                    stream_capturing)
+from .runtime.group import (STATES, Entry, GroupState, check_traced, current_raw_stream, dense_error, state_key,
+                            state_of, stream_capturing)
 from .logs import configure_from_env
 from .problem import MODES, Problem, dtype_name
-from .replay import HOT, EagerReplay, HotCall, forget_all
+from .runtime.replay import HOT, EagerReplay, HotCall, forget_all
 from .routing import ExptAssignment
 
 configure_from_env()  # AUTOSYMM_LOG; a bad value is warned about, never raised
@@ -58,7 +58,7 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None,
     region_bytes, max_bytes = moe_room.agree(group if group is not None else dist.group.WORLD, moe, moe_max_bytes,
                                              wrong)
     if region_bytes and state_key(group) not in STATES:
-        from .symm import reserve_moe_bytes
+        from .workspace.symm import reserve_moe_bytes
 
         reserve_moe_bytes(group if group is not None else dist.group.WORLD, region_bytes)
     moe_room.configure(state_of(group), region_bytes, max_bytes)

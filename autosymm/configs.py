@@ -63,7 +63,7 @@ def _check_block(name: str, value: int, smallest: int) -> None:
 
 
 #: How an eager Triton call launches (``eager_launch`` of the all-reduce and fused configs, tuned
-#: and stored per eager row; autosymm.replay): 'replay' a cached one-kernel CUDA graph (the least
+#: and stored per eager row; autosymm.runtime.replay): 'replay' a cached one-kernel CUDA graph (the least
 #: host time: loops the host bounds), 'direct' a bound launch (a shorter gap between back-to-back
 #: kernels: loops the kernel bounds). Rows written before the field read as 'replay'.
 EAGER_LAUNCHES = ("replay", "direct")

@@ -2,12 +2,12 @@
 and the RMSNorm that follow it. Its record (problem, checks, custom op
 ``torch.ops.autosymm.all_reduce_rmsnorm``) is autosymm.collectives.all_reduce_rmsnorm.
 
-Calls are decided and prepared through the group state of autosymm.group (the same databases,
+Calls are decided and prepared through the group state of autosymm.runtime.group (the same databases,
 rank agreement, workspace and cache of prepared calls as ``all_reduce``), keyed by
 (record, dtype, x shape, capturing): a repeated call is its arguments' checks (shapes, dtypes,
 devices, contiguity, no aliasing: before anything runs), a dict lookup and the launcher. An
-eager call whose launcher replays (autosymm.replay.FusedReplay) becomes the group's hot call
-(autosymm.replay.FUSED_HOT): a repeat of its dtype and shape skips the key, and its replay checks
+eager call whose launcher replays (autosymm.runtime.replay.FusedReplay) becomes the group's hot call
+(autosymm.runtime.replay.FUSED_HOT): a repeat of its dtype and shape skips the key, and its replay checks
 the arguments (a plan only at the checked call's addresses, a miss through check_args).
 
 The epilogues (``residual=None``, ``gemma``, ``quant``; autosymm.collectives.fused_epilogue) take
@@ -26,8 +26,8 @@ from .collectives import ALL_REDUCE_RMSNORM, prepare_call
 from .collectives.all_reduce_rmsnorm import check_args
 from .collectives.fused_epilogue import DEFAULT, TWO_OUTPUT_QUANTS, Epilogue, check_scale, epilogue_of
 from .dist_compat import group_name as name_of_group
-from .group import STATES, check_traced, current_raw_stream, state_of, stream_capturing
-from .replay import FUSED_HOT, FusedReplay, HotFused
+from .runtime.group import STATES, check_traced, current_raw_stream, state_of, stream_capturing
+from .runtime.replay import FUSED_HOT, FusedReplay, HotFused
 
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
@@ -57,7 +57,7 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     Triton kernels leave it unchanged, the NCCL path leaves the sum in it. Under torch.compile (or another tracer,
     which hands over tensor subclasses) the call is ``torch.ops.autosymm.all_reduce_rmsnorm``.
     Where an input requires grad it is ``all_reduce_rmsnorm_functional`` (differentiable:
-    autosymm.autograd) and the new residual is copied into ``residual``.
+    autosymm.collectives.autograd) and the new residual is copied into ``residual``.
     """
     if residual is None or gemma is not False or quant is not None or scale is not None:
         return _epilogue_call(x, residual, weight, eps, group, gemma, quant, scale)

@@ -7,7 +7,7 @@ address plus the same offset. Regions are reserved by name, in order, each on an
 
     [ signal pads | all-reduce region | MoE region | all-reduce double buffer | fused stash | Lamport ]
 
-Users of these numbers: ``autosymm.symm`` (the buffer and its regions), the backends (where a
+Users of these numbers: ``autosymm.workspace.symm`` (the buffer and its regions), the backends (where a
 call stages its data, what fits, which search-space points fit: each Triton algorithm record
 names its stage size from here) and the tuner (how large a workspace a sweep needs). The backends' hot paths inline some of this
 arithmetic; tests check the inlined forms against this module.
@@ -84,7 +84,7 @@ DEFAULT_MOE_BYTES = 256 * 1024**2
 #: Slack added to the MoE region a sweep or a declared call needs (bytes).
 MOE_REGION_SLACK = 1 << 20
 #: Largest MoE region (bytes) an eager MoE call may grow the workspace to by default
-#: (``autosymm.init(moe_max_bytes=...)`` sets a group's own; autosymm.moe_room).
+#: (``autosymm.init(moe_max_bytes=...)`` sets a group's own; autosymm.runtime.moe_room).
 DEFAULT_MOE_MAX_BYTES = 16 << 30
 
 

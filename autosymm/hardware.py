@@ -343,7 +343,7 @@ def fingerprint_from_properties(props: list, p2p: list[list[bool]], nvlink_count
 @functools.lru_cache(maxsize=1)
 def fingerprint() -> Fingerprint:
     """This node's fingerprint (cached). Multicast is reported as the env allows it; whether a
-    group really has it is the workspace's business (autosymm.symm). Links whose class cannot
+    group really has it is the workspace's business (autosymm.workspace.symm). Links whose class cannot
     be told (see :func:`nvlink_counts`) give the 'unknown' class and one
     :class:`UnclassifiedLinksWarning`."""
     if not torch.cuda.is_available():

@@ -48,7 +48,7 @@ would not save the copy, since the rows must land in symmetric memory that peers
 CUDA graph's private pool) makes nearly free, at the price of a mutating op. So: clone out.
 
 Autograd. The functional ops (``all_reduce``, ``all_reduce_rmsnorm_functional``, ``dp_to_ep``,
-``ep_to_dp``) carry the formulas of autosymm.autograd (torch.distributed.nn.functional's where it
+``ep_to_dp``) carry the formulas of autosymm.collectives.autograd (torch.distributed.nn.functional's where it
 has one), ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` theirs (each the other's
 gradient: autosymm.collectives.reduce_scatter / all_gather); the mutating ones have none (torch cannot differentiate a custom op that mutates), so
 ``autosymm.all_reduce`` and ``autosymm.all_reduce_rmsnorm`` take the functional op and copy back

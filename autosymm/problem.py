@@ -1,12 +1,12 @@
 """What a collective call is (`Problem`), the size the tuning database keys it under, and the
 parsing of sizes and size ranges.
 
-Bucket rule (the database's ``bucket`` column; relied on by the tuner and by autosymm.dispatch):
+Bucket rule (the database's ``bucket`` column; relied on by the tuner and by autosymm.runtime.dispatch):
 a problem's bucket is its exact size, bytes for all-reduce (at least 1) and tokens per rank for
 the MoE conversions (whose shape, d_model x experts x top-k, is a column of its own). The tuner
 stores each row under the size it tuned, so a bucket is a tuned point, not a range: databases
 tuned at powers of two (the shipped ones before half-octave sweeps) hold exactly those points.
-A call between tuned points is served from its neighbouring points (autosymm.dispatch).
+A call between tuned points is served from its neighbouring points (autosymm.runtime.dispatch).
 The fused all-reduce + residual add + RMSNorm (``all_reduce_rmsnorm``) is keyed like MoE: tokens per
 rank, and its shape is the hidden size ('h8192').
 """

@@ -4,7 +4,7 @@ no other module reads ``os.environ`` (tests/test_house.py checks it).
 One boolean vocabulary for every switch: ``1, true, yes, on`` and ``0, false, no, off``
 (case-insensitive, surrounding blanks ignored); unset or empty means the default; anything else
 is a ValueError naming the variable and the value. A bad value never raises on one rank alone
-during a group's first call: autosymm.group reports :func:`check`'s error in the rank agreement,
+during a group's first call: autosymm.runtime.group reports :func:`check`'s error in the rank agreement,
 and every rank then uses NCCL. The agreed settings (disable flag, workspace sizes, barrier poll
 limit, multicast switch, checked mode) are compared across ranks there.
 
@@ -148,7 +148,7 @@ VARIABLES: tuple[Variable, ...] = (
              "polls before a signal-pad wait gives up; read when autosymm is imported", agreed=True),
     Variable("AUTOSYMM_CHECK_CALLS", parse_bool, False,
              "switch: every call agrees on its op, dtypes, shapes and reduce op with every rank before it runs "
-             "(autosymm.call_check)", agreed=True),
+             "(autosymm.runtime.call_check)", agreed=True),
     Variable("AUTOSYMM_AGREE_TIMEOUT_S", _seconds, DEFAULT_AGREE_TIMEOUT_S,
              "seconds a rank waits for its peers' reports in a rank agreement"),
     Variable("AUTOSYMM_DETERMINISTIC", parse_bool, False,

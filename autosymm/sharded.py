@@ -3,7 +3,7 @@ torch.distributed's), their per-rank-size forms ``reduce_scatterv`` / ``all_gath
 and the DTensor redistributions they serve (:func:`redistribute`). Their records (problem,
 checks, custom ops and autograd) are autosymm.collectives.reduce_scatter / all_gather.
 
-Calls are decided and prepared through the group state of autosymm.group (the same databases,
+Calls are decided and prepared through the group state of autosymm.runtime.group (the same databases,
 rank agreement, workspace and cache of prepared calls as ``all_reduce``): a repeated call is a
 dict lookup and the launcher. Shards are along dim 0 in rank order. Where no tuned row serves
 (as until a node has tuned these ops), NCCL does (``dist.reduce_scatter_tensor`` /
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .collectives import ALL_GATHER, REDUCE_SCATTER, prepare_call, refuse_call
 from .collectives.reduce_scatter import checked_sizes
 from .dist_compat import Work, group_name, reduce_op_name
-from .group import STATES, check_traced, dense_error, state_of, stream_capturing
+from .runtime.group import STATES, check_traced, dense_error, state_of, stream_capturing
 
 _SUM = dist.ReduceOp.SUM
 _Tensor = torch.Tensor
@@ -31,7 +31,7 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 def _traced(what: str, *tensors: torch.Tensor) -> bool:
     """torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor): the op path (a fake or
-    meta tensor outside tracing: a ValueError, autosymm.group.check_traced). Anything that is
+    meta tensor outside tracing: a ValueError, autosymm.runtime.group.check_traced). Anything that is
     not a tensor takes the keyed path, whose checks name it."""
     if _dynamo_compiling():
         return True

@@ -1,6 +1,6 @@
 """Cost per call of the checked mode (AUTOSYMM_CHECK_CALLS) on gloo ranks on the CPU: eager
 ``autosymm.all_reduce`` and ``all_reduce_rmsnorm`` calls with the mode on and off, and the
-mechanism alone (``autosymm.call_check.check_call``), median of ``--repeats`` bursts of
+mechanism alone (``autosymm.runtime.call_check.check_call``), median of ``--repeats`` bursts of
 ``--calls`` back-to-back calls (every rank times the same bursts; rank 0 prints).
 
     PYTHONPATH=$PWD python3 scripts/bench_call_check.py [--world-size 2] [--calls 500]
@@ -41,7 +41,7 @@ def _rank(rank: int, world_size: int, port: int, args, checked: bool, out) -> No
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     import autosymm
-    from autosymm.call_check import check_call, fingerprint
+    from autosymm.runtime.call_check import check_call, fingerprint
 
     x, residual, weight = torch.ones(args.numel), torch.ones(8, 512), torch.ones(512)
     fused_x = torch.ones(8, 512)

@@ -134,7 +134,7 @@ def _one_program(x_ptr, STEP: tl.constexpr):
 def _floor_launches() -> dict:
     """Launches of a 1-program Triton kernel four ways (the cheapest the node allows)."""
     from autosymm.backends.launch import LeanLauncher
-    from autosymm.replay import capture_cuda_graph, replay_function
+    from autosymm.runtime.replay import capture_cuda_graph, replay_function
 
     x = torch.zeros(16, dtype=torch.int32, device="cuda")
     lean = LeanLauncher(_one_program, (1,), {"STEP": 1}, num_warps=1)
@@ -152,7 +152,7 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
     """Host us per call of the pieces of autosymm's eager hit path (no GPU work but the replay
     row): what each costs on this host, beside the whole call above. Device column: 0."""
     from autosymm import api
-    from autosymm.group import current_raw_stream, stream_capturing
+    from autosymm.runtime.group import current_raw_stream, stream_capturing
 
     x = torch.zeros(HOST_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
@@ -195,7 +195,7 @@ def _all_reduce_loops(numel: int) -> dict:
 
     import autosymm
     from autosymm import api
-    from autosymm.replay import EagerReplay, capture_cuda_graph, eager_launch, wrap_eager
+    from autosymm.runtime.replay import EagerReplay, capture_cuda_graph, eager_launch, wrap_eager
 
     x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
     zero_copy = autosymm.empty((numel,), torch.bfloat16).zero_()
@@ -223,7 +223,7 @@ def _with(entry, launcher, *args):
     """One autosymm call of ``args`` whose api entry runs ``launcher`` (hot plans of another are
     dropped when it is swapped in)."""
     import autosymm
-    from autosymm.replay import forget_all
+    from autosymm.runtime.replay import forget_all
 
     call = autosymm.all_reduce if len(args) == 1 else autosymm.all_reduce_rmsnorm
 
@@ -245,7 +245,7 @@ def _fused_loops(n_tokens: int) -> dict:
     from autosymm import api
     from autosymm.backends.triton_fused import triton_fused_one_shot
     from autosymm.collectives import ALL_REDUCE_RMSNORM
-    from autosymm.replay import FusedReplay, capture_cuda_graph, eager_launch
+    from autosymm.runtime.replay import FusedReplay, capture_cuda_graph, eager_launch
 
     x = torch.zeros(n_tokens, FUSED_HIDDEN, dtype=torch.bfloat16, device="cuda")  # zeros: nothing overflows
     residual, weight = torch.ones_like(x), torch.ones(FUSED_HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -299,8 +299,8 @@ def _stub_report(calls: int, repeats: int) -> None:
     from autosymm.backends.base import RunContext
     from autosymm.configs import AllReduceConfig
     from autosymm.problem import Problem
-    from autosymm.replay import EagerReplay
-    from autosymm.symm import simulated_workspaces
+    from autosymm.runtime.replay import EagerReplay
+    from autosymm.workspace.symm import simulated_workspaces
 
     def stub(*args):
         pass
@@ -363,8 +363,8 @@ def _stub_fused(ns, stub, empty_call: float) -> None:
     from autosymm.collectives import ALL_REDUCE_RMSNORM
     from autosymm.configs import FusedConfig
     from autosymm.problem import Problem
-    from autosymm.replay import FusedReplay, forget_all
-    from autosymm.symm import simulated_workspaces
+    from autosymm.runtime.replay import FusedReplay, forget_all
+    from autosymm.workspace.symm import simulated_workspaces
 
     class StubLean:  # binds at once; every launch is the stub
         direct = staticmethod(stub)

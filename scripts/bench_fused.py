@@ -124,7 +124,7 @@ def _worker(rank, world_size, hidden, tokens):
     import autosymm
     from autosymm.backends.base import Capabilities, RunContext
     from autosymm.problem import Problem
-    from autosymm.symm import get_workspace
+    from autosymm.workspace.symm import get_workspace
 
     autosymm.init()  # the workspace and databases, before any capture
     ws = get_workspace(dist.group.WORLD, torch.device("cuda", rank))

@@ -1,6 +1,6 @@
 """MoE conversions at real scale, one run: the measured peer-write bandwidth, then per (shape,
 tokens per rank, direction) autosymm's NCCL path (backend nccl_all_to_all), the plain path a user
-writes without autosymm (autosymm.tuning.moe_plain: index_select + one ``all_to_all_single``
+writes without autosymm (autosymm.bench.moe_plain: index_select + one ``all_to_all_single``
 with device-computed split sizes; its rows in arrival order) and what ``autosymm.convert_*``
 runs once ``autosymm.init(moe=[MoEPlan(...)])`` declared the calls (the Triton conversion),
 eager and replayed from a CUDA graph.
@@ -128,7 +128,7 @@ def peer_write(device: torch.device, repeats: int) -> dict[str, float]:
     rank's symmetric buffer while every rank does the same, MAX time over ranks (collective)."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from autosymm.symm import peer_buffers
+    from autosymm.workspace.symm import peer_buffers
     from autosymm.tuning.timing import max_over_ranks, time_eager
 
     group = dist.group.WORLD
@@ -188,7 +188,7 @@ class _Case:
     def measure(self, op: str, repeats: int, graphs: bool) -> dict:
         """One report row of ``op``: every path checked, then timed."""
         from autosymm.backends import RunContext, get_backend
-        from autosymm.tuning.moe_plain import plain
+        from autosymm.bench.moe_plain import plain
 
         args = self.args(op)
         fns = {"autosymm_nccl": get_backend("nccl_all_to_all").prepare(self.problem(op), None,
@@ -214,7 +214,7 @@ class _Case:
 
     def _check(self, op: str, fns: dict, graph: bool) -> None:
         """Every path's rows against the all_gathered expectation (AssertionError naming the path)."""
-        from autosymm.tuning.moe_plain import plain_rows
+        from autosymm.bench.moe_plain import plain_rows
         from autosymm.tuning.ops.moe import moe_reference_for_rank
 
         args = self.args(op)

@@ -58,9 +58,9 @@ def _retime(session, problem, mode: str, picks: dict, rounds: int) -> dict:
 
 
 def _job(rank: int, world_size: int, sizes: list[int], modes: list[str], db_paths: list[str], rounds: int):
-    from autosymm.db import shipped_db_paths, user_db_path
-    from autosymm.db_read import open_sources
-    from autosymm.dispatch import decide
+    from autosymm.db.store import shipped_db_paths, user_db_path
+    from autosymm.db.read import open_sources
+    from autosymm.runtime.dispatch import decide
     from autosymm.problem import Problem
     from autosymm.tuning.outcome import Candidate
     from autosymm.tuning.session import TuneSession, TuneSettings

@@ -187,7 +187,7 @@ def run_scenario(name: str, world_size: int) -> tuple[dict, float, str]:
 
 
 def _seed_db(path: str) -> None:
-    from autosymm.db import TuningDB
+    from autosymm.db.store import TuningDB
 
     TuningDB(path)  # an empty, valid user DB: the scenarios must leave it intact
 

@@ -5,7 +5,7 @@
 #   TUNE_ARGS="--ops all_reduce --backends triton_one_shot_push" scripts/retune_and_bench.sh
 set -uo pipefail
 source "$(dirname "$0")/_node_env.sh"
-shipped=$(python3 -c "from autosymm.db import shipped_db_for; from autosymm.hardware import fingerprint; \
+shipped=$(python3 -c "from autosymm.db.store import shipped_db_for; from autosymm.hardware import fingerprint; \
 print(shipped_db_for(fingerprint().node_slug) or '')")
 [ -n "$shipped" ] || { echo "no shipped database for this node in tuning_db/"; exit 1; }
 start=$(date +%s)

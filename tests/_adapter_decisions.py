@@ -10,7 +10,7 @@ from contextlib import contextmanager
 def adapter_decisions(explain=None, backend: str = "triton_one_shot"):
     """Within: the adapters' ``autosymm.explain`` is ``explain``, or a stub deciding ``backend``
     (not NCCL) for every call. Adapters cache decisions per key: clear ``slot.autosymm._use`` inside."""
-    from autosymm.dispatch import Decision
+    from autosymm.runtime.dispatch import Decision
     from autosymm.integrations import serving as module
 
     real = module.autosymm.explain

@@ -16,7 +16,7 @@ import torch
 
 from autosymm.geometry import (ALL_REDUCE_ARRIVAL_SLOT, ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_REGION, MAX_PROGRAMS,
                                MAX_WORLD_SIZE, SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK)
-from autosymm.symm import Workspace
+from autosymm.workspace.symm import Workspace
 
 requires_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -121,7 +121,7 @@ def snapshot_workspace(workspaces, rank: int) -> Workspace:
 def poisoned_workspaces(world_size: int, region_bytes: int, half_bytes: int) -> list[Workspace]:
     """Simulated workspaces whose all-reduce region and double buffer are NaN-filled (0xFF bytes
     are NaN in every float dtype): a read of anything nobody wrote shows up as NaN."""
-    from autosymm.symm import simulated_workspaces
+    from autosymm.workspace.symm import simulated_workspaces
 
     wss = simulated_workspaces(world_size, all_reduce_bytes=region_bytes, moe_bytes=256, double_buffer_bytes=half_bytes)
     for ws in wss:

@@ -8,8 +8,8 @@ import sqlite3
 from pathlib import Path
 
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import PK_COLUMNS, Key, Row, TuningDB
-from autosymm.db_read import DBSource, Lookup, winners
+from autosymm.db.store import PK_COLUMNS, Key, Row, TuningDB
+from autosymm.db.read import DBSource, Lookup, winners
 
 HW = "nvidia-h200-nvlink"
 
@@ -33,7 +33,7 @@ def moe_row(**changes) -> Row:
 
 
 def key_rows(tdb: TuningDB, key: Key) -> list[Row]:
-    """The rows of ``key`` as the dispatcher reads them (autosymm.db_read.Lookup), fastest first."""
+    """The rows of ``key`` as the dispatcher reads them (autosymm.db.read.Lookup), fastest first."""
     return [row for _, row in Lookup([DBSource(tdb)], key).at(key.shape, key.bucket)]
 
 
@@ -43,7 +43,7 @@ def key_buckets(tdb: TuningDB, key: Key) -> list[int]:
 
 
 def winner_rows(*tdbs: TuningDB, **filters) -> list[Row]:
-    """Each key's winner across ``tdbs`` (autosymm.db_read.winners), first database first."""
+    """Each key's winner across ``tdbs`` (autosymm.db.read.winners), first database first."""
     return [row for _, row in winners([DBSource(t) for t in tdbs], **filters)]
 
 

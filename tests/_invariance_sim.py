@@ -17,7 +17,7 @@ from autosymm.backends.triton_fused import ALGORITHMS as FUSED_ALGORITHMS
 from autosymm.backends.triton_fused import triton_fused_one_shot, triton_fused_one_shot_push, triton_fused_two_shot
 from autosymm.geometry import ALL_REDUCE_REGION, DOUBLE_BUFFER_REGION, align, stage_offset
 from autosymm.problem import Problem, dtype_name
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 from _all_reduce_sim import pads, snapshot_workspace
 

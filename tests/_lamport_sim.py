@@ -13,7 +13,7 @@ from autosymm.backends import get_backend
 from autosymm.backends.base import RunContext
 from autosymm.configs import AllReduceConfig
 from autosymm.problem import Problem, dtype_name
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 #: The value around each x: a write past its end shows.
 SENTINEL = 12345.0

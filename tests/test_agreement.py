@@ -1,4 +1,4 @@
-"""autosymm.agreement: the one rank-consensus channel (two ranks as threads over one in-memory
+"""autosymm.runtime.agreement: the one rank-consensus channel (two ranks as threads over one in-memory
 c10d store; the multi-process cases run in tests/test_faults.py and tests/tuning/test_rank_comm.py)."""
 
 from concurrent.futures import ThreadPoolExecutor
@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from autosymm import agreement
-from autosymm.agreement import AgreementError, Exchange
+from autosymm.runtime import agreement
+from autosymm.runtime.agreement import AgreementError, Exchange
 
 
 class Group:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from _gloo import run_gloo
 
-from autosymm.db import Row, TuningDB
+from autosymm.db.store import Row, TuningDB
 
 
 def _cpu_row(median_us):
@@ -142,7 +142,7 @@ def test_a_graph_mode_call_only_a_non_capturable_backend_serves_is_a_clear_error
     """Inside a capture, a MoE call that only NCCL's all_to_all path could serve (e.g. its rows do
     not fit the workspace) must say so, not fail deep inside torch with a capture error."""
     from autosymm import api
-    from autosymm.dispatch import Decision
+    from autosymm.runtime.dispatch import Decision
     from autosymm.problem import MoEShape, Problem
 
     state = object.__new__(api.GroupState)
@@ -167,7 +167,8 @@ def hot_group(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     import autosymm
-    from autosymm import api, replay
+    from autosymm import api
+    from autosymm.runtime import replay
     from test_replay import FakeGraph, FakeLauncher
 
     monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "user.sqlite"))

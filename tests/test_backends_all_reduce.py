@@ -21,7 +21,7 @@ from autosymm.configs import AllReduceConfig
 from autosymm.problem import MoEShape, Problem
 from autosymm.geometry import (ALL_REDUCE_EPOCH_SLOT, DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, segment_vecs,
                                stage_offset)
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 from _all_reduce_sim import (arrivals, assert_close_to_sum, epoch, half_view, pads, preset, random_inputs,
                              requires_interpreter, snapshot_workspace)

@@ -25,10 +25,10 @@ from autosymm.backends import Capabilities, RunContext, backend_names, get_backe
 from autosymm.backends import flashinfer_fused as fi
 from autosymm.backends.base import BackendError
 from autosymm.configs import FlashInferFusedConfig, config_from_json, config_to_json
-from autosymm.db import Row, TuningDB
-from autosymm.db_read import DBSource
-from autosymm.db_schema import checked_row
-from autosymm.dispatch import decide
+from autosymm.db.store import Row, TuningDB
+from autosymm.db.read import DBSource
+from autosymm.db.schema import checked_row
+from autosymm.runtime.dispatch import decide
 from autosymm.epilogue import Epilogue
 from autosymm.problem import Problem
 

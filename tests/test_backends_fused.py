@@ -6,14 +6,14 @@ import torch
 
 from autosymm.backends import Capabilities, RunContext, get_backend
 from autosymm.backends.base import BackendError
-from autosymm.backends.triton_fused import (ALGORITHMS, BACKENDS, FUSED_SPLIT_MAX_PROGRAMS, fused_block_size, fused_space,
-                                           split_scratch)
+from autosymm.backends.triton_fused import (ALGORITHMS, BACKENDS, FUSED_SPLIT_MAX_PROGRAMS, fused_block_size,
+                                            fused_space, split_scratch)
 from autosymm.configs import FusedConfig, config_from_json, config_to_json
-from autosymm.db import Row, TuningDB
-from autosymm.dispatch import DBSource, decide
+from autosymm.db.store import Row, TuningDB
+from autosymm.runtime.dispatch import DBSource, decide
 from autosymm.geometry import DOUBLE_BUFFER_HALF_BYTES, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_BYTES, align
 from autosymm.problem import Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 from _all_reduce_sim import preset, requires_interpreter
 from _fused_ref import check

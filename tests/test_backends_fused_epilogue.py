@@ -10,7 +10,7 @@ from autosymm.backends.triton_fused import BACKENDS, _FusedLauncher, epilogue_of
 from autosymm.configs import FusedConfig
 from autosymm.epilogue import DEFAULT, Epilogue
 from autosymm.problem import Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 from _all_reduce_sim import requires_interpreter
 from test_kernels_fused_epilogue import SCALE, _bits, _expected

@@ -12,7 +12,7 @@ from autosymm.configs import AllReduceConfig, config_from_json, config_to_json
 from autosymm.geometry import (LAMPORT_BYTES, LAMPORT_HEADER_BYTES, LAMPORT_REGION, LAMPORT_SLOT_BYTES,
                                MAX_WORLD_SIZE, workspace_layout)
 from autosymm.problem import Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 CAPS = Capabilities(world_size=4, all_reduce_bytes=1 << 20, moe_bytes=1 << 20, intra_node=True)
 

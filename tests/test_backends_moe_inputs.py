@@ -21,7 +21,7 @@ from autosymm.backends.nccl_all_to_all import dp_to_ep_splits, ep_to_dp_splits, 
 from autosymm.configs import MoEConfig  # noqa: E402
 from autosymm.problem import MoEShape, Problem  # noqa: E402
 from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route  # noqa: E402
-from autosymm.symm import simulated_workspaces  # noqa: E402
+from autosymm.workspace.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_gloo  # noqa: E402
 from _moe_sim import bits, dst_views, poison, run_all_ranks  # noqa: E402
@@ -127,7 +127,7 @@ def _expect(error_type, match, fn):
 
 def _public_calls(rank, world_size):
     import autosymm
-    from autosymm.agreement import AgreementError
+    from autosymm.runtime.agreement import AgreementError
 
     n_tokens_local = 3
     assignment, expt_indx = _routing(world_size, n_tokens_local, seed=2)

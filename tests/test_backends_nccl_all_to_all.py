@@ -15,13 +15,13 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests (CUDA present, TRITON_INTERPRET unset)", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
-from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, DeviceSplits, _words,  # noqa: E402
-                                               dp_to_ep_splits, ep_to_dp_splits, owner_table)
+from autosymm.backends.nccl_all_to_all import (NCCL_ALL_TO_ALL, DeviceSplits, _words, dp_to_ep_splits,
+                                               ep_to_dp_splits, owner_table)
 from autosymm.configs import MoEConfig  # noqa: E402
-from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
-                              random_expt_indx, route)
+from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, random_expt_indx,
+                              route)
 from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
-from autosymm.symm import simulated_workspaces  # noqa: E402
+from autosymm.workspace.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_with_deadline  # noqa: E402
 from _moe_sim import bits, check_and_clear, dst_views, poison, presatisfy  # noqa: E402

@@ -10,7 +10,7 @@ from autosymm.backends.triton_all_reduce import ALGORITHMS, all_reduce_space
 from autosymm.geometry import DOUBLE_BUFFER_REGION, push_slot_bytes
 from autosymm.configs import AllReduceConfig
 from autosymm.problem import Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 from _all_reduce_sim import assert_close_to_sum, epoch, pads, random_inputs, requires_interpreter, snapshot_workspace
 

@@ -17,11 +17,11 @@ from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
 from autosymm.backends.nccl_all_to_all import NCCL_ALL_TO_ALL
 from autosymm.backends.triton_moe import TRITON_MOE  # noqa: E402
 from autosymm.configs import MoEConfig  # noqa: E402
-from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
+from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
 from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
 from autosymm.geometry import ALIGN, moe_buffer  # noqa: E402
-from autosymm.symm import simulated_workspaces  # noqa: E402
+from autosymm.workspace.symm import simulated_workspaces  # noqa: E402
 
 from _moe_sim import check_and_clear, presatisfy  # noqa: E402
 

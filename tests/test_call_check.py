@@ -1,4 +1,4 @@
-"""autosymm.call_check, the checked mode (AUTOSYMM_CHECK_CALLS): ranks as threads over one
+"""autosymm.runtime.call_check, the checked mode (AUTOSYMM_CHECK_CALLS): ranks as threads over one
 in-memory c10d store here; the public calls in checked mode over gloo processes below."""
 
 from concurrent.futures import ThreadPoolExecutor
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autosymm import agreement
-from autosymm.agreement import AgreementError, Exchange
-from autosymm.call_check import CallMismatchError, check_call, fingerprint
+from autosymm.runtime import agreement
+from autosymm.runtime.agreement import AgreementError, Exchange
+from autosymm.runtime.call_check import CallMismatchError, check_call, fingerprint
 from autosymm.routing import make_expt_assignment, make_expt_dict_uniform
 
 
@@ -185,8 +185,8 @@ def _checked(rank, world_size):
     from datetime import timedelta
 
     import autosymm
-    from autosymm.agreement import AgreementError
-    from autosymm.call_check import CheckedCache
+    from autosymm.runtime.agreement import AgreementError
+    from autosymm.runtime.call_check import CheckedCache
 
     _all_reduces(autosymm, rank)
     state = autosymm.api.STATES[None]

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from autosymm import db_open
-from autosymm.cli import main
+from autosymm.db import open as db_open
+from autosymm.cli.main import main
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import Row, TuningDB
+from autosymm.db.store import Row, TuningDB
 
 HW = "nvidia-h200-nvlink"
 
@@ -162,7 +162,7 @@ def test_tune_and_bench_refuse_without_gpu(runner, tmp_path):
 
 
 def test_run_without_gpu_shows_the_shipped_plan(runner, db_file, monkeypatch):
-    import autosymm.db as dbmod
+    import autosymm.db.store as dbmod
 
     monkeypatch.setattr(dbmod, "shipped_db_paths", lambda: [db_file])
     result = runner.invoke(main, ["run"])
@@ -178,7 +178,7 @@ def test_info(runner):
 def test_tune_backends_option_names_known_backends_and_keeps_the_baselines():
     import click
 
-    from autosymm.cli import _parse_backends
+    from autosymm.cli.main import _parse_backends
 
     assert _parse_backends(None) is None and _parse_backends("") is None
     # the fallbacks are every row's baseline: always measured
@@ -364,7 +364,7 @@ def test_bad_workspace_bytes_is_one_line_naming_the_variable(runner, db_file, mo
 
 
 def test_sqlite_and_os_errors_are_one_line(runner, db_file, monkeypatch):
-    import autosymm.db as dbmod
+    import autosymm.db.store as dbmod
 
     def locked(*args, **kwargs):
         raise sqlite3.OperationalError("database is locked")
@@ -381,7 +381,7 @@ def test_sqlite_and_os_errors_are_one_line(runner, db_file, monkeypatch):
 
 
 def test_runtime_failures_are_their_message(runner, db_file, monkeypatch):
-    import autosymm.db as dbmod
+    import autosymm.db.store as dbmod
 
     def worker_failed(*args, **kwargs):
         raise RuntimeError("worker failed:\nrank 1: ValueError('x')\nTraceback (most recent call last):\n  File \"w.py\"")
@@ -392,7 +392,7 @@ def test_runtime_failures_are_their_message(runner, db_file, monkeypatch):
 
 
 def test_an_unexpected_error_is_one_line_unless_debugging(runner, db_file, monkeypatch):
-    import autosymm.db as dbmod
+    import autosymm.db.store as dbmod
 
     def bug(*args, **kwargs):
         raise KeyError("a bug\nover two lines")
@@ -515,7 +515,7 @@ def _shipped_like_rows():
 
 
 def test_run_shows_every_op_and_every_tuned_size(runner, tmp_path, monkeypatch):
-    import autosymm.db as dbmod
+    import autosymm.db.store as dbmod
 
     path = tmp_path / "shipped.sqlite"
     TuningDB(path).record_many(_shipped_like_rows())
@@ -534,7 +534,7 @@ def test_run_shows_every_op_and_every_tuned_size(runner, tmp_path, monkeypatch):
 def test_tables_never_cut_names(runner, db_file, monkeypatch):
     from rich.console import Console
 
-    import autosymm.cli as cli
+    import autosymm.cli.main as cli
 
     long_name = runner.invoke(main, _EXPLAIN + ["--all", "--db", str(db_file)])
     assert "triton_one_shot" in long_name.output and "…" not in long_name.output  # not a TTY: full width

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from autosymm.backends.rs_ag_layout import AllGatherConfig, ReduceScatterConfig
-from autosymm.cli import _tune_options, main
-from autosymm.db import Row, TuningDB
+from autosymm.cli.main import _tune_options, main
+from autosymm.db.store import Row, TuningDB
 
 HW = "nvidia-h200-nvlink"
 ARGS = ["--world-size", "8", "--gpu", "NVIDIA H200"]

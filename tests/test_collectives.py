@@ -62,7 +62,7 @@ def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
                    "all_reduce_rmsnorm_quant", "all_reduce_rmsnorm_functional", "reduce_scatter_tensor",
                    "all_gather_into_tensor"]
     assert all(hasattr(torch.ops.autosymm, name) for name in ops)
-    # the functional ops are differentiable (autosymm.autograd), the mutating ones cannot be
+    # the functional ops are differentiable (autosymm.collectives.autograd), the mutating ones cannot be
     differentiable = [op.name for r in collectives.ALL for op in r.custom_ops() if op.backward is not None]
     assert differentiable == ["all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm_functional",
                               "reduce_scatter_tensor", "all_gather_into_tensor"]

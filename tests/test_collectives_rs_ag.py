@@ -13,9 +13,9 @@ from autosymm.backends import Capabilities, get_backend
 from autosymm.backends.rs_ag_layout import AllGatherConfig, ReduceScatterConfig
 from autosymm.collectives import ALL_GATHER, REDUCE_SCATTER, PointRequest
 from autosymm.collectives.reduce_scatter import shard_counts
-from autosymm.db import Row, TuningDB
-from autosymm.db_read import DBSource
-from autosymm.dispatch import decide
+from autosymm.db.store import Row, TuningDB
+from autosymm.db.read import DBSource
+from autosymm.runtime.dispatch import decide
 from autosymm.problem import Problem
 from autosymm.tuning import ops as tuning_ops
 from autosymm.tuning.ops.reduce_scatter import tuning_counts

@@ -7,16 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from autosymm.backends.triton_all_reduce import all_reduce_space
-from autosymm.configs import (
-    AllReduceConfig,
-    FusedConfig,
-    MoEConfig,
-    config_fields,
-    config_from_json,
-    config_to_json,
-    iter_space_fields,
-    moe_space,
-)
+from autosymm.configs import (AllReduceConfig, FusedConfig, MoEConfig, config_fields, config_from_json,
+                              config_to_json, iter_space_fields, moe_space)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,4 +1,4 @@
-"""autosymm.db: the tuning database (in-memory and temp-file SQLite, no GPU)."""
+"""autosymm.db.store: the tuning database (in-memory and temp-file SQLite, no GPU)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sqlite_utils
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autosymm import db as dbmod
+from autosymm.db import store as dbmod
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import SCHEMA_VERSION, Key, MergeCounts, Row, TuningDB
-from autosymm.db_schema import MAX_TENSOR_BYTES
+from autosymm.db.store import SCHEMA_VERSION, Key, MergeCounts, Row, TuningDB
+from autosymm.db.schema import MAX_TENSOR_BYTES
 from autosymm.problem import DTYPES
-from autosymm.db_merge import merge_files
+from autosymm.db.merge import merge_files
 
 from _db_rows import HW, build_v0, key_buckets, key_rows, make_row, moe_row, run_processes, sql, winner_rows
 

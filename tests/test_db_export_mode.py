@@ -9,8 +9,8 @@ import stat
 import pytest
 from click.testing import CliRunner
 
-from autosymm.cli import main
-from autosymm.db import TuningDB, plain_file_mode
+from autosymm.cli.main import main
+from autosymm.db.store import TuningDB, plain_file_mode
 
 from _db_rows import make_row
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from autosymm import db_open
-from autosymm.db import QueryTimeoutError, TuningDB
-from autosymm.db_merge import merge_files
+from autosymm.db import open as db_open
+from autosymm.db.store import QueryTimeoutError, TuningDB
+from autosymm.db.merge import merge_files
 
 from _db_rows import big_file, run_processes
 

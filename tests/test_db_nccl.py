@@ -1,5 +1,5 @@
 """Rows know which NCCL they beat: every row records ``nccl_version`` (schema 3; older files read it
-as NULL), and under a running NCCL of another major.minor one rule (autosymm.db_schema.nccl_trust)
+as NULL), and under a running NCCL of another major.minor one rule (autosymm.db.schema.nccl_trust)
 says which rows stay trusted, used by the dispatcher and so by `autosymm explain`, and logged
 once per group (temp-file SQLite; CliRunner)."""
 
@@ -12,12 +12,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from autosymm import dispatch, hardware
+from autosymm.runtime import dispatch
+from autosymm import hardware
 from autosymm.backends import Capabilities
-from autosymm.cli import main
-from autosymm.db import BadRowWarning, TuningDB
-from autosymm.db_read import DBSource, open_sources
-from autosymm.db_schema import NCCL_TRUST_MARGIN, PROVENANCE_COLUMNS, nccl_trust
+from autosymm.cli.main import main
+from autosymm.db.store import BadRowWarning, TuningDB
+from autosymm.db.read import DBSource, open_sources
+from autosymm.db.schema import NCCL_TRUST_MARGIN, PROVENANCE_COLUMNS, nccl_trust
 from autosymm.problem import Problem
 
 from _db_rows import HW, file_sha, make_row, moe_row, sql
@@ -174,7 +175,7 @@ def test_explain_names_the_mismatch_and_the_margin(monkeypatch, tmp_path):
 
 
 def test_the_group_set_up_logs_the_mismatch_once_with_what_the_rule_does(monkeypatch, tmp_path, caplog):
-    import autosymm.db_read as db_read
+    import autosymm.db.read as db_read
 
     path = tmp_path / "tuned.sqlite"
     with TuningDB(path) as tdb:
@@ -194,7 +195,7 @@ def test_the_group_set_up_logs_the_mismatch_once_with_what_the_rule_does(monkeyp
 
 
 def test_the_ranks_agree_on_the_running_nccl(monkeypatch):
-    from autosymm.group import LocalSetup
+    from autosymm.runtime.group import LocalSetup
 
     monkeypatch.setattr(hardware, "nccl_version", lambda: "2.29.7")
     setup = LocalSetup(torch.device("cpu"), 1)

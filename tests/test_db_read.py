@@ -1,4 +1,4 @@
-"""autosymm.db_read: which databases a process reads, each lookup's rows and a key's winner
+"""autosymm.db.read: which databases a process reads, each lookup's rows and a key's winner
 (the first database holding the key, its fastest row), over in-memory and temp-file SQLite."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from autosymm.backends import Capabilities
-from autosymm.db import TuningDB
-from autosymm.db_read import DBSource, Lookup, open_sources
-from autosymm.dispatch import decide
+from autosymm.db.store import TuningDB
+from autosymm.db.read import DBSource, Lookup, open_sources
+from autosymm.runtime.dispatch import decide
 from autosymm.problem import Problem
 
 from _db_rows import HW, make_row, moe_row, winner_rows

@@ -1,4 +1,4 @@
-"""autosymm.db_schema.checked_row, the one row validator: a row's op, dtype and mode are autosymm's
+"""autosymm.db.schema.checked_row, the one row validator: a row's op, dtype and mode are autosymm's
 words, its bucket fits the largest tensor a call can have, its backend is one autosymm has; a row
 that is not is skipped with a warning by `db merge`, `db export`, `show` and the dispatcher's read
 alike (temp-file SQLite; CliRunner for the CLI)."""
@@ -12,11 +12,11 @@ import warnings
 import pytest
 from click.testing import CliRunner
 
-from autosymm.cli import main
-from autosymm.db import BadRowWarning, Row, TuningDB
-from autosymm.db_merge import merge_files
-from autosymm.db_read import open_sources
-from autosymm.db_schema import MAX_TENSOR_BYTES, checked_row
+from autosymm.cli.main import main
+from autosymm.db.store import BadRowWarning, Row, TuningDB
+from autosymm.db.merge import merge_files
+from autosymm.db.read import open_sources
+from autosymm.db.schema import MAX_TENSOR_BYTES, checked_row
 
 from _db_rows import HW, make_row, moe_row, plant
 

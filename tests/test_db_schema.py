@@ -1,4 +1,4 @@
-"""autosymm.db's schema: created through sqlite-utils, compatible with released files, versions,
+"""autosymm.db.store's schema: created through sqlite-utils, compatible with released files, versions,
 migrations, refused files, read-only opening and hot journals (temp-file SQLite, no GPU)."""
 
 from __future__ import annotations
@@ -9,17 +9,9 @@ import sqlite3
 import pytest
 import sqlite_utils
 
-from autosymm import db_open
-from autosymm.db import (
-    PK_COLUMNS,
-    SCHEMA_VERSION,
-    CorruptDatabaseError,
-    DatabaseVersionError,
-    Key,
-    ReadOnlyDatabaseError,
-    TuningDB,
-    version_mismatch,
-)
+from autosymm.db import open as db_open
+from autosymm.db.store import (PK_COLUMNS, SCHEMA_VERSION, CorruptDatabaseError, DatabaseVersionError, Key,
+                               ReadOnlyDatabaseError, TuningDB, version_mismatch)
 
 from _db_rows import HW, build_v0, file_sha, key_rows, make_row, run_processes, sql, winner_rows
 
@@ -120,7 +112,7 @@ def test_version_1_files_migrate_to_comm_env(tmp_path):
 
 def test_provenance_fills_the_comm_env_column(monkeypatch):
     from autosymm import hardware
-    from autosymm.db_schema import PROVENANCE_COLUMNS
+    from autosymm.db.schema import PROVENANCE_COLUMNS
 
     # values as seen, and "unset" (only the "off" values here: this suite never turns multicast on)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")

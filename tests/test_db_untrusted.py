@@ -13,21 +13,12 @@ import warnings
 
 import pytest
 
-from autosymm import db as dbmod
-from autosymm.db import (
-    SCHEMA_VERSION,
-    BadRowWarning,
-    CorruptDatabaseError,
-    DatabaseLockedError,
-    DatabaseVersionError,
-    MergeCounts,
-    QueryTimeoutError,
-    TuningDB,
-    verdict,
-)
-from autosymm.db_merge import merge_files
-from autosymm.db_open import db_error, harden
-from autosymm.db_read import open_sources
+from autosymm.db import store as dbmod
+from autosymm.db.store import (SCHEMA_VERSION, BadRowWarning, CorruptDatabaseError, DatabaseLockedError,
+                               DatabaseVersionError, MergeCounts, QueryTimeoutError, TuningDB, verdict)
+from autosymm.db.merge import merge_files
+from autosymm.db.open import db_error, harden
+from autosymm.db.read import open_sources
 
 from _db_rows import file_sha, make_row, moe_row, plant, sql, winner_rows
 from _gloo import run_gloo

@@ -1,4 +1,4 @@
-"""autosymm.db: bad rows (written by a bug or an outside tool) are skipped by every read with one
+"""autosymm.db.store: bad rows (written by a bug or an outside tool) are skipped by every read with one
 warning each, and lookups, digests, exports and merges answer from the good rows (temp-file SQLite)."""
 
 from __future__ import annotations
@@ -10,18 +10,10 @@ import pytest
 import sqlite_utils
 
 from autosymm.configs import AllReduceConfig
-from autosymm.db import (
-    PK_COLUMNS,
-    BadRowWarning,
-    CorruptDatabaseError,
-    DatabaseVersionError,
-    Key,
-    MergeCounts,
-    Row,
-    TuningDB,
-)
-from autosymm.db_merge import merge_files
-from autosymm.db_schema import RESULTS_COLUMNS
+from autosymm.db.store import (PK_COLUMNS, BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key,
+                               MergeCounts, Row, TuningDB)
+from autosymm.db.merge import merge_files
+from autosymm.db.schema import RESULTS_COLUMNS
 
 from _db_rows import HW, file_sha, key_buckets, key_rows, make_row, sql, winner_rows
 

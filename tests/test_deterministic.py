@@ -7,8 +7,8 @@ import torch
 
 from autosymm.backends import Capabilities
 from autosymm.configs import AllReduceConfig
-from autosymm.db import Row, TuningDB
-from autosymm.dispatch import DBSource, decide, last_resort
+from autosymm.db.store import Row, TuningDB
+from autosymm.runtime.dispatch import DBSource, decide, last_resort
 from autosymm.problem import MODEL_SHAPES, Problem
 
 from _gloo import run_gloo
@@ -123,8 +123,8 @@ def test_the_setting_end_to_end_on_three_gloo_ranks():
 
 def _init_argument(rank, world_size):
     import autosymm
-    from autosymm.agreement import AgreementError
-    from autosymm.group import state_of
+    from autosymm.runtime.agreement import AgreementError
+    from autosymm.runtime.group import state_of
 
     x = torch.ones(8)
     assert autosymm.explain(x).backend == "nccl"
@@ -143,7 +143,7 @@ def test_init_sets_it_for_a_group_agreed_by_every_rank():
 
 def _disagreeing_env(rank, world_size):
     import autosymm
-    from autosymm.group import state_of
+    from autosymm.runtime.group import state_of
 
     x = torch.ones(4)
     autosymm.all_reduce(x)

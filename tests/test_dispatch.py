@@ -1,12 +1,12 @@
-"""Decision tables of autosymm.dispatch over temporary databases."""
+"""Decision tables of autosymm.runtime.dispatch over temporary databases."""
 
 import pytest
 
 from autosymm.backends import Capabilities
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import Row, TuningDB
+from autosymm.db.store import Row, TuningDB
 from autosymm.backends.triton_moe import DEFAULT_MOE_CONFIG
-from autosymm.dispatch import DBSource, decide
+from autosymm.runtime.dispatch import DBSource, decide
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
 
 HW = "nvidia-h200-nvlink"
@@ -266,7 +266,7 @@ def test_points_come_from_every_database_the_user_db_first(tmp_path):
 
 
 def test_the_shipped_database_serves_3mb_without_the_4mib_push_config():
-    from autosymm.db import shipped_db_for
+    from autosymm.db.store import shipped_db_for
 
     path = shipped_db_for("nvidia-h200-nvlink-x2")
     source = DBSource(TuningDB(path, readonly=True), str(path))

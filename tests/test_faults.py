@@ -48,7 +48,7 @@ def _expect(error_type, match, fn):
 
 
 def _bad_calls(rank, world_size, autosymm):
-    from autosymm.agreement import AgreementError
+    from autosymm.runtime.agreement import AgreementError
     from autosymm.backends import BackendError
 
     autosymm.init()
@@ -158,7 +158,7 @@ def _late_rank(rank, world_size, autosymm):
     rank 1 naming rank 0's lateness, rank 0 naming rank 1's giving up; then both go on in step."""
     import time
 
-    from autosymm.agreement import AgreementError
+    from autosymm.runtime.agreement import AgreementError
 
     x = torch.ones(8)
     autosymm.all_reduce(x)  # the group is set up
@@ -207,7 +207,7 @@ def _fused_bad_weight(rank, world_size, autosymm):
     rank 0 an AgreementError naming it, both at once (the agreement timeout is 60 s)."""
     import time
 
-    from autosymm.agreement import AgreementError
+    from autosymm.runtime.agreement import AgreementError
 
     hidden = 64
     x, residual = torch.ones(4, hidden), torch.zeros(4, hidden)

@@ -12,7 +12,7 @@ import torch
 
 from _gloo import run_with_deadline
 
-from autosymm.db import Row, TuningDB
+from autosymm.db.store import Row, TuningDB
 
 HIDDEN, EPS = 72, 1e-5
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from autosymm.cli import main
+from autosymm.cli.main import main
 from autosymm.collectives import ALL_REDUCE_RMSNORM, PointRequest
 from autosymm.collectives.all_reduce_rmsnorm import split_key
 from autosymm.collectives.fused_epilogue import EPILOGUES, parse_epilogues
-from autosymm.db import Row, TuningDB
+from autosymm.db.store import Row, TuningDB
 from autosymm.epilogue import Epilogue
 from autosymm.problem import Problem
 

@@ -213,7 +213,7 @@ def _checked(rank, world_size):
     """The checked mode compares an epilogue call's scale too: a float64 scale on rank 1 alone
     raises there (naming it) and on rank 0 (naming the difference); the ranks stay in step."""
     import autosymm
-    from autosymm.call_check import CallMismatchError
+    from autosymm.runtime.call_check import CallMismatchError
 
     x, residual, weight = torch.full((4, 64), float(rank + 1)), torch.zeros(4, 64), torch.ones(64)
     out = autosymm.all_reduce_rmsnorm(x.clone(), residual, weight, EPS, quant="fp8", scale=torch.tensor(1.0))

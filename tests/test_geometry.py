@@ -3,7 +3,7 @@
 import pytest
 
 from autosymm import geometry as g
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 
 def test_regions_are_reserved_by_name_in_order_on_aligned_offsets():

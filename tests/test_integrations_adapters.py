@@ -42,7 +42,7 @@ def _target(rank, world_size, port, queue):
 
 def _custom_all_reduce(rank, world_size):
     import autosymm
-    from autosymm.dispatch import Decision
+    from autosymm.runtime.dispatch import Decision
     from autosymm.integrations import AutosymmCustomAllReduce
 
     car = AutosymmCustomAllReduce(device="cpu")

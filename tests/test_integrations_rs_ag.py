@@ -26,7 +26,7 @@ class _Stack:
 def _adapter(rank, world_size):
     import torch.distributed as dist
 
-    from autosymm.dispatch import Decision
+    from autosymm.runtime.dispatch import Decision
     from autosymm.integrations import AutosymmCustomAllReduce
 
     alone = AutosymmCustomAllReduce(device="cpu")

@@ -1,6 +1,6 @@
 """One-shot and two-shot all-reduce data paths under the Triton interpreter.
 
-2, 4 and 8 ranks are simulated in one process (autosymm.symm.simulated_workspaces). Everything
+2, 4 and 8 ranks are simulated in one process (autosymm.workspace.symm.simulated_workspaces). Everything
 the kernels must not touch is poisoned: the all-reduce regions are NaN-filled (a read of an
 element nobody staged shows up as NaN) and ``x`` sits inside a larger sentinel-filled tensor (a
 write past the tail shows up there).

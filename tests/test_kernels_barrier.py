@@ -11,7 +11,7 @@ import triton.language as tl
 
 from autosymm.kernels.barrier import _barrier_kernel, barrier
 from autosymm.geometry import SIGNAL_BYTES
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 from _all_reduce_sim import error_counts, pads, preset, requires_interpreter, snapshot_workspace, tiny_poll_limit
 

@@ -16,10 +16,10 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 from autosymm.configs import MoEConfig
-from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,
-                              random_expt_indx, route)
+from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, random_expt_indx,
+                              route)
 from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 from _moe_sim import assert_bits_equal, dst_views, poison, run_all_ranks  # noqa: E402
 

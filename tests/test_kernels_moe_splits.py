@@ -15,8 +15,8 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 import autosymm.backends.nccl_all_to_all as nccl  # noqa: E402
-from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform,  # noqa: E402
-                              random_expt_indx, route)
+from autosymm.routing import (make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, random_expt_indx,
+                              route)
 
 N_EXPERTS = 10
 MODES = {  # (ONE_PROGRAM_MAX_ITEMS, SPLIT_BLOCK, SPLIT_GRID)

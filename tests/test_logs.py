@@ -52,7 +52,7 @@ def test_a_bad_value_is_warned_about_once_and_ignored(autosymm_logger):
 def test_import_and_cli_help_survive_a_bad_autosymm_log():
     repo = Path(__file__).resolve().parent.parent
     env = dict(os.environ, AUTOSYMM_LOG="nonsense", PYTHONPATH=str(repo))
-    code = "import autosymm; from autosymm.cli import main; main(['--help'], prog_name='autosymm')"
+    code = "import autosymm; from autosymm.cli.main import main; main(['--help'], prog_name='autosymm')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Usage: autosymm" in done.stdout

@@ -1,4 +1,4 @@
-"""Room for the MoE conversions (autosymm.moe_room): declared sizes, the dispatcher's view of a
+"""Room for the MoE conversions (autosymm.runtime.moe_room): declared sizes, the dispatcher's view of a
 region that may grow, eager growth through the public API on a simulated one-rank workspace
 (interpreter), the CUDA-graph error, and the rank agreement of init(moe=...) over gloo."""
 
@@ -10,21 +10,22 @@ import os
 import pytest
 import torch
 
-from autosymm.agreement import Exchange
+from autosymm.runtime.agreement import Exchange
 
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests (CUDA present, TRITON_INTERPRET unset)", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 import autosymm  # noqa: E402
-from autosymm import api, moe_room  # noqa: E402
+from autosymm import api
+from autosymm.runtime import moe_room  # noqa: E402
 from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
 from autosymm.backends.triton_moe import TRITON_MOE, buffer_bytes, region_bytes_for  # noqa: E402
 from autosymm.geometry import DEFAULT_MOE_MAX_BYTES, MOE_REGION_SLACK, grown_moe_bytes, moe_buffer  # noqa: E402
 from autosymm.problem import MoEShape, Problem  # noqa: E402
-from autosymm.routing import (make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route)
+from autosymm.routing import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
 from _moe_ref import reference_dp_to_ep
-from autosymm.symm import simulated_workspaces  # noqa: E402
+from autosymm.workspace.symm import simulated_workspaces  # noqa: E402
 
 from _gloo import run_with_deadline  # noqa: E402
 
@@ -73,7 +74,7 @@ def test_explain_with_default_settings_picks_the_triton_conversion_at_3000_token
     """The issue's done-when: d_model 5120, 160 experts, top-6, 3000 tokens/rank on 2x H200."""
     from click.testing import CliRunner
 
-    from autosymm.cli import main
+    from autosymm.cli.main import main
 
     monkeypatch.delenv("AUTOSYMM_WORKSPACE_BYTES", raising=False)
     for op in ("dp_to_ep", "ep_to_dp"):
@@ -174,7 +175,7 @@ def test_a_failed_growth_stops_growing_on_every_rank(monkeypatch):
 
 
 def test_reserved_room_sizes_the_workspace_made_later(monkeypatch):
-    from autosymm import symm
+    from autosymm.workspace import symm
 
     made = []
 

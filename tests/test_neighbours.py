@@ -1,4 +1,4 @@
-"""autosymm.neighbours: tuned points around a call and the modelled time of their rows there."""
+"""autosymm.runtime.neighbours: tuned points around a call and the modelled time of their rows there."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import Row
-from autosymm.neighbours import (candidates, floors_of, growth, modelled_us, moe_ratios, nearest_moe_point,
-                                 points_around)
+from autosymm.db.store import Row
+from autosymm.runtime.neighbours import (candidates, floors_of, growth, modelled_us, moe_ratios, nearest_moe_point,
+                                         points_around)
 from autosymm.problem import MoEShape, Problem
 
 HW = "nvidia-h200-nvlink"

@@ -6,17 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autosymm.problem import (
-    MODEL_SHAPES,
-    MoEShape,
-    Problem,
-    format_bytes,
-    next_pow2,
-    parse_bytes,
-    octave_points,
-    parse_range,
-    parse_size_range,
-)
+from autosymm.problem import (MODEL_SHAPES, MoEShape, Problem, format_bytes, next_pow2, parse_bytes, octave_points,
+                              parse_range, parse_size_range)
 
 _BIG = 1 << 50  # 1 PiB: beyond any all-reduce
 
@@ -41,7 +32,7 @@ def test_problem_bucket_is_the_exact_size(nbytes, dtype, world_size):
 
 
 def test_sizes_between_powers_of_two_are_their_own_buckets():
-    """A tune at 3 MB and one at 4 MiB are two rows, not one bucket's (autosymm.dispatch reads them)."""
+    """A tune at 3 MB and one at 4 MiB are two rows, not one bucket's (autosymm.runtime.dispatch reads them)."""
     assert Problem.all_reduce(3_000_000).bucket == 3_000_000 and Problem.all_reduce(6146).bucket == 6146
     assert Problem.all_reduce(0).bucket == 1  # a database bucket is >= 1
     assert Problem.moe("dp_to_ep", MODEL_SHAPES["deepseek-v3"], 3000).bucket == 3000
@@ -204,7 +195,7 @@ def test_a_moe_problem_with_an_unknown_dtype_is_a_value_error():
 
 def test_any_world_size_is_a_problem_that_only_nccl_serves_beyond_the_kernels():
     from autosymm.backends import Capabilities, get_backend
-    from autosymm.dispatch import decide
+    from autosymm.runtime.dispatch import decide
 
     problem = Problem.all_reduce(1 << 20, "bf16", 16)  # two 8-GPU nodes
     caps = Capabilities.of(16, region_bytes=(1 << 30, 1 << 30))

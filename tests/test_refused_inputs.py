@@ -113,7 +113,7 @@ def test_an_fp8_all_gather_is_a_byte_copy_on_the_nccl_path(tmp_path):
 def _one_rank_refuses(rank, world_size):
     """A bad input on rank 1 only, at a call new to both: rank 1 raises its error, rank 0 an
     AgreementError naming it, at once (the agreement timeout is 30 s)."""
-    from autosymm.agreement import AgreementError
+    from autosymm.runtime.agreement import AgreementError
 
     import autosymm
 

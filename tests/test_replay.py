@@ -1,4 +1,4 @@
-"""autosymm.replay: which calls get a plan, when a graph is captured, the LRU cap, the opt-out,
+"""autosymm.runtime.replay: which calls get a plan, when a graph is captured, the LRU cap, the opt-out,
 and bound launches of the Triton all-reduce launcher (fake graphs and launches on the CPU)."""
 
 from types import SimpleNamespace
@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from autosymm import replay
+from autosymm.runtime import replay
 from autosymm.backends.base import BackendError, RunContext
 from autosymm.backends.triton_all_reduce import triton_one_shot, triton_one_shot_push, triton_two_shot
 from autosymm.configs import AllReduceConfig
-from autosymm.dispatch import Decision
+from autosymm.runtime.dispatch import Decision
 from autosymm.problem import Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 EAGER = Decision("triton_one_shot", None, "test", mode="eager")
 

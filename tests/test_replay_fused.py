@@ -1,4 +1,4 @@
-"""autosymm.replay.FusedReplay: the fused op's eager calls planned per (x, residual, weight, out)
+"""autosymm.runtime.replay.FusedReplay: the fused op's eager calls planned per (x, residual, weight, out)
 addresses and eps, on the real fused launcher of simulated ranks with recorded (fake) launches and
 graphs on the CPU: every plan writes the output its call returns, bad tensors reach the launcher's
 checks, and the launch style of the config (eager_launch) decides graphs or bound launches."""
@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from autosymm import replay
+from autosymm.runtime import replay
 from autosymm.backends.base import BackendError, RunContext
 from autosymm.backends.triton_fused import triton_fused_one_shot, triton_fused_one_shot_push, triton_fused_two_shot
 from autosymm.configs import FusedConfig
-from autosymm.dispatch import Decision
+from autosymm.runtime.dispatch import Decision
 from autosymm.problem import Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 HIDDEN = 256
 
@@ -219,7 +219,8 @@ def fused_group(tmp_path, monkeypatch, launches):
 
 def test_the_groups_last_eager_call_takes_the_hot_path(fused_group, monkeypatch):
     autosymm, entry, wrapped = fused_group
-    from autosymm import fused, replay as rp
+    from autosymm import fused
+    from autosymm.runtime import replay as rp
 
     x, residual, weight = _tensors()
     # The replay keys a plan by the output's address too: CUDA's caching allocator hands a freed
@@ -247,7 +248,7 @@ def test_the_hot_path_refuses_aliased_arguments_before_any_launch(fused_group):
     """A hot call's plan is keyed by the three addresses it was checked at; any other addresses
     (a residual aliasing x, a weight inside x) go through the fused op's checks first."""
     autosymm, entry, wrapped = fused_group
-    from autosymm import replay as rp
+    from autosymm.runtime import replay as rp
 
     x, residual, weight = _tensors()
     autosymm.all_reduce_rmsnorm(x, residual, weight)  # hot now

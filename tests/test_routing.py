@@ -12,7 +12,7 @@ from autosymm.routing import (ExptAssignment, make_expt_assignment, make_expt_di
                               random_expt_indx, route)
 from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.problem import MoEShape, Problem
-from autosymm.symm import simulated_workspaces
+from autosymm.workspace.symm import simulated_workspaces
 
 
 # -- placement ---------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from autosymm import agreement, settings
-from autosymm.group import LocalSetup
+from autosymm.runtime import agreement
+from autosymm import settings
+from autosymm.runtime.group import LocalSetup
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SWITCHES = [v.name for v in settings.VARIABLES if v.parse is settings.parse_bool]

@@ -102,7 +102,7 @@ def test_per_rank_sizes_match_torch_distributed(tmp_path, world_size):
 
 
 def _bad_inputs(rank, world_size):
-    from autosymm.agreement import AgreementError
+    from autosymm.runtime.agreement import AgreementError
 
     import autosymm
 
@@ -219,7 +219,7 @@ def _placements_differ(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from autosymm.agreement import AgreementError
+    from autosymm.runtime.agreement import AgreementError
     from autosymm.sharded import redistribute
 
     mesh = init_device_mesh("cpu", (world_size,))

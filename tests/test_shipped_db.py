@@ -5,8 +5,8 @@ import warnings
 import pytest
 
 from autosymm.configs import config_from_json
-from autosymm.db import SCHEMA_VERSION, BadRowWarning, TuningDB, shipped_db_for, shipped_db_paths
-from autosymm.dispatch import DBSource, decide
+from autosymm.db.store import SCHEMA_VERSION, BadRowWarning, TuningDB, shipped_db_for, shipped_db_paths
+from autosymm.runtime.dispatch import DBSource, decide
 from autosymm.backends import Capabilities
 from autosymm.problem import Problem
 

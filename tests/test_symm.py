@@ -1,4 +1,4 @@
-"""The workspace layout of autosymm.symm: signal pointers, error slots, barrier health and reset."""
+"""The workspace layout of autosymm.workspace.symm: signal pointers, error slots, barrier health and reset."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from autosymm.geometry import (ERROR_SLOTS_OFFSET, FUSED_COUNTS_OFFSET, FUSED_PA
                                SIGNAL_SLOTS_PER_RANK, align, moe_buffer)
 from autosymm.geometry import DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES, LAMPORT_REGION
 from autosymm.settings import MAX_WORKSPACE_BYTES, default_region_bytes
-from autosymm.symm import Workspace, simulated_workspaces
+from autosymm.workspace.symm import Workspace, simulated_workspaces
 
 from _all_reduce_sim import requires_interpreter
 
@@ -133,7 +133,7 @@ def test_bad_workspace_bytes_name_the_variable_and_value(monkeypatch, text):
     assert f"AUTOSYMM_WORKSPACE_BYTES={text!r}" in str(info.value) and "64GiB" in str(info.value)
     assert MAX_WORKSPACE_BYTES == 64 << 30
 
-# -- the MoE region moved to a larger allocation (autosymm.moe_room's growth) ---------------------
+# -- the MoE region moved to a larger allocation (autosymm.runtime.moe_room's growth) ---------------------
 
 def test_move_region_readdresses_the_region_and_keeps_everything_made_before():
     wss = simulated_workspaces(2, all_reduce_bytes=1024, moe_bytes=1024)
@@ -164,7 +164,7 @@ def test_a_moe_conversion_prepared_after_the_move_writes_the_new_region():
     from autosymm.backends.triton_moe import TRITON_MOE, buffer_bytes
     from autosymm.configs import MoEConfig
     from autosymm.problem import MoEShape, Problem
-    from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
+    from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
     from _moe_ref import reference_dp_to_ep
 
     from _moe_sim import check_and_clear, presatisfy

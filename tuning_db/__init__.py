@@ -1,1 +1,1 @@
-"""Shipped tuning databases, one SQLite file per hardware slug (see autosymm.db)."""
+"""Shipped tuning databases, one SQLite file per hardware slug (see autosymm.db.store)."""

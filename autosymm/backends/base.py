@@ -54,11 +54,11 @@ class Capabilities:
     def of(cls, world_size: int, *, workspace=None, region_bytes: Optional[tuple[int, int]] = None,
            intra_node: bool = True, compute_capability: tuple[int, int] = (0, 0),
            moe_max_bytes: int = DEFAULT_MOE_MAX_BYTES) -> "Capabilities":
-        """The one builder. ``workspace``: the group's autosymm.symm.Workspace (regions, multicast
+        """The one builder. ``workspace``: the group's autosymm.workspace.symm.Workspace (regions, multicast
         and torch's ops as this process has them). ``region_bytes``: (all-reduce, MoE) bytes of
         a workspace on another machine (``autosymm explain``): no multicast (autosymm never
         enables it), torch's symm_mem ops assumed present. Neither: a group without a workspace.
-        ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (autosymm.moe_room)."""
+        ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (autosymm.runtime.moe_room)."""
         if workspace is not None:
             moe_bytes = workspace.capacity(MOE_REGION)
             return cls(world_size, workspace.capacity(ALL_REDUCE_REGION), moe_bytes, bool(workspace.has_multicast),
@@ -70,7 +70,7 @@ class Capabilities:
 
     def moe_room(self, mode: str) -> int:
         """Bytes of MoE region a call in ``mode`` can have: in eager mode the region may grow
-        (collectively, autosymm.moe_room) up to ``moe_max_bytes``; inside a CUDA-graph capture
+        (collectively, autosymm.runtime.moe_room) up to ``moe_max_bytes``; inside a CUDA-graph capture
         nothing may be allocated, so only what the region has."""
         return max(self.moe_bytes, self.moe_max_bytes) if mode == "eager" and self.moe_bytes > 0 else self.moe_bytes
 

@@ -14,7 +14,7 @@ tensor at the same offset, as the SPMD use of ``Workspace.empty`` guarantees.
 
 Double buffering (``AllReduceConfig.double_buffer``, one-shot): a staged tensor that fits one
 half of the workspace's double-buffer region (``Workspace.double_buffer_half_bytes``, a region
-of its own, see autosymm.symm) is staged at the bottom of half ``epoch & 1`` by a kernel without
+of its own, see autosymm.workspace.symm) is staged at the bottom of half ``epoch & 1`` by a kernel without
 an end barrier (autosymm.kernels.all_reduce). A larger tensor, a zero-copy one, or a workspace
 without that region takes the single-buffer kernel (with its end barrier) exactly as a config
 without double buffering does, so the size limits are those of the single-buffer path. All
@@ -123,7 +123,7 @@ class _AllReduceLauncher(RegionLauncher):
         without any check; None when the call launches nothing or its variant is not bound yet
         (call ``self(x)`` first). Valid for every tensor at ``x``'s address with x's dtype,
         numel and device while ``workspace.empty_bytes`` is unchanged: the variant and the
-        integer arguments are a function of those alone (autosymm.replay relies on it). The
+        integer arguments are a function of those alone (autosymm.runtime.replay relies on it). The
         kernels keep their per-call state (the double-buffer epoch) on the device, so a bound
         launch, or a CUDA graph of one, stays right call after call."""
         plan = self._plan(x, 0)

@@ -89,7 +89,7 @@ class _FusedLauncher(RegionLauncher):
     """``launcher(x, residual, weight, eps, *, scale=None) -> out`` or ``(out, scales)``. Bound to
     one workspace, hidden size, epilogue and config."""
 
-    eager_call = "new_output"  # autosymm.replay wraps eager calls in a FusedReplay
+    eager_call = "new_output"  # autosymm.runtime.replay wraps eager calls in a FusedReplay
 
     def __init__(self, problem: Problem, config: FusedConfig, workspace, epilogue: Optional[Epilogue] = None) -> None:
         super().__init__(problem, config, workspace)
@@ -139,7 +139,7 @@ class _FusedLauncher(RegionLauncher):
         bound (int addresses), on the current stream, without any check; None when it launches
         nothing or its variant is not bound yet (call ``self(...)`` first). Valid for every call
         with tensors at these addresses, of these dtypes, shapes and devices, and this ``eps``,
-        while ``workspace.empty_bytes`` is unchanged (autosymm.replay relies on it): the variant
+        while ``workspace.empty_bytes`` is unchanged (autosymm.runtime.replay relies on it): the variant
         and the integer arguments are a function of those alone; the split-row counters return
         to 0 after every call, so a bound launch, or a CUDA graph of one, stays right."""
         self._check(x, residual, weight, out, scale, scales)

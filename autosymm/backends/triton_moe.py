@@ -116,7 +116,7 @@ def launch(op: str, ws, config: MoEConfig, src: torch.Tensor, expt_owner: torch.
 
 def _signal_ptrs(ws, op: str) -> torch.Tensor:
     """int64 [world_size + 1]: each rank's program MOE_SIGNAL_SLOT[op] of the 'moe_end' channel, then
-    this rank's error slot of that channel (autosymm.symm.Workspace.signal_ptrs)."""
+    this rank's error slot of that channel (autosymm.workspace.symm.Workspace.signal_ptrs)."""
     return ws.signal_ptrs("moe_end", MOE_SIGNAL_SLOT[op])
 
 

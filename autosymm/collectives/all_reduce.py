@@ -1,6 +1,6 @@
 """``all_reduce``: a tensor reduced in place over the group (``autosymm.all_reduce``, whose hot path
 lives in autosymm.api), and its custom ops ``torch.ops.autosymm.all_reduce_`` / ``all_reduce`` (the
-functional one differentiable: autosymm.autograd).
+functional one differentiable: autosymm.collectives.autograd).
 
 Problem: ``nbytes`` of the whole tensor; bucket: those bytes (at least 1); no shape. Cache key
 (built by the hot path itself): ``(dtype, numel, contiguous, reduce op name, device, capturing)``.
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..configs import AllReduceConfig
-from .. import autograd
+from . import autograd
 from ..dist_compat import REDUCE_OP_NAMES
 from ..problem import DTYPE_NAMES, Problem, octave_points
 from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
@@ -64,8 +64,8 @@ class AllReduce(BytesKeyed):
         return f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
 
     def check_call(self, state, key: tuple, args: tuple, mode: str):
-        from ..dispatch import Decision
-        from ..group import Entry, check_tensor, identity
+        from ..runtime.dispatch import Decision
+        from ..runtime.group import Entry, check_tensor, identity
 
         x, op = args
         check_tensor(x, state, self.name)
@@ -93,8 +93,8 @@ def _nccl_entry(state, x: Tensor, op: str, mode: str):
     import torch.distributed as dist
 
     from ..backends.nccl_ordered import needs_ordering, ordered_all_reduce_launcher
-    from ..dispatch import Decision
-    from ..group import Entry
+    from ..runtime.dispatch import Decision
+    from ..runtime.group import Entry
 
     reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
     if state.deterministic and needs_ordering(op, x.dtype):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..configs import FlashInferFusedConfig, FusedConfig
-from .. import autograd
+from . import autograd
 from ..problem import DTYPE_NAMES, Problem, dtype_name
 from .base import Collective, CustomOp, PointRequest, TuningPoints
 from .fused_epilogue import (DEFAULT, NVFP4_BLOCK, TWO_OUTPUT_QUANTS, Epilogue, check_problem_epilogue, check_scale,
@@ -85,8 +85,8 @@ class AllReduceRMSNorm(Collective):
     def check_call(self, state, key: tuple, args: tuple, mode: str):
         """This rank's checks (ValueError naming the bad tensor): the Problem, or a 'noop' Entry
         without rows (the same on every rank: x's shape is replicated)."""
-        from ..dispatch import Decision
-        from ..group import Entry
+        from ..runtime.dispatch import Decision
+        from ..runtime.group import Entry
 
         x, residual, weight = args[:3]
         epilogue = epilogue_of_key(key)
@@ -273,7 +273,7 @@ def _functional(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                 gemma: bool = False) -> tuple[Tensor, Tensor]:
     """``torch.ops.autosymm.all_reduce_rmsnorm_functional``: (out, new residual), the inputs left
     unchanged (copies are reduced): the differentiable form of the unquantized epilogues
-    (autosymm.autograd). Without ``residual`` the new residual is the sum itself (a zero residual
+    (autosymm.collectives.autograd). Without ``residual`` the new residual is the sum itself (a zero residual
     added: the same fp32 value)."""
     from ..dist_compat import resolve_group
     from ..fused import fused_call

@@ -2,7 +2,7 @@
 :class:`TuningPoints`, :class:`PointRequest`, :class:`CustomOp`) and the one entry path every
 public call takes on its first call of a key (:func:`prepare_call`).
 
-Cache keys. A group state keeps one dict of prepared calls (autosymm.group.GroupState.cache). A
+Cache keys. A group state keeps one dict of prepared calls (autosymm.runtime.group.GroupState.cache). A
 key is led by the op's record (``(record, dtype, ..., capturing)``), except the all-reduce's,
 which its hot path builds as ``(dtype, numel, contiguous, reduce op, device, capturing)``: a torch dtype
 first, so it never equals another op's key. Every key ends with ``capturing`` (bool), the mode.
@@ -23,7 +23,7 @@ BUCKET_UNITS = ("bytes", "tokens")
 class Lookups:
     """Where the dispatcher looks when a call's own (dtype, mode, shape) has no row, in order:
     the other mode's rows; for a call in fp16/fp32 the bf16 rows of the same byte size (byte-bound
-    kernels); for a shape without rows, the nearest tuned shape (autosymm.neighbours)."""
+    kernels); for a shape without rows, the nearest tuned shape (autosymm.runtime.neighbours)."""
 
     other_mode: bool = True
     bf16_same_bytes: bool = False
@@ -165,7 +165,7 @@ class Collective:
 
     def moved_ratio(self, problem: Problem, row) -> float:
         """How much more work the call ``problem`` moves than the tuned ``row`` (a db_schema.Row of
-        this op) on the critical path, before any per-config rounds (autosymm.neighbours.growth)."""
+        this op) on the critical path, before any per-config rounds (autosymm.runtime.neighbours.growth)."""
         return problem.bucket / row.bucket
 
     # -- tuning points ----------------------------------------------------------------------
@@ -181,7 +181,7 @@ class Collective:
     def fingerprint(self, key: tuple, args: tuple, mode: str) -> dict[str, Any]:
         """What the checked mode (AUTOSYMM_CHECK_CALLS) compares across ranks on every call: each
         argument by :attr:`arg_names` (a tensor's dtype and shape) and the mode."""
-        from ..call_check import fingerprint
+        from ..runtime.call_check import fingerprint
 
         return fingerprint(self.name, args, self.arg_names, mode=mode)
 
@@ -219,10 +219,10 @@ def prepare_call(state, record: Collective, key: tuple, args: tuple):
     cached. Every public entry takes this path on a miss of its key in ``state.cache`` (a repeated
     call is that lookup, ``entry.calls += 1`` and the launcher, inline in the entry). In checked
     mode (AUTOSYMM_CHECK_CALLS) every call comes here, its lookups missing by design, and is
-    checked with every rank first (autosymm.call_check.checked_entry)."""
+    checked with every rank first (autosymm.runtime.call_check.checked_entry)."""
     mode = "graph" if key[-1] else "eager"
     if state.check_calls:
-        from ..call_check import checked_entry
+        from ..runtime.call_check import checked_entry
 
         entry = checked_entry(state, record, key, args, mode)
         if entry is not None:
@@ -246,7 +246,7 @@ def refuse_call(state, record: Collective, args: tuple):
     that are not ints): its checks (``record.check_call``, which name the argument) raise, after
     they are agreed with every rank as :func:`prepare_call` agrees a call's first use, so a peer
     making its first use of a call at the same point raises too, naming this rank's error."""
-    from ..group import stream_capturing
+    from ..runtime.group import stream_capturing
 
     mode = "graph" if stream_capturing() else "eager"
 
@@ -255,7 +255,7 @@ def refuse_call(state, record: Collective, args: tuple):
         raise TypeError(f"autosymm.{record.name}: the arguments are not tensors of one call")  # checks missed it
 
     if state.check_calls:
-        from ..call_check import checked_entry
+        from ..runtime.call_check import checked_entry
 
         checked_entry(state, record, None, args, mode)  # raises the checks' error (or the peers')
     state.agreed_check(f"{record.name} of arguments this rank refused", check)

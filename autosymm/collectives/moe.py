@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import autograd
+from . import autograd
 from ..configs import MoEConfig
 from ..problem import MODEL_SHAPES, MoEShape, Problem, dtype_name
 from .base import Collective, CustomOp, Lookups, PointRequest, TuningPoints
@@ -85,7 +85,7 @@ class MoEConversion(Collective):
 
     def check_call(self, state, key: tuple, args: tuple, mode: str) -> Problem:
         from ..backends.moe_inputs import check_index_ranges, check_inputs
-        from ..group import check_tensor
+        from ..runtime.group import check_tensor
 
         src, assignment, expt_indx, indx = args
         check_tensor(src, state, self.name, "src")
@@ -100,8 +100,8 @@ class MoEConversion(Collective):
 
     def prepare(self, state, problem: Problem, mode: str):
         """After growing the MoE region (eager; collective) where only room stops the Triton
-        conversion (autosymm.moe_room)."""
-        from .. import moe_room
+        conversion (autosymm.runtime.moe_room)."""
+        from ..runtime import moe_room
 
         return moe_room.prepare(state, problem, mode)
 

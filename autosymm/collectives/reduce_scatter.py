@@ -88,8 +88,8 @@ class Sharded(BytesKeyed):
 
     def single_rank_entry(self, mode: str):
         """World size 1: one copy of the whole tensor (none when output and input are one tensor)."""
-        from ..dispatch import Decision
-        from ..group import Entry
+        from ..runtime.dispatch import Decision
+        from ..runtime.group import Entry
 
         def launcher(output: Tensor, input: Tensor, counts=None) -> Tensor:
             if output.data_ptr() != input.data_ptr():
@@ -100,7 +100,7 @@ class Sharded(BytesKeyed):
 
 
 def checked_tensors(record: Collective, state, output: Tensor, input: Tensor) -> None:
-    from ..group import check_tensor
+    from ..runtime.group import check_tensor
 
     check_tensor(output, state, record.name, "output")
     check_tensor(input, state, record.name, "input")
@@ -141,8 +141,8 @@ def _nccl_entry(state, input: Tensor, op: str, mode: str):
 
     from ..backends.nccl_ordered import needs_ordering, ordered_reduce_scatter_launcher
     from ..backends.nccl_rs_ag import reduce_scatter_launcher
-    from ..dispatch import Decision
-    from ..group import Entry
+    from ..runtime.dispatch import Decision
+    from ..runtime.group import Entry
 
     reason = f"op {op}" if op != "sum" else f"dtype {input.dtype}"
     if state.deterministic and needs_ordering(op, input.dtype):

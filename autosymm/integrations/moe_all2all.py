@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 import autosymm
 from autosymm.dist_compat import group_device
-from autosymm.group import state_of, stream_capturing
+from autosymm.runtime.group import state_of, stream_capturing
 from autosymm.routing import ExptAssignment, make_expt_assignment, make_expt_dict_uniform
 
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)

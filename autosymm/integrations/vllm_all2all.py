@@ -115,7 +115,7 @@ class Served:
 def _capturable(rows, hidden: torch.Tensor, k: int, n_tokens: int) -> bool:
     """Whether both conversions of this call run the Triton kernels on the workspace as it is."""
     from autosymm.backends.triton_moe import TRITON_MOE, fits
-    from autosymm.group import state_of
+    from autosymm.runtime.group import state_of
     from autosymm.problem import MoEShape, Problem, dtype_name
 
     state = state_of(rows.manager.group)

@@ -249,7 +249,7 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
     k happen before r's writes of call m. Only program 0 (which every grid has, and which waits
     on every peer) is used: no assumption on the grids of calls k, j, m. Kernels that stage
     elsewhere (single-buffer one-shot, two-shot: the all-reduce region) never touch the halves,
-    which is why they sit in a region of their own (autosymm.symm) at offsets independent of the
+    which is why they sit in a region of their own (autosymm.workspace.symm) at offsets independent of the
     tensor size. Data read from peers, the sums, only go to the local ``x``.
 
     A timed-out start barrier breaks the argument (as it breaks every result: the host must

@@ -1,6 +1,6 @@
 """Signal-pad barriers between the same program of every rank (Triton, device side only).
 
-Slot ``[program][sender]`` of a rank's signal channel (autosymm.symm) counts the signals that
+Slot ``[program][sender]`` of a rank's signal channel (autosymm.workspace.symm) counts the signals that
 program ``program`` of rank ``sender`` sent it and that it has not consumed. A barrier is:
 
 1. ``tl.debug_barrier()``: every thread of the program has issued its prior memory operations;
@@ -20,7 +20,7 @@ same grid (the tuner and the dispatcher guarantee it: a decision is the same on 
 Bounded waits. A wait gives up after :data:`MAX_POLLS` polls of its slot that found no signal
 (a peer that never arrives: it failed before launching, launched fewer collective kernels, or
 runs a different grid). It then adds one to this rank's *error slot* of the channel (its address
-is entry ``WORLD_SIZE`` of ``signal_ptrs``; autosymm.symm lays the slots out) instead of
+is entry ``WORLD_SIZE`` of ``signal_ptrs``; autosymm.workspace.symm lays the slots out) instead of
 consuming a signal, and the kernel runs to completion, so a missing peer never hangs the GPU.
 A wait that finds the error slot already non-zero when it would have to spin gives up at once
 (fail fast: after the first timeout a whole graph of barriers finishes in one spin limit, not

@@ -15,7 +15,7 @@ slot ``(s - receiver - 1) mod WORLD_SIZE`` of the receiver's buffer (as the push
 
 The arrival mark. An element's *wire* form is its bits with the sign bit flipped, and the
 *sentinel* (not arrived) is the wire word 0, i.e. the value -0.0: a zero-filled region is armed
-(autosymm.symm zeroes it when it creates the workspace and in ``reset_signals``) and re-arming is
+(autosymm.workspace.symm zeroes it when it creates the workspace and in ``reset_signals``) and re-arming is
 storing zeros. A real -0.0 input is sent as +0.0 (wire: the sign bit alone). This leaves every
 result bit unchanged, the sign of an all-zero sum included: the fp32 accumulator starts at +0.0
 and in round-to-nearest a sum is -0.0 only when both addends are, so the accumulator is never

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ..dispatch import Decision
+from ..runtime.dispatch import Decision
 from ..problem import Problem
-from ..replay import EagerReplay, wrap_eager
+from ..runtime.replay import EagerReplay, wrap_eager
 from .outcome import Candidate
 from .reference import ProblemData, check_output
 from .sweep import TimingPlan
@@ -43,7 +43,7 @@ class SweepEvaluator:
 
     def prepare(self, candidate: Candidate):
         launcher = self.backends[candidate.backend].prepare(self.problem, candidate.config, self.ctx)
-        if self.mode == "eager":  # what autosymm.group prepares for an eager call: replays where it can
+        if self.mode == "eager":  # what autosymm.runtime.group prepares for an eager call: replays where it can
             launcher = wrap_eager(launcher, Decision(candidate.backend, candidate.config, "tuning", mode="eager"))
         launcher = self.data.op.callable(self.data, launcher)
         self.data.refresh()
@@ -95,7 +95,7 @@ class SweepEvaluator:
 
     def reset(self) -> None:
         """Collective (every rank, in lock-step): zero the workspace's signal pads and error slots,
-        lined up on the control group (autosymm.symm.Workspace.reset_signals)."""
+        lined up on the control group (autosymm.workspace.symm.Workspace.reset_signals)."""
         ws = self.ctx.workspace
         if ws is not None and hasattr(ws, "reset_signals"):
             ws.reset_signals(self.control_group)

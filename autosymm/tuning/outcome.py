@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..configs import AnyConfig, config_fields, config_to_json
-from ..db_schema import PROVENANCE_COLUMNS, Key
+from ..db.schema import PROVENANCE_COLUMNS, Key
 from ..problem import Problem
 from .timing import Timing
 
@@ -82,7 +82,7 @@ class TuneOutcome:
 
     def rows(self, *, mode: str, hardware: str, provenance: Optional[dict] = None,
              created: Optional[str] = None) -> list[dict]:
-        """One database row (as a dict of autosymm.db.Row fields) per backend's best result, under
+        """One database row (as a dict of autosymm.db.store.Row fields) per backend's best result, under
         the key the dispatcher reads the problem by (``Key.for_problem``), with ``nccl_us`` the
         baseline's median of the same run. [] when the search aborted."""
         if self.aborted:

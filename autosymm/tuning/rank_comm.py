@@ -1,4 +1,4 @@
-"""The tuner's rank communication: who failed through autosymm.agreement (the one consensus
+"""The tuner's rank communication: who failed through autosymm.runtime.agreement (the one consensus
 mechanism), rank 0's word and the MAX of timings as small float64 tensors on the control group
 (no pickling), the identity without a process group; and calls under a timeout in a worker thread.
 
@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..agreement import Exchange
+from ..runtime.agreement import Exchange
 from .timing import Timing, comm_device, group_size
 
 
@@ -55,7 +55,7 @@ class RankComm:
         self.device = comm_device(group) if self.active else torch.device("cpu")
         self.src, self.channel = 0, None
         if self.active:
-            # the tuner's agreements (autosymm.agreement): a peer may still be preparing a
+            # the tuner's agreements (autosymm.runtime.agreement): a peer may still be preparing a
             # candidate (up to its prepare timeout), so they wait as long as the process group would
             self.channel = Exchange(group, self.rank, self.world_size, wait_s=dist.default_pg_timeout.total_seconds())
             try:
@@ -81,7 +81,7 @@ class RankComm:
 
     def agree(self, failed: bool, timed_out: bool = False) -> Agreement:
         """Who failed and who timed out, from this rank's two flags (an exchange through
-        autosymm.agreement, with the process group's deadline)."""
+        autosymm.runtime.agreement, with the process group's deadline)."""
         report = {"failed": bool(failed), "timed_out": bool(timed_out)}
         reports = self.channel.exchange(self.channel.round_tag("agree"), report) if self.active else [report]
         return Agreement(tuple(r for r, seen in enumerate(reports) if seen["failed"]),

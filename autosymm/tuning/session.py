@@ -142,8 +142,8 @@ class TuneSession:
         (None or '': a dry run); the settings' backends (``backends``: name -> Backend instead)."""
         import torch.distributed as dist
 
-        from ..db import TuningDB
-        from ..symm import get_workspace
+        from ..db.store import TuningDB
+        from ..workspace.symm import get_workspace
 
         group = group if group is not None else dist.group.WORLD
         device, workspace = comm_device(group), None
@@ -242,7 +242,7 @@ class TuneSession:
         """Rank 0 writes a tuned item's rows; a failure lands in ``item.reason``, never raised."""
         if self.rank != 0 or self.db is None or item.status != "tuned" or item.outcome is None:
             return
-        from ..db import Row
+        from ..db.store import Row
 
         try:
             rows = item.outcome.rows(mode=item.mode, hardware=self.hardware_slug, provenance=self.provenance)

@@ -1,7 +1,7 @@
 """Ranks emulated on ONE GPU: every rank's kernels launched concurrently from one process.
 
 Each rank gets a stream of its own and a workspace whose peer buffers are the other ranks'
-buffers on the same device (``autosymm.symm.simulated_workspaces(device="cuda")``), so the
+buffers on the same device (``autosymm.workspace.symm.simulated_workspaces(device="cuda")``), so the
 signal-pad barriers, peer loads and peer stores run on real hardware exactly as on W GPUs
 (correctness only: the "peers" are local HBM, nothing about NVLink speed is learnt).
 
@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from autosymm.geometry import MAX_PROGRAMS, MAX_WORLD_SIZE, SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK
-from autosymm.symm import Workspace, simulated_workspaces
+from autosymm.workspace.symm import Workspace, simulated_workspaces
 
 #: Pre-set count of every barrier slot during the load step (more than any case's waits).
 PRESET = 1 << 20

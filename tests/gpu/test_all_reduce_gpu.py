@@ -27,7 +27,7 @@ def _setup(rank, world_size):
     from autosymm.backends.nccl_all_reduce import BACKENDS as NCCL
     from autosymm.backends.torch_symm import BACKENDS as TORCH, ops_available
     from autosymm.backends.triton_all_reduce import BACKENDS as TRITON
-    from autosymm.symm import get_workspace
+    from autosymm.workspace.symm import get_workspace
 
     device = torch.device("cuda", rank)
     ws = get_workspace(dist.group.WORLD, device, all_reduce_bytes=8 << 20, moe_bytes=1 << 20)

@@ -26,7 +26,7 @@ def _missing_peer_body(rank, world_size):
     from autosymm.routing import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
     from autosymm.problem import MoEShape, Problem
     from autosymm.geometry import SIGNAL_BYTES
-    from autosymm.symm import get_workspace
+    from autosymm.workspace.symm import get_workspace
 
     assert int(MAX_POLLS.value) == POLLS, "the spawned rank must see the lowered limit"
     device = torch.device("cuda", rank)

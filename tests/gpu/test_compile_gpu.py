@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from autosymm.problem import MoEShape
-from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
+from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
 from _moe_ref import reference_dp_to_ep, rows_written
 
 from ._dist import requires_cuda, run_on_gpus

@@ -29,7 +29,7 @@ def _setup(rank, world_size):
     from autosymm.backends.base import Capabilities, RunContext
     from autosymm.backends.nccl_fused import BACKENDS as NCCL
     from autosymm.backends.triton_fused import BACKENDS as TRITON
-    from autosymm.symm import get_workspace
+    from autosymm.workspace.symm import get_workspace
 
     ws = get_workspace(dist.group.WORLD, torch.device("cuda", rank), all_reduce_bytes=160 << 20, moe_bytes=1 << 20)
     caps = Capabilities.of(world_size, workspace=ws, compute_capability=torch.cuda.get_device_capability())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autosymm.configs import MoEConfig
-from autosymm.routing import (make_expt_assignment, make_expt_dict_random, random_expt_indx, route)
+from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
 from _moe_ref import reference_dp_to_ep, reference_ep_to_dp, rows_written
 from autosymm.problem import DTYPE_NAMES, MoEShape
 
@@ -47,7 +47,7 @@ def _ctx(rank, world_size):
     import torch.distributed as dist
 
     from autosymm.backends.base import Capabilities, RunContext
-    from autosymm.symm import get_workspace
+    from autosymm.workspace.symm import get_workspace
 
     ws = get_workspace(dist.group.WORLD, torch.device("cuda", rank), all_reduce_bytes=1 << 20, moe_bytes=512 << 20)
     return RunContext(group=dist.group.WORLD, workspace=ws), Capabilities(world_size, moe_bytes=ws.capacity("moe"))

@@ -20,8 +20,7 @@ CASES = [(2, 256, 8, 8, torch.int32), (2, 1536, 160, 6, torch.int64), (3, 100, 1
 
 @pytest.mark.parametrize("world_size,n_tokens_local,n_expts,k,index_dtype", CASES)
 def test_kernel_splits_equal_the_torch_splits_on_cuda(world_size, n_tokens_local, n_expts, k, index_dtype):
-    from autosymm.backends.nccl_all_to_all import (DeviceSplits, dp_to_ep_splits, ep_to_dp_splits,
-                                                   owner_table)
+    from autosymm.backends.nccl_all_to_all import DeviceSplits, dp_to_ep_splits, ep_to_dp_splits, owner_table
 
     device = torch.device("cuda", 0)
     assignment = make_expt_assignment(world_size, n_expts, make_expt_dict_random(world_size, n_expts, seed=k), device)

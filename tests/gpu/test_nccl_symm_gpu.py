@@ -35,7 +35,7 @@ def _body(rank, world_size):
     from autosymm.backends.base import Capabilities, RunContext
     from autosymm.backends.nccl_symm import nccl_symm, nccl_version, registered
     from autosymm.problem import Problem
-    from autosymm.symm import get_workspace
+    from autosymm.workspace.symm import get_workspace
 
     group, device = dist.group.WORLD, torch.device("cuda", rank)
     ws = get_workspace(group, device, all_reduce_bytes=32 << 20, moe_bytes=1 << 20)

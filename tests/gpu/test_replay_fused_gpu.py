@@ -1,4 +1,4 @@
-"""The fused op's eager calls replayed or bound (autosymm.replay.FusedReplay) on real GPUs, both
+"""The fused op's eager calls replayed or bound (autosymm.runtime.replay.FusedReplay) on real GPUs, both
 launch styles (eager_launch 'replay' | 'direct'): repeated calls with new data at the same x,
 residual and weight, outputs dropped (the allocator hands their block out again: the same plan)
 and outputs held (new addresses: other plans), checked launches and graph-mode captures of the
@@ -71,9 +71,9 @@ def _configs(backend, problem):
 
 def _launcher_body(rank, world_size):
     from autosymm.backends.triton_fused import BACKENDS
-    from autosymm.dispatch import Decision
+    from autosymm.runtime.dispatch import Decision
     from autosymm.problem import DTYPE_NAMES, Problem
-    from autosymm.replay import FusedReplay, wrap_eager
+    from autosymm.runtime.replay import FusedReplay, wrap_eager
 
     ws, caps, ctx, _ = _setup(rank, world_size)
     for n_tokens, hidden, dtype in CASES:
@@ -99,10 +99,11 @@ def _launcher_body(rank, world_size):
 
 def _api_body(rank, world_size):
     import autosymm
-    from autosymm import api, replay
+    from autosymm import api
+    from autosymm.runtime import replay
     from autosymm.backends.triton_fused import triton_fused_one_shot
     from autosymm.collectives import ALL_REDUCE_RMSNORM
-    from autosymm.dispatch import Decision
+    from autosymm.runtime.dispatch import Decision
 
     autosymm.init()
     n_tokens, hidden, dtype = 4, 8192, torch.bfloat16

@@ -1,4 +1,4 @@
-"""Eager calls replayed from cached CUDA graphs (autosymm.replay) on real GPUs, checked against
+"""Eager calls replayed from cached CUDA graphs (autosymm.runtime.replay) on real GPUs, checked against
 NCCL: repeated calls with new data at one address, several addresses (more than the graphs
 kept), a freed and re-allocated address, a zero-copy buffer, calls on a side stream, and direct
 launches and graph-mode captures interleaved with the replays (the double-buffer epoch lives on
@@ -111,10 +111,10 @@ def _launcher_level(rank, world_size, check):
 
     from autosymm.backends.base import RunContext
     from autosymm.backends.triton_all_reduce import triton_one_shot, triton_one_shot_push, triton_two_shot
-    from autosymm.dispatch import Decision
+    from autosymm.runtime.dispatch import Decision
     from autosymm.problem import Problem
-    from autosymm.replay import EagerReplay, wrap_eager
-    from autosymm.symm import get_workspace
+    from autosymm.runtime.replay import EagerReplay, wrap_eager
+    from autosymm.workspace.symm import get_workspace
 
     ws = get_workspace(dist.group.WORLD, torch.device("cuda", rank))
     ctx = RunContext(group=dist.group.WORLD, workspace=ws)
@@ -141,7 +141,7 @@ def _api_level(check, world_size):
     """autosymm.all_reduce eagerly (replayed once wired) and inside captured graphs, interleaved."""
     import autosymm
     from autosymm import api
-    from autosymm.replay import EagerReplay, wrap_eager
+    from autosymm.runtime.replay import EagerReplay, wrap_eager
 
     x = torch.zeros(NUMELS[1], dtype=torch.bfloat16, device="cuda")
     autosymm.all_reduce(x)

@@ -27,7 +27,7 @@ def _setup(rank, world_size):
     from autosymm.backends.nccl_ordered import nccl_ordered_reduce_scatter
     from autosymm.backends.nccl_rs_ag import BACKENDS as NCCL
     from autosymm.backends.triton_rs_ag import BACKENDS as TRITON
-    from autosymm.symm import get_workspace
+    from autosymm.workspace.symm import get_workspace
 
     device = torch.device("cuda", rank)
     ws = get_workspace(dist.group.WORLD, device, all_reduce_bytes=16 << 20, moe_bytes=1 << 20)

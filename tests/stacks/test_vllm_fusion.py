@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 import vllm.distributed.parallel_state  # noqa: E402,F401  (registers torch.ops.vllm.all_reduce)
 import vllm.platforms.cuda  # noqa: E402,F401  (imports the extension stub: declares torch.ops._C's quant ops)
 from vllm import _custom_ops as ops  # noqa: E402
-from vllm.config import CompilationConfig, CompilationMode, DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config import (CompilationConfig, CompilationMode, DeviceConfig, VllmConfig, set_current_vllm_config)  # noqa: E402
 from vllm.compilation.passes.inductor_pass import pass_context  # noqa: E402
 from vllm.config.utils import Range  # noqa: E402
 from vllm.compilation.passes.ir.inplace_functionalization import VllmIRInplaceFunctionalizationPass  # noqa: E402

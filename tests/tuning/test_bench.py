@@ -9,15 +9,14 @@ from _gloo import run_gloo
 from rich.console import Console
 
 from autosymm.problem import MoEShape
-from autosymm.tuning import bench_baselines as bb
-from autosymm.tuning.bench import BenchOptions, BenchResult, BenchRow, moe_link_gbps, print_bench, write_bench_csv
-from autosymm.tuning.bench_report import (ALL_REDUCE_IMPLS, COPY_OTHERS, DEFAULT_SIZES, NO_COPY_OTHERS, best_of,
-                                          cells, compare, csv_rows, failures, losses, parse_bench_sizes, size_label,
-                                          worst_ratios)
+from autosymm.bench import baselines as bb
+from autosymm.bench.run import BenchOptions, BenchResult, BenchRow, moe_link_gbps, print_bench, write_bench_csv
+from autosymm.bench.report import (ALL_REDUCE_IMPLS, COPY_OTHERS, DEFAULT_SIZES, NO_COPY_OTHERS, best_of, cells,
+                                   compare, csv_rows, failures, losses, parse_bench_sizes, size_label, worst_ratios)
 
 
 def _bench(rank, world_size, options):
-    from autosymm.tuning.bench import bench_job
+    from autosymm.bench.run import bench_job
 
     return bench_job(rank, world_size, options)
 
@@ -79,7 +78,7 @@ def test_table_and_csv(result, tmp_path):
 
 def test_plot(result, tmp_path):
     pytest.importorskip("matplotlib")
-    from autosymm.tuning.plot import plot_bench
+    from autosymm.bench.plot import plot_bench
 
     path = tmp_path / "bench.png"
     plot_bench(result, str(path))

@@ -7,13 +7,13 @@ import pytest
 from _gloo import run_gloo
 from rich.console import Console
 
-from autosymm.tuning.bench import BenchOptions, print_bench
-from autosymm.tuning.bench_report import compare, cells, losses
-from autosymm.tuning.bench_rs_ag import SHARDED_IMPLS
+from autosymm.bench.run import BenchOptions, print_bench
+from autosymm.bench.report import compare, cells, losses
+from autosymm.bench.rs_ag import SHARDED_IMPLS
 
 
 def _bench(rank, world_size, options):
-    from autosymm.tuning.bench import bench_job
+    from autosymm.bench.run import bench_job
 
     return bench_job(rank, world_size, options)
 
@@ -55,6 +55,6 @@ def test_tables_print_each_op(result):
 def test_the_all_reduce_has_the_nccl_symm_baselines(result):
     notes = {r.impl: r.note for r in result.rows if r.op == "all_reduce" and r.label == "4KiB"}
     assert "no autosymm workspace" in notes["nccl_symm"] and "no autosymm workspace" in notes["nccl_symm_copy"]
-    from autosymm.tuning.bench_report import COPY_OTHERS, NO_COPY_OTHERS
+    from autosymm.bench.report import COPY_OTHERS, NO_COPY_OTHERS
 
     assert "nccl_symm" in NO_COPY_OTHERS and "nccl_symm_copy" in COPY_OTHERS

@@ -16,7 +16,7 @@ from autosymm.backends.triton_all_reduce import all_reduce_space
 from autosymm.kernels.barrier import max_wait_s
 from autosymm.problem import Problem
 from autosymm.geometry import ERROR_SLOTS_OFFSET, SIGNAL_CHANNEL, workspace_layout
-from autosymm.symm import Workspace
+from autosymm.workspace.symm import Workspace
 from autosymm.tuning.evaluator import BarrierTimeout, SweepEvaluator
 from autosymm.tuning.outcome import Candidate
 from autosymm.tuning.sweep import TimingPlan, measure_timeout_s
@@ -221,9 +221,9 @@ def test_a_barrier_timeout_on_one_rank_fails_the_candidate_everywhere_and_the_sw
 
 
 def test_eager_candidates_are_timed_as_the_runtime_runs_them():
-    """An eager Triton all-reduce candidate is wrapped as autosymm.group wraps it (replay.wrap_eager)
+    """An eager Triton all-reduce candidate is wrapped as autosymm.runtime.group wraps it (replay.wrap_eager)
     and every timing input is planned before the clock runs: the timed calls are hits."""
-    from autosymm.replay import EagerReplay
+    from autosymm.runtime.replay import EagerReplay
 
     ws = CpuWorkspace()
 

@@ -1,4 +1,4 @@
-"""The plain MoE path's bookkeeping (autosymm.tuning.moe_plain.plain_rows) against the routing
+"""The plain MoE path's bookkeeping (autosymm.bench.moe_plain.plain_rows) against the routing
 layout of the reference conversions, over 3 simulated ranks. The plain callables themselves run
 over gloo in tests/tuning/test_bench.py (checked against the NCCL path through plain_rows)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autosymm.routing import make_expt_assignment, make_expt_dict_random, random_expt_indx, route
-from autosymm.tuning.moe_plain import plain, plain_rows
+from autosymm.bench.moe_plain import plain, plain_rows
 from _moe_ref import reference_dp_to_ep, reference_ep_to_dp
 
 WORLD, TOKENS, EXPERTS, K, D = 3, 5, 7, 2, 4

@@ -3,9 +3,9 @@ call by (one key, Key.for_problem), so a tuned problem is served by its own row.
 
 from autosymm.backends import Capabilities
 from autosymm.configs import AllReduceConfig, MoEConfig
-from autosymm.db import Key, Row, TuningDB
-from autosymm.db_read import DBSource
-from autosymm.dispatch import decide
+from autosymm.db.store import Key, Row, TuningDB
+from autosymm.db.read import DBSource
+from autosymm.runtime.dispatch import decide
 from autosymm.problem import MoEShape, Problem
 from autosymm.tuning.outcome import Candidate, TrialResult, TuneOutcome
 from autosymm.tuning.timing import Timing

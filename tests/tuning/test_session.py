@@ -77,7 +77,7 @@ def _backends(world_size, max_nbytes=1 << 30):
 def _session_ranks(rank, world_size, db_path, job_db_path):
     import torch.distributed as dist
 
-    from autosymm.db import TuningDB
+    from autosymm.db.store import TuningDB
     from autosymm.tuning import session as session_module
     from autosymm.tuning.session import TuneSession
 

@@ -33,7 +33,7 @@ def test_default_sweep_and_modes():
     assert len({p.bucket for p in ar}) == len(ar) == 33  # each size its own rows
     moe = [p for p in problems if p.op != "all_reduce"]
     assert len(moe) == 4 * 2 * 8 and {p.n_tokens_local for p in moe} == {1, 4, 16, 64, 256, 1024, 4096, 8192}
-    from autosymm.cli import DEFAULT_TOKENS, TUNE_SIZES, _parse_tokens
+    from autosymm.cli.main import DEFAULT_TOKENS, TUNE_SIZES, _parse_tokens
 
     assert _parse_tokens(DEFAULT_TOKENS) == list(MOE_TOKENS), "`autosymm tune`'s default is the default sweep's"
     assert TUNE_SIZES == ALL_REDUCE_SIZES_SPEC and parse_size_range(TUNE_SIZES) == list(ALL_REDUCE_SIZES)
@@ -50,7 +50,7 @@ def test_default_sweep_and_modes():
 def test_any_shape_and_token_list_parse_for_tune():
     import click
 
-    from autosymm.cli import _parse_shapes, _parse_tokens
+    from autosymm.cli.main import _parse_shapes, _parse_tokens
 
     shapes = _parse_shapes("DeepSeek-V3, d5120_e160_k6,d4096_e8_k2")
     assert shapes == {"DeepSeek-V3": MODEL_SHAPES["deepseek-v3"], "d5120_e160_k6": MoEShape(5120, 160, 6),

@@ -7,7 +7,7 @@ import math
 import pytest
 from _gloo import run_gloo
 
-from autosymm.tuning.timing import (HostClock, Timing, comm_device, max_over_ranks, percentile, time_eager, time_graph)
+from autosymm.tuning.timing import HostClock, Timing, comm_device, max_over_ranks, percentile, time_eager, time_graph
 
 
 class FakeClock:

@@ -216,7 +216,7 @@ def test_rows_one_per_backend_with_nccl_baseline():
     assert by_backend["nccl"]["config"] == "{}" and by_backend["nccl"]["speedup"] == pytest.approx(1.0)
     assert by_backend["triton_two_shot"]["trials"] == 12 and by_backend["triton_one_shot"]["trials"] == 8
     try:
-        from autosymm.db import Row
+        from autosymm.db.store import Row
     except Exception:  # db.py is written elsewhere; skip the round trip without it
         return
     assert all(Row(**r).backend == r["backend"] for r in rows)

@@ -148,7 +148,7 @@ def quick_sweep(rank: int, backends: dict, problems: list):
     the gloo world, eager only, with a short timing plan."""
     import torch.distributed as dist
 
-    from autosymm.db import TuningDB
+    from autosymm.db.store import TuningDB
     from autosymm.tuning.session import TuneSession, TuneSettings
     from autosymm.tuning.sweep import TimingPlan
 

@@ -35,22 +35,22 @@ class AllReduceTuning(TuningOp):
         return triton_all_reduce.largest_stage_bytes(problem.nbytes, problem.world_size), 0
 
     def bench_rows(self):
-        from ..bench import all_reduce_rows
+        from ...bench.run import all_reduce_rows
 
         return all_reduce_rows
 
     def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ..bench_report import COPY_OTHERS, NO_COPY_OTHERS
+        from ...bench.report import COPY_OTHERS, NO_COPY_OTHERS
 
         return NO_COPY_OTHERS, COPY_OTHERS
 
     def bench_table(self, result):
-        from ..bench_report import all_reduce_table
+        from ...bench.report import all_reduce_table
 
         return all_reduce_table(result)
 
     def bench_pool_bytes(self, sizes: list[int], world_size: int) -> int:
-        from ..bench_baselines import pool_bytes
+        from ...bench.baselines import pool_bytes
 
         return pool_bytes(sizes, world_size)
 

@@ -89,17 +89,17 @@ class FusedTuning(TuningOp):
         return call
 
     def bench_rows(self):
-        from ..bench_fused import fused_rows
+        from ...bench.fused import fused_rows
 
         return fused_rows
 
     def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ..bench_fused import OTHERS
+        from ...bench.fused import OTHERS
 
         return OTHERS, OTHERS
 
     def bench_table(self, result):
-        from ..bench_fused import fused_table
+        from ...bench.fused import fused_table
 
         return fused_table(result, self.name)
 

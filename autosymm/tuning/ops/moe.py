@@ -60,17 +60,17 @@ class MoETuning(TuningOp):
                                    problem.world_size)
 
     def bench_rows(self):
-        from ..bench import moe_rows
+        from ...bench.run import moe_rows
 
         return moe_rows
 
     def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ..bench_report import MOE_OTHERS
+        from ...bench.report import MOE_OTHERS
 
         return MOE_OTHERS, MOE_OTHERS
 
     def bench_table(self, result):
-        from ..bench_report import moe_table
+        from ...bench.report import moe_table
 
         return moe_table(result, self.name)
 

@@ -56,22 +56,22 @@ class ShardedTuning(TuningOp):
         return [(out, inp, data.counts) for out, inp in zip(data.outputs, data.timing)]
 
     def bench_rows(self):
-        from ..bench_rs_ag import sharded_rows
+        from ...bench.rs_ag import sharded_rows
 
         return sharded_rows
 
     def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ..bench_rs_ag import COPY_OTHERS, NO_COPY_OTHERS
+        from ...bench.rs_ag import COPY_OTHERS, NO_COPY_OTHERS
 
         return NO_COPY_OTHERS, COPY_OTHERS
 
     def bench_table(self, result):
-        from ..bench_rs_ag import sharded_table
+        from ...bench.rs_ag import sharded_table
 
         return sharded_table(result, self.name)
 
     def bench_pool_bytes(self, sizes: list[int], world_size: int) -> int:
-        from ..bench_rs_ag import sharded_pool_bytes
+        from ...bench.rs_ag import sharded_pool_bytes
 
         return sharded_pool_bytes(sizes, world_size)
 

@@ -1,7 +1,7 @@
 """The all-reduce implementations `autosymm bench` measures, each as its users run it at its best,
 how a measurement is planned, and how an output is checked against NCCL's.
 
-Implementations (names as in autosymm.tuning.bench_report.ALL_REDUCE_IMPLS); each is built for
+Implementations (names as in autosymm.bench.report.ALL_REDUCE_IMPLS); each is built for
 one size as an :class:`Impl` whose ``launch(*args)`` returns the output tensor:
 
 * ``nccl``: ``dist.all_reduce(x)`` on a plain tensor, in place.

@@ -1,6 +1,6 @@
 """Which tuned rows may serve a call that was not tuned at its exact size, and how long each
 would take there: a model fitted to the rows. Pure functions of the call and the rows, so every
-rank that reads the same databases gets the same answer (autosymm.dispatch decides with them).
+rank that reads the same databases gets the same answer (autosymm.runtime.dispatch decides with them).
 
 Points. A row is tuned at one size, its ``bucket`` (bytes for all-reduce, tokens per rank for
 MoE; autosymm.problem). A call of size n uses the rows at n when there are any, else those at its
@@ -32,9 +32,9 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from .configs import AllReduceConfig
-from .db_schema import Row
-from .problem import DTYPES, MoEShape, Problem
+from ..configs import AllReduceConfig
+from ..db.schema import Row
+from ..problem import DTYPES, MoEShape, Problem
 
 _ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 assert set(_ELEM_BYTES) == set(DTYPES)

@@ -23,9 +23,9 @@ from typing import Sequence, Union
 
 import torch
 
-from .backends import get_backend
-from .geometry import MOE_REGION, grown_moe_bytes, moe_region_bytes
-from .problem import DTYPES, MODEL_SHAPES, MoEShape, Problem, dtype_name
+from ..backends import get_backend
+from ..geometry import MOE_REGION, grown_moe_bytes, moe_region_bytes
+from ..problem import DTYPES, MODEL_SHAPES, MoEShape, Problem, dtype_name
 
 log = logging.getLogger("autosymm")
 
@@ -70,7 +70,7 @@ def plans_region_bytes(plans: Sequence[MoEPlan], world_size: int) -> int:
 
 def agree(group, plans: Sequence[MoEPlan], moe_max_bytes, wrong: str = "") -> tuple[int, int]:
     """(MoE region bytes the plans need, moe_max_bytes or -1), the same on every rank of
-    ``group`` (an exchange with a deadline, autosymm.agreement); a ValueError on every rank when
+    ``group`` (an exchange with a deadline, autosymm.runtime.agreement); a ValueError on every rank when
     the ranks were given different ones, or one of them could not read its plans, or found
     ``wrong`` with init's other arguments (its message)."""
     import torch.distributed as dist
@@ -96,7 +96,7 @@ def agree(group, plans: Sequence[MoEPlan], moe_max_bytes, wrong: str = "") -> tu
 def checked_max_bytes(moe_max_bytes) -> int:
     """``moe_max_bytes`` of ``autosymm.init``: a whole number of bytes >= 0 (0: never grow), at most
     settings.MAX_WORKSPACE_BYTES; TypeError or ValueError naming the value otherwise."""
-    from .settings import MAX_WORKSPACE_BYTES
+    from ..settings import MAX_WORKSPACE_BYTES
 
     import operator
 
@@ -128,7 +128,7 @@ def prepare(state, problem: Problem, mode: str):
     """``state.prepare(problem, mode)`` for a MoE call, after growing the region (eager) or
     raising a clear error (graph) where only room stops the Triton conversion."""
     if state.workspace is not None:
-        from .backends.triton_moe import TRITON_MOE, fits, region_bytes_for
+        from ..backends.triton_moe import TRITON_MOE, fits, region_bytes_for
 
         caps = state.caps
         if mode == "eager":
@@ -143,7 +143,7 @@ def prepare(state, problem: Problem, mode: str):
 
 
 def graph_room_message(problem: Problem, have: int) -> str:
-    from .backends.triton_moe import buffer_bytes, region_bytes_for
+    from ..backends.triton_moe import buffer_bytes, region_bytes_for
 
     shape, dtype = problem.shape, str(DTYPES[problem.dtype]).replace("torch.", "")
     return (f"autosymm: {problem.describe()} inside a CUDA-graph capture needs a MoE workspace region of "
@@ -192,7 +192,7 @@ def grow_region(ws, name: str, nbytes: int) -> bool:
     import torch.distributed._symmetric_memory as symm_mem
 
     from .agreement import Exchange
-    from .symm import peer_buffers
+    from ..workspace.symm import peer_buffers
 
     try:
         buffer = symm_mem.empty((nbytes,), dtype=torch.uint8, device=ws.device)

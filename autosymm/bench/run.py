@@ -1,6 +1,6 @@
 """`autosymm bench`: autosymm against NCCL and torch's symmetric-memory ops, each run the way its
-users run it at its best (autosymm.tuning.bench_baselines), reported by
-autosymm.tuning.bench_report.
+users run it at its best (autosymm.bench.baselines), reported by
+autosymm.bench.report.
 
 Runs in every worker (autosymm.tuning.workers, which leaves the environment as the caller set
 it: NCCL may use NVLS where the user lets it; the result records the variables). Per size or
@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 
 from ..problem import MoEShape, Problem
-from . import ops as tuning_ops
-from .bench_baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output, nccl_symm_why_not,
-                              torch_ops_why_not, zero_copy_why_not)
-from .bench_report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, moe_link_gbps, print_bench, size_label,
-                           write_bench_csv)
+from ..tuning import ops as tuning_ops
+from .baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output, nccl_symm_why_not,
+                        torch_ops_why_not, zero_copy_why_not)
+from .report import ALL_REDUCE_IMPLS, BenchResult, BenchRow, moe_link_gbps, print_bench, size_label, write_bench_csv
 
 __all__ = ["BenchOptions", "BenchResult", "BenchRow", "bench_job", "moe_link_gbps", "print_bench", "write_bench_csv"]
 
@@ -52,7 +51,7 @@ class BenchOptions:
 
 def _measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device: torch.device) -> float:
     """Median us per call of ``fn`` in ``mode`` under ``plan``, MAX over the ranks of ``group``."""
-    from .timing import max_over_ranks, time_eager, time_graph
+    from ..tuning.timing import max_over_ranks, time_eager, time_graph
 
     if device.type != "cuda":  # gloo (the CPU tests): a token measurement of the same code path
         plan = replace(plan, calls=2, repeats=3, warmup_calls=1)
@@ -67,16 +66,16 @@ def _measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device:
 
 
 def _agree(ok: bool, group) -> bool:
-    """True on every rank iff ``ok`` on every rank (autosymm.agreement): measuring starts with a
+    """True on every rank iff ``ok`` on every rank (autosymm.runtime.agreement): measuring starts with a
     host barrier, so all ranks must make the same choice (or the ones that measure wait forever)."""
-    from ..agreement import Exchange
+    from ..runtime.agreement import Exchange
 
     return not Exchange(group, dist.get_rank(group), dist.get_world_size(group)).all_ok("bench", ok)
 
 
 def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
     """(read, write) GB/s of this GPU to its next peer through the workspace, MAX-time over ranks."""
-    from .timing import max_over_ranks, time_eager
+    from ..tuning.timing import max_over_ranks, time_eager
 
     peer = (workspace.rank + 1) % workspace.world_size
     nbytes = min(nbytes, workspace.capacity("all_reduce"))
@@ -176,14 +175,14 @@ def _moe_equal(got, expected, to_experts: bool, expt_indx, assignment, rank) -> 
 
 
 def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
-    """autosymm's, the NCCL all_to_all path's and the plain path's (autosymm.tuning.moe_plain)
+    """autosymm's, the NCCL all_to_all path's and the plain path's (autosymm.bench.moe_plain)
     rows for one MoE problem: every output checked against the NCCL path's (the reference; the
     plain path's rows in its arrival order), then timed in every mode it can run in."""
     import autosymm
 
     from ..backends import RunContext, get_backend
     from .moe_plain import NOT_CAPTURABLE, PLAIN_IMPL, plain, plain_rows
-    from .ops import get as tuning_op
+    from ..tuning.ops import get as tuning_op
 
     rank, world_size = dist.get_rank(setup.group), dist.get_world_size(setup.group)
     nbytes = problem.nbytes * problem.shape.n_expts_act  # the rows each rank sends
@@ -233,7 +232,7 @@ def _moe_args(op, shape: MoEShape, tokens: int, setup: Setup, assignment) -> tup
 def moe_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
     """The MoE conversions' rows (of those in ``options.ops``): per shape, token count and op."""
     from ..routing import make_expt_assignment, make_expt_dict_uniform
-    from .ops import DP_TO_EP, EP_TO_DP
+    from ..tuning.ops import DP_TO_EP, EP_TO_DP
 
     world_size = dist.get_world_size(setup.group)
     rows = []
@@ -258,9 +257,9 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
     import autosymm
 
     from ..problem import DTYPES
-    from ..symm import get_workspace
-    from .session import sweep_problems, workspace_bytes
-    from .timing import comm_device
+    from ..workspace.symm import get_workspace
+    from ..tuning.session import sweep_problems, workspace_bytes
+    from ..tuning.timing import comm_device
 
     group = dist.group.WORLD
     device = comm_device(group)

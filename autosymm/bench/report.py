@@ -19,11 +19,11 @@ from typing import Optional
 from ..collectives import ALL_REDUCE
 from ..problem import format_bytes, parse_bytes, parse_size_range
 
-#: All-reduce implementations, in table order (see autosymm.tuning.bench_baselines).
+#: All-reduce implementations, in table order (see autosymm.bench.baselines).
 ALL_REDUCE_IMPLS = ("nccl", "nccl_symm", "torch_one_shot", "torch_two_shot", "nccl_symm_copy", "torch_one_shot_copy",
                     "torch_two_shot_copy", "autosymm", "autosymm_zero_copy")
 #: MoE conversion implementations: autosymm's dispatcher, its NCCL all_to_all path (backend
-#: nccl_all_to_all) and the plain path a user writes (autosymm.tuning.moe_plain).
+#: nccl_all_to_all) and the plain path a user writes (autosymm.bench.moe_plain).
 MOE_IMPLS = ("autosymm", "nccl", "plain_all_to_all")
 MOE_OTHERS = ("nccl", "plain_all_to_all")
 AUTOSYMM_IMPLS = ("autosymm", "autosymm_zero_copy")
@@ -82,7 +82,7 @@ def size_label(nbytes: int) -> str:
 
 def others_of(op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(no-copy others, with-copy others) autosymm is compared with for ``op`` (its tuning module's)."""
-    from .ops import get
+    from ..tuning.ops import get
 
     return get(op).bench_others()
 
@@ -253,7 +253,7 @@ def print_bench(result: BenchResult, console) -> None:
     """The tables of ``result``, then where autosymm loses and what was not timed."""
     console.print(f"{result.hardware.get('topology')}: peer read {result.peer_read_gbps:.1f} GB/s, "
                   f"peer write {result.peer_write_gbps:.1f} GB/s; {result.comm_env or 'comm env not recorded'}")
-    from . import ops as tuning_ops
+    from ..tuning import ops as tuning_ops
 
     for op in tuning_ops.ALL:  # registry order: each measured op's table
         table = op.bench_table(result) if any(r.op == op.name for r in result.rows) else None

@@ -1,4 +1,4 @@
-"""Opening a tuning-database file as untrusted data (see autosymm.db): connections, locks, a bound
+"""Opening a tuning-database file as untrusted data (see autosymm.db.store): connections, locks, a bound
 on query time, hot journals, and which schema version a file holds.
 
 A file's own schema never runs code of its making on autosymm's behalf: every connection has
@@ -21,7 +21,7 @@ from typing import Optional
 
 import sqlite_utils
 
-from .db_schema import SCHEMA_VERSION, V0_COLUMNS, CorruptDatabaseError, DatabaseVersionError, TuningDBError
+from .schema import SCHEMA_VERSION, V0_COLUMNS, CorruptDatabaseError, DatabaseVersionError, TuningDBError
 
 #: How long a read (and `autosymm db merge`'s write) waits for another process's lock, seconds.
 LOCK_WAIT_S = 3.0

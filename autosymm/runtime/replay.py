@@ -57,7 +57,7 @@ that tensor (:class:`HotCall`: group, dtype, numel, the api entry and the plan),
 autosymm.api's hit path checks a handful of attributes and calls the plan, skipping the cache
 key and this wrapper. autosymm.api registers a plan after the wrapper made it; the wrapper
 forgets an evicted address (:func:`forget`); a change of the staging limits (a workspace's
-``empty_bytes``: autosymm.symm) or ``autosymm.reset`` forgets them all (:func:`forget_all`).
+``empty_bytes``: autosymm.workspace.symm) or ``autosymm.reset`` forgets them all (:func:`forget_all`).
 Calls through the table do not touch the wrapper, so they do not refresh its LRU order: with
 more live addresses than ``max_graphs`` per prepared call, the plan made longest ago goes first.
 
@@ -79,8 +79,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import settings
-from .epilogue import DEFAULT as DEFAULT_EPILOGUE
+from .. import settings
+from ..epilogue import DEFAULT as DEFAULT_EPILOGUE
 
 log = logging.getLogger("autosymm")
 
@@ -339,7 +339,7 @@ class FusedReplay(EagerReplay):
         """A call without a valid plan: no aliasing of its tensors (checked before anything runs),
         then the launcher (all checks), or at the key's ``capture_after``-th call its bound launch
         (checked by ``bind``), captured or memoised."""
-        from .collectives.all_reduce_rmsnorm import check_disjoint
+        from ..collectives.all_reduce_rmsnorm import check_disjoint
 
         check_disjoint(x, residual, weight)
         launcher = self.launcher

@@ -31,8 +31,8 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
-from . import settings
-from .dist_compat import group_name
+from .. import settings
+from ..dist_compat import group_name
 
 _GENERATIONS: dict[str, int] = {}
 

@@ -1,5 +1,5 @@
 """`autosymm bench` of the reduce-scatter and the all-gather: autosymm against NCCL and torch's
-symmetric-memory ops, each run as its users run it at its best (the rules of autosymm.tuning.bench:
+symmetric-memory ops, each run as its users run it at its best (the rules of autosymm.bench.run:
 every output checked against NCCL's first, then timed eager and graph, MAX over ranks).
 
 Implementations (:data:`SHARDED_IMPLS`), per size (bytes of the full, unsharded tensor):
@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from ..backends.nccl_rs_ag import pick_collective
 from ..problem import DTYPE_NAMES, Problem
-from .bench_baselines import Impl, Setup, bench_plan, check_output, pool_bytes
-from .bench_report import BenchRow, cells, compare, size_label
+from .baselines import Impl, Setup, bench_plan, check_output, pool_bytes
+from .report import BenchRow, cells, compare, size_label
 
 SHARDED_IMPLS = ("nccl", "torch_low_contention", "torch_low_contention_copy", "torch_multimem", "autosymm",
                  "autosymm_zero_copy")
@@ -105,7 +105,7 @@ def _op_size_rows(tuning, nbytes: int, modes: list[str], setup: Setup, caps) -> 
     result on the same data the reference)."""
     import autosymm
 
-    from .bench import _agree, _measure
+    from .run import _agree, _measure
 
     world_size, rank = dist.get_world_size(setup.group), dist.get_rank(setup.group)
     op, reduces = tuning.name, tuning.full_input
@@ -149,7 +149,7 @@ def _op_size_rows(tuning, nbytes: int, modes: list[str], setup: Setup, caps) -> 
 
 def sharded_rows(options, setup: Setup, caps) -> list[BenchRow]:
     """The reduce-scatter's and the all-gather's rows (those in ``options.ops``) at every size."""
-    from . import ops as tuning_ops
+    from ..tuning import ops as tuning_ops
 
     sharded = [op for op in tuning_ops.ALL if op.bench_rows() is sharded_rows and op.name in options.ops]
     return [row for op in sharded for nbytes in options.sizes

@@ -2,13 +2,13 @@
 lookup gets from them, and what a key's winner is.
 
 Precedence: the user database first, then the shipped ones (:func:`open_sources`). A key's rows
-are the valid rows of that key (autosymm.db_schema.Key: hardware, world size, op, dtype, bucket,
+are the valid rows of that key (autosymm.db.schema.Key: hardware, world size, op, dtype, bucket,
 shape, mode) in the **first database holding any valid row for it**: a user's tune of a point
 replaces the shipped point whole, never mixes with it.
 
 **The winner** of a key is the fastest of its rows (ties: backend name). That is what
 ``autosymm show`` lists per key (:func:`winners`) and what the dispatcher serves at a tuned
-point when its backend can serve the call (autosymm.dispatch: else the next fastest of the same
+point when its backend can serve the call (autosymm.runtime.dispatch: else the next fastest of the same
 rows; off a tuned point it models the rows of the neighbouring points, each from its own first
 database). A file's ``winners`` view gives the same for that file alone, bad rows included; it
 is there for the ``sqlite3`` command line and never read by autosymm.
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .db import DatabaseLockedError, QueryTimeoutError, TuningDB, rows_digest
-from .db_schema import KEY_COLUMNS, NCCL_TRUST_MARGIN, Key, Row, nccl_trust, row_matches, where_clause
-from .hardware import nccl_version
+from .store import DatabaseLockedError, QueryTimeoutError, TuningDB, rows_digest
+from .schema import KEY_COLUMNS, NCCL_TRUST_MARGIN, Key, Row, nccl_trust, row_matches, where_clause
+from ..hardware import nccl_version
 
 log = logging.getLogger("autosymm")
 
@@ -48,11 +48,11 @@ class DBSource:
         self._rows = self.db.rows()
 
     def digest(self) -> str:
-        """The digest of the rows this source serves (autosymm.db.rows_digest): what ranks agree on."""
+        """The digest of the rows this source serves (autosymm.db.store.rows_digest): what ranks agree on."""
         return rows_digest(self._rows)
 
     def nccl_note(self, running: str) -> str:
-        """What the NCCL trust rule (autosymm.db_schema.nccl_trust) does with this source's rows
+        """What the NCCL trust rule (autosymm.db.schema.nccl_trust) does with this source's rows
         under the running NCCL ``running``: '' when no row was measured with another major.minor."""
         judged = [(row, nccl_trust(row, running)) for row in self._rows]
         other = [(row, trusted) for row, (trusted, note) in judged if note]
@@ -103,7 +103,7 @@ class Lookup:
 
 def winners(sources: Sequence[DBSource], **filters: Any) -> list[tuple[str, Row]]:
     """(source label, winner) of every key (see the module docstring) passing ``filters`` (the
-    columns of autosymm.db.TuningDB.rows): key columns choose the keys; ``backend`` and ``gpu``
+    columns of autosymm.db.store.TuningDB.rows): key columns choose the keys; ``backend`` and ``gpu``
     filter the winners chosen (a key whose winner is another backend is left out). Sorted by key."""
     where_clause(filters)  # checks the names
     by_key = {c: v for c, v in filters.items() if c in KEY_COLUMNS}
@@ -124,7 +124,7 @@ def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSou
     """Open the user DB (if it exists) and the shipped DBs, read-only, user first, and read their rows.
 
     A missing file is skipped; one that cannot be used (not SQLite, empty, foreign, a newer
-    schema: autosymm.db.verdict) is skipped with a warning naming it and why (the decisions then
+    schema: autosymm.db.store.verdict) is skipped with a warning naming it and why (the decisions then
     fall back), never misread. A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
     raises (DatabaseLockedError / QueryTimeoutError, naming the file): at a group's first call it
     goes through the ranks' agreement, so every rank takes NCCL and rank 0 says why. A source

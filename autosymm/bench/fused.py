@@ -1,7 +1,7 @@
 """`autosymm bench` of the fused all-reduce + residual add + RMSNorm (``--ops all_reduce_rmsnorm``):
 autosymm's dispatcher against the composition through NCCL (backend ``nccl_fused``) and FlashInfer's
 fused call as vLLM runs it (backend ``flashinfer_fused``, FlashInfer's own one-shot heuristic and
-fp32 accumulation), under the rules of autosymm.tuning.bench: every output checked against the
+fp32 accumulation), under the rules of autosymm.bench.run: every output checked against the
 NCCL composition's first, then timed eager and graph, MAX over ranks. Points: the op's default
 hidden sizes (autosymm.collectives.all_reduce_rmsnorm.HIDDEN) x ``--tokens`` per rank.
 
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from ..collectives import ALL_REDUCE_RMSNORM
 from ..collectives.all_reduce_rmsnorm import HIDDEN
 from ..problem import DTYPE_NAMES, Problem
-from .bench_baselines import Setup, bench_plan
-from .bench_report import BenchRow, cells, compare
+from .baselines import Setup, bench_plan
+from .report import BenchRow, cells, compare
 
 FUSED_IMPLS = ("nccl_fused", "flashinfer_fused", "autosymm")
 OTHERS = ("nccl_fused", "flashinfer_fused")
@@ -64,7 +64,7 @@ def _close(got, want) -> bool:
 
 
 def _point_rows(problem: Problem, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
-    from .bench import _agree, _measure
+    from .run import _agree, _measure
 
     label = f"h{problem.hidden} {problem.n_tokens_local} tok"
     checked, timing = _args(problem, setup, bench_plan(problem.nbytes, "eager").n_inputs)

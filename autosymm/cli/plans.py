@@ -14,12 +14,12 @@ from typing import NamedTuple, Optional
 
 import click
 
-from . import collectives, settings
-from .collectives import PointRequest
-from .collectives.moe import TOKENS
-from .problem import MODES, Problem, format_bytes, parse_bytes, parse_size_range
-from .settings import MAX_WORKSPACE_BYTES
-from .units import MAX_SIZE
+from .. import collectives, settings
+from ..collectives import PointRequest
+from ..collectives.moe import TOKENS
+from ..problem import MODES, Problem, format_bytes, parse_bytes, parse_size_range
+from ..settings import MAX_WORKSPACE_BYTES
+from ..units import MAX_SIZE
 
 DEFAULT_SIZES = "4KiB:256MiB"
 DEFAULT_TOKENS = ",".join(map(str, TOKENS))  # the MoE records' default tuning points
@@ -87,7 +87,7 @@ def check_hardware(target: Target, sources, whose: str) -> None:
 def explained_epilogue(opts: dict, shape_param: str):
     """The fused op's epilogue of `explain`'s --epilogue, or of --quant/--gemma/--no-residual
     (None: not the fused op, or the default); a usage error naming the option otherwise."""
-    from .collectives.fused_epilogue import DEFAULT, Epilogue, parse_epilogues
+    from ..collectives.fused_epilogue import DEFAULT, Epilogue, parse_epilogues
 
     flags = opts["quant"] is not None or opts["gemma"] or opts["no_residual"]
     if (flags or opts["epilogue"]) and shape_param != "hidden":
@@ -156,8 +156,8 @@ def _checked_bytes(text: str, size: int, target: Target) -> int:
 def offline_caps(target: Target):
     """Capabilities assumed when explaining for another machine: the default workspace (or
     AUTOSYMM_WORKSPACE_BYTES), intra-node (autosymm.backends.Capabilities.of)."""
-    from .backends import Capabilities
-    from .settings import default_region_bytes
+    from ..backends import Capabilities
+    from ..settings import default_region_bytes
 
     cc = (9, 0) if any(name in target.gpu.upper() for name in ("H100", "H200", "H800", "H20", "GH200")) else (8, 0)
     return Capabilities.of(target.world_size, region_bytes=default_region_bytes(), compute_capability=cc)
@@ -168,7 +168,7 @@ def cannot_serve(decision, problem: Problem, caps, mode: str) -> Optional[tuple[
     cannot serve it in ``mode`` (NCCL's all_to_all inside a CUDA-graph capture); the remedy is
     the one the skipped backends name (autosymm.init(moe=[autosymm.MoEPlan(...)])) or ''.
     None when the backend serves the call."""
-    from .backends import get_backend
+    from ..backends import get_backend
 
     try:
         why = get_backend(decision.backend).why_not(problem, caps, mode)
@@ -182,7 +182,7 @@ def cannot_serve(decision, problem: Problem, caps, mode: str) -> Optional[tuple[
 
 def explain_lines(problem: Problem, modes, target: Target, sources) -> list[str]:
     """`explain`'s lines for one call: the decision per mode and the faster rows passed over."""
-    from .dispatch import decide
+    from ..runtime.dispatch import decide
 
     caps, lines = offline_caps(target), []
     for mode in modes:
@@ -200,7 +200,7 @@ def explain_lines(problem: Problem, modes, target: Target, sources) -> list[str]
 def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: Optional[int] = None,
          epilogue=None) -> None:
     """One table per op: the decision at every default and tuned size (or shape x token count)."""
-    from .dispatch import decide
+    from ..runtime.dispatch import decide
 
     hardware, gpu, world_size, dtype = target
     caps, deterministic = offline_caps(target), settings.deterministic()
@@ -255,7 +255,7 @@ def _plan_problems(record, target: Target, sources, moe_shape, hidden: Optional[
 
 
 def _short_config_obj(config) -> str:
-    from .configs import config_fields
+    from ..configs import config_fields
 
     if config is None:
         return "-"

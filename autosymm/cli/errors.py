@@ -20,7 +20,7 @@ from typing import Iterator
 
 import click
 
-from .logs import debug_enabled
+from ..logs import debug_enabled
 
 #: Exceptions a user's input or environment causes (RuntimeError: torch's CUDA/NCCL failures, a
 #: failed tune worker, no GPU for --nproc): shown as their message alone.

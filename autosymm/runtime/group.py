@@ -1,5 +1,5 @@
 """A process group's autosymm state: what the first call found out, agreed by every rank (see
-autosymm.agreement), and the prepared calls (keys: autosymm.collectives.base). autosymm.api (the
+autosymm.runtime.agreement), and the prepared calls (keys: autosymm.collectives.base). autosymm.api (the
 public functions) and autosymm.fused build on it.
 """
 
@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from . import dispatch, settings
+from . import dispatch
+from .. import settings
 from .agreement import AgreementError, Exchange, problems
 from .call_check import CheckedCache
-from .backends import Capabilities, RunContext, get_backend
+from ..backends import Capabilities, RunContext, get_backend
 from .dispatch import Decision
-from .dist_compat import check_group, group_device
-from .problem import Problem
+from ..dist_compat import check_group, group_device
+from ..problem import Problem
 from .replay import wrap_eager
 
 log = logging.getLogger("autosymm")
@@ -102,10 +103,10 @@ class Entry:
 
 
 class GroupState:
-    """What the first call on a group found out, agreed by every rank (see autosymm.agreement)."""
+    """What the first call on a group found out, agreed by every rank (see autosymm.runtime.agreement)."""
 
     #: only batch-invariant backends serve (AUTOSYMM_DETERMINISTIC as every rank has it, or
-    #: autosymm.init(deterministic=...)); see autosymm.dispatch
+    #: autosymm.init(deterministic=...)); see autosymm.runtime.dispatch
     deterministic: bool = False
 
     #: AUTOSYMM_CHECK_CALLS on any rank of the group: every call is checked with every rank
@@ -129,13 +130,13 @@ class GroupState:
         self.safe_reason = problems(reports)
         # a rank that failed counts as off: every rank computes the same value
         self.deterministic = all(report["settings"].get("deterministic", False) for report in reports)
-        #: AUTOSYMM_CHECK_CALLS on any rank: every call agrees on its fingerprint (autosymm.call_check)
+        #: AUTOSYMM_CHECK_CALLS on any rank: every call agrees on its fingerprint (autosymm.runtime.call_check)
         self.check_calls = any(report["settings"].get("check_calls") for report in reports)
         if self.safe_reason and self.rank == 0:
             warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
         self.workspace = None
         if self.safe_reason is None and local.wants_workspace and self.intra_node:
-            from .symm import get_workspace
+            from ..workspace.symm import get_workspace
 
             self.workspace = get_workspace(group, self.device)
         self.caps = Capabilities.of(self.world_size, workspace=self.workspace, intra_node=self.intra_node,
@@ -213,7 +214,7 @@ class LocalSetup:
     goes into ``report`` (ok False) so that every rank learns it and takes the same path."""
 
     def __init__(self, device: torch.device, world_size: int) -> None:
-        from .hardware import cpu_fingerprint
+        from ..hardware import cpu_fingerprint
 
         self.fingerprint, self.sources, self.wants_workspace = cpu_fingerprint(), [], False
         self.report: dict[str, Any] = {"ok": True, "error": "", "host": socket.gethostname(),
@@ -225,10 +226,10 @@ class LocalSetup:
             self.report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
 
     def _find_out(self, device: torch.device, world_size: int) -> None:
-        from .db import shipped_db_paths, user_db_path
-        from .db_read import open_sources
-        from .geometry import MAX_WORLD_SIZE
-        from .hardware import fingerprint, nccl_version
+        from ..db.store import shipped_db_paths, user_db_path
+        from ..db.read import open_sources
+        from ..geometry import MAX_WORLD_SIZE
+        from ..hardware import fingerprint, nccl_version
 
         settings.check()  # a bad value of any runtime variable: every rank hears it and uses NCCL
         self.fingerprint = fingerprint()
@@ -240,7 +241,7 @@ class LocalSetup:
         agreed["databases"] = hashlib.sha256("".join(s.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
         if world_size > 1:  # what the kernels would be built with, compared even where none run
-            from .kernels.barrier import MAX_POLLS
+            from ..kernels.barrier import MAX_POLLS
 
             region_bytes = settings.default_region_bytes()
             agreed.update(region_bytes=region_bytes, barrier_max_polls=int(MAX_POLLS.value),
@@ -252,7 +253,7 @@ class LocalSetup:
 def check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> None:
     """MemoryError naming the bytes when ``device`` cannot hold the workspace: checked before the
     rendezvous, because a rank whose allocation fails inside it would leave its peers waiting."""
-    from .geometry import DOUBLE_BUFFER_HALF_BYTES, workspace_layout
+    from ..geometry import DOUBLE_BUFFER_HALF_BYTES, workspace_layout
 
     needed = workspace_layout(*region_bytes, DOUBLE_BUFFER_HALF_BYTES).total_bytes
     free, _ = torch.cuda.mem_get_info(device)

@@ -12,14 +12,14 @@ from typing import Optional
 
 import click
 
-from . import __version__
-from .cli_errors import OneLineErrorGroup
-from . import collectives
-from .cli_plans import (DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines,
-                        explained_epilogue, explained_problem, plan, table)
-from .collectives.all_reduce import SIZES_SPEC
-from .problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
-from .tuning.bench_report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
+from .. import __version__
+from .errors import OneLineErrorGroup
+from .. import collectives
+from .plans import (DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines,
+                    explained_epilogue, explained_problem, plan, table)
+from ..collectives.all_reduce import SIZES_SPEC
+from ..problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
+from ..bench.report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
 #: `autosymm tune --sizes` by default: the all-reduce record's default points.
 TUNE_SIZES = SIZES_SPEC
@@ -88,7 +88,7 @@ def run(ctx: click.Context) -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
         ctx.invoke(tune)
         return
-    from .db import shipped_db_paths
+    from ..db.store import shipped_db_paths
 
     console = _console()
     console.print("No CUDA GPU here: showing the dispatch plan of the shipped tuning databases.")
@@ -96,7 +96,7 @@ def run(ctx: click.Context) -> None:
     if not paths:
         console.print("No shipped tuning database found.")
         return
-    from .db_read import open_sources
+    from ..db.read import open_sources
 
     for path in paths:
         sources = open_sources(None, [path])
@@ -132,9 +132,9 @@ def tune(nproc, json_summary, **opts) -> None:
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
-    from .settings import TUNING_MAX_POLLS, export
-    from .tuning.session import tune_job
-    from .tuning.workers import run_workers
+    from ..settings import TUNING_MAX_POLLS, export
+    from ..tuning.session import tune_job
+    from ..tuning.workers import run_workers
 
     options = _tune_options(opts)
     # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
@@ -151,9 +151,9 @@ def tune(nproc, json_summary, **opts) -> None:
 
 def _tune_options(opts: dict):
     """autosymm.tuning.session.TuneOptions of `tune`'s options; bad values are usage errors."""
-    from .collectives.fused_epilogue import parse_epilogues
-    from .db import user_db_path
-    from .tuning.session import TuneOptions
+    from ..collectives.fused_epilogue import parse_epilogues
+    from ..db.store import user_db_path
+    from ..tuning.session import TuneOptions
 
     def items(name: str) -> list[str]:
         return [t.strip() for t in opts[name].split(",") if t.strip()]
@@ -174,8 +174,8 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
     """Backend names of --backends (None: all); unknown names are a usage error naming the known."""
     if not text:
         return None
-    from .backends import backend_names
-    from .collectives import ALL
+    from ..backends import backend_names
+    from ..collectives import ALL
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in backend_names()]
@@ -209,8 +209,8 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
     """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins."""
     import torch
 
-    from .tuning.bench import BenchOptions, bench_job, print_bench, write_bench_csv
-    from .tuning.workers import run_workers
+    from ..bench.run import BenchOptions, bench_job, print_bench, write_bench_csv
+    from ..tuning.workers import run_workers
 
     options = BenchOptions(sizes=_parsed(parse_bench_sizes, sizes, "--sizes"), modes=[m.strip() for m in modes.split(",")],
                            shapes=_parsed(_parse_shapes, shapes, "--shapes"), tokens=_parse_tokens(tokens),
@@ -222,7 +222,7 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
     if csv_path:
         write_bench_csv(result, csv_path)
     if plot_path:
-        from .tuning.plot import plot_bench
+        from ..bench.plot import plot_bench
 
         plot_bench(result, plot_path)
 
@@ -254,7 +254,7 @@ def show(db_paths, all_rows, as_json, op, world_size) -> None:
 
 
 def _db_paths(db_paths) -> list[Path]:
-    from .db import shipped_db_paths, user_db_path
+    from ..db.store import shipped_db_paths, user_db_path
 
     if db_paths:
         return [Path(p) for p in db_paths]
@@ -264,10 +264,10 @@ def _db_paths(db_paths) -> list[Path]:
 
 def _collect_rows(db_paths, op, world_size, winners_only: bool):
     """Rows of the databases: every valid row, or with ``winners_only`` each key's winner
-    (autosymm.db_read: the fastest row of the first database holding the key). A database that
-    cannot be used is an error saying why (autosymm.db.verdict)."""
-    from .db import TuningDB, verdict
-    from .db_read import DBSource, winners
+    (autosymm.db.read: the fastest row of the first database holding the key). A database that
+    cannot be used is an error saying why (autosymm.db.store.verdict)."""
+    from ..db.store import TuningDB, verdict
+    from ..db.read import DBSource, winners
 
     filters = {k: v for k, v in (("op", op), ("world_size", world_size)) if v is not None}
     rows, sources = [], []
@@ -332,7 +332,7 @@ def _short_config(config_json: Optional[str]) -> str:
 @click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False))
 def explain(**opts) -> None:
     """Which backend and config would serve a call, and why (no GPU needed)."""
-    from .hardware import fingerprint, hardware_slug_for
+    from ..hardware import fingerprint, hardware_slug_for
 
     fp = fingerprint()
     gpu = opts["gpu"] or fp.gpu_name
@@ -368,9 +368,9 @@ def _one_shape(text: str) -> MoEShape:
 
 def _open(db_paths):
     """Sources for --db paths (as given) or, without any, the user DB then the shipped ones; a
-    database that cannot be used is an error saying why, as in `show` (autosymm.db.verdict)."""
-    from .db import verdict
-    from .db_read import open_sources
+    database that cannot be used is an error saying why, as in `show` (autosymm.db.store.verdict)."""
+    from ..db.store import verdict
+    from ..db.read import open_sources
 
     paths = _db_paths(db_paths)
     why = next((why for why in map(verdict, paths) if why is not None), None)
@@ -383,8 +383,8 @@ def _open(db_paths):
 @main.command()
 def info() -> None:
     """This machine's hardware fingerprint and the databases autosymm would read."""
-    from .db import shipped_db_paths, user_db_path, verdict
-    from .hardware import fingerprint
+    from ..db.store import shipped_db_paths, user_db_path, verdict
+    from ..hardware import fingerprint
 
     def state(path: Path) -> str:  # the verdict `show` and `explain` act on
         why = verdict(path) if path.exists() else "absent"
@@ -410,7 +410,7 @@ def db() -> None:
 @click.option("--into", "target", required=True, type=click.Path(dir_okay=False), help="database to merge into (created if absent)")
 def db_merge(sources, target) -> None:
     """Merge SOURCES into --into, keeping the faster row per key."""
-    from .db_merge import merge_files
+    from ..db.merge import merge_files
 
     for source, counts in zip(sources, merge_files(sources, target)):
         skipped = f", {counts.skipped} bad rows skipped" if counts.skipped else ""
@@ -426,7 +426,7 @@ def db_merge(sources, target) -> None:
 @click.option("--overwrite", is_flag=True)
 def db_export(output, source, hardware, world_size, overwrite) -> None:
     """Export (a subset of) a database into a new shippable file, e.g. tuning_db/<node slug>.sqlite."""
-    from .db import TuningDB, user_db_path
+    from ..db.store import TuningDB, user_db_path
 
     filters = {k: v for k, v in (("hardware", hardware), ("world_size", world_size)) if v is not None}
     with TuningDB(source or user_db_path(), readonly=True) as src:

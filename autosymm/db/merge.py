@@ -1,5 +1,5 @@
 """Merging tuning databases (`autosymm db merge`): rows from other files are untrusted data, so
-each is validated by the validator every read uses (autosymm.db_schema.checked_row: fields,
+each is validated by the validator every read uses (autosymm.db.schema.checked_row: fields,
 vocabulary, bucket bound, config, and a backend autosymm has, serving the row's op, with a
 config of its algorithm); what fails is skipped, warned about naming the file, and counted.
 """
@@ -10,17 +10,17 @@ import os
 from pathlib import Path
 from typing import Sequence, Union
 
-from .db import DatabaseLockedError, MergeCounts, Row, TuningDB
+from .store import DatabaseLockedError, MergeCounts, Row, TuningDB
 
 #: How long a merge waits for the target's write lock, seconds: another merge or tune of the
 #: same file holds it for as long as its (legitimate, bulk) write takes, minutes for a file of
 #: hundreds of thousands of rows on a slow machine. Each statement is bounded by the query clock
-#: (autosymm.db_open.QUERY_LIMIT_S, re-armed as rows come back and per written batch) instead.
+#: (autosymm.db.open.QUERY_LIMIT_S, re-armed as rows come back and per written batch) instead.
 MERGE_LOCK_WAIT_S = 600.0
 
 
 def _mergeable_rows(db: TuningDB) -> tuple[list[Row], int]:
-    """The rows of ``db`` a merge may copy (those every read keeps: autosymm.db_schema.checked_row),
+    """The rows of ``db`` a merge may copy (those every read keeps: autosymm.db.schema.checked_row),
     and how many it skips (each warned about by the read)."""
     rows, bad = db._select()
     return rows, len(bad)

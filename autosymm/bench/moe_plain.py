@@ -80,8 +80,8 @@ def plain(op: str, rank: int, world_size: int, group=None) -> Callable[..., torc
 def _to_experts(op: str) -> bool:
     """Whether ``op`` is the MoE conversion to the experts (dp->ep); ValueError naming any op
     that is not a MoE conversion."""
-    from .ops import get
-    from .ops.moe import MoETuning
+    from ..tuning.ops import get
+    from ..tuning.ops.moe import MoETuning
 
     if not isinstance(get(op), MoETuning):
         raise ValueError(f"op={op!r} is not a MoE conversion (dp_to_ep or ep_to_dp)")

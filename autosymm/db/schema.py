@@ -1,5 +1,5 @@
 """Tuning-database schema: columns, the Key and Row records and their validation, errors, and
-migrations (see autosymm.db; opening a file is autosymm.db_open).
+migrations (see autosymm.db.store; opening a file is autosymm.db.open).
 
 Kept apart from the TuningDB class so the schema and its migrations read in one place. Tables
 and the view are created through sqlite-utils (``Table.create``, ``Database.create_view``).
@@ -18,14 +18,14 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import sqlite_utils
 
-from . import collectives
-from .backends import backend_names, get_backend
-from .configs import AnyConfig, as_int, config_from_json, config_to_json, config_types
-from .problem import DTYPES, MODES, MoEShape
+from .. import collectives
+from ..backends import backend_names, get_backend
+from ..configs import AnyConfig, as_int, config_from_json, config_to_json, config_types
+from ..problem import DTYPES, MODES, MoEShape
 
 
 if not hasattr(sqlite_utils.Database, "atomic"):  # 3.x commits an open transaction on every write
-    raise ImportError("autosymm.db needs sqlite-utils >= 4.0 (nested transactions): pip install -U sqlite-utils")
+    raise ImportError("autosymm.db.store needs sqlite-utils >= 4.0 (nested transactions): pip install -U sqlite-utils")
 
 SCHEMA_VERSION = 3
 BUSY_TIMEOUT_S = 30.0
@@ -57,7 +57,7 @@ RESULTS_NOT_NULL = PK_COLUMNS + ("gpu", "config", "median_us", "created")
 RESULTS_DEFAULTS = {"gpu": "", "shape": "", "config": "{}"}
 #: The ``winners`` view, kept in every file for the ``sqlite3`` command line: results' fastest row
 #: per key (ties: backend name), bad rows included. autosymm never reads it (a file's view is the
-#: file's own code): its winners come from the results table (autosymm.db_read).
+#: file's own code): its winners come from the results table (autosymm.db.read).
 WINNERS_SQL = f"""SELECT * FROM (
   SELECT results.*, ROW_NUMBER() OVER (PARTITION BY {', '.join(KEY_COLUMNS)}
                                        ORDER BY median_us, backend) AS place
@@ -90,7 +90,7 @@ class BadRowWarning(UserWarning):
 class Key(NamedTuple):
     """What a row is stored under and a lookup reads by: the tuner writes each row at
     ``Key.for_problem(hardware, problem, mode)`` (autosymm.tuning.outcome), the dispatcher reads
-    the key of the call (autosymm.db_read)."""
+    the key of the call (autosymm.db.read)."""
 
     hardware: str
     world_size: int
@@ -108,7 +108,7 @@ class Key(NamedTuple):
 
 
 class MergeCounts(NamedTuple):
-    """What a merge did with one source's rows (:func:`autosymm.db_merge.merge_files`)."""
+    """What a merge did with one source's rows (:func:`autosymm.db.merge.merge_files`)."""
 
     inserted: int  # new keys/backends
     replaced: int  # faster than the target's row (or the target's row was bad)

@@ -1,7 +1,7 @@
 """Problem -> Decision: which backend and config serve a call, and why.
 
 The decision is a pure function of (problem, mode, capabilities, database rows), so every rank
-that sees the same databases decides the same (autosymm.group agrees on the databases' digest
+that sees the same databases decides the same (autosymm.runtime.group agrees on the databases' digest
 across ranks once per group, and caches each prepared call per key: op, dtype, size, mode).
 Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth model. Rules, in order:
 
@@ -17,7 +17,7 @@ Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth 
    per rank). A call tuned at its exact size uses those rows; any other uses the rows of its
    neighbouring tuned sizes below and above (one when it lies outside the tuned range), each
    point's rows from the first database that has it. Every candidate row's time at the call is
-   modelled from the rows (autosymm.neighbours: interpolated when the same backend and config
+   modelled from the rows (autosymm.runtime.neighbours: interpolated when the same backend and config
    was tuned on both sides, else its floor plus its work scaled to the call, in rounds per
    program for the Triton all-reduce configs), the candidates ranked by it, and the first whose
    backend can serve the call wins (a faster one that cannot — dtype, alignment, size over the
@@ -26,7 +26,7 @@ Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth 
    modelled time; the reason names the tuned point and, off it, the neighbours.
    MoE shapes: the shape (d_model, experts, top-k) is matched exactly; without rows for it, the
    nearest tuned (shape, tokens per rank) by bytes per row and rows per rank.
-   Under a running NCCL of another major.minor than a row's (autosymm.db_schema.nccl_trust,
+   Under a running NCCL of another major.minor than a row's (autosymm.db.schema.nccl_trust,
    the one trust rule: a row that beat its NCCL by less than NCCL_TRUST_MARGIN is passed over,
    said in ``skipped``; a kept row's reason names both versions and its margin).
 5. nothing usable -> the op's fallback order: NCCL for all-reduce; for MoE the Triton conversion
@@ -46,14 +46,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import settings
-from .backends import Capabilities, get_backend
-from .configs import AnyConfig, config_fields
-from .db_read import DBSource, Lookup
-from .db_schema import Key, Row, nccl_trust, version_mismatch
-from .hardware import nccl_version, running_versions
+from .. import settings
+from ..backends import Capabilities, get_backend
+from ..configs import AnyConfig, config_fields
+from ..db.read import DBSource, Lookup
+from ..db.schema import Key, Row, nccl_trust, version_mismatch
+from ..hardware import nccl_version, running_versions
 from .neighbours import RowCandidate, candidates, floors_of, moe_ratios, nearest_moe_point, points_around
-from .problem import Problem
+from ..problem import Problem
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def _lookups(problem: Problem, mode: str):
 def _rows_for(problem: Problem, key: Key, nearest: bool,
               sources: Sequence[DBSource]) -> tuple[list[tuple[str, Row]], list[Row], str]:
     """(source label, row) pairs of the tuned point(s) a call uses under the lookup ``key`` (each
-    point's rows from the first source that has it: autosymm.db_read), all rows of the lookup
+    point's rows from the first source that has it: autosymm.db.read), all rows of the lookup
     (for the backends' floors), and how the point(s) relate to the call."""
     lookup = Lookup(sources, key, any_shape=nearest)
     if nearest:

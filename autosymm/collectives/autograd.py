@@ -88,7 +88,7 @@ def moe_setup(ctx, inputs, output) -> None:
 def _rank(group_name: str) -> int:
     import torch.distributed as dist
 
-    from .dist_compat import resolve_group
+    from ..dist_compat import resolve_group
 
     return dist.get_rank(resolve_group(group_name))
 

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .agreement import AgreementError, Exchange, differences, failures
-from .routing import ExptAssignment
+from ..routing import ExptAssignment
 
 _TAG = "check"
 

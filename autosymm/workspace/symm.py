@@ -35,7 +35,7 @@ peer's base address plus the same offset)::
 * all-reduce region: the staging copy of the tensor being reduced (or, for tensors from
   :meth:`Workspace.empty`, the tensor itself: zero-copy).
 * MoE region: the dp->ep and ep->dp destination buffers (peers write into them). It may move to
-  a larger symmetric allocation of its own (:meth:`Workspace.move_region`, autosymm.moe_room).
+  a larger symmetric allocation of its own (:meth:`Workspace.move_region`, autosymm.runtime.moe_room).
 * all-reduce double buffer (``DOUBLE_BUFFER_REGION``, 2 halves of ``double_buffer_bytes`` each,
   absent when that is 0): the staging halves of the double-buffered one-shot. A region of its
   own, at fixed offsets, because a half may still be read by a peer after this rank's kernel has
@@ -61,13 +61,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, LAMPORT_REGION,
-                       DOUBLE_BUFFER_HALF_BYTES, DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION,
-                       Layout, MAX_WORLD_SIZE, N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL,
-                       SIGNAL_SLOTS_PER_RANK, MOE_SIGNAL_SLOT, align, moe_buffer, workspace_layout)
-from .dist_compat import group_name
-from .replay import forget_all
-from .settings import default_region_bytes, multicast_disabled_by_env
+from ..geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, LAMPORT_REGION, DOUBLE_BUFFER_HALF_BYTES,
+                        DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION, Layout, MAX_WORLD_SIZE,
+                        N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK,
+                        MOE_SIGNAL_SLOT, align, moe_buffer, workspace_layout)
+from ..dist_compat import group_name
+from ..runtime.replay import forget_all
+from ..settings import default_region_bytes, multicast_disabled_by_env
 
 
 class Workspace:
@@ -324,7 +324,7 @@ class Workspace:
         reached it. Bounded like every autosymm barrier (see :meth:`barrier_errors`)."""
         if self.world_size == 1:
             return
-        from .kernels.barrier import _barrier_kernel
+        from ..kernels.barrier import _barrier_kernel
 
         _barrier_kernel[(1,)](self.signal_ptrs("host"), RANK=self.rank, WORLD_SIZE=self.world_size, num_warps=1)
 
@@ -351,7 +351,7 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
 
     Every rank of ``group`` must make the first call together; its MoE region is at least what
     :func:`reserve_moe_bytes` reserved. Later calls return the cached workspace; asking for more
-    bytes than it has raises (only autosymm.moe_room grows the MoE region, collectively).
+    bytes than it has raises (only autosymm.runtime.moe_room grows the MoE region, collectively).
     Besides the requested regions it holds the all-reduce double buffer (2 x
     :data:`DOUBLE_BUFFER_HALF_BYTES`) and the Lamport receive buffers
     (autosymm.geometry.LAMPORT_BYTES), not counted in AUTOSYMM_WORKSPACE_BYTES.

@@ -30,24 +30,24 @@ Schema version 3 (open any file with the ``sqlite3`` CLI)::
     CREATE VIEW winners AS ...      -- results' fastest row per key (ties: backend name)
 
 The key (``Key``: the primary key without ``backend``) is written by the tuner through
-``Key.for_problem`` and read by the dispatcher by the same call's key (autosymm.db_read, which
+``Key.for_problem`` and read by the dispatcher by the same call's key (autosymm.db.read, which
 also defines a key's *winner* for dispatch and ``autosymm show``). For example::
 
     sqlite3 ~/.cache/autosymm/tuning.sqlite "SELECT world_size, bucket, backend, median_us,
       speedup FROM winners WHERE op = 'all_reduce' AND dtype = 'bf16' ORDER BY 1, 2"
 
 A database is untrusted data: values are always bound parameters, no pickle or eval, unknown
-extra columns are ignored; a row that does not validate (autosymm.db_schema.checked_row, the one
+extra columns are ignored; a row that does not validate (autosymm.db.schema.checked_row, the one
 validator: fields, vocabulary, the bucket's bound, config, backend) is skipped by every read,
 digest, merge, export, ``show`` and the dispatcher, with one :class:`BadRowWarning` per file and
 key, and never written (``record_many`` refuses it); autosymm never reads the
 file's ``winners`` view nor runs its schema's code, and every query is bounded in time
-(autosymm.db_open). An older schema is migrated in one transaction (in memory when opened
+(autosymm.db.open). An older schema is migrated in one transaction (in memory when opened
 read-only; a hot journal is rolled back first where the file is writable); a newer one raises
 :class:`DatabaseVersionError`; a file that is not a tuning database raises
 :class:`CorruptDatabaseError`; a locked one :class:`DatabaseLockedError` after ``LOCK_WAIT_S``
 (reads) or ``BUSY_TIMEOUT_S`` (the tuner's writes: several tune processes can share one file;
-writers take ``BEGIN IMMEDIATE``; a merge waits ``autosymm.db_merge.MERGE_LOCK_WAIT_S``). The
+writers take ``BEGIN IMMEDIATE``; a merge waits ``autosymm.db.merge.MERGE_LOCK_WAIT_S``). The
 query clock bounds each statement, and each wait for a statement's next row, not an operation
 of many rows: a merge or export of any size passes, a statement that spins is stopped.
 :func:`verdict` says whether a file is usable, and why not.
@@ -71,16 +71,15 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import sqlite_utils
 
-from . import settings
-from .db_open import LOCK_WAIT_S, DatabaseLockedError, QueryTimeoutError, connect, db_error, harden, read_schema_version
-from .db_schema import (  # the schema's public names are re-exported (__all__)
-    BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, MIGRATIONS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER, SCHEMA_VERSION,
-    BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts, ReadOnlyDatabaseError, Row,
-    TuningDBError, checked_row, create_schema, version_mismatch, where_clause,
-)
+from .. import settings
+from .open import LOCK_WAIT_S, DatabaseLockedError, QueryTimeoutError, connect, db_error, harden, read_schema_version
+from .schema import (BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, MIGRATIONS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER,
+                     SCHEMA_VERSION, BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts,
+                     ReadOnlyDatabaseError, Row, TuningDBError, checked_row, create_schema, version_mismatch,
+                     where_clause)
 
 #: Rows per write statement (batch): the query clock times each statement from its start
-#: (autosymm.db_open.QueryClock), so a write of any size is many short statements.
+#: (autosymm.db.open.QueryClock), so a write of any size is many short statements.
 WRITE_CHUNK = 2000
 
 #: Bad rows already warned about, per database file (a row is named once per process).
@@ -219,7 +218,7 @@ class TuningDB:
         """Store a note in the meta table ('schema_version' is reserved)."""
         self._require_writable()
         if key == "schema_version":
-            raise ValueError("meta key 'schema_version' is managed by autosymm.db")
+            raise ValueError("meta key 'schema_version' is managed by autosymm.db.store")
         with self._guarded(), self._transaction():
             self._put_meta(str(key), str(value))
 
@@ -228,7 +227,7 @@ class TuningDB:
     def record_many(self, rows: Iterable[Row]) -> int:
         """Insert or replace ``rows`` (Row objects) in one transaction, each under its key and
         backend (a row of the same key and backend is replaced); returns how many. A row the
-        reads would skip (autosymm.db_schema.checked_row) is a ValueError naming it: nothing is written."""
+        reads would skip (autosymm.db.schema.checked_row) is a ValueError naming it: nothing is written."""
         self._require_writable()
         rows = list(rows)
         for row in rows:
