@@ -9,16 +9,18 @@
 See README.md for tuning (`autosymm tune`) and the shipped databases.
 """
 
-__version__ = "0.1.0"
-
-from .api import (all_reduce, barrier_errors, convert_dp_to_ep, convert_ep_to_dp, empty, explain, init, reset,
-                  reset_barriers, stats)
-from .runtime.dispatch import Decision  # noqa: E402
-from .fused import all_reduce_rmsnorm  # noqa: E402
-from .sharded import all_gather_into_tensor, all_gatherv, reduce_scatter_tensor, reduce_scatterv  # noqa: E402
+from .version import __version__  # noqa: E402
+from . import spec  # noqa: E402,F401  (the op specs: a Problem finds its spec by name)
+from .api import barrier_errors, empty, explain, init, reset, reset_barriers, stats  # noqa: E402
+from .collectives.all_gather import all_gather_into_tensor, all_gatherv  # noqa: E402
+from .collectives.all_reduce import all_reduce  # noqa: E402
+from .collectives.all_reduce_rmsnorm import all_reduce_rmsnorm  # noqa: E402
+from .collectives.moe import convert_dp_to_ep, convert_ep_to_dp  # noqa: E402
+from .collectives.reduce_scatter import reduce_scatter_tensor, reduce_scatterv  # noqa: E402
 from . import ops  # noqa: E402,F401  (registers torch.ops.autosymm.*)
-from .routing import ExptAssignment, make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, route
 from .problem import MODEL_SHAPES, MoEShape, Problem  # noqa: E402
+from .routing import ExptAssignment, make_expt_assignment, make_expt_dict_random, make_expt_dict_uniform, route  # noqa: E402,E501
+from .runtime.dispatch import Decision  # noqa: E402
 from .runtime.moe_room import MoEPlan  # noqa: E402
 
 

@@ -12,16 +12,13 @@ all-reduce or fused config names its algorithm; what the algorithm allows is its
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, Iterator, Mapping
 
+from .entries import load
 from .geometry import FUSED_SPLIT_MAX, MAX_PROGRAMS
-
-if TYPE_CHECKING:
-    from .backends.launch import Algorithm
 
 WARP_SIZE = 32
 
@@ -78,11 +75,11 @@ _FAMILIES: dict[str, Mapping[str, "Algorithm"]] = {}
 
 
 def family_algorithms(family: str) -> Mapping[str, "Algorithm"]:
-    """name -> Algorithm of the Triton family module ``family`` (its ``ALGORITHMS``), imported on
-    first use: the family's module imports this one."""
+    """name -> Algorithm of a Triton family, ``family`` the entry of its ``ALGORITHMS`` table
+    (autosymm.entries), loaded on first use: the family's module imports this one."""
     algorithms = _FAMILIES.get(family)
     if algorithms is None:
-        algorithms = _FAMILIES[family] = importlib.import_module(family).ALGORITHMS
+        algorithms = _FAMILIES[family] = load(family)
     return algorithms
 
 
@@ -139,7 +136,7 @@ class AllReduceConfig:
     double_buffer: bool = field(default=False, metadata={"json_omit_default": True})
     eager_launch: str = field(default="replay", metadata={"json_omit_default": True})
     #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
-    FAMILY: ClassVar[str] = "autosymm.backends.triton_all_reduce"
+    FAMILY: ClassVar[str] = "autosymm.backends.triton_all_reduce:ALGORITHMS"  # an entry (autosymm.entries)
 
     def __post_init__(self) -> None:
         _check_algorithm(self)
@@ -226,7 +223,7 @@ class FusedConfig:
     row_split: int = field(default=1, metadata={"json_omit_default": True})
     eager_launch: str = field(default="replay", metadata={"json_omit_default": True})
     #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
-    FAMILY: ClassVar[str] = "autosymm.backends.triton_fused"
+    FAMILY: ClassVar[str] = "autosymm.backends.triton_fused:ALGORITHMS"  # an entry (autosymm.entries)
 
     def __post_init__(self) -> None:
         record = _check_algorithm(self)
@@ -281,19 +278,63 @@ class FlashInferFusedConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
 
-AnyConfig = AllReduceConfig | MoEConfig | FusedConfig | FlashInferFusedConfig
-_CONFIG_TYPES = {"AllReduceConfig": AllReduceConfig, "MoEConfig": MoEConfig, "FusedConfig": FusedConfig,
-                 "FlashInferFusedConfig": FlashInferFusedConfig}
+REDUCE_SCATTER_ALGORITHMS = ("pull", "push")
+ALL_GATHER_ALGORITHMS = ("push", "pull")
+@dataclass(frozen=True)
+class _LaunchConfig:
+    """One launch of a reduce-scatter or all-gather kernel: ``block_size`` units per program
+    and chunk (a power of two, at least one per thread), ``num_blocks`` programs striding over
+    the chunks of every segment, ``num_warps`` warps a program."""
+
+    algorithm: str
+    block_size: int
+    num_blocks: int
+    num_warps: int
+
+    ALGORITHMS = ()
+    UNIT = "elements"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.algorithm, str) or self.algorithm not in self.ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r} is not one of {self.ALGORITHMS}")
+        for name in ("block_size", "num_blocks", "num_warps"):
+            object.__setattr__(self, name, as_int(name, getattr(self, name)))  # the dataclass is frozen
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two in 1..32")
+        threads = self.num_warps * WARP_SIZE
+        block = self.block_size
+        if block & (block - 1) or not threads <= block <= MAX_BLOCK:
+            raise ValueError(f"block_size={block} must be a power of two in {threads}..{MAX_BLOCK} ({self.UNIT}; "
+                             f"at least one per thread of num_warps={self.num_warps})")
+        if not 1 <= self.num_blocks <= MAX_PROGRAMS:
+            raise ValueError(f"num_blocks={self.num_blocks} must be in 1..{MAX_PROGRAMS}")
+
+
+@dataclass(frozen=True)
+class ReduceScatterConfig(_LaunchConfig):
+    """A reduce-scatter launch (autosymm.kernels.reduce_scatter; its layout:
+    autosymm.backends.rs_ag_layout); ``block_size`` in elements."""
+
+    ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
+
+
+@dataclass(frozen=True)
+class AllGatherConfig(_LaunchConfig):
+    """An all-gather launch (autosymm.kernels.all_gather); ``block_size`` in bytes."""
+
+    ALGORITHMS = ALL_GATHER_ALGORITHMS
+    UNIT = "bytes"
+
+
+
+AnyConfig = AllReduceConfig | MoEConfig | FusedConfig | FlashInferFusedConfig | ReduceScatterConfig | AllGatherConfig
+_CONFIG_TYPES = {cls.__name__: cls for cls in (AllReduceConfig, MoEConfig, FusedConfig, FlashInferFusedConfig,
+                                               ReduceScatterConfig, AllGatherConfig)}
 
 
 def config_types() -> dict[str, type]:
-    """Config classes by name: this module's and every registered op's (its record's
-    ``config_type``, e.g. the reduce-scatter's, defined beside its kernels)."""
-    from . import collectives
-
-    types = dict(_CONFIG_TYPES)
-    types.update((record.config_type.__name__, record.config_type) for record in collectives.ALL)
-    return types
+    """Every config class a database row may hold, by name."""
+    return dict(_CONFIG_TYPES)
 
 
 def config_to_json(config: AnyConfig | None) -> str:

@@ -257,3 +257,37 @@ def reference(sum_fp32: torch.Tensor, residual: Optional[torch.Tensor], weight: 
     y = normalized(s, inverse_rms(s, eps), weight, epilogue)
     out, scales = quantize(y, epilogue, weight.dtype, scale)
     return EpilogueResult(out, new_residual, scales)
+
+
+def epilogue_launcher(epilogue: Epilogue, total, inv_rms=None):
+    """``launcher(x, residual, weight, eps, *, scale=None)`` of a non-default ``epilogue``:
+    ``total(x)`` gives the fp32 sum of every rank's x (unrounded where the path keeps it so),
+    then :func:`reference` (with ``inv_rms(s, eps)``: its steps with that
+    inverse RMS, the ordered fallback's fixed tree), the new residual (where there is one)
+    written in place. Returns out, or (out, scales)."""
+
+    def launcher(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6, *,
+                 scale: Optional[torch.Tensor] = None):
+        if inv_rms is None:
+            out, new_residual, scales = reference(total(x), residual, weight, float(eps), epilogue, scale)
+        else:
+            new_residual = s = residual_sum(total(x), residual, epilogue)
+            out, scales = quantize(normalized(s, inv_rms(s, float(eps)), weight, epilogue), epilogue, weight.dtype,
+                                   scale)
+        if residual is not None:
+            residual.copy_(new_residual)  # rounded once to residual's dtype
+        return out if scales is None else (out, scales)
+
+    return launcher
+
+
+def single_rank_launcher(epilogue: Epilogue):
+    """World size 1 (non-default epilogue): the sum is ``x`` itself (left as it is), no collective."""
+    return epilogue_launcher(epilogue, lambda x: x.float())
+
+
+def outputs_like(x: torch.Tensor, epilogue: Epilogue):
+    """Empty outputs of ``epilogue`` for ``x`` [tokens, hidden] (the fakes' and an empty call's):
+    out, or (out, scales) (:meth:`Epilogue.empty_outputs`)."""
+    out, scales = epilogue.empty_outputs(x.shape[0], x.shape[1], x.dtype, x.device)
+    return out if scales is None else (out, scales)

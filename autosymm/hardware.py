@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from . import settings
+from .version import __version__
 
 
 def slugify(text: str) -> str:
@@ -369,8 +370,6 @@ def provenance(fp: Optional[Fingerprint] = None) -> dict:
     the variables that turn NVLink multicast / NVLS off for torch, NCCL and NVSHMEM as this
     process sees them (``unset`` where absent), e.g. 'TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1': NCCL's baseline depends on them."""
-    from . import __version__
-
     fp = fp or fingerprint()
     return {
         "comm_env": settings.comm_env(),

@@ -29,9 +29,9 @@ it. ``assignment`` is an ExptAssignment's tensors ``[expt_bitmask, expt_boolmask
 expt_owner]`` and ``n_expts_per_shard`` its list: the op rebuilds the dataclass from them (no
 device work, no host sync), so a compiled graph passes only tensors and ints.
 
-Each op is declared by its record (autosymm.collectives) and registered here, iterating the
-registry. Its implementation is the eager runtime path of autosymm.api: the cached prepared call of
-(op, dtype, size, contiguity, mode), where the mode is read when the op runs, so a call inside a
+Each op is declared by its op's door (autosymm.collectives) and registered here, iterating
+``DOORS``. Its implementation is the door's eager path: the cached prepared call of its call key
+(autosymm.spec.CallKey), where the mode is read when the op runs, so a call inside a
 CUDA graph capture (inductor's ``mode="reduce-overhead"`` included) takes the graph-mode rows, and
 the dispatcher decides once per key, not per call. ``autosymm.all_reduce`` and the conversions
 call these ops only while torch.compile traces (or for a tensor subclass); eager calls of plain
@@ -58,28 +58,17 @@ when an input requires grad.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from . import collectives
-from .routing import ExptAssignment
+from .collectives import DOORS
 
-__all__ = ["OPS", "assignment_from"]
-
-
-def assignment_from(assignment: list[Tensor], n_expts_per_shard: list[int]) -> ExptAssignment:
-    """The ExptAssignment the MoE ops' arguments describe (the inverse of api._assignment_args)."""
-    if len(assignment) != 4:
-        raise ValueError(f"autosymm MoE ops: assignment must be [expt_bitmask, expt_boolmask, expt_map, "
-                         f"expt_owner], got {len(assignment)} tensors")
-    bitmask, boolmask, expt_map, owner = assignment
-    return ExptAssignment(bitmask, boolmask, expt_map, [int(n) for n in n_expts_per_shard], owner)
+__all__ = ["OPS"]
 
 
 def _register() -> dict:
-    """Register every record's custom ops (registry order) under ``autosymm::<name>``."""
+    """Register every door's custom ops (registry order) under ``autosymm::<name>``."""
     ops = {}
-    for record in collectives.ALL:
-        for op in record.custom_ops():
+    for door in DOORS:
+        for op in door.custom_ops():
             registered = torch.library.custom_op(f"autosymm::{op.name}", op.impl, mutates_args=op.mutates_args)
             registered.register_fake(op.fake)
             if op.backward is not None:

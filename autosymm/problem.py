@@ -1,14 +1,12 @@
 """What a collective call is (`Problem`), the size the tuning database keys it under, and the
 parsing of sizes and size ranges.
 
-Bucket rule (the database's ``bucket`` column; relied on by the tuner and by autosymm.runtime.dispatch):
-a problem's bucket is its exact size, bytes for all-reduce (at least 1) and tokens per rank for
-the MoE conversions (whose shape, d_model x experts x top-k, is a column of its own). The tuner
-stores each row under the size it tuned, so a bucket is a tuned point, not a range: databases
-tuned at powers of two (the shipped ones before half-octave sweeps) hold exactly those points.
-A call between tuned points is served from its neighbouring points (autosymm.runtime.dispatch).
-The fused all-reduce + residual add + RMSNorm (``all_reduce_rmsnorm``) is keyed like MoE: tokens per
-rank, and its shape is the hidden size ('h8192').
+Bucket rule (the database's ``bucket`` column; relied on by the tuner and the dispatcher): a
+problem's bucket is its exact size, in its op's unit (autosymm.spec: bytes of the full tensor, at
+least 1, for the all-reduce, reduce-scatter and all-gather; tokens per rank for the MoE
+conversions and the fused all-reduce + RMSNorm, whose shape is a column of its own). A bucket is
+a tuned point, not a range: a call between tuned points is served from its neighbours
+(autosymm.runtime.neighbours).
 """
 
 from __future__ import annotations
@@ -81,6 +79,24 @@ MODEL_SHAPES: dict[str, MoEShape] = {
 }
 
 
+#: op name -> its spec (autosymm.spec.base.OpSpec), in registry order: filled by autosymm.spec's entry
+#: list when the package loads (the specs build Problems, so they import this module, not the reverse).
+_SPECS: dict[str, Any] = {}
+
+
+def register_specs(specs) -> None:
+    """Register the op specs (autosymm.spec.ALL, once, at import)."""
+    _SPECS.update((spec.name, spec) for spec in specs)
+
+
+def spec_of(op: str):
+    """The registered spec of op ``op``; ValueError naming the registered ops otherwise."""
+    spec = _SPECS.get(op)
+    if spec is None:
+        raise ValueError(f"op={op!r} is not one of {tuple(_SPECS)}")
+    return spec
+
+
 @dataclass(frozen=True)
 class Problem:
     """One collective call, as the tuner and the dispatcher see it.
@@ -95,16 +111,18 @@ class Problem:
     dtype: str
     world_size: int
     nbytes: int = 0
-    shape: Optional[MoEShape] = None
+    #: the op's shape record where its key has one (MoEShape for the MoE conversions; an op with a
+    #: new kind of shape declares its record in its spec, autosymm.spec)
+    shape: Any = None
     n_tokens_local: int = 0
     hidden: int = 0  # all_reduce_rmsnorm only: elements per row
     #: all_reduce_rmsnorm only: its autosymm.epilogue.Epilogue (None: the default, set by the record)
     epilogue: Any = None
-    #: The op's registered record (autosymm.collectives), found once: it keys and describes the problem.
+    #: The op's registered spec (autosymm.spec), found once: it keys and describes the problem.
     record: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        record = collectives.get(self.op)  # ValueError naming the registered ops
+        record = spec_of(self.op)  # ValueError naming the registered ops
         object.__setattr__(self, "record", record)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
@@ -118,7 +136,7 @@ class Problem:
 
     @property
     def numel(self) -> int:
-        """Elements of the all-reduce tensor (all-reduce only)."""
+        """Elements of ``nbytes`` (the bytes-keyed ops' full tensor)."""
         return self.nbytes // self.elem_bytes
 
     @property
@@ -216,4 +234,3 @@ def format_bytes(nbytes: int) -> str:
     return format_size(nbytes)
 
 
-from . import collectives  # noqa: E402  (the op records build Problems: imported once Problem exists)

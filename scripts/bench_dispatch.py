@@ -152,14 +152,16 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
     """Host us per call of the pieces of autosymm's eager hit path (no GPU work but the replay
     row): what each costs on this host, beside the whole call above. Device column: 0."""
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, call_key
+    from autosymm.epilogue import DEFAULT
     from autosymm.runtime.group import current_raw_stream, stream_capturing
 
     x = torch.zeros(HOST_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         api.all_reduce(x)
-    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", x.device, False)]
+    entry = api.STATES[None].cache[call_key(ALL_REDUCE, x.dtype, x.numel(), x.device, False, "sum")]
     state = api.STATES[None]
-    key = (x.dtype, x.numel(), True, "sum", x.device, False)
+    key = call_key(ALL_REDUCE, x.dtype, x.numel(), x.device, False, "sum")
 
     def nothing():
         pass
@@ -171,8 +173,8 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
               "x.numel()": x.numel,
               "x.is_contiguous()": x.is_contiguous,
               "x.dtype": lambda: x.dtype,
-              "cache key + lookup": lambda: state.cache.get((x.dtype, x.numel(), x.is_contiguous(), "sum",
-                                                             stream_capturing())),
+              "cache key + lookup": lambda: state.cache.get(call_key(ALL_REDUCE, x.dtype, x.numel(), x.device,
+                                                                      stream_capturing(), "sum")),
               "entry.launcher(x) (the replay wrapper + replay)": lambda: entry.launcher(x)}
     rows = {}
     for name, fn in pieces.items():
@@ -195,12 +197,14 @@ def _all_reduce_loops(numel: int) -> dict:
 
     import autosymm
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, call_key
+    from autosymm.epilogue import DEFAULT
     from autosymm.runtime.replay import EagerReplay, capture_cuda_graph, eager_launch, wrap_eager
 
     x = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
     zero_copy = autosymm.empty((numel,), torch.bfloat16).zero_()
     autosymm.all_reduce(x)
-    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", x.device, False)]
+    entry = api.STATES[None].cache[call_key(ALL_REDUCE, x.dtype, numel, x.device, False, "sum")]
     wired = isinstance(entry.launcher, EagerReplay)
     raw = entry.launcher.launcher if wired else entry.launcher
     tuned = entry.launcher if wired else wrap_eager(raw, entry.decision)  # what api's prepare makes
@@ -243,15 +247,17 @@ def _fused_loops(n_tokens: int) -> dict:
 
     import autosymm
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, call_key
+    from autosymm.epilogue import DEFAULT
     from autosymm.backends.triton_fused import triton_fused_one_shot
-    from autosymm.collectives import ALL_REDUCE_RMSNORM
+
     from autosymm.runtime.replay import FusedReplay, capture_cuda_graph, eager_launch
 
     x = torch.zeros(n_tokens, FUSED_HIDDEN, dtype=torch.bfloat16, device="cuda")  # zeros: nothing overflows
     residual, weight = torch.ones_like(x), torch.ones(FUSED_HIDDEN, dtype=torch.bfloat16, device="cuda")
     autosymm.all_reduce_rmsnorm(x, residual, weight)
     state = api.STATES[None]
-    entry = state.cache[(ALL_REDUCE_RMSNORM, x.dtype, x.shape, False)]
+    entry = state.cache[call_key(ALL_REDUCE_RMSNORM, x.dtype, x.shape, x.device, False, DEFAULT)]
     tuned = entry.launcher
     loops = {f"fused autosymm [{entry.decision.backend}, row: {eager_launch(entry.decision.config)}]":
              _with(entry, tuned, x, residual, weight)}
@@ -296,6 +302,8 @@ def _stub_report(calls: int, repeats: int) -> None:
     import autosymm
     import autosymm.backends.triton_all_reduce as tar
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, call_key
+    from autosymm.epilogue import DEFAULT
     from autosymm.backends.base import RunContext
     from autosymm.configs import AllReduceConfig
     from autosymm.problem import Problem
@@ -341,7 +349,7 @@ def _stub_report(calls: int, repeats: int) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
     autosymm.all_reduce(x)  # a 1-rank group: the no-op decision; its entry then runs our launcher
-    entry = api.STATES[None].cache[(x.dtype, numel, True, "sum", x.device, False)]
+    entry = api.STATES[None].cache[call_key(ALL_REDUCE, x.dtype, numel, x.device, False, "sum")]
     entry.launcher = graphed
     autosymm.all_reduce(x), autosymm.all_reduce(x)  # capture: the address is hot from now on
     print(f"  autosymm.all_reduce -> graph replay (stub):  {ns(lambda: autosymm.all_reduce(x)) - empty_call:6.0f}")
@@ -359,8 +367,10 @@ def _stub_fused(ns, stub, empty_call: float) -> None:
     import autosymm
     import autosymm.backends.triton_fused as tf
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, call_key
+    from autosymm.epilogue import DEFAULT
     from autosymm.backends.base import RunContext
-    from autosymm.collectives import ALL_REDUCE_RMSNORM
+
     from autosymm.configs import FusedConfig
     from autosymm.problem import Problem
     from autosymm.runtime.replay import FusedReplay, forget_all
@@ -391,7 +401,7 @@ def _stub_fused(ns, stub, empty_call: float) -> None:
           f"graph replay: {ns(lambda: graphed(x, residual, weight)) - empty_call:6.0f}   "
           f"(torch.empty_like of the output: {ns(lambda: torch.empty_like(x)) - empty_call:.0f})")
     autosymm.all_reduce_rmsnorm(x, residual, weight)  # a 1-rank group: NCCL's composition; its entry runs ours
-    entry = api.STATES[None].cache[(ALL_REDUCE_RMSNORM, x.dtype, x.shape, False)]
+    entry = api.STATES[None].cache[call_key(ALL_REDUCE_RMSNORM, x.dtype, x.shape, x.device, False, DEFAULT)]
     entry.launcher = graphed
     autosymm.all_reduce_rmsnorm(x, residual, weight)  # the key path makes it the group's hot call
     call = lambda: autosymm.all_reduce_rmsnorm(x, residual, weight)  # noqa: E731

@@ -142,6 +142,7 @@ def test_a_graph_mode_call_only_a_non_capturable_backend_serves_is_a_clear_error
     """Inside a capture, a MoE call that only NCCL's all_to_all path could serve (e.g. its rows do
     not fit the workspace) must say so, not fail deep inside torch with a capture error."""
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, call_key
     from autosymm.runtime.dispatch import Decision
     from autosymm.problem import MoEShape, Problem
 
@@ -163,11 +164,13 @@ def test_a_graph_mode_call_only_a_non_capturable_backend_serves_is_a_clear_error
 @pytest.fixture
 def hot_group(tmp_path, monkeypatch):
     """A 1-rank gloo world whose bf16 x 64 eager SUM entry runs an EagerReplay of a fake
-    launcher (capture after 2 calls); yields (autosymm, api, fake launcher, slow-path calls)."""
+    launcher (capture after 2 calls); yields (autosymm, the all-reduce's front door module, fake
+    launcher, slow-path calls)."""
     import torch.distributed as dist
 
     import autosymm
-    from autosymm import api
+    from autosymm.collectives import all_reduce as api
+    from autosymm.spec import ALL_REDUCE, call_key
     from autosymm.runtime import replay
     from test_replay import FakeGraph, FakeLauncher
 
@@ -177,7 +180,7 @@ def hot_group(tmp_path, monkeypatch):
     try:
         x = torch.zeros(64, dtype=torch.bfloat16)
         autosymm.all_reduce(x)  # prepares the entry (world size 1: the identity)
-        entry = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)]
+        entry = api.STATES[None].cache[call_key(ALL_REDUCE, torch.bfloat16, 64, torch.device("cpu"), False, "sum")]
         launcher = FakeLauncher()
         entry.launcher = replay.EagerReplay(launcher, lambda launch, device: FakeGraph(launch, launcher.log))
         slow = []
@@ -196,11 +199,11 @@ def test_a_planned_address_takes_the_hot_path(hot_group):
     for _ in range(2):  # checked call, then capture + replay: the plan exists afterwards
         assert autosymm.all_reduce(x) is x
     assert len(slow) == 2 and addr in api.HOT
-    calls = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)].calls
+    calls = api.STATES[None].cache[call_key(ALL_REDUCE, torch.bfloat16, 64, torch.device("cpu"), False, "sum")].calls
     before = len(launcher.log)
     assert autosymm.all_reduce(x) is x
     assert len(slow) == 2 and launcher.log[before:] == ["replay", ("bound", addr)]  # the plan ran
-    key = (torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)
+    key = call_key(ALL_REDUCE, torch.bfloat16, 64, torch.device("cpu"), False, "sum")
     assert api.STATES[None].cache[key].calls == calls + 1  # stats count it
 
 
@@ -221,12 +224,12 @@ def test_the_hot_path_refuses_another_dtype_layout_group_or_a_capture(hot_group,
     monkeypatch.setattr(api, "current_raw_stream", lambda index: 1234)  # a side stream ...
     monkeypatch.setattr(api, "stream_capturing", lambda: True)  # ... that captures
     autosymm.all_reduce(base, group=dist.group.WORLD)  # graph mode: its own key
-    assert len(slow) == n + 5 and (torch.bfloat16, 64, True, "sum", torch.device("cpu"), True) in api.STATES[None].cache
+    assert len(slow) == n + 5 and call_key(ALL_REDUCE, torch.bfloat16, 64, torch.device("cpu"), True, "sum") in api.STATES[None].cache
 
 
 def test_hot_plans_are_forgotten_on_eviction_new_staging_limits_and_reset(hot_group):
     autosymm, api, launcher, slow = hot_group
-    wrapper = api.STATES[None].cache[(torch.bfloat16, 64, True, "sum", torch.device("cpu"), False)].launcher
+    wrapper = api.STATES[None].cache[call_key(ALL_REDUCE, torch.bfloat16, 64, torch.device("cpu"), False, "sum")].launcher
     wrapper.max_graphs = 1
     x, y = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
     for _ in range(2):

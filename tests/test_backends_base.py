@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from autosymm import collectives
+from autosymm import spec
 from autosymm.backends import backend_names, get_backend
 from autosymm.backends.base import Backend, Capabilities, Needs
 from autosymm.backends.triton_moe import DEFAULT_MOE_CONFIG
@@ -70,7 +70,7 @@ def test_each_backend_owns_its_fallback_config():
     problem = Problem.moe("dp_to_ep", MODEL_SHAPES["deepseek-v3"], 4)
     assert get_backend("triton_moe").fallback_config(problem) == DEFAULT_MOE_CONFIG
     assert all(get_backend(name).fallback_config(problem) is None for name in backend_names() if name != "triton_moe")
-    for record in collectives.ALL:
+    for record in spec.ALL:
         assert record.fallback_order[-1] == record.fallback, "the op's always-serving backend ends the fallback order"
 
 

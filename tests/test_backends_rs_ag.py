@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from autosymm.backends.base import BackendError
-from autosymm.backends.rs_ag_layout import AllGatherConfig, ReduceScatterConfig, push_slot_units, segments, stage_units
+from autosymm.backends.rs_ag_layout import push_slot_units, segments, stage_units
+from autosymm.configs import AllGatherConfig, ReduceScatterConfig
 from autosymm.backends.triton_rs_ag import (AllGatherLauncher, ReduceScatterLauncher, all_gather_space,
                                             reduce_scatter_space, triton_all_gather_pull, triton_all_gather_push,
                                             triton_reduce_scatter_pull, triton_reduce_scatter_push)

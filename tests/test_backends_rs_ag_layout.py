@@ -3,8 +3,8 @@
 
 import pytest
 
-from autosymm.backends.rs_ag_layout import (AllGatherConfig, ReduceScatterConfig, even_counts, push_slot_units,
-                                            segments, stage_bytes, stage_units)
+from autosymm.backends.rs_ag_layout import even_counts, push_slot_units, segments, stage_bytes, stage_units
+from autosymm.configs import AllGatherConfig, ReduceScatterConfig
 
 
 def test_equal_segments_pad_the_stage_to_16_bytes():

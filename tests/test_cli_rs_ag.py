@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from autosymm.backends.rs_ag_layout import AllGatherConfig, ReduceScatterConfig
+from autosymm.configs import AllGatherConfig, ReduceScatterConfig
 from autosymm.cli.main import _tune_options, main
 from autosymm.db.store import Row, TuningDB
 

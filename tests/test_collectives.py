@@ -1,5 +1,5 @@
-"""The op registry (autosymm.collectives): one record per op, in a fixed order, each declaring
-its problem, key, fallbacks, lookups, growth model, tuning points and custom ops."""
+"""The op registry (autosymm.spec, autosymm.collectives): one spec and one door per op, in a fixed
+order, declaring its problem, key, fallbacks, lookups, growth model, tuning points and custom ops."""
 
 from __future__ import annotations
 
@@ -8,27 +8,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from autosymm import collectives
-from autosymm.collectives import ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, PointRequest
+from autosymm import spec
+from autosymm.collectives import DOORS
+from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, PointRequest
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
 
 
 def test_the_registry_holds_every_op_once_in_a_fixed_order():
-    assert collectives.names() == ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm", "reduce_scatter",
+    assert spec.names() == ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm", "reduce_scatter",
                                    "all_gather")
-    assert tuple(r.name for r in collectives.ALL) == collectives.names()
-    assert all(collectives.get(r.name) is r for r in collectives.ALL)
-    assert collectives.default_tuned() == ("all_reduce", "dp_to_ep", "ep_to_dp")
+    assert tuple(r.name for r in spec.ALL) == spec.names()
+    assert all(spec.get(r.name) is r for r in spec.ALL)
+    assert spec.default_tuned() == ("all_reduce", "dp_to_ep", "ep_to_dp")
     with pytest.raises(ValueError, match=r"op='all_to_all' is not one of \('all_reduce'"):
-        collectives.get("all_to_all")
+        spec.get("all_to_all")
 
 
 def test_a_record_checks_its_own_declarations():
-    with pytest.raises(ValueError, match="bucket_unit='rows'"):
-        type(ALL_REDUCE)("x", "rows", fallback="nccl", fallback_order=("nccl",), points=ALL_REDUCE.points,
-                         config_type=None)
     with pytest.raises(ValueError, match="must end with the fallback 'nccl'"):
-        type(ALL_REDUCE)("x", "bytes", fallback="nccl", fallback_order=("nccl", "torch_one_shot"),
+        type(ALL_REDUCE)("x", fallback="nccl", fallback_order=("nccl", "torch_one_shot"),
                          points=ALL_REDUCE.points, config_type=None)
 
 
@@ -48,27 +46,28 @@ def test_records_key_problems_by_their_bucket_unit_and_shape():
 def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
     assert ALL_REDUCE.lookups.bf16_same_bytes and not ALL_REDUCE.lookups.nearest_shape
     assert DP_TO_EP.lookups.nearest_shape and not DP_TO_EP.lookups.bf16_same_bytes
-    assert [r.fallback for r in collectives.ALL] == ["nccl", "nccl_all_to_all", "nccl_all_to_all", "nccl_fused",
+    assert [r.fallback for r in spec.ALL] == ["nccl", "nccl_all_to_all", "nccl_all_to_all", "nccl_fused",
                                                      "nccl_reduce_scatter", "nccl_all_gather"]
     assert DP_TO_EP.fallback_order == ("triton_moe", "nccl_all_to_all")  # no NCCL path is graph-capturable
-    assert [r.one_rank_reason(False) != "" for r in collectives.ALL] == [True, False, False, True, True, True]
-    assert [r.one_rank_reason(True) != "" for r in collectives.ALL] == [True, False, False, False, True, True]
-    assert not DP_TO_EP.prepare_in_check and ALL_REDUCE.prepare_in_check  # growing the MoE region is collective
-    assert [r.config_type.__name__ for r in collectives.ALL] == ["AllReduceConfig", "MoEConfig", "MoEConfig",
+    assert [r.one_rank_reason(False) != "" for r in spec.ALL] == [True, False, False, True, True, True]
+    assert [r.one_rank_reason(True) != "" for r in spec.ALL] == [True, False, False, False, True, True]
+    assert [door.spec for door in DOORS] == list(spec.ALL)  # one door per spec, in registry order
+    assert not DOORS[1].prepare_in_check and DOORS[0].prepare_in_check  # growing the MoE region is collective
+    assert [r.config_type.__name__ for r in spec.ALL] == ["AllReduceConfig", "MoEConfig", "MoEConfig",
                                                                   "FusedConfig", "ReduceScatterConfig",
                                                                   "AllGatherConfig"]  # what a DB row of the op holds
-    ops = [op.name for r in collectives.ALL for op in r.custom_ops()]
+    ops = [op.name for door in DOORS for op in door.custom_ops()]
     assert ops == ["all_reduce_", "all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm",
                    "all_reduce_rmsnorm_quant", "all_reduce_rmsnorm_functional", "reduce_scatter_tensor",
                    "all_gather_into_tensor"]
     assert all(hasattr(torch.ops.autosymm, name) for name in ops)
     # the functional ops are differentiable (autosymm.collectives.autograd), the mutating ones cannot be
-    differentiable = [op.name for r in collectives.ALL for op in r.custom_ops() if op.backward is not None]
+    differentiable = [op.name for door in DOORS for op in door.custom_ops() if op.backward is not None]
     assert differentiable == ["all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm_functional",
                               "reduce_scatter_tensor", "all_gather_into_tensor"]
     # the deterministic setting's last resorts (the MoE and all-gather fallbacks are batch-invariant
     # themselves: rows are copied)
-    assert [r.invariant_fallback for r in collectives.ALL] == ["nccl_ordered", "", "", "nccl_ordered_fused",
+    assert [r.invariant_fallback for r in spec.ALL] == ["nccl_ordered", "", "", "nccl_ordered_fused",
                                                                "nccl_ordered_reduce_scatter", ""]
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autosymm import collectives
+from autosymm import spec
 from autosymm.backends import Capabilities, get_backend
-from autosymm.backends.rs_ag_layout import AllGatherConfig, ReduceScatterConfig
-from autosymm.collectives import ALL_GATHER, REDUCE_SCATTER, PointRequest
+from autosymm.configs import AllGatherConfig, ReduceScatterConfig
+from autosymm.spec import ALL_GATHER, REDUCE_SCATTER, PointRequest
 from autosymm.collectives.reduce_scatter import shard_counts
 from autosymm.db.store import Row, TuningDB
 from autosymm.db.read import DBSource
@@ -30,7 +30,7 @@ def test_problems_are_the_full_tensors_bytes_at_the_all_reduce_points():
     assert all(p.record is REDUCE_SCATTER and p.bucket == p.nbytes and p.shape_key == "" for p in rs)
     ag = ALL_GATHER.problems(PointRequest(("fp32",), 2, sizes=(3000,)))
     assert [(p.op, p.dtype, p.nbytes, p.bucket) for p in ag] == [("all_gather", "fp32", 3000, 3000)]
-    assert "reduce_scatter" not in collectives.default_tuned() and "all_gather" not in collectives.default_tuned()
+    assert "reduce_scatter" not in spec.default_tuned() and "all_gather" not in spec.default_tuned()
     assert REDUCE_SCATTER.lookups.bf16_same_bytes and ALL_GATHER.lookups.bf16_same_bytes
 
 

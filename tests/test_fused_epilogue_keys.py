@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from autosymm.cli.main import main
-from autosymm.collectives import ALL_REDUCE_RMSNORM, PointRequest
-from autosymm.collectives.all_reduce_rmsnorm import split_key
-from autosymm.collectives.fused_epilogue import EPILOGUES, parse_epilogues
+from autosymm.spec import ALL_REDUCE_RMSNORM, PointRequest
+from autosymm.spec.all_reduce_rmsnorm import split_key
+from autosymm.spec.all_reduce_rmsnorm import EPILOGUES, parse_epilogues
 from autosymm.db.store import Row, TuningDB
 from autosymm.epilogue import Epilogue
 from autosymm.problem import Problem

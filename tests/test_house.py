@@ -110,9 +110,9 @@ def test_the_op_name_check_finds_literals_tuples_and_their_constants():
 
 
 def test_few_comparisons_on_op_names_outside_the_op_records():
-    from autosymm import collectives
+    from autosymm import spec
 
-    op_names = set(collectives.names())
+    op_names = set(spec.names())
     found = []
     for path in _modules():
         rel = path.relative_to(PACKAGE)

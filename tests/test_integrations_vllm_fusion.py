@@ -20,7 +20,7 @@ HIDDEN = 32
 def _body(rank, world_size):
     import torch.distributed as dist
 
-    from autosymm.integrations import vllm_fusion
+    from autosymm.integrations import vllm_fusion, vllm_ops
     from autosymm.integrations.serving import AutosymmServing
 
     define_vllm_stand_ins()
@@ -28,7 +28,7 @@ def _body(rank, world_size):
     adapter = AutosymmServing(group=cpu_group, device=torch.device("cpu"))  # what attach puts on the communicator
     coordinator = types.SimpleNamespace(device_communicator=types.SimpleNamespace(autosymm=adapter),
                                         all_reduce=lambda t: torch.ops.vllm.all_reduce(t, "tp:0"))
-    vllm_fusion.group_coordinator = lambda name: coordinator if name == "tp:0" else None
+    vllm_ops.group_coordinator = lambda name: coordinator if name == "tp:0" else None
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 16, generator=gen) + rank  # each rank its own activations

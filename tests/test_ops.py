@@ -125,6 +125,7 @@ def _captured_calls_take_graph_rows(compiled, x):
     """The op reads the mode when it runs, not when it is traced: a compiled call made while the
     stream "captures" (stubbed: no CUDA here) is prepared with the graph-mode rows."""
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, call_key
 
     capturing = api.stream_capturing
     api.stream_capturing = lambda: True
@@ -132,7 +133,7 @@ def _captured_calls_take_graph_rows(compiled, x):
         compiled(x)
     finally:
         api.stream_capturing = capturing
-    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", x.device, True)]
+    entry = api.STATES[None].cache[call_key(ALL_REDUCE, x.dtype, x.numel(), x.device, True, "sum")]
     assert entry.decision.mode == "graph" and entry.calls == 2  # g's two reductions of x's size
 
 

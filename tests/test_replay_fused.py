@@ -200,7 +200,9 @@ def fused_group(tmp_path, monkeypatch, launches):
 
     import autosymm
     from autosymm import api
-    from autosymm.collectives import ALL_REDUCE_RMSNORM
+    from autosymm.spec import ALL_REDUCE_RMSNORM, call_key
+    from autosymm.epilogue import DEFAULT
+
 
     monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "user.sqlite"))
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -208,7 +210,7 @@ def fused_group(tmp_path, monkeypatch, launches):
     try:
         x, residual, weight = _tensors()
         autosymm.all_reduce_rmsnorm(x.clone(), residual.clone(), weight)  # prepares the entry (one rank: noop)
-        entry = api.STATES[None].cache[(ALL_REDUCE_RMSNORM, torch.bfloat16, x.shape, False)]
+        entry = api.STATES[None].cache[call_key(ALL_REDUCE_RMSNORM, torch.bfloat16, x.shape, x.device, False, DEFAULT)]
         launcher, config = _launcher()
         entry.launcher = _wrapped(launcher, config, [])
         yield autosymm, entry, entry.launcher
@@ -219,7 +221,7 @@ def fused_group(tmp_path, monkeypatch, launches):
 
 def test_the_groups_last_eager_call_takes_the_hot_path(fused_group, monkeypatch):
     autosymm, entry, wrapped = fused_group
-    from autosymm import fused
+    from autosymm.collectives import all_reduce_rmsnorm as fused
     from autosymm.runtime import replay as rp
 
     x, residual, weight = _tensors()

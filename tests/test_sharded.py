@@ -194,7 +194,7 @@ def _dtensor(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from autosymm.sharded import redistribute
+    from autosymm.collectives.dtensor import redistribute
 
     mesh = init_device_mesh("cpu", (world_size,))
     for rows in (4, 5):  # even and uneven (torch's chunking) shards
@@ -220,7 +220,7 @@ def _placements_differ(rank, world_size):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     from autosymm.runtime.agreement import AgreementError
-    from autosymm.sharded import redistribute
+    from autosymm.collectives.dtensor import redistribute
 
     mesh = init_device_mesh("cpu", (world_size,))
     partial = DTensor.from_local(torch.ones(4, 3), mesh, [Partial()], run_check=False)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from ..geometry import MAX_WORLD_SIZE
-from ..collectives import get as collective
+from ..spec import get as collective
 from ..problem import DTYPES, Problem
 from ..routing import ExptAssignment
 from .base import BackendError

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..collectives import DP_TO_EP, EP_TO_DP, get as collective
+from ..spec import DP_TO_EP, EP_TO_DP, get as collective
 from ..problem import Problem, next_pow2
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher, interpreter_active

@@ -24,7 +24,7 @@ class NcclFused(Backend):
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist
 
-        from ..collectives.fused_epilogue import DEFAULT, epilogue_launcher
+        from ..epilogue import DEFAULT, epilogue_launcher
 
         group, all_reduce, rms_norm = ctx.group, dist.all_reduce, torch.nn.functional.rms_norm
         hidden = (problem.hidden,)

@@ -161,7 +161,7 @@ class NcclOrderedFused(Backend):
     batch_invariant = True
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        from ..collectives.fused_epilogue import DEFAULT, epilogue_launcher
+        from ..epilogue import DEFAULT, epilogue_launcher
 
         group, world_size = ctx.group, problem.world_size
         if problem.epilogue != DEFAULT:  # the fp32 in-order sum, unrounded, then the reference epilogue

@@ -1,4 +1,5 @@
-"""Host-side layout of the reduce-scatter and all-gather kernels: configs, segments and stages.
+"""Host-side layout of the reduce-scatter and all-gather kernels: segments and stages (their
+configs: autosymm.configs.ReduceScatterConfig / AllGatherConfig).
 
 Pure arithmetic on ints (no torch). A *segment* is one rank's part of the full tensor (the
 reduce-scatter's input, the all-gather's output), in *units*: elements for reduce-scatter,
@@ -13,59 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..configs import MAX_BLOCK, WARP_SIZE, as_int
+from ..configs import MAX_BLOCK, as_int
 from ..geometry import ALIGN, MAX_PROGRAMS, align
 
-REDUCE_SCATTER_ALGORITHMS = ("pull", "push")
-ALL_GATHER_ALGORITHMS = ("push", "pull")
 #: Largest number of units (elements or bytes) a call may have: the kernels index with int32,
 #: and the last chunk's lane offsets reach up to one BLOCK past the end.
 MAX_UNITS = 2**31 - 1 - MAX_BLOCK
-
-
-@dataclass(frozen=True)
-class _LaunchConfig:
-    """One launch of a reduce-scatter or all-gather kernel: ``block_size`` units per program
-    and chunk (a power of two, at least one per thread), ``num_blocks`` programs striding over
-    the chunks of every segment, ``num_warps`` warps a program."""
-
-    algorithm: str
-    block_size: int
-    num_blocks: int
-    num_warps: int
-
-    ALGORITHMS = ()
-    UNIT = "elements"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.algorithm, str) or self.algorithm not in self.ALGORITHMS:
-            raise ValueError(f"algorithm={self.algorithm!r} is not one of {self.ALGORITHMS}")
-        for name in ("block_size", "num_blocks", "num_warps"):
-            object.__setattr__(self, name, as_int(name, getattr(self, name)))  # the dataclass is frozen
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps={self.num_warps} must be a power of two in 1..32")
-        threads = self.num_warps * WARP_SIZE
-        block = self.block_size
-        if block & (block - 1) or not threads <= block <= MAX_BLOCK:
-            raise ValueError(f"block_size={block} must be a power of two in {threads}..{MAX_BLOCK} ({self.UNIT}; "
-                             f"at least one per thread of num_warps={self.num_warps})")
-        if not 1 <= self.num_blocks <= MAX_PROGRAMS:
-            raise ValueError(f"num_blocks={self.num_blocks} must be in 1..{MAX_PROGRAMS}")
-
-
-@dataclass(frozen=True)
-class ReduceScatterConfig(_LaunchConfig):
-    """A reduce-scatter launch (autosymm.kernels.reduce_scatter); ``block_size`` in elements."""
-
-    ALGORITHMS = REDUCE_SCATTER_ALGORITHMS
-
-
-@dataclass(frozen=True)
-class AllGatherConfig(_LaunchConfig):
-    """An all-gather launch (autosymm.kernels.all_gather); ``block_size`` in bytes."""
-
-    ALGORITHMS = ALL_GATHER_ALGORITHMS
-    UNIT = "bytes"
 
 
 @dataclass(frozen=True)

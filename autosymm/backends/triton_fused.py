@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..collectives import ALL_REDUCE_RMSNORM
+from ..spec import ALL_REDUCE_RMSNORM
 from ..configs import FUSED_MAX_TILE_PER_THREAD, WARP_SIZE, FusedConfig, useful_counts
 from ..epilogue import DEFAULT, NVFP4_BLOCK, Epilogue
 from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET,

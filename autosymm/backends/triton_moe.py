@@ -32,7 +32,7 @@ import torch
 from ..configs import MoEConfig, moe_space
 from ..kernels.barrier import _barrier_kernel
 from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
-from ..collectives import DP_TO_EP, EP_TO_DP
+from ..spec import DP_TO_EP, EP_TO_DP
 from ..problem import DTYPES, Problem, next_pow2
 from ..geometry import MOE_REGION, MOE_SIGNAL_SLOT, dst_rows, grid_rows, moe_buffer, moe_region_bytes
 from .base import Backend, BackendError, Capabilities, Needs, RunContext

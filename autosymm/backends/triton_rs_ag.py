@@ -33,8 +33,8 @@ from ..geometry import ALIGN, ALL_REDUCE_REGION, align
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher
-from .rs_ag_layout import (AllGatherConfig, MAX_UNITS, ReduceScatterConfig, Segments, even_counts, push_slot_units,
-                           segments, stage_bytes, stage_units)
+from .rs_ag_layout import MAX_UNITS, Segments, even_counts, push_slot_units, segments, stage_bytes, stage_units
+from ..configs import AllGatherConfig, ReduceScatterConfig
 from .triton_all_reduce import prepared_workspace
 
 #: BLOCK widths of the spaces: elements (reduce-scatter, as the all-reduce's), bytes (all-gather).

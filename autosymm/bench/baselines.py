@@ -27,7 +27,7 @@ The symmetric buffers of torch's ops are views of one ``symm_mem`` allocation
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -279,3 +279,27 @@ def build(name: str, s: Setup, numel: int, count: int) -> Impl:
     if name in ("nccl_symm", "nccl_symm_copy"):
         return _nccl_symm(s, numel, count, zero_copy=name == "nccl_symm")
     raise ValueError(f"unknown all-reduce implementation {name!r}")
+
+
+def measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device: torch.device) -> float:
+    """Median us per call of ``fn`` in ``mode`` under ``plan``, MAX over the ranks of ``group``."""
+    from ..tuning.timing import max_over_ranks, time_eager, time_graph
+
+    if device.type != "cuda":  # gloo (the CPU tests): a token measurement of the same code path
+        plan = replace(plan, calls=2, repeats=3, warmup_calls=1)
+    # timing's clock: CUDA events created and recorded before the timed loop (CudaClock.reserve)
+    if mode == "graph":
+        timing = time_graph(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
+                            calls_per_graph=plan.calls, group=group)
+    else:
+        timing = time_eager(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
+                            calls_per_sample=plan.calls, group=group)
+    return max_over_ranks(timing, group).median_us
+
+
+def agree(ok: bool, group) -> bool:
+    """True on every rank iff ``ok`` on every rank (autosymm.runtime.agreement): measuring starts with a
+    host barrier, so all ranks must make the same choice (or the ones that measure wait forever)."""
+    from ..runtime.agreement import Exchange
+
+    return not Exchange(group, dist.get_rank(group), dist.get_world_size(group)).all_ok("bench", ok)

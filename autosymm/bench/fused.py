@@ -16,14 +16,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..collectives import ALL_REDUCE_RMSNORM
-from ..collectives.all_reduce_rmsnorm import HIDDEN
+from ..spec import ALL_REDUCE_RMSNORM
+from ..spec.all_reduce_rmsnorm import HIDDEN
 from ..problem import DTYPE_NAMES, Problem
-from .baselines import Setup, bench_plan
+from .baselines import Setup, agree, bench_plan, measure
 from .report import BenchRow, cells, compare
 
 FUSED_IMPLS = ("nccl_fused", "flashinfer_fused", "autosymm")
-OTHERS = ("nccl_fused", "flashinfer_fused")
 #: How far a fused output may be from the NCCL composition's (x's dtype: 16-bit sums round).
 RTOL = ATOL = 2.0 ** -5
 EPS = 1e-6
@@ -64,8 +63,6 @@ def _close(got, want) -> bool:
 
 
 def _point_rows(problem: Problem, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
-    from .run import _agree, _measure
-
     label = f"h{problem.hidden} {problem.n_tokens_local} tok"
     checked, timing = _args(problem, setup, bench_plan(problem.nbytes, "eager").n_inputs)
     reference, _, _ = _launcher("nccl_fused", problem, setup, caps, "eager")
@@ -84,8 +81,8 @@ def _point_rows(problem: Problem, modes: list[str], setup: Setup, caps) -> list[
                         "output differs from the NCCL composition's"
                 except Exception as exc:  # the same shapes raise on every rank
                     wrong = f"{type(exc).__name__}: {exc}"
-            ok = _agree(wrong is None, setup.group)
-            us = _measure(launch, timing, bench_plan(problem.nbytes, mode), mode, setup.group, setup.device) \
+            ok = agree(wrong is None, setup.group)
+            us = measure(launch, timing, bench_plan(problem.nbytes, mode), mode, setup.group, setup.device) \
                 if ok else None
             note = "" if ok else (why if why is not None else f"failed, not timed: {wrong or 'failed on another rank'}")
             rows.append(BenchRow(problem.op, label, problem.nbytes, mode, name, us, backend, note))

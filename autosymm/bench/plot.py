@@ -11,7 +11,7 @@ def plot_bench(result, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..collectives import ALL_REDUCE
+    from ..spec import ALL_REDUCE
 
     rows = [r for r in result.rows if r.op == ALL_REDUCE.name and r.us]
     if not rows:

@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..collectives import ALL_REDUCE
+from ..spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, REDUCE_SCATTER, get
 from ..problem import format_bytes, parse_bytes, parse_size_range
 
 #: All-reduce implementations, in table order (see autosymm.bench.baselines).
@@ -80,11 +80,22 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def others_of(op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(no-copy others, with-copy others) autosymm is compared with for ``op`` (its tuning module's)."""
-    from ..tuning.ops import get
+#: The sharded ops' others: NCCL and torch's symm_mem ops on symmetric buffers / with the copy.
+SHARDED_NO_COPY_OTHERS = ("nccl", "torch_low_contention", "torch_multimem")
+SHARDED_COPY_OTHERS = ("nccl", "torch_low_contention_copy")
+#: The fused op's others: NCCL + rms_norm, FlashInfer's fused call.
+FUSED_OTHERS = ("nccl_fused", "flashinfer_fused")
 
-    return get(op).bench_others()
+#: op spec -> (no-copy others, with-copy others) autosymm is compared with.
+OTHERS = {ALL_REDUCE: (NO_COPY_OTHERS, COPY_OTHERS), DP_TO_EP: (MOE_OTHERS, MOE_OTHERS),
+          EP_TO_DP: (MOE_OTHERS, MOE_OTHERS), ALL_REDUCE_RMSNORM: (FUSED_OTHERS, FUSED_OTHERS),
+          REDUCE_SCATTER: (SHARDED_NO_COPY_OTHERS, SHARDED_COPY_OTHERS),
+          ALL_GATHER: (SHARDED_NO_COPY_OTHERS, SHARDED_COPY_OTHERS)}
+
+
+def others_of(op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(no-copy others, with-copy others) autosymm is compared with for ``op``."""
+    return OTHERS[get(op)]
 
 
 def best_of(times: dict[str, Optional[float]], impls: tuple[str, ...]) -> Optional[tuple[str, float]]:
@@ -247,26 +258,6 @@ def moe_table(result: BenchResult, op: str):
                       _x(compare(cell, op).vs_no_copy), *[f"{gbps[i]:.1f}" if i in gbps else "-" for i in MOE_IMPLS],
                       share)
     return table
-
-
-def print_bench(result: BenchResult, console) -> None:
-    """The tables of ``result``, then where autosymm loses and what was not timed."""
-    console.print(f"{result.hardware.get('topology')}: peer read {result.peer_read_gbps:.1f} GB/s, "
-                  f"peer write {result.peer_write_gbps:.1f} GB/s; {result.comm_env or 'comm env not recorded'}")
-    from ..tuning import ops as tuning_ops
-
-    for op in tuning_ops.ALL:  # registry order: each measured op's table
-        table = op.bench_table(result) if any(r.op == op.name for r in result.rows) else None
-        if table is not None:
-            console.print(table)
-    for line in worst_ratios(result.rows) + worst_ratios(result.rows, "autosymm_zero_copy"):
-        console.print(line)
-    lost = losses(result.rows)
-    console.print(f"autosymm loses in {len(lost)} comparison(s)" + (":" if lost else "."))
-    for line in lost:
-        console.print(f"  {line}")
-    for line in failures(result.rows):
-        console.print(f"  not timed: {line}")
 
 
 def csv_rows(result: BenchResult) -> list[dict]:

@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 from ..backends.nccl_rs_ag import pick_collective
 from ..problem import DTYPE_NAMES, Problem
-from .baselines import Impl, Setup, bench_plan, check_output, pool_bytes
+from ..spec import ALL_GATHER, REDUCE_SCATTER
+from ..tuning import ops as tuning_ops
+from .baselines import Impl, Setup, agree, bench_plan, check_output, measure, pool_bytes
 from .report import BenchRow, cells, compare, size_label
 
 SHARDED_IMPLS = ("nccl", "torch_low_contention", "torch_low_contention_copy", "torch_multimem", "autosymm",
                  "autosymm_zero_copy")
-NO_COPY_OTHERS = ("nccl", "torch_low_contention", "torch_multimem")
-COPY_OTHERS = ("nccl", "torch_low_contention_copy")
 
 
 def _shapes(reduces: bool, numel: int, world_size: int) -> tuple[int, int]:
@@ -105,8 +105,6 @@ def _op_size_rows(tuning, nbytes: int, modes: list[str], setup: Setup, caps) -> 
     result on the same data the reference)."""
     import autosymm
 
-    from .run import _agree, _measure
-
     world_size, rank = dist.get_world_size(setup.group), dist.get_rank(setup.group)
     op, reduces = tuning.name, tuning.full_input
     elem = torch.empty((), dtype=setup.dtype).element_size()
@@ -133,12 +131,12 @@ def _op_size_rows(tuning, nbytes: int, modes: list[str], setup: Setup, caps) -> 
             wrong = check_output(impl.launch(*checked), reference, world_size)
         except Exception as exc:  # argument checks: the same shapes raise on every rank
             impl, wrong = None, f"{type(exc).__name__}: {exc}"
-        ok = _agree(wrong is None, setup.group)
+        ok = agree(wrong is None, setup.group)
         for mode in modes:
             backend = impl.backend if impl is not None and impl.backend else \
                 autosymm.api.state_of(None).decide(Problem(op, DTYPE_NAMES[setup.dtype], world_size, nbytes=nbytes),
                                                    mode).backend
-            us = _measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) \
+            us = measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) \
                 if ok else None
             rows.append(BenchRow(op, label, nbytes, mode, name, us, backend,
                                  "" if ok else f"failed, not timed: {wrong or 'failed on another rank'}"))
@@ -149,9 +147,7 @@ def _op_size_rows(tuning, nbytes: int, modes: list[str], setup: Setup, caps) -> 
 
 def sharded_rows(options, setup: Setup, caps) -> list[BenchRow]:
     """The reduce-scatter's and the all-gather's rows (those in ``options.ops``) at every size."""
-    from ..tuning import ops as tuning_ops
-
-    sharded = [op for op in tuning_ops.ALL if op.bench_rows() is sharded_rows and op.name in options.ops]
+    sharded = [tuning_ops.get(spec.name) for spec in (REDUCE_SCATTER, ALL_GATHER) if spec.name in options.ops]
     return [row for op in sharded for nbytes in options.sizes
             for row in _op_size_rows(op, nbytes, options.modes, setup, caps)]
 

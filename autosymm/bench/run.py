@@ -25,16 +25,20 @@ directly on their buffers, not through autosymm's torch_symm backend launcher.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..problem import MoEShape, Problem
+from ..spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, REDUCE_SCATTER
 from ..tuning import ops as tuning_ops
-from .baselines import (BenchPlan, Setup, SymmetricPool, bench_plan, build, check_output, nccl_symm_why_not,
-                        torch_ops_why_not, zero_copy_why_not)
-from .report import ALL_REDUCE_IMPLS, BenchResult, BenchRow, moe_link_gbps, print_bench, size_label, write_bench_csv
+from .baselines import (Setup, SymmetricPool, agree, bench_plan, build, check_output, measure, nccl_symm_why_not,
+                        pool_bytes, torch_ops_why_not, zero_copy_why_not)
+from .fused import fused_rows, fused_table
+from .report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, all_reduce_table, moe_link_gbps, moe_table, size_label,
+                     write_bench_csv)
+from .rs_ag import sharded_pool_bytes, sharded_rows, sharded_table
 
 __all__ = ["BenchOptions", "BenchResult", "BenchRow", "bench_job", "moe_link_gbps", "print_bench", "write_bench_csv"]
 
@@ -47,30 +51,6 @@ class BenchOptions:
     tokens: list[int]
     ops: list[str]
     dtype: str = "bf16"
-
-
-def _measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device: torch.device) -> float:
-    """Median us per call of ``fn`` in ``mode`` under ``plan``, MAX over the ranks of ``group``."""
-    from ..tuning.timing import max_over_ranks, time_eager, time_graph
-
-    if device.type != "cuda":  # gloo (the CPU tests): a token measurement of the same code path
-        plan = replace(plan, calls=2, repeats=3, warmup_calls=1)
-    # timing's clock: CUDA events created and recorded before the timed loop (CudaClock.reserve)
-    if mode == "graph":
-        timing = time_graph(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
-                            calls_per_graph=plan.calls, group=group)
-    else:
-        timing = time_eager(fn, inputs, warmup=plan.warmup_calls, repeats=plan.repeats,
-                            calls_per_sample=plan.calls, group=group)
-    return max_over_ranks(timing, group).median_us
-
-
-def _agree(ok: bool, group) -> bool:
-    """True on every rank iff ``ok`` on every rank (autosymm.runtime.agreement): measuring starts with a
-    host barrier, so all ranks must make the same choice (or the ones that measure wait forever)."""
-    from ..runtime.agreement import Exchange
-
-    return not Exchange(group, dist.get_rank(group), dist.get_world_size(group)).all_ok("bench", ok)
 
 
 def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
@@ -113,14 +93,14 @@ def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: in
         wrong = check_output(impl.launch(*checked), reference, world_size)
     except Exception as exc:  # host-side argument checks: the same shapes raise on every rank
         wrong = f"{type(exc).__name__}: {exc}"
-    ok = _agree(wrong is None, setup.group)
+    ok = agree(wrong is None, setup.group)
     gen = torch.Generator(device=setup.device).manual_seed(4321 + dist.get_rank(setup.group))
     rows = []
     for mode in modes:
         for args in impl.inputs:  # fresh random data (in-place sums double it every call)
             args[0].normal_(generator=gen)
         backend = impl.backend or autosymm.explain(checked[0], mode=mode).backend
-        us = _measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
+        us = measure(impl.launch, impl.inputs, bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
         note = "" if ok else f"failed, not timed: {wrong or 'failed on another rank'}"
         rows.append(BenchRow("all_reduce", size_label(nbytes), nbytes, mode, impl.name, us, backend, note))
     return rows
@@ -198,7 +178,7 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
         got = fn(*args)
         right = torch.equal(got, plain_expected) if impl == PLAIN_IMPL else \
             _moe_equal(got, expected, record.to_experts, expt_indx, assignment, rank)
-        ok = _agree(right, setup.group)
+        ok = agree(right, setup.group)
         for mode in modes:
             why_not = baseline.why_not(problem, caps, mode) if impl == "nccl" else \
                 NOT_CAPTURABLE if impl == PLAIN_IMPL and mode == "graph" else None
@@ -207,7 +187,7 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
             if why_not is not None:
                 rows.append(BenchRow(problem.op, label, nbytes, mode, impl, None, backend, why_not))
                 continue
-            us = _measure(fn, [args], bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
+            us = measure(fn, [args], bench_plan(nbytes, mode), mode, setup.group, setup.device) if ok else None
             rows.append(BenchRow(problem.op, label, nbytes, mode, impl, us, backend,
                                  "" if ok else "failed, not timed: output differs from the NCCL path's"))
     return rows
@@ -290,13 +270,55 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
     result = BenchResult(fingerprint().as_dict(), world_size, read_gbps, write_gbps,
                          comm_env=provenance()["comm_env"])
     # each op's bench function once (the MoE conversions share one), in registry order
-    for rows_of in dict.fromkeys(op.bench_rows() for op in tuning_ops.ALL if op.name in options.ops):
-        if rows_of is not None:
-            result.rows += rows_of(options, setup, caps)
+    for rows_of in dict.fromkeys(bench.rows for spec, bench in BENCHES.items() if spec.name in options.ops):
+        result.rows += rows_of(options, setup, caps)
     return result if rank == 0 else None
 
 
 def _pool_bytes(options: BenchOptions, world_size: int) -> int:
     """Bytes of torch's symmetric pool (and zero-copy inputs) the benched ops need (0: none)."""
-    return max((op.bench_pool_bytes(options.sizes, world_size) for op in tuning_ops.ALL if op.name in options.ops),
-               default=0)
+    return max((bench.pool_bytes(options.sizes, world_size) for spec, bench in BENCHES.items()
+                if spec.name in options.ops), default=0)
+
+
+def _no_pool(sizes: list[int], world_size: int) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class BenchOp:
+    """How `autosymm bench` measures an op: ``rows(options, setup, caps)`` its rows (of every op
+    of ``options.ops`` it measures: ops sharing one function are measured by one call),
+    ``table(result, op)`` the table it prints, ``pool_bytes(sizes, world_size)`` the bytes of
+    torch's symmetric pool (and zero-copy inputs) it needs."""
+
+    rows: Callable
+    table: Callable
+    pool_bytes: Callable[[list[int], int], int] = _no_pool
+
+
+#: op spec -> how bench measures it, in registry order (autosymm.spec.ALL).
+BENCHES = {ALL_REDUCE: BenchOp(all_reduce_rows, lambda result, op: all_reduce_table(result), pool_bytes),
+           DP_TO_EP: BenchOp(moe_rows, moe_table), EP_TO_DP: BenchOp(moe_rows, moe_table),
+           ALL_REDUCE_RMSNORM: BenchOp(fused_rows, fused_table),
+           REDUCE_SCATTER: BenchOp(sharded_rows, sharded_table, sharded_pool_bytes),
+           ALL_GATHER: BenchOp(sharded_rows, sharded_table, sharded_pool_bytes)}
+
+
+def print_bench(result: BenchResult, console) -> None:
+    """The tables of ``result``, then where autosymm loses and what was not timed."""
+    console.print(f"{result.hardware.get('topology')}: peer read {result.peer_read_gbps:.1f} GB/s, "
+                  f"peer write {result.peer_write_gbps:.1f} GB/s; {result.comm_env or 'comm env not recorded'}")
+    for spec, bench in BENCHES.items():  # registry order: each measured op's table
+        table = bench.table(result, spec.name) if any(r.op == spec.name for r in result.rows) else None
+        if table is not None:
+            console.print(table)
+    for line in worst_ratios(result.rows) + worst_ratios(result.rows, "autosymm_zero_copy"):
+        console.print(line)
+    lost = losses(result.rows)
+    console.print(f"autosymm loses in {len(lost)} comparison(s)" + (":" if lost else "."))
+    for line in lost:
+        console.print(f"  {line}")
+    for line in failures(result.rows):
+        console.print(f"  not timed: {line}")
+

@@ -14,17 +14,17 @@ import click
 
 from .. import __version__
 from .errors import OneLineErrorGroup
-from .. import collectives
+from .. import spec
 from .plans import (DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines,
                     explained_epilogue, explained_problem, plan, table)
-from ..collectives.all_reduce import SIZES_SPEC
+from ..spec.all_reduce import SIZES_SPEC
 from ..problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from ..bench.report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
 #: `autosymm tune --sizes` by default: the all-reduce record's default points.
 TUNE_SIZES = SIZES_SPEC
 #: `autosymm tune --ops` (and `bench --ops`) by default: the ops tuned by default, registry order.
-DEFAULT_OPS = ",".join(collectives.default_tuned())
+DEFAULT_OPS = ",".join(spec.default_tuned())
 
 
 def _console():
@@ -102,7 +102,7 @@ def run(ctx: click.Context) -> None:
         sources = open_sources(None, [path])
         combos = sorted({(r.hardware, r.gpu, r.world_size, r.dtype) for s in sources for r in s.db.rows()})
         for hardware, gpu, world_size, dtype in combos:
-            plan(console, Target(hardware, gpu, world_size, dtype), sources, None, list(collectives.names()))
+            plan(console, Target(hardware, gpu, world_size, dtype), sources, None, list(spec.names()))
 
 
 # --------------------------------------------------------------------------------------- tune
@@ -151,7 +151,7 @@ def tune(nproc, json_summary, **opts) -> None:
 
 def _tune_options(opts: dict):
     """autosymm.tuning.session.TuneOptions of `tune`'s options; bad values are usage errors."""
-    from ..collectives.fused_epilogue import parse_epilogues
+    from ..spec.all_reduce_rmsnorm import parse_epilogues
     from ..db.store import user_db_path
     from ..tuning.session import TuneOptions
 
@@ -175,7 +175,7 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
     if not text:
         return None
     from ..backends import backend_names
-    from ..collectives import ALL
+    from ..spec import ALL
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in backend_names()]
@@ -246,7 +246,7 @@ def show(db_paths, all_rows, as_json, op, world_size) -> None:
     columns = ["gpu", "ws", "op", "dtype", "size/tokens", "shape", "mode", "backend", "config", "us", "NCCL us", "speedup"]
     body = []
     for r in rows:
-        size = format_bytes(r.bucket) if _in_bytes(r.op) else str(r.bucket)
+        size = spec.get(r.op).unit.cell(r.bucket)
         body.append([r.gpu, r.world_size, r.op, r.dtype, size, r.shape or "-", r.mode, r.backend, _short_config(r.config),
                      f"{r.median_us:.2f}", f"{r.nccl_us:.2f}" if r.nccl_us else "-",
                      f"{r.speedup:.2f}x" if r.speedup else "-"])
@@ -290,17 +290,11 @@ def _row_json(r) -> dict:
     out = {"gpu": r.gpu, "hardware": r.hardware, "world_size": r.world_size, "op": r.op, "dtype": r.dtype,
            "mode": r.mode, "backend": r.backend, "config": json.loads(r.config or "{}"), "us": r.median_us,
            "nccl_us": r.nccl_us, "speedup": r.speedup, "nccl_version": r.nccl_version}
-    if _in_bytes(r.op):
-        out["size_bytes"] = r.bucket
-    else:
+    record = spec.get(r.op)  # rows are checked when read: a registered op
+    if record.shape:
         out["shape"] = r.shape
-        out["tokens_per_rank"] = r.bucket
+    out[record.unit.json_field] = r.bucket
     return out
-
-
-def _in_bytes(op: str) -> bool:
-    """Whether a row of ``op`` has a bucket in bytes (else tokens per rank, and a shape)."""
-    return op in collectives.names() and collectives.get(op).bucket_unit == "bytes"
 
 
 def _short_config(config_json: Optional[str]) -> str:
@@ -311,7 +305,7 @@ def _short_config(config_json: Optional[str]) -> str:
 
 # ------------------------------------------------------------------------------------ explain
 @main.command()
-@click.option("--op", type=click.Choice(list(collectives.names())), default=collectives.ALL[0].name, show_default=True)
+@click.option("--op", type=click.Choice(list(spec.names())), default=spec.ALL[0].name, show_default=True)
 @click.option("--bytes", "nbytes", default=None, help="all-reduce size, e.g. 1MiB")
 @click.option("--hidden", type=click.IntRange(min=1), default=None,
               help="all_reduce_rmsnorm: the hidden size (elements per row)")
@@ -340,15 +334,13 @@ def explain(**opts) -> None:
     target = Target(hardware, gpu, opts["world_size"], opts["dtype"])
     op, shape = opts["op"], opts["shape"]
     moe_shape = _parsed(_one_shape, shape, "--shape") if shape else None
-    shape_param = collectives.get(op).shape_param
-    if shape_param == "moe_shape" and moe_shape is None:
-        raise click.BadParameter("MoE ops need --shape", param_hint="--shape")
-    if shape_param == "hidden" and opts["hidden"] is None and not opts["all_sizes"]:
-        raise click.BadParameter(f"{op} needs --hidden", param_hint="--hidden")
+    record, given = spec.get(op), {"shape": moe_shape, "hidden": opts["hidden"]}
+    kind = record.shape
+    if kind and given[kind.option_dest] is None and not opts["all_sizes"]:
+        raise click.BadParameter(f"{op} needs {kind.option}", param_hint=kind.option)
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
-    epilogue = explained_epilogue(opts, shape_param)
-    problem = None if opts["all_sizes"] else \
-        explained_problem(op, opts["nbytes"], opts["tokens"], moe_shape, target, opts["hidden"], epilogue)
+    epilogue = explained_epilogue(opts, record)
+    problem = None if opts["all_sizes"] else explained_problem(record, opts, moe_shape, target, epilogue)
     sources = _open(opts["db_paths"])
     check_hardware(target, sources, "--gpu" if opts["gpu"] else "this machine's GPU")
     if problem is None:

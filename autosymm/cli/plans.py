@@ -14,9 +14,9 @@ from typing import NamedTuple, Optional
 
 import click
 
-from .. import collectives, settings
-from ..collectives import PointRequest
-from ..collectives.moe import TOKENS
+from .. import spec, settings
+from ..spec import PointRequest
+from ..spec.moe import TOKENS
 from ..problem import MODES, Problem, format_bytes, parse_bytes, parse_size_range
 from ..settings import MAX_WORKSPACE_BYTES
 from ..units import MAX_SIZE
@@ -84,13 +84,14 @@ def check_hardware(target: Target, sources, whose: str) -> None:
         f"tuned: {listing or 'none'} (on untuned hardware NCCL serves every call)", param_hint="--gpu")
 
 
-def explained_epilogue(opts: dict, shape_param: str):
+def explained_epilogue(opts: dict, record):
     """The fused op's epilogue of `explain`'s --epilogue, or of --quant/--gemma/--no-residual
     (None: not the fused op, or the default); a usage error naming the option otherwise."""
-    from ..collectives.fused_epilogue import DEFAULT, Epilogue, parse_epilogues
+    from ..epilogue import DEFAULT, Epilogue
+    from ..spec.all_reduce_rmsnorm import parse_epilogues
 
     flags = opts["quant"] is not None or opts["gemma"] or opts["no_residual"]
-    if (flags or opts["epilogue"]) and shape_param != "hidden":
+    if (flags or opts["epilogue"]) and not record.shape.takes_epilogue:
         raise click.BadParameter(f"--epilogue, --quant, --gemma and --no-residual are all_reduce_rmsnorm's, not "
                                  f"{opts['op']}'s", param_hint="--op")
     if opts["epilogue"] is None:
@@ -106,34 +107,42 @@ def explained_epilogue(opts: dict, shape_param: str):
     return None if epilogues[0] == DEFAULT else epilogues[0]
 
 
-def explained_problem(op: str, nbytes: Optional[str], tokens: Optional[int], moe_shape, target: Target,
-                      hidden: Optional[int] = None, epilogue=None) -> Problem:
-    """The Problem `explain` is asked about (``--bytes`` for an op bucketed in bytes, else
-    ``--tokens`` with the op's shape: ``moe_shape`` or ``hidden``, and the fused op's
-    ``epilogue``, None the default); sizes no call can have (or that exceed the workspace's
-    all-reduce region) are usage errors."""
-    record = collectives.get(op)
-    request = PointRequest((target.dtype,), target.world_size, moe_shapes=(moe_shape,), hidden=(hidden,),
+def explained_problem(record, opts: dict, moe_shape, target: Target, epilogue=None) -> Problem:
+    """The Problem `explain` is asked about: one size in the op's unit (``--bytes`` or
+    ``--tokens``: ``record.unit.option``) with the op's shape (``moe_shape`` or ``--hidden``) and
+    the fused op's ``epilogue`` (None the default); sizes no call can have (or that exceed the
+    workspace's all-reduce region) are usage errors."""
+    unit = record.unit
+    request = PointRequest((target.dtype,), target.world_size, moe_shapes=(moe_shape,), hidden=(opts["hidden"],),
                            extra_tokens=False, epilogues=None if epilogue is None else (epilogue,))
-    if record.bucket_unit == "bytes":
-        if nbytes is None:
-            raise click.BadParameter("give --bytes or --all", param_hint="--bytes")
-        try:
-            size = parse_bytes(nbytes)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--bytes") from None
-        return record.problems(replace(request, sizes=(_checked_bytes(nbytes, size, target),)))[0]
-    if tokens is None:
-        raise click.BadParameter("give --tokens or --all", param_hint="--tokens")
+    given = opts[unit.option_dest]
+    if given is None:
+        raise click.BadParameter(f"give {unit.option} or --all", param_hint=unit.option)
+    return _SIZE_READERS[unit](record, request, given, target, epilogue)
+
+
+def _bytes_problem(record, request: PointRequest, text: str, target: Target, epilogue) -> Problem:
+    try:
+        size = parse_bytes(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--bytes") from None
+    return record.problems(replace(request, sizes=(_checked_bytes(text, size, target),)))[0]
+
+
+def _tokens_problem(record, request: PointRequest, tokens: int, target: Target, epilogue) -> Problem:
     problems = record.problems(replace(request, tokens=(tokens,)))
     if not problems:  # the epilogue cannot take this hidden size (NVFP4: a multiple of 16)
-        raise click.BadParameter(f"epilogue {epilogue.key!r} cannot serve hidden={hidden} (NVFP4 packs blocks of 16)",
-                                 param_hint="--hidden")
+        raise click.BadParameter(f"epilogue {epilogue.key!r} cannot serve hidden={request.hidden[0]} (NVFP4 packs "
+                                 "blocks of 16)", param_hint="--hidden")
     problem = problems[0]
     if problem.nbytes > MAX_SIZE:
         raise click.BadParameter(f"{tokens} tokens per rank make {problem.nbytes} bytes, over 2^63 - 1",
                                  param_hint="--tokens")
     return problem
+
+
+#: How `explain` reads one size, per bucket unit (autosymm.spec.BYTES / TOKENS).
+_SIZE_READERS = {spec.BYTES: _bytes_problem, spec.TOKENS: _tokens_problem}
 
 
 def _checked_bytes(text: str, size: int, target: Target) -> int:
@@ -205,7 +214,7 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
     hardware, gpu, world_size, dtype = target
     caps, deterministic = offline_caps(target), settings.deterministic()
     for this_op in ops:
-        record = collectives.get(this_op)
+        record = spec.get(this_op)
         problems = _plan_problems(record, target, sources, moe_shape, hidden, epilogue)
         if not problems:
             continue
@@ -215,7 +224,7 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
             for m in modes:
                 row += _plan_cells(decide(problem, m, caps, sources, hardware, deterministic), problem, caps, m)
             body.append(row)
-        columns = ["size" if record.bucket_unit == "bytes" else "shape/tokens"]
+        columns = [record.unit.column]
         for m in modes:
             columns += [f"{m} backend", f"{m} config", f"{m} us", f"{m} vs NCCL"]
         console.print(table(f"{this_op} plan: {world_size}x {gpu} ({hardware}), {dtype}", columns, body, PLAN_CAPTION))
@@ -245,13 +254,13 @@ def _plan_problems(record, target: Target, sources, moe_shape, hidden: Optional[
     request = PointRequest((dtype,), world_size, sizes=sorted(points | set(parse_size_range(DEFAULT_SIZES))),
                            tokens=sorted(points | set(TOKENS)), extra_tokens=False,
                            epilogues=None if epilogue is None else (epilogue,))
-    if record.shape_param == "moe_shape":
-        request = replace(request, moe_shapes=[moe_shape] if moe_shape else
-                          sorted(set(tuned) | set(record.points.moe_shapes), key=lambda shape: shape.key))
-    elif record.shape_param == "hidden":
-        request = replace(request, hidden=[hidden] if hidden else sorted(set(tuned) | set(record.points.hidden)))
-    problems = [(record.point_label(p, " "), p) for p in record.problems(request)]
-    return [(f"{label} tok", p) for label, p in problems] if record.bucket_unit == "tokens" else problems
+    kind = record.shape
+    if kind:
+        one = {"moe_shapes": moe_shape, "hidden": hidden}[kind.request_field]
+        default = getattr(record.points, kind.points_field)
+        request = replace(request, **{kind.request_field: [one] if one else
+                                      sorted(set(tuned) | set(default), key=kind.sort_key)})
+    return [(f"{record.point_label(p, ' ')}{record.unit.label_suffix}", p) for p in record.problems(request)]
 
 
 def _short_config_obj(config) -> str:

@@ -1,29 +1,35 @@
-"""``all_gather``: every rank's tensor concatenated along dim 0 in rank order
-(``autosymm.all_gather_into_tensor`` / ``all_gatherv``, autosymm.sharded), and its custom op
-``torch.ops.autosymm.all_gather_into_tensor`` (functional, with autograd: the gradient of an
-all-gather is the reduce-scatter (sum) of the gradients, torch.distributed.nn.functional's formula).
+"""``autosymm.all_gather_into_tensor`` / ``all_gatherv``: every rank's tensor concatenated along
+dim 0 in rank order (drop-ins for torch.distributed's, and vLLM's per-rank-size form), their
+checks and the custom op ``torch.ops.autosymm.all_gather_into_tensor`` (functional, with
+autograd: the gradient of an all-gather is the reduce-scatter (sum) of the gradients). Its spec:
+autosymm.spec.reduce_scatter.ALL_GATHER.
 
-Problem: ``nbytes`` of the full (gathered) output; bucket: those bytes; no shape. An all-gather
-copies bytes: a dtype without rows of its own (integers, bool, fp8) is keyed as bf16 (the rows
-of the same byte size), and fp16 / fp32 calls fall back to the bf16 rows too; where NCCL serves
-fp8 or fp4 (which torch's NCCL and gloo refuse), it moves their bytes. Cache key:
-``(record, dtype, input shape, output shape, sizes or None, input device, capturing)``; the call's arguments
-``(output, input, sizes)``.
+An all-gather copies bytes: a dtype without rows of its own (integers, bool, fp8) is keyed as
+bf16, and where NCCL serves fp8 or fp4 (which torch's NCCL and gloo refuse), it moves their
+bytes. Call key: ``call_key(ALL_GATHER, dtype, input shape, input device, capturing, (output
+shape, sizes or None))``; the call's arguments ``(output, input, sizes)``.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.rs_ag_layout import AllGatherConfig
+from ..dist_compat import Work, group_name, resolve_group
 from ..problem import DTYPE_NAMES, Problem
-from .all_reduce import SIZES, UNREDUCIBLE
-from .base import CustomOp, Lookups, TuningPoints
-from .reduce_scatter import Sharded, checked_tensors, shard_counts, shards_text
+from ..runtime.entry import CustomOp, prepare_call, refuse_call
+from ..runtime.group import STATES, state_of, stream_capturing
+from ..spec import ALL_GATHER, call_key
+from ..spec.all_reduce import UNREDUCIBLE
+from .reduce_scatter import ShardedDoor, checked_sizes, checked_tensors, refuse_layout, shard_counts, shards_text, \
+    traced
 
 
-class AllGather(Sharded):
+class AllGatherDoor(ShardedDoor):
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         output, input, sizes = args
         return f"{self.name} of {input.dtype} {shards_text(input, sizes)} -> {tuple(output.shape)} in {mode} mode"
@@ -51,6 +57,52 @@ class AllGather(Sharded):
                          setup_context=_setup, backward=_backward),)
 
 
+DOOR = AllGatherDoor(ALL_GATHER, arg_names=("output", "input", "sizes"))
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes, group):
+    state = STATES.get(group) or state_of(group)
+    try:
+        key = call_key(ALL_GATHER, input.dtype, input.shape, input.device, stream_capturing(),
+                       (output.shape, None if sizes is None else checked_sizes(sizes, "all_gatherv")))
+    except (AttributeError, TypeError):  # not a tensor, or sizes not ints: the checks name which, on every rank
+        return refuse_call(state, DOOR, (output, input, sizes))
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = prepare_call(state, DOOR, key, (output, input, key.extra[1]))
+    entry.calls += 1
+    sizes, row = key.extra[1], math.prod(input.shape[1:])
+    try:
+        return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
+    except (NotImplementedError, RuntimeError):
+        refuse_layout(DOOR, output, input)
+        raise
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``dist.all_gather_into_tensor``: ``output`` = every rank's ``input`` in rank order along dim 0
+    (``output`` holds world_size times ``input``'s elements). Any dtype (bytes are copied); both
+    tensors contiguous, on the group's device. ``async_op`` as :func:`reduce_scatter_tensor`.
+    Under torch.compile the call is ``torch.ops.autosymm.all_gather_into_tensor``.
+    """
+    if traced("all_gather_into_tensor", output, input):
+        if async_op:
+            raise RuntimeError("autosymm.all_gather_into_tensor: async_op=True cannot be traced; drop async_op")
+        world_size = dist.get_world_size(group)
+        output.copy_(torch.ops.autosymm.all_gather_into_tensor(input, world_size, group_name(group))
+                     .view(output.shape))
+        return None
+    _all_gather(output, input, None, group)
+    return Work(output) if async_op else None
+
+
+def all_gatherv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
+    """All-gather with per-rank dim-0 ``sizes`` (host ints, the same on every rank, as vLLM's
+    ``all_gatherv``): ``output`` [sum(sizes), ...] = every rank's ``input`` [sizes[r], ...] in rank
+    order. Returns ``output``. Eager only, as :func:`reduce_scatterv`."""
+    return _all_gather(output, input, sizes, group)
+
+
 def _as_bytes(launcher):
     """``launcher(output, input, counts=None)`` on byte views of contiguous tensors of any dtype."""
     def launch(output: Tensor, input: Tensor, counts=None) -> Tensor:
@@ -66,9 +118,6 @@ def _all_gather_into_tensor(input: Tensor, group_size: int, group_name: str) -> 
     """A new tensor: every rank's ``input`` of the group ``group_name`` (of ``group_size`` ranks)
     in rank order along dim 0, [group_size * input.shape[0], *input.shape[1:]] (a 0-d input
     gathers into [group_size])."""
-    from ..dist_compat import resolve_group
-    from ..sharded import all_gather_into_tensor
-
     out = _all_gather_into_tensor_fake(input, group_size, group_name)
     all_gather_into_tensor(out, input.contiguous(), resolve_group(group_name))
     return out
@@ -90,9 +139,3 @@ def _backward(ctx, grad: Tensor):
     gradient is the reduce-scatter (sum) of the outputs' gradients."""
     shard = torch.ops.autosymm.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.group_size, ctx.group_name)
     return shard.reshape(ctx.shape), None, None
-
-
-ALL_GATHER = AllGather("all_gather", "bytes", fallback="nccl_all_gather", fallback_order=("nccl_all_gather",),
-                       points=TuningPoints(sizes=SIZES), config_type=AllGatherConfig,
-                       lookups=Lookups(bf16_same_bytes=True), tuned_by_default=False,
-                       arg_names=("output", "input", "sizes"))

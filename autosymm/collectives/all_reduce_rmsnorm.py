@@ -1,104 +1,60 @@
-"""``all_reduce_rmsnorm``: the all-reduce of a tensor-parallel layer fused with the residual add and
-the RMSNorm after it, and the epilogues after the norm (``autosymm.all_reduce_rmsnorm``,
-autosymm.fused; the epilogue record autosymm.epilogue.Epilogue), and its custom ops
-``torch.ops.autosymm.all_reduce_rmsnorm`` (one output: unquantized or static FP8),
-``all_reduce_rmsnorm_quant`` (two outputs: per-token FP8, NVFP4) and
-``all_reduce_rmsnorm_functional`` (differentiable, the unquantized epilogues).
+"""``autosymm.all_reduce_rmsnorm``: the all-reduce of a tensor-parallel layer fused with the
+residual add, the RMSNorm after it and an epilogue (autosymm.epilogue.Epilogue), its hot path,
+and its custom ops ``torch.ops.autosymm.all_reduce_rmsnorm`` (one output: unquantized or static
+FP8), ``all_reduce_rmsnorm_quant`` (two outputs: per-token FP8, NVFP4) and
+``all_reduce_rmsnorm_functional`` (differentiable, the unquantized epilogues). Its spec:
+autosymm.spec.all_reduce_rmsnorm; its argument checks: autosymm.collectives.fused_checks.
 
-Problem: ``n_tokens_local`` rows of ``hidden`` elements and the epilogue; bucket: tokens per rank;
-shape: ``'h{hidden}'`` for the default epilogue (residual add, RMSNorm, x's dtype), else
-``'h{hidden}_{epilogue.key}'``. Cache key: ``(record, dtype, x shape, capturing)`` for the default
-epilogue, ``(record, dtype, x shape, epilogue, capturing)`` for the others.
+Call key: ``call_key(ALL_REDUCE_RMSNORM, dtype, x shape, device, capturing, epilogue)``. A
+repeated call is its arguments' checks (before anything runs), a dict lookup and the launcher.
+An eager default-epilogue call whose launcher replays (autosymm.runtime.replay.FusedReplay)
+becomes the group's hot call (``FUSED_HOT``): a repeat of its dtype and shape skips the key, and
+its replay checks the arguments.
 """
 
 from __future__ import annotations
 
-import re
 from functools import partial
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..configs import FlashInferFusedConfig, FusedConfig
+from ..dist_compat import group_name as name_of_group, resolve_group
+from ..epilogue import DEFAULT, Epilogue, outputs_like, single_rank_launcher
+from ..problem import Problem, dtype_name
+from ..runtime.dispatch import Decision
+from ..runtime.entry import CustomOp, Door, prepare_call
+from ..runtime.group import STATES, Entry, check_traced, current_raw_stream, state_of, stream_capturing
+from ..runtime.replay import FUSED_HOT, FusedReplay, HotFused
+from ..spec import ALL_REDUCE_RMSNORM, call_key
+from ..spec.all_reduce_rmsnorm import TWO_OUTPUT_QUANTS
 from . import autograd
-from ..problem import DTYPE_NAMES, Problem, dtype_name
-from .base import Collective, CustomOp, PointRequest, TuningPoints
-from .fused_epilogue import (DEFAULT, NVFP4_BLOCK, TWO_OUTPUT_QUANTS, Epilogue, check_problem_epilogue, check_scale,
-                             outputs_like, single_rank_launcher)
-from .moe import TOKENS
+from .fused_checks import check_args, check_scale, epilogue_of
 
-#: Hidden sizes of the default sweep (the hidden sizes of common tensor-parallel models), at
-#: :data:`TOKENS` and :data:`EXTRA_TOKENS`, eager and graph: 4 x 10 x 2 = 80 (problem, mode) pairs.
-HIDDEN = (4096, 5120, 7168, 8192)
-#: Token counts also tuned, inside the asked-for range: where the op's targets are stated (fused
-#: within 1 us of the all-reduce alone up to 128 tokens, 1.5x NCCL + rms_norm up to 2048), so the
-#: DB holds a measured row there rather than a neighbour's config.
-EXTRA_TOKENS = (128, 2048)
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-def with_extra_tokens(tokens, extra=EXTRA_TOKENS) -> list[int]:
-    """``tokens`` plus the ``extra`` counts within their range, sorted."""
-    if not tokens:
-        return []
-    return sorted(set(tokens) | {t for t in extra if min(tokens) <= t <= max(tokens)})
-
-
-class AllReduceRMSNorm(Collective):
-    def check_problem(self, problem: Problem) -> None:
-        if problem.hidden < 1 or problem.n_tokens_local < 1:
-            raise ValueError(f"all_reduce_rmsnorm needs hidden >= 1 and n_tokens_local >= 1, got "
-                             f"hidden={problem.hidden}, n_tokens_local={problem.n_tokens_local}")
-        if problem.epilogue is None:  # a Problem built without one: the default epilogue
-            object.__setattr__(problem, "epilogue", DEFAULT)
-        check_problem_epilogue(problem.epilogue, problem.hidden, self.name)
-
-    def shape_key(self, problem: Problem) -> str:
-        return shape_key(problem.hidden, problem.epilogue or DEFAULT)
-
-    def shape_of_key(self, key: str) -> int:
-        """The hidden size of a shape key 'h{hidden}' or 'h{hidden}_{epilogue key}'."""
-        return split_key(key)[0]
-
-    def problems(self, request: PointRequest) -> list[Problem]:
-        hidden = self.points.hidden if request.hidden is None else request.hidden
-        tokens = list(self.points.tokens if request.tokens is None else request.tokens)
-        if request.extra_tokens:
-            tokens = with_extra_tokens(tokens, self.points.extra_tokens)
-        epilogues = self.points.epilogues if request.epilogues is None else request.epilogues
-        return [Problem.all_reduce_rmsnorm(t, h, d, request.world_size, epilogue=e)
-                for d in request.dtypes for e in epilogues for h in hidden for t in tokens
-                if e.quant != "nvfp4" or h % NVFP4_BLOCK == 0]  # NVFP4 packs blocks of 16
-
-    def one_rank_reason(self, deterministic: bool) -> str:
-        # deterministic: the ordered fallback, whose norm follows its fixed tree (torch's may not)
-        return "" if deterministic else "world size 1: nothing to exchange; add + rms_norm"
-
-    def problem_hint(self) -> str:
-        return "autosymm.Problem.all_reduce_rmsnorm(n_tokens_local, hidden, dtype, world_size, epilogue=...)"
-
-    def call_text(self, key: tuple, args: tuple, mode: str) -> str:
-        x, epilogue = args[0], epilogue_of_key(key)
+class AllReduceRMSNormDoor(Door):
+    def call_text(self, key, args: tuple, mode: str) -> str:
+        x, epilogue = args[0], key.extra
         ending = "" if epilogue == DEFAULT else f" with epilogue {epilogue.key}"
         return f"{self.name} of {x.dtype} {tuple(x.shape)}{ending} in {mode} mode"
 
-    def check_call(self, state, key: tuple, args: tuple, mode: str):
+    def check_call(self, state, key, args: tuple, mode: str):
         """This rank's checks (ValueError naming the bad tensor): the Problem, or a 'noop' Entry
         without rows (the same on every rank: x's shape is replicated)."""
-        from ..runtime.dispatch import Decision
-        from ..runtime.group import Entry
-
-        x, residual, weight = args[:3]
-        epilogue = epilogue_of_key(key)
+        x, residual, weight, scale = args
+        epilogue = key.extra
         check_args(x, residual, weight, state.device, self.name)
-        check_scale(x, epilogue, args[3] if len(args) > 3 else None, state.device, self.name)
+        check_scale(x, epilogue, scale, state.device, self.name)
         dtype = dtype_name(x.dtype)
         n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
         default = epilogue == DEFAULT
         if n_tokens == 0 or hidden == 0:
             empty = _empty_call if default else partial(_empty_epilogue_call, epilogue)
             return Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), empty)
-        one_rank = self.one_rank_reason(state.deterministic) if state.world_size == 1 else ""
+        one_rank = self.spec.one_rank_reason(state.deterministic) if state.world_size == 1 else ""
         if one_rank:
             single = _single_rank_call if default else single_rank_launcher(epilogue)
             return Entry(Decision("noop", None, one_rank, mode=mode), single)
@@ -112,101 +68,104 @@ class AllReduceRMSNorm(Collective):
                          setup_context=autograd.fused_setup))
 
 
-def shape_key(hidden: int, epilogue: Epilogue) -> str:
-    """The database ``shape`` of the fused op: 'h{hidden}' (default epilogue), else
-    'h{hidden}_{epilogue.key}'."""
-    return f"h{hidden}" if epilogue == DEFAULT else f"h{hidden}_{epilogue.key}"
+DOOR = AllReduceRMSNormDoor(ALL_REDUCE_RMSNORM, arg_names=("x", "residual", "weight", "scale"))
 
 
-def split_key(key: str) -> tuple[int, Epilogue]:
-    """(hidden, epilogue) of a shape key :func:`shape_key` wrote; ValueError naming ``key``."""
-    match = re.fullmatch(r"h([1-9][0-9]*)(?:_(.+))?", str(key))
-    if match is None:
-        raise ValueError(f"{key!r} is not a hidden-size key like 'h8192' or 'h8192_<epilogue>'")
+def all_reduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
+                       group=None, *, gemma: bool = False, quant: Optional[str] = None,
+                       scale: Optional[torch.Tensor] = None):
+    """On every rank of ``group``: ``residual += all_reduce(x)`` (in place) and return
+    ``rmsnorm(residual) * weight`` as a new tensor.
+
+    Epilogues (keyword-only; docs/INTEGRATIONS.md states each reference formula,
+    autosymm.epilogue.reference computes it): ``residual=None``: no add, the norm reads the sum
+    itself and only new tensors are written (every path of an epilogue call leaves x unchanged);
+    ``gemma=True``: the weight applied as ``(1 + weight)``; ``quant="fp8"`` with ``scale`` (float32, one element):
+    out is float8_e4m3fn ``clamp(norm * (1 / scale), -448, 448)``; ``quant="fp8_per_token"``:
+    returns ``(out e4m3, scales [tokens, 1] float32)``; ``quant="nvfp4"`` with ``scale`` the
+    float32 global scale: returns ``(packed uint8 [tokens, hidden / 2], e4m3 block scales in
+    vLLM's swizzled layout)``, hidden a multiple of 16. A bad argument (a scale of the wrong
+    dtype, shape or device, a missing scale or one no quant mode takes, an unknown quant, a
+    hidden size NVFP4 cannot pack) raises a ValueError naming it before anything is written.
+    Quantized outputs have no gradient: a quantized call whose input requires grad raises.
+
+    ``x`` and ``residual``: [tokens, hidden], contiguous, one dtype (bf16, fp16 or fp32) and
+    ``residual`` the same on every rank (tensor parallelism); ``weight``: [hidden], same dtype.
+    Sums and the norm are taken in fp32 (the norm of the unrounded sum) and rounded once; every
+    rank ends with bit-identical ``residual`` and output. ``x`` is scratch (default epilogue): the
+    Triton kernels leave it unchanged, the NCCL path leaves the sum in it. Under torch.compile (or another tracer,
+    which hands over tensor subclasses) the call is ``torch.ops.autosymm.all_reduce_rmsnorm``.
+    Where an input requires grad it is ``all_reduce_rmsnorm_functional`` (differentiable:
+    autosymm.collectives.autograd) and the new residual is copied into ``residual``.
+    """
+    if residual is None or gemma is not False or quant is not None or scale is not None:
+        return _epilogue_call(x, residual, weight, eps, group, gemma, quant, scale)
+    if (x.requires_grad or residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+        out, new_residual = torch.ops.autosymm.all_reduce_rmsnorm_functional(x, residual, weight, eps,
+                                                                             name_of_group(group))
+        residual.copy_(new_residual)
+        return out
+    if type(x) is not torch.Tensor or _dynamo_compiling():
+        check_traced(x, "all_reduce_rmsnorm")
+        return torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, name_of_group(group))
+    # The hot path: the group's last prepared eager call (replay.FUSED_HOT), of x's dtype and shape,
+    # while nothing captures (on torch's default stream nothing can); its replay checks the rest.
+    hot = FUSED_HOT.get(group)
+    if (hot is not None and hot.dtype is x.dtype and hot.shape == x.shape
+            and (current_raw_stream(hot.device_index) == 0 or not stream_capturing())):
+        hot.entry.calls += 1
+        return hot.call(x, residual, weight, eps)
+    return fused_call(x, residual, weight, eps, group)
+
+
+def _epilogue_call(x, residual, weight, eps, group, gemma, quant, scale):
+    """:func:`all_reduce_rmsnorm` with a non-default epilogue."""
+    epilogue = epilogue_of(residual, gemma, quant, scale)  # ValueError naming the argument, before anything runs
+    tensors = (x, weight) if residual is None else (x, residual, weight)
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
+        if quant is not None:
+            raise RuntimeError(f"autosymm.all_reduce_rmsnorm: quant={quant!r} output has no gradient (a quantized "
+                               "output feeds a GEMM, not autograd); detach the inputs or run under torch.no_grad()")
+        out, new_residual = torch.ops.autosymm.all_reduce_rmsnorm_functional(x, residual, weight, eps,
+                                                                             name_of_group(group), gemma)
+        if residual is not None:
+            residual.copy_(new_residual)
+        return out
+    if type(x) is not torch.Tensor or _dynamo_compiling():
+        check_traced(x, "all_reduce_rmsnorm")
+        op = torch.ops.autosymm.all_reduce_rmsnorm_quant if quant in TWO_OUTPUT_QUANTS else \
+            torch.ops.autosymm.all_reduce_rmsnorm
+        return op(x, residual, weight, eps, name_of_group(group), gemma, quant, scale)
+    return fused_call(x, residual, weight, eps, group, epilogue, scale)
+
+
+def fused_call(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, group,
+               epilogue: Epilogue = DEFAULT, scale: Optional[torch.Tensor] = None):
+    """The keyed eager path of :func:`all_reduce_rmsnorm` for plain tensors (the custom ops' impls)."""
+    state = STATES.get(group) or state_of(group)
+    default = epilogue == DEFAULT
+    key = call_key(ALL_REDUCE_RMSNORM, x.dtype, x.shape, x.device, stream_capturing(), epilogue)
+    args = (x, residual, weight, scale)
     try:
-        epilogue = DEFAULT if match.group(2) is None else Epilogue.of_key(match.group(2))
-    except ValueError as exc:
-        raise ValueError(f"{key!r}: {exc}") from None
-    return int(match.group(1)), epilogue
-
-
-def epilogue_of_key(key: tuple) -> Epilogue:
-    """The epilogue of a cache key (module docstring)."""
-    return key[3] if len(key) == 5 else DEFAULT
-
-
-def check_args(x: Tensor, residual: Optional[Tensor], weight: Tensor, device: torch.device,
-               what: str = "all_reduce_rmsnorm") -> None:
-    """ValueError naming the bad argument unless ``x`` and ``residual`` (None: no residual add)
-    are [tokens, hidden] and ``weight`` [hidden], all of one supported dtype (bf16, fp16, fp32),
-    contiguous, on ``device`` and disjoint in memory (a residual aliasing x would add the sum to
-    itself; the NCCL path writes x). Local and cheap: every call runs it before anything is
-    launched, so a bad call changes nothing."""
-    no_residual = residual is None
-    if no_residual:
-        residual = x  # checked as x; no overlap of the two to refuse
-    try:
-        dtype, shape = x.dtype, x.shape
-        _, hidden = shape  # ValueError unless 2-D
-        if (dtype in DTYPE_NAMES and residual.dtype is dtype and weight.dtype is dtype and residual.shape == shape
-                and weight.dim() == 1 and weight.size(0) == hidden and x.device == device and residual.device == device
-                and weight.device == device and x.is_contiguous() and residual.is_contiguous()
-                and weight.is_contiguous()):
-            nbytes, wbytes = x.numel() * x.element_size(), weight.numel() * weight.element_size()
-            lo, hi = sorted((x.data_ptr(), residual.data_ptr()))
-            wp = weight.data_ptr()
-            if nbytes == 0 or ((no_residual or hi - lo >= nbytes) and (wp + wbytes <= lo or wp >= hi + nbytes
-                                                      or lo + nbytes <= wp <= hi - wbytes)):
-                return
-    except (AttributeError, TypeError, ValueError):  # not a tensor, or x not 2-D: named below
-        pass
-    raise ValueError(f"autosymm.{what}: {_what_is_wrong(x, None if no_residual else residual, weight, device)}")
-
-
-def _what_is_wrong(x, residual, weight, device) -> str:
-    """The first argument :func:`check_args` refuses, and why (``residual`` None: not given)."""
-    if residual is None:
-        residual = x if isinstance(x, torch.Tensor) else None
-        named = (("x", x), ("weight", weight))
-    else:
-        named = (("x", x), ("residual", residual), ("weight", weight))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    if x.dim() != 2 or residual.shape != x.shape:
-        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must both be [tokens, hidden]"
-    if tuple(weight.shape) != (x.shape[1],):
-        return f"weight {tuple(weight.shape)} must be [hidden] = [{x.shape[1]}]"
-    if residual.dtype != x.dtype or weight.dtype != x.dtype:
-        return f"x {x.dtype}, residual {residual.dtype} and weight {weight.dtype} must share one dtype"
-    if x.dtype not in DTYPE_NAMES:
-        return f"dtype {x.dtype} is not supported: x, residual and weight must be one of " + \
-            ", ".join(map(str, DTYPE_NAMES))
-    for name, t in named:
-        if t.device != device:
-            held = "a meta tensor holds no data" if t.is_meta else f"the group's device is {device}"
-            return f"{name} is on {t.device}: {held}"
-        if not t.is_contiguous():
-            return f"{name} of shape {tuple(t.shape)} with strides {t.stride()} is not contiguous"
-    return _OVERLAP
-
-
-_OVERLAP = ("x, residual and weight must not overlap in memory (residual += all_reduce(x) reads x while writing "
-            "residual, and the NCCL path writes x): pass distinct tensors")
-
-
-def check_disjoint(x: Tensor, residual: Optional[Tensor], weight: Tensor, what: str = "all_reduce_rmsnorm") -> None:
-    """ValueError unless the memory spans of the three tensors (any layout) are disjoint: the check
-    of :func:`check_args` that the launchers' own checks do not make."""
-    spans = sorted(_span(t) for t in (x, residual, weight) if t is not None and t.numel())
-    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
-        raise ValueError(f"autosymm.{what}: {_OVERLAP}")
-
-
-def _span(t: Tensor) -> tuple[int, int]:
-    """[first byte, last byte + 1) of ``t``'s elements (non-negative strides)."""
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+        check_args(x, residual, weight, state.device)  # every call, before anything runs (the key names x only)
+        if not default:
+            check_scale(x, epilogue, scale, state.device)
+    except ValueError:
+        # a new call (or checked mode): every rank learns of it, as prepare_call checks the call with
+        # every rank, then raises; a prepared one raises here alone, as its peers agree on nothing
+        if state.check_calls or key not in state.cache:
+            prepare_call(state, DOOR, key, args)
+        raise
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = prepare_call(state, DOOR, key, args)
+    entry.calls += 1
+    launcher = entry.launcher
+    if not default:
+        return launcher(x, residual, weight, eps, scale=scale)
+    if not key.capturing and type(launcher) is FusedReplay and not state.check_calls:  # checked: never hot
+        FUSED_HOT[group] = HotFused(x.dtype, x.shape, launcher.device_index, entry, launcher)
+    return launcher(x, residual, weight, eps)
 
 
 def _empty_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -229,9 +188,6 @@ def _empty_epilogue_call(epilogue: Epilogue, x: Tensor, residual: Optional[Tenso
 
 def _call(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, group_name: str, gemma: bool,
           quant: Optional[str], scale: Optional[Tensor]):
-    from ..dist_compat import resolve_group
-    from ..fused import fused_call
-
     epilogue = Epilogue(residual=residual is not None, gemma=gemma, quant=quant)
     return fused_call(x, residual, weight, eps, resolve_group(group_name), epilogue, scale)
 
@@ -275,9 +231,6 @@ def _functional(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     unchanged (copies are reduced): the differentiable form of the unquantized epilogues
     (autosymm.collectives.autograd). Without ``residual`` the new residual is the sum itself (a zero residual
     added: the same fp32 value)."""
-    from ..dist_compat import resolve_group
-    from ..fused import fused_call
-
     if residual is None:
         new_residual = torch.zeros_like(x, memory_format=torch.contiguous_format)
     else:
@@ -292,12 +245,3 @@ def _functional_fake(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps:
                      gemma: bool = False) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x, memory_format=torch.contiguous_format), \
         torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-ALL_REDUCE_RMSNORM = AllReduceRMSNorm("all_reduce_rmsnorm", "tokens", fallback="nccl_fused",
-                                      fallback_order=("nccl_fused",), shape_param="hidden", config_type=FusedConfig,
-                                      other_config_types=(FlashInferFusedConfig,),
-                                      points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS,
-                                                          epilogues=(DEFAULT,)),
-                                      tuned_by_default=False, invariant_fallback="nccl_ordered_fused",
-                                      arg_names=("x", "residual", "weight", "scale"))

@@ -1,11 +1,15 @@
-"""``reduce_scatter``: a tensor summed over the group, each rank keeping its dim-0 shard
-(``autosymm.reduce_scatter_tensor`` / ``reduce_scatterv``, autosymm.sharded), and its custom op
-``torch.ops.autosymm.reduce_scatter_tensor`` (functional, with autograd: the gradient of a
-reduce-scatter is the all-gather of the gradients, torch.distributed.nn.functional's formula).
+"""``autosymm.reduce_scatter_tensor`` / ``reduce_scatterv``: a tensor summed over the group, each
+rank keeping its dim-0 shard (drop-ins for torch.distributed's, and vLLM's per-rank-size form),
+their checks and the custom op ``torch.ops.autosymm.reduce_scatter_tensor`` (functional, with
+autograd: the gradient of a reduce-scatter is the all-gather of the gradients,
+torch.distributed.nn.functional's formula). Also what the all-gather's door shares: the shard
+checks (:func:`shard_counts`, :func:`checked_sizes`) and :class:`ShardedDoor`. Its spec:
+autosymm.spec.reduce_scatter.
 
-Problem: ``nbytes`` of the full (unsharded) input; bucket: those bytes; no shape. Cache key:
-``(record, dtype, input shape, output shape, reduce op name, sizes or None, input device, capturing)``; the
-call's arguments ``(output, input, op, sizes)``.
+Shards are along dim 0 in rank order. Where no tuned row serves, NCCL does
+(``dist.reduce_scatter_tensor``; per-rank sizes: ``dist.reduce_scatter`` over the segments).
+Call key: ``call_key(REDUCE_SCATTER, dtype, input shape, input device, capturing, (output shape,
+reduce op name, sizes or None))``; the call's arguments ``(output, input, op, sizes)``.
 """
 
 from __future__ import annotations
@@ -16,23 +20,33 @@ import operator
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.rs_ag_layout import ReduceScatterConfig
+from ..backends.nccl_ordered import needs_ordering, ordered_reduce_scatter_launcher
+from ..backends.nccl_rs_ag import reduce_scatter_launcher
+from ..dist_compat import Work, group_name, reduce_op_name, resolve_group
 from ..problem import DTYPE_NAMES, Problem
-from .all_reduce import NCCL_OPS, SIZES, BytesKeyed, check_reducible
-from .base import Collective, CustomOp, Lookups, TuningPoints
+from ..runtime.dispatch import Decision
+from ..runtime.entry import CustomOp, Door, prepare_call, refuse_call
+from ..runtime.group import STATES, Entry, check_tensor, check_traced, dense_error, state_of, stream_capturing
+from ..spec import REDUCE_SCATTER, call_key
+from ..spec.all_reduce import NCCL_OPS, check_reducible
 
 log = logging.getLogger("autosymm")
 
+_SUM = dist.ReduceOp.SUM
+_Tensor = torch.Tensor
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
-def shard_counts(record: Collective, full: Tensor, shard: Tensor, sizes: Optional[Sequence[int]], rank: int,
+
+def shard_counts(door: Door, full: Tensor, shard: Tensor, sizes: Optional[Sequence[int]], rank: int,
                  world_size: int) -> Optional[tuple[int, ...]]:
     """Per-rank element counts of ``full`` (the reduce-scatter's input, the all-gather's output)
     cut into dim-0 shards (None: equal ones), this rank's being ``shard``; ValueError naming the
     shapes unless they fit: ``full`` holds world_size times ``shard``'s elements (the tensor
     forms, torch.distributed's rule), or ``sizes[r]`` rows of ``shard``'s row shape each."""
-    what = f"autosymm.{record.name}"
+    what = f"autosymm.{door.name}"
     if full.dtype != shard.dtype:
         raise ValueError(f"{what}: the full tensor is {full.dtype}, the shard {shard.dtype}: input and output "
                          "must share one dtype")
@@ -41,7 +55,7 @@ def shard_counts(record: Collective, full: Tensor, shard: Tensor, sizes: Optiona
             raise ValueError(f"{what}: the full tensor {tuple(full.shape)} must hold world_size={world_size} times "
                              f"the {shard.numel()} elements of the shard {tuple(shard.shape)}")
         return None
-    sizes = checked_sizes(sizes, record.name)
+    sizes = checked_sizes(sizes, door.name)
     if len(sizes) != world_size or min(sizes) < 0:
         raise ValueError(f"{what}: sizes {list(sizes)} must be {world_size} non-negative dim-0 sizes, one per rank")
     if full.dim() < 1 or shard.dim() < 1 or full.shape[1:] != shard.shape[1:]:
@@ -80,33 +94,25 @@ def shards_text(shard: Tensor, sizes: Optional[Sequence[int]]) -> str:
     return f"rows {list(sizes)} of {tuple(shard.shape[1:])}"
 
 
-class Sharded(BytesKeyed):
-    """The reduce-scatter and the all-gather: a full tensor and its dim-0 shards."""
+class ShardedDoor(Door):
+    """The reduce-scatter's and the all-gather's entry: a full tensor and its dim-0 shards."""
 
-    def one_rank_reason(self, deterministic: bool) -> str:
-        return "world size 1: the shard is the whole tensor"
-
-    def single_rank_entry(self, mode: str):
+    def single_rank_entry(self, mode: str) -> Entry:
         """World size 1: one copy of the whole tensor (none when output and input are one tensor)."""
-        from ..runtime.dispatch import Decision
-        from ..runtime.group import Entry
-
         def launcher(output: Tensor, input: Tensor, counts=None) -> Tensor:
             if output.data_ptr() != input.data_ptr():
                 output.view(-1).copy_(input.reshape(-1))
             return output
 
-        return Entry(Decision("noop", None, self.one_rank_reason(False), mode=mode), launcher)
+        return Entry(Decision("noop", None, self.spec.one_rank_reason(False), mode=mode), launcher)
 
 
-def checked_tensors(record: Collective, state, output: Tensor, input: Tensor) -> None:
-    from ..runtime.group import check_tensor
-
-    check_tensor(output, state, record.name, "output")
-    check_tensor(input, state, record.name, "input")
+def checked_tensors(door: Door, state, output: Tensor, input: Tensor) -> None:
+    check_tensor(output, state, door.name, "output")
+    check_tensor(input, state, door.name, "input")
 
 
-class ReduceScatter(Sharded):
+class ReduceScatterDoor(ShardedDoor):
     def call_text(self, key: tuple, args: tuple, mode: str) -> str:
         output, input, op, sizes = args
         return f"{self.name} of {input.dtype} {tuple(input.shape)} -> {shards_text(output, sizes)} op={op} in {mode} mode"
@@ -133,17 +139,85 @@ class ReduceScatter(Sharded):
                          setup_context=_setup, backward=_backward),)
 
 
+DOOR = ReduceScatterDoor(REDUCE_SCATTER, arg_names=("output", "input", "reduce_op", "sizes"))
+
+
+def traced(what: str, *tensors: torch.Tensor) -> bool:
+    """torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor): the op path (a fake or
+    meta tensor outside tracing: a ValueError, autosymm.group.check_traced). Anything that is
+    not a tensor takes the keyed path, whose checks name it."""
+    if _dynamo_compiling():
+        return True
+    if any(type(t) is not _Tensor and type(t) is not torch.nn.Parameter and isinstance(t, _Tensor) for t in tensors):
+        for t in tensors:
+            check_traced(t, what)
+        return True
+    return False
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes, group):
+    state = STATES.get(group) or state_of(group)
+    try:
+        key = call_key(REDUCE_SCATTER, input.dtype, input.shape, input.device, stream_capturing(),
+                       (output.shape, op, None if sizes is None else checked_sizes(sizes, "reduce_scatterv")))
+    except (AttributeError, TypeError):  # not a tensor, or sizes not ints: the checks name which, on every rank
+        return refuse_call(state, DOOR, (output, input, op, sizes))
+    entry = state.cache.get(key)
+    if entry is None:
+        entry = prepare_call(state, DOOR, key, (output, input, op, key.extra[2]))
+    entry.calls += 1
+    sizes, row = key.extra[2], math.prod(output.shape[1:])
+    try:
+        return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
+    except (NotImplementedError, RuntimeError):
+        refuse_layout(DOOR, output, input)
+        raise
+
+
+def refuse_layout(door, output, input) -> None:
+    """The error naming a sparse ``output`` or ``input`` of a call whose key was prepared for
+    dense tensors (its key holds no layout): the launcher failed at its first touch of it, before
+    anything ran (torch's collectives refuse sparse tensors, the kernels need a data pointer)."""
+    error = dense_error(output, door.name, "output") or dense_error(input, door.name, "input")
+    if error is not None:
+        raise error from None
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=_SUM, group=None, async_op: bool = False):
+    """``dist.reduce_scatter_tensor``: ``output`` = this rank's dim-0 shard of ``input`` reduced over
+    ``group`` (``input`` holds world_size shards of ``output``'s elements, in rank order).
+
+    ``op``: a ``dist.ReduceOp`` or its lower-case name; only sums of bf16/fp16/fp32 have tuned
+    kernels (the fp32 sum in rank order 0..W-1, rounded once: the all-reduce's bits), NCCL serves
+    the rest. ``async_op=True`` returns a handle (``wait()``) of the work queued on the current
+    stream. Both tensors contiguous, on the group's device, one dtype. Under torch.compile the call
+    is ``torch.ops.autosymm.reduce_scatter_tensor`` (functional; copied into ``output``).
+    """
+    name = reduce_op_name(op)
+    if traced("reduce_scatter_tensor", output, input):
+        if async_op:
+            raise RuntimeError("autosymm.reduce_scatter_tensor: async_op=True cannot be traced; drop async_op")
+        world_size = dist.get_world_size(group)
+        output.copy_(torch.ops.autosymm.reduce_scatter_tensor(input, name, world_size, group_name(group))
+                     .view(output.shape))
+        return None
+    _reduce_scatter(output, input, name, None, group)
+    return Work(output) if async_op else None  # the work is queued on the current stream
+
+
+def reduce_scatterv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
+    """Reduce-scatter with per-rank dim-0 ``sizes`` (host ints, the same list on every rank, as
+    vLLM's ``reduce_scatterv``): ``input`` [sum(sizes), ...] summed over ``group``; this rank's
+    ``output`` [sizes[rank], ...] gets rows sizes[:rank].sum() onward. Returns ``output``. Eager
+    only (a per-rank split copies its bounds table to the device on its first call: make that
+    call before capturing a CUDA graph)."""
+    return _reduce_scatter(output, input, "sum", sizes, group)
+
+
 def _nccl_entry(state, input: Tensor, op: str, mode: str):
     """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
     Under the deterministic setting a floating-point sum, mean or product takes the ordered
     fallback's formula (autosymm.backends.nccl_ordered)."""
-    import torch.distributed as dist
-
-    from ..backends.nccl_ordered import needs_ordering, ordered_reduce_scatter_launcher
-    from ..backends.nccl_rs_ag import reduce_scatter_launcher
-    from ..runtime.dispatch import Decision
-    from ..runtime.group import Entry
-
     reason = f"op {op}" if op != "sum" else f"dtype {input.dtype}"
     if state.deterministic and needs_ordering(op, input.dtype):
         decision = Decision(REDUCE_SCATTER.invariant_fallback, None, f"{reason} has no tuned kernel; deterministic: "
@@ -158,9 +232,6 @@ def _nccl_entry(state, input: Tensor, op: str, mode: str):
 def _reduce_scatter_tensor(input: Tensor, op: str, group_size: int, group_name: str) -> Tensor:
     """A new tensor: this rank's dim-0 shard of ``input`` reduced over the group ``group_name``
     (of ``group_size`` ranks), [input.shape[0] // group_size, *input.shape[1:]]."""
-    from ..dist_compat import resolve_group
-    from ..sharded import reduce_scatter_tensor
-
     out = input.new_empty((input.shape[0] // group_size, *input.shape[1:]))
     reduce_scatter_tensor(out, input.contiguous(), op, resolve_group(group_name))
     return out
@@ -182,10 +253,3 @@ def _backward(ctx, grad: Tensor):
                            "linear in their inputs)")
     gathered = torch.ops.autosymm.all_gather_into_tensor(grad.contiguous(), ctx.group_size, ctx.group_name)
     return (gathered / ctx.group_size if ctx.op == "avg" else gathered), None, None, None
-
-
-REDUCE_SCATTER = ReduceScatter("reduce_scatter", "bytes", fallback="nccl_reduce_scatter",
-                               fallback_order=("nccl_reduce_scatter",), points=TuningPoints(sizes=SIZES),
-                               config_type=ReduceScatterConfig, lookups=Lookups(bf16_same_bytes=True),
-                               tuned_by_default=False, invariant_fallback="nccl_ordered_reduce_scatter",
-                               arg_names=("output", "input", "reduce_op", "sizes"))

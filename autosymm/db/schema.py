@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import sqlite_utils
 
-from .. import collectives
+from .. import spec
 from ..backends import backend_names, get_backend
 from ..configs import AnyConfig, as_int, config_from_json, config_to_json, config_types
 from ..problem import DTYPES, MODES, MoEShape
@@ -215,7 +215,7 @@ class Row:
         except ValueError as exc:
             raise ValueError(f"Row.config: {exc}") from None
         # the config type of the op's rows (its record's): a row of another op's type is refused
-        record = collectives.get(self.op) if self.op in collectives.names() else None
+        record = spec.get(self.op) if self.op in spec.names() else None
         kind = record.config_type if record is not None else None
         kinds = (kind, *record.other_config_types) if kind is not None else ()
         if self._config_obj is not None and kind is not None and not isinstance(self._config_obj, kinds):
@@ -225,23 +225,22 @@ class Row:
     def _check_vocabulary(self) -> None:
         """The key's words are autosymm's: a registered op, a dtype and mode it serves, a shape
         of the op's kind, and a bucket no larger than a tensor can be (MAX_TENSOR_BYTES)."""
-        if self.op not in collectives.names():
-            raise ValueError(f"Row.op={self.op!r} is not one of {collectives.names()}")
+        if self.op not in spec.names():
+            raise ValueError(f"Row.op={self.op!r} is not one of {spec.names()}")
         if self.dtype not in DTYPES:
             raise ValueError(f"Row.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.mode not in MODES:
             raise ValueError(f"Row.mode={self.mode!r} is not one of {MODES}")
-        record = collectives.get(self.op)
-        if not record.shape_param and self.shape:
+        record = spec.get(self.op)
+        if not record.shape and self.shape:
             raise ValueError(f"Row.shape={self.shape!r}: op {self.op} has no shape ('' only)")
-        per_unit = 1
-        if record.shape_param:
+        per_unit = 1  # bytes per bucket unit: a shaped op's bucket counts tokens of the shape's row
+        if record.shape:
             try:
                 shape = record.shape_of_key(self.shape)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"Row.shape={self.shape!r}: {exc}") from None
-            elements = shape.d_model if isinstance(shape, MoEShape) else int(shape)
-            per_unit = elements * DTYPES[self.dtype].itemsize if record.bucket_unit == "tokens" else 1
+            per_unit = record.shape.row_elements(shape) * DTYPES[self.dtype].itemsize
         if self.bucket * per_unit > MAX_TENSOR_BYTES:
             what = "bytes" if per_unit == 1 else f"tokens per rank of {per_unit} bytes each"
             raise ValueError(f"Row.bucket={self.bucket} {what} is over the largest tensor a call can have "
@@ -353,7 +352,7 @@ def nccl_trust(row: Row, running: Optional[str]) -> tuple[bool, str]:
     if not running or not measured or _major_minor(running) == _major_minor(measured):
         return True, ""
     versions = f"measured with NCCL {measured}, running {running}"
-    if row.backend == collectives.get(row.op).fallback:
+    if row.backend == spec.get(row.op).fallback:
         return True, f"{versions}: the NCCL baseline itself"
     if row.speedup is None:
         return True, f"{versions}: no NCCL time in its run, NCCL's version does not bear on it"

@@ -41,8 +41,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
 
-import autosymm.fused  # noqa: F401  (registers torch.ops.autosymm.all_reduce_rmsnorm)
-import autosymm.ops  # noqa: F401  (torch.ops.autosymm.all_reduce / all_reduce_)
+import autosymm.ops  # noqa: F401  (registers torch.ops.autosymm.*)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

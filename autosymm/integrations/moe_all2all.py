@@ -50,10 +50,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import autosymm
+from autosymm.api import init
+from autosymm.collectives.moe import convert_dp_to_ep, convert_ep_to_dp
 from autosymm.dist_compat import group_device
 from autosymm.runtime.group import state_of, stream_capturing
-from autosymm.routing import ExptAssignment, make_expt_assignment, make_expt_dict_uniform
+from autosymm.routing import ExptAssignment, route, make_expt_assignment, make_expt_dict_uniform
 
 _ID_DTYPES = (torch.int16, torch.int32, torch.int64)
 
@@ -106,7 +107,7 @@ class AutosymmAll2AllManager:
         self.destroyed = False
         self._local_map = assignment.expt_map[self.rank].to(self.device, torch.int32)  # global -> local id or -1
         self.n_local_experts = int(assignment.n_expts_per_shard[self.rank])
-        autosymm.init(group)
+        init(group)
 
     @property
     def local_experts(self) -> list[int]:
@@ -126,8 +127,8 @@ class AutosymmAll2AllManager:
         if topk_ids.dtype == torch.int64:  # an id outside int32 is dropped, never wrapped into range
             topk_ids = torch.where((topk_ids >= 0) & (topk_ids < self.n_experts), topk_ids, -1)
         expt_indx = self._gather_ids(topk_ids.to(torch.int32).contiguous())
-        gate_indx, topk_indx = autosymm.route(expt_indx, self.n_experts)
-        rows = autosymm.convert_dp_to_ep(hidden_states, self.assignment, expt_indx, gate_indx, group=self.group)
+        gate_indx, topk_indx = route(expt_indx, self.n_experts)
+        rows = convert_dp_to_ep(hidden_states, self.assignment, expt_indx, gate_indx, group=self.group)
         if self.copy_outputs:
             rows = rows.clone()
         expert_of_row = expt_indx.reshape(-1)[topk_indx.long()].long()
@@ -147,7 +148,7 @@ class AutosymmAll2AllManager:
         (``caller_error``: as :meth:`dispatch`)."""
         error = caller_error or error_of(self._check_output, expert_output, handle)
         self._agree("combine", error, (_dim(expert_output, 0), -1, _dim(expert_output, 1), _dtype_code(expert_output)))
-        rows = autosymm.convert_ep_to_dp(expert_output.contiguous(), self.assignment, handle.expt_indx,
+        rows = convert_ep_to_dp(expert_output.contiguous(), self.assignment, handle.expt_indx,
                                          handle.topk_indx, group=self.group)
         n_tokens_local, k = handle.valid.shape
         pairs = rows.view(n_tokens_local, k, rows.shape[1])

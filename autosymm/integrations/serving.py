@@ -17,8 +17,12 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-import autosymm
-from autosymm.collectives import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, REDUCE_SCATTER
+from autosymm.api import explain, init
+from autosymm.collectives.all_gather import all_gather_into_tensor
+from autosymm.collectives.all_reduce import all_reduce
+from autosymm.collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
+from autosymm.collectives.reduce_scatter import reduce_scatter_tensor
+from autosymm.spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, REDUCE_SCATTER
 from autosymm.dist_compat import group_device
 from autosymm.problem import DTYPES, Problem, dtype_name
 
@@ -66,7 +70,7 @@ class AutosymmServing:
         self._capturing = False
         self._use: dict[tuple, bool] = {}
         # collective: workspace rendezvous and DB agreement, outside any capture
-        autosymm.init(self.group, deterministic=deterministic)
+        init(self.group, deterministic=deterministic)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -102,9 +106,9 @@ class AutosymmServing:
         use = self._use.get(key)
         if use is None:
             if problem is None:
-                decision = autosymm.explain(x, group=self.group, mode=key[-1])
+                decision = explain(x, group=self.group, mode=key[-1])
             else:
-                decision = autosymm.explain(group=self.group, op=record.name, mode=key[-1], problem=problem)
+                decision = explain(group=self.group, op=record.name, mode=key[-1], problem=problem)
             use = self._use[key] = decision.backend != record.fallback
         return use
 
@@ -128,7 +132,7 @@ class AutosymmServing:
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         out.copy_(x)
-        autosymm.all_reduce(out, group=self.group, op="sum")
+        all_reduce(out, group=self.group, op="sum")
         if bad_out is not None:
             raise bad_out
         return out
@@ -149,7 +153,7 @@ class AutosymmServing:
         """``(rmsnorm(residual + sum(x)) * weight, residual + sum(x))`` through
         autosymm.all_reduce_rmsnorm, whatever it decides; ``residual`` unchanged, ``x`` is scratch."""
         residual_out = residual.clone(memory_format=torch.contiguous_format)
-        out = autosymm.all_reduce_rmsnorm(x, residual_out, weight, eps, group=self.group)
+        out = all_reduce_rmsnorm(x, residual_out, weight, eps, group=self.group)
         return out, residual_out
 
     def _serves_sharded(self, record, x: torch.Tensor, full_bytes: int) -> bool:
@@ -175,14 +179,14 @@ class AutosymmServing:
         """Every rank's ``x`` along dim 0 in rank order, a new [world_size * n, ...] tensor, through
         autosymm.all_gather_into_tensor (whatever it decides)."""
         out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))
-        autosymm.all_gather_into_tensor(out, x, group=self.group)
+        all_gather_into_tensor(out, x, group=self.group)
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's dim-0 shard of the sum of ``x`` over the group, a new [n / world_size, ...]
         tensor, through autosymm.reduce_scatter_tensor (whatever it decides)."""
         out = x.new_empty((x.shape[0] // self.world_size, *x.shape[1:]))
-        autosymm.reduce_scatter_tensor(out, x, group=self.group)
+        reduce_scatter_tensor(out, x, group=self.group)
         return out
 
     def __repr__(self) -> str:

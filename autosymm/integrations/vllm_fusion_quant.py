@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
-import autosymm
+from autosymm.collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
 from autosymm.epilogue import FP8_E4M3_MAX, NVFP4_BLOCK, Epilogue
 
-from . import vllm_fusion as base
+from . import vllm_ops as base
 
 #: The quant forms (module docstring) and autosymm's quant mode serving each.
 FORMS = {"fp8": "fp8", "fp8_native": "fp8", "nvfp4": "nvfp4"}
@@ -73,7 +73,7 @@ def vllm_all_reduce_rmsnorm_quant(x: Tensor, residual: Optional[Tensor], weight:
     mode = FORMS[quant]
     if adapter is not None and adapter.serves_fused(x, epilogue=Epilogue(residual=True, quant=mode)):
         summed = residual.clone() if residual is not None else torch.zeros_like(x)
-        got = autosymm.all_reduce_rmsnorm(x, summed, weight, eps, group=adapter.group, quant=mode,
+        got = all_reduce_rmsnorm(x, summed, weight, eps, group=adapter.group, quant=mode,
                                           scale=scale.reshape(()))  # x unchanged on every epilogue path
         if mode == "fp8":
             return got, summed, _no_scales(x)

@@ -90,14 +90,14 @@ class CheckedCache(dict):
         return default
 
 
-def checked_entry(state, record, key: tuple, args: tuple, mode: str):
-    """Checked mode, every call: this rank's checks of it (``record.check_call``, local), then
-    :func:`check_call` with every rank on ``record.fingerprint`` and that verdict; returns the
+def checked_entry(state, door, key: tuple, args: tuple, mode: str):
+    """Checked mode, every call: this rank's checks of it (``door.check_call``, local), then
+    :func:`check_call` with every rank on ``door.fingerprint`` and that verdict; returns the
     prepared entry of ``key`` (None on its first use: the caller prepares it)."""
     error = None
     try:
-        record.check_call(state, key, args, mode)
+        door.check_call(state, key, args, mode)
     except Exception as exc:  # agreed before it propagates
         error = exc
-    check_call(state.channel, record.fingerprint(key, args, mode), error)
+    check_call(state.channel, door.fingerprint(key, args, mode), error)
     return dict.get(state.cache, key)

@@ -177,11 +177,11 @@ def grow(state, nbytes: int, why: str) -> bool:
 
 def prepare_again(state) -> None:
     """Re-prepare every cached Triton MoE launcher on the workspace's current MoE region (only MoE
-    calls have them; their keys are led by their record, autosymm.collectives.base)."""
+    calls have them; a call key leads with its op's spec, autosymm.spec.CallKey)."""
     backend = get_backend("triton_moe")
     for key, entry in state.cache.items():
         if entry.decision.backend == backend.name:
-            entry.launcher = backend.prepare(key[0].problem_of_key(key, state.world_size), entry.decision.config,
+            entry.launcher = backend.prepare(key.spec.problem_of_key(key, state.world_size), entry.decision.config,
                                              state.ctx)
 
 

@@ -339,8 +339,6 @@ class FusedReplay(EagerReplay):
         """A call without a valid plan: no aliasing of its tensors (checked before anything runs),
         then the launcher (all checks), or at the key's ``capture_after``-th call its bound launch
         (checked by ``bind``), captured or memoised."""
-        from ..collectives.all_reduce_rmsnorm import check_disjoint
-
         check_disjoint(x, residual, weight)
         launcher = self.launcher
         with self._lock:
@@ -367,6 +365,28 @@ class FusedReplay(EagerReplay):
 
 
 _empty_like = torch.empty_like
+
+#: Why the fused op refuses tensors that share memory (its checks' and :func:`check_disjoint`'s).
+OVERLAP_ERROR = ("x, residual and weight must not overlap in memory (residual += all_reduce(x) reads x while writing "
+            "residual, and the NCCL path writes x): pass distinct tensors")
+
+
+
+
+def check_disjoint(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                   what: str = "all_reduce_rmsnorm") -> None:
+    """ValueError unless the memory spans of the three tensors (any layout) are disjoint: the check of
+    autosymm.collectives.fused_checks.check_args that the launchers' own checks do not make."""
+    spans = sorted(_span(t) for t in (x, residual, weight) if t is not None and t.numel())
+    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+        raise ValueError(f"autosymm.{what}: {OVERLAP_ERROR}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of ``t``'s elements (non-negative strides)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
 
 
 def capture_cuda_graph(launch: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":

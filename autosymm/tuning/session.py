@@ -16,8 +16,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .. import collectives
-from ..collectives import PointRequest
+from .. import spec
+from ..spec import PointRequest
 from ..problem import MODES, MoEShape, Problem
 from .evaluator import SweepEvaluator
 from .outcome import TuneOutcome
@@ -66,7 +66,7 @@ def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: 
     ``epilogues`` (None: its default points' epilogues)."""
     request = PointRequest(tuple(dtypes), world_size, sizes=sizes, moe_shapes=tuple(shapes.values()), tokens=tokens,
                            epilogues=None if epilogues is None else tuple(epilogues))
-    return [p for record in collectives.ALL if record.name in ops for p in record.problems(request)]
+    return [p for record in spec.ALL if record.name in ops for p in record.problems(request)]
 
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:

@@ -100,9 +100,11 @@ def _launcher_body(rank, world_size):
 def _api_body(rank, world_size):
     import autosymm
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE_RMSNORM, call_key
+    from autosymm.epilogue import DEFAULT
     from autosymm.runtime import replay
     from autosymm.backends.triton_fused import triton_fused_one_shot
-    from autosymm.collectives import ALL_REDUCE_RMSNORM
+
     from autosymm.runtime.dispatch import Decision
 
     autosymm.init()
@@ -110,7 +112,7 @@ def _api_body(rank, world_size):
     x = torch.zeros(n_tokens, hidden, dtype=dtype, device="cuda")
     autosymm.all_reduce_rmsnorm(x.clone(), torch.zeros_like(x), torch.ones(hidden, dtype=dtype, device="cuda"))
     state = api.STATES[None]
-    entry = state.cache[(ALL_REDUCE_RMSNORM, dtype, x.shape, False)]
+    entry = state.cache[call_key(ALL_REDUCE_RMSNORM, dtype, x.shape, x.device, False, DEFAULT)]
     if world_size == 1:  # nothing to exchange: add + rms_norm, never wrapped, never hot
         assert entry.decision.backend == "noop" and not isinstance(entry.launcher, replay.FusedReplay)
         return

@@ -141,11 +141,12 @@ def _api_level(check, world_size):
     """autosymm.all_reduce eagerly (replayed once wired) and inside captured graphs, interleaved."""
     import autosymm
     from autosymm import api
+    from autosymm.spec import ALL_REDUCE, call_key
     from autosymm.runtime.replay import EagerReplay, wrap_eager
 
     x = torch.zeros(NUMELS[1], dtype=torch.bfloat16, device="cuda")
     autosymm.all_reduce(x)
-    entry = api.STATES[None].cache[(x.dtype, x.numel(), True, "sum", x.device, False)]
+    entry = api.STATES[None].cache[call_key(ALL_REDUCE, x.dtype, x.numel(), x.device, False, "sum")]
     assert (entry.decision.backend == "noop") == (world_size == 1), entry.decision.describe()
     if not isinstance(entry.launcher, EagerReplay):  # api not wired yet: wire it as prepare would
         entry.launcher = wrap_eager(entry.launcher, entry.decision)

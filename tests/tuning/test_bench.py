@@ -277,7 +277,7 @@ def fused_result(tmp_path_factory) -> BenchResult:
 
 
 def test_fused_rows_report_flashinfer_as_a_baseline(fused_result):
-    from autosymm.collectives.all_reduce_rmsnorm import HIDDEN
+    from autosymm.spec.all_reduce_rmsnorm import HIDDEN
 
     rows = [r for r in fused_result.rows if r.op == "all_reduce_rmsnorm"]
     assert {(r.label, r.impl) for r in rows} == {(f"h{h} 3 tok", i) for h in HIDDEN

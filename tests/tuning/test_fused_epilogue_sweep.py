@@ -14,7 +14,7 @@ from _gloo import run_with_deadline
 
 from autosymm.backends.base import Backend, Needs
 from autosymm.backends.nccl_fused import nccl_fused
-from autosymm.collectives.fused_epilogue import EPILOGUES, parse_epilogues
+from autosymm.spec.all_reduce_rmsnorm import EPILOGUES, parse_epilogues
 from autosymm.configs import FusedConfig
 from autosymm.epilogue import Epilogue
 from autosymm.problem import Problem

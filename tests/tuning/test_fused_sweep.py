@@ -16,8 +16,8 @@ from autosymm.backends.nccl_fused import nccl_fused
 from autosymm.configs import FusedConfig
 from autosymm.problem import MODEL_SHAPES, Problem
 from autosymm.tuning.session import sweep_problems, workspace_bytes
-from autosymm.collectives.all_reduce_rmsnorm import HIDDEN as FUSED_HIDDEN, with_extra_tokens as fused_tokens
-from autosymm.collectives.moe import TOKENS
+from autosymm.spec.all_reduce_rmsnorm import HIDDEN as FUSED_HIDDEN, with_extra_tokens as fused_tokens
+from autosymm.spec.moe import TOKENS
 from autosymm.tuning.sweep import TimingPlan
 
 MOE_TOKENS = list(TOKENS)

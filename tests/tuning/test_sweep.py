@@ -13,10 +13,10 @@ import pytest
 
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem, parse_size_range
 from autosymm.tuning.outcome import TuneOutcome
-from autosymm import collectives
-from autosymm.collectives import PointRequest
-from autosymm.collectives.all_reduce import SIZES as ALL_REDUCE_SIZES, SIZES_SPEC as ALL_REDUCE_SIZES_SPEC
-from autosymm.collectives.moe import TOKENS as MOE_TOKENS
+from autosymm import spec
+from autosymm.spec import PointRequest
+from autosymm.spec.all_reduce import SIZES as ALL_REDUCE_SIZES, SIZES_SPEC as ALL_REDUCE_SIZES_SPEC
+from autosymm.spec.moe import TOKENS as MOE_TOKENS
 from autosymm.tuning.session import TuneSession, TuneSettings, sweep_problems
 from autosymm.tuning.sweep import SweepItem, candidates_for, timing_plan, with_eager_launches
 
@@ -24,8 +24,8 @@ from autosymm.tuning.sweep import SweepItem, candidates_for, timing_plan, with_e
 def test_default_sweep_and_modes():
     """The ops tuned by default at their records' default points, in both modes."""
     request = PointRequest(("bf16",), 8)
-    problems = [p for name in collectives.default_tuned() for p in collectives.get(name).problems(request)]
-    assert problems == sweep_problems(list(collectives.default_tuned()), list(ALL_REDUCE_SIZES), ["bf16"],
+    problems = [p for name in spec.default_tuned() for p in spec.get(name).problems(request)]
+    assert problems == sweep_problems(list(spec.default_tuned()), list(ALL_REDUCE_SIZES), ["bf16"],
                                       MODEL_SHAPES, list(MOE_TOKENS), 8), "`autosymm tune`'s defaults are the records'"
     ar = [p for p in problems if p.op == "all_reduce"]
     powers = [4096 << i for i in range(17)]

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autosymm import collectives
+from autosymm import spec
 from autosymm.problem import MoEShape, Problem
 from autosymm.tuning import ops as tuning_ops
 from autosymm.tuning.reference import ProblemData
 
 
 def test_every_registered_op_has_its_tuning_module_in_registry_order():
-    assert tuple(op.record for op in tuning_ops.ALL) == collectives.ALL
-    assert all(tuning_ops.get(r.name).record is r for r in collectives.ALL)
+    assert tuple(op.record for op in tuning_ops.ALL) == spec.ALL
+    assert all(tuning_ops.get(r.name).record is r for r in spec.ALL)
     with pytest.raises(ValueError, match="op='x' has no tuning module"):
         tuning_ops.get("x")
     # the MoE conversions and the all-gather copy: bit for bit
@@ -45,9 +45,9 @@ def test_inputs_have_the_shapes_the_launchers_take(problem):
     args, timing = data.validation_args(), data.timing_args()
     assert len(timing) == 3 and all(len(t) == len(args) for t in timing)
     x = args[0]
-    if problem.record.bucket_unit == "bytes":
+    if problem.record.unit is spec.BYTES:
         assert x.numel() * x.element_size() == problem.nbytes and x is not data.val_input  # in place: a copy
-    elif problem.record.shape_param == "hidden":
+    elif problem.record.shape.takes_epilogue:  # the fused op: [tokens, hidden]
         assert tuple(x.shape) == (3, 64) and args[3] == pytest.approx(1e-6)
     else:
         rows = 3 if problem.record.to_experts else 3 * 2 * 2

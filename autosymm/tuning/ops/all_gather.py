@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...collectives import ALL_GATHER as RECORD
+from ...spec import ALL_GATHER as RECORD
 from ...problem import Problem
 from .reduce_scatter import ShardedTuning, full_tensor_stage_bytes
 

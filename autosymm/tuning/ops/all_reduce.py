@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...collectives import ALL_REDUCE as RECORD
+from ...spec import ALL_REDUCE as RECORD
 from ...problem import Problem
 from .base import TuningOp
 
@@ -33,26 +33,6 @@ class AllReduceTuning(TuningOp):
 
         # the largest stage of any Triton all-reduce algorithm (the push one-shot's slot per peer)
         return triton_all_reduce.largest_stage_bytes(problem.nbytes, problem.world_size), 0
-
-    def bench_rows(self):
-        from ...bench.run import all_reduce_rows
-
-        return all_reduce_rows
-
-    def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ...bench.report import COPY_OTHERS, NO_COPY_OTHERS
-
-        return NO_COPY_OTHERS, COPY_OTHERS
-
-    def bench_table(self, result):
-        from ...bench.report import all_reduce_table
-
-        return all_reduce_table(result)
-
-    def bench_pool_bytes(self, sizes: list[int], world_size: int) -> int:
-        from ...bench.baselines import pool_bytes
-
-        return pool_bytes(sizes, world_size)
 
 
 ALL_REDUCE = AllReduceTuning(RECORD)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...collectives import ALL_REDUCE_RMSNORM as RECORD
+from ...spec import ALL_REDUCE_RMSNORM as RECORD
 from ...epilogue import DEFAULT, reference
 from ...problem import Problem
 from .base import SEED, TuningOp, quarters
@@ -87,21 +87,6 @@ class FusedTuning(TuningOp):
             return launcher(x, residual, weight, eps, scale=scale)
 
         return call
-
-    def bench_rows(self):
-        from ...bench.fused import fused_rows
-
-        return fused_rows
-
-    def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ...bench.fused import OTHERS
-
-        return OTHERS, OTHERS
-
-    def bench_table(self, result):
-        from ...bench.fused import fused_table
-
-        return fused_table(result, self.name)
 
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
         from ...backends import triton_fused

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...collectives import Collective
+from ...spec import OpSpec
 from ...problem import Problem
 
 SEED = 1234
@@ -25,7 +25,7 @@ class TuningOp:
 
     exact = False
 
-    def __init__(self, record: Collective) -> None:
+    def __init__(self, record: OpSpec) -> None:
         self.record = record
         self.name = record.name
 
@@ -55,23 +55,6 @@ class TuningOp:
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
         """(all-reduce, MoE) region bytes ``problem`` needs (0: none of that region)."""
         raise NotImplementedError(self.name)
-
-    def bench_rows(self):
-        """The `autosymm bench` function measuring this op (ops sharing one are measured by one
-        call), or None when bench does not measure it."""
-        return None
-
-    def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(no-copy others, with-copy others) `bench` compares autosymm with for this op."""
-        return (), ()
-
-    def bench_table(self, result):
-        """The table `bench` prints of this op's rows of ``result`` (None: none)."""
-        return None
-
-    def bench_pool_bytes(self, sizes: list[int], world_size: int) -> int:
-        """Bytes of torch's symmetric pool (and zero-copy inputs) `bench` needs for this op."""
-        return 0
 
     def __repr__(self) -> str:
         return f"TuningOp({self.name})"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...collectives import DP_TO_EP as DP_TO_EP_RECORD, EP_TO_DP as EP_TO_DP_RECORD
+from ...spec import DP_TO_EP as DP_TO_EP_RECORD, EP_TO_DP as EP_TO_DP_RECORD
 from ...problem import Problem
 from .base import SEED, TuningOp
 
@@ -58,21 +58,6 @@ class MoETuning(TuningOp):
         shape = problem.shape
         return 0, moe_region_bytes(problem.n_tokens_local, shape.n_expts_act, shape.d_model * problem.elem_bytes,
                                    problem.world_size)
-
-    def bench_rows(self):
-        from ...bench.run import moe_rows
-
-        return moe_rows
-
-    def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ...bench.report import MOE_OTHERS
-
-        return MOE_OTHERS, MOE_OTHERS
-
-    def bench_table(self, result):
-        from ...bench.report import moe_table
-
-        return moe_table(result, self.name)
 
     def autosymm_call(self):
         """autosymm's public function of this conversion."""

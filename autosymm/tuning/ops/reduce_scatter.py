@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ...collectives import REDUCE_SCATTER as RECORD
+from ...spec import REDUCE_SCATTER as RECORD
 from ...problem import Problem
 from .base import TuningOp, quarters
 
@@ -54,26 +54,6 @@ class ShardedTuning(TuningOp):
 
     def timing_args(self, data) -> list[tuple]:
         return [(out, inp, data.counts) for out, inp in zip(data.outputs, data.timing)]
-
-    def bench_rows(self):
-        from ...bench.rs_ag import sharded_rows
-
-        return sharded_rows
-
-    def bench_others(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        from ...bench.rs_ag import COPY_OTHERS, NO_COPY_OTHERS
-
-        return NO_COPY_OTHERS, COPY_OTHERS
-
-    def bench_table(self, result):
-        from ...bench.rs_ag import sharded_table
-
-        return sharded_table(result, self.name)
-
-    def bench_pool_bytes(self, sizes: list[int], world_size: int) -> int:
-        from ...bench.rs_ag import sharded_pool_bytes
-
-        return sharded_pool_bytes(sizes, world_size)
 
 
 class ReduceScatterTuning(ShardedTuning):

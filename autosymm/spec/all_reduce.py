@@ -1,0 +1,45 @@
+"""``all_reduce``'s spec: a tensor reduced in place over the group. Problem: ``nbytes`` of the
+whole tensor; bucket: those bytes (at least 1); no shape. Also the reduce ops and dtypes every
+reducing op shares (reduce-scatter too). Its front door: autosymm.collectives.all_reduce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..configs import AllReduceConfig
+from ..dist_compat import REDUCE_OP_NAMES
+from ..problem import DTYPE_NAMES, octave_points
+from .base import BytesKeyed, Lookups, TuningPoints
+
+#: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
+NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
+
+#: dtypes no backend reduces (torch.distributed's NCCL and gloo refuse them: "Invalid scalar type").
+UNREDUCIBLE = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                           "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+                        if hasattr(torch, name))
+
+#: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
+SIZES_SPEC = "4KiB:256MiB:2"
+SIZES = tuple(octave_points(4 << 10, 256 << 20, 2))
+
+
+def check_reducible(dtype: torch.dtype, what: str) -> None:
+    """ValueError for a dtype no backend reduces (:data:`UNREDUCIBLE`: fp8, fp4), naming it."""
+    if dtype in UNREDUCIBLE:
+        raise ValueError(f"autosymm.{what}: dtype {dtype} cannot be reduced: tuned kernels serve "
+                         f"{', '.join(map(str, DTYPE_NAMES))} sums, NCCL the other real, integer, bool and "
+                         f"complex dtypes (cast an fp8 tensor up, e.g. to torch.bfloat16, and back)")
+
+
+@dataclass(frozen=True, eq=False)
+class AllReduceSpec(BytesKeyed):
+    def one_rank_reason(self, deterministic: bool) -> str:
+        return "world size 1: nothing to exchange"  # any reduction over one rank is the identity
+
+
+ALL_REDUCE = AllReduceSpec("all_reduce", fallback="nccl", fallback_order=("nccl",), points=TuningPoints(sizes=SIZES),
+                           config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
+                           invariant_fallback="nccl_ordered")

@@ -1,0 +1,281 @@
+"""The declarative half of a collective (:class:`OpSpec`): how a call becomes a Problem and its
+database key, its fallbacks, lookups, growth model and default tuning points, as data. Beside it
+the records it is made of (:class:`BucketUnit`, :class:`ShapeKind`, :class:`Lookups`,
+:class:`TuningPoints`, :class:`PointRequest`) and the typed key of a prepared call
+(:class:`CallKey`). Nothing here runs a collective: the front doors (autosymm.collectives) do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+from ..problem import MoEShape, Problem, format_bytes, parse_bytes, spec_of
+
+
+@dataclass(frozen=True)
+class BucketUnit:
+    """What an op's database bucket counts, and how the CLI, plans and bench name it: ``name``
+    (the unit), ``option`` (the `explain` option giving one size) and its ``option_dest``,
+    ``request_field`` (the :class:`PointRequest` field of sizes), ``column`` (a plan's first
+    column), ``label_suffix`` (after a plan's point label) and ``json_field`` (`db show --json`)."""
+
+    name: str
+    option: str
+    option_dest: str
+    request_field: str
+    column: str
+    label_suffix: str
+    json_field: str
+    parse: Callable[[Any], int]
+    text: Callable[[int], str]
+    cell: Callable[[int], str]
+
+
+def _bytes_text(bucket: int) -> str:
+    return format_bytes(bucket) if bucket % 1024 == 0 else f"{bucket} B"
+
+
+def _tokens_text(bucket: int) -> str:
+    return f"{bucket} tokens/rank"
+
+
+#: Bytes of the full (unsharded) tensor.
+BYTES = BucketUnit("bytes", "--bytes", "nbytes", "sizes", "size", "", "size_bytes", parse_bytes, _bytes_text,
+                   format_bytes)
+#: Tokens per rank (the op also has a shape: :class:`ShapeKind`).
+TOKENS = BucketUnit("tokens", "--tokens", "tokens", "tokens", "shape/tokens", " tok", "tokens_per_rank", int,
+                    _tokens_text, str)
+
+
+@dataclass(frozen=True)
+class ShapeKind:
+    """What an op's database ``shape`` column holds: ``param`` (its name: '' none, 'moe_shape',
+    'hidden'), ``option`` / ``option_dest`` (the `explain` option giving one), ``request_field``
+    and ``points_field`` (the :class:`PointRequest` / :class:`TuningPoints` field of shapes),
+    ``takes_epilogue`` (the fused op's epilogue options apply), ``of_key`` (a shape from its key),
+    ``row_elements`` (elements per token of a shape, bounding a row's bytes) and ``sort_key`` (the
+    order plans list shapes in)."""
+
+    param: str
+    option: str = ""
+    option_dest: str = ""
+    request_field: str = ""
+    points_field: str = ""
+    takes_epilogue: bool = False
+    of_key: Optional[Callable[[str], Any]] = None
+    row_elements: Optional[Callable[[Any], int]] = None
+    sort_key: Optional[Callable[[Any], Any]] = None
+
+    def __bool__(self) -> bool:
+        return bool(self.param)
+
+
+NO_SHAPE = ShapeKind("")
+
+
+@dataclass(frozen=True)
+class Lookups:
+    """Where the dispatcher looks when a call's own (dtype, mode, shape) has no row, in order:
+    the other mode's rows; for a call in fp16/fp32 the bf16 rows of the same byte size (byte-bound
+    kernels); for a shape without rows, the nearest tuned shape (autosymm.runtime.neighbours)."""
+
+    other_mode: bool = True
+    bf16_same_bytes: bool = False
+    nearest_shape: bool = False
+
+
+@dataclass(frozen=True)
+class TuningPoints:
+    """An op's default tuning points (``autosymm tune`` without options), as data: ``sizes``
+    (bytes), ``moe_shapes``, ``hidden`` sizes (elements per row), ``tokens`` per rank, and
+    ``extra_tokens`` also tuned where they lie inside the asked-for token range, and the fused
+    op's ``epilogues`` (autosymm.epilogue.Epilogue)."""
+
+    sizes: tuple[int, ...] = ()
+    moe_shapes: tuple[MoEShape, ...] = ()
+    hidden: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
+    extra_tokens: tuple[int, ...] = ()
+    epilogues: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class PointRequest:
+    """The points a tune, a plan or ``explain`` asks for; a field left None takes the op's
+    :class:`TuningPoints`. ``extra_tokens`` False: only the asked-for token counts (plans)."""
+
+    dtypes: tuple[str, ...]
+    world_size: int
+    sizes: Optional[Sequence[int]] = None
+    moe_shapes: Optional[Sequence[MoEShape]] = None
+    hidden: Optional[Sequence[int]] = None
+    tokens: Optional[Sequence[int]] = None
+    extra_tokens: bool = True
+    epilogues: Optional[Sequence[Any]] = None
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: call keys lead with it
+class OpSpec:
+    """One collective's declarative half: ``name`` (the database's ``op`` column, ``Problem.op``);
+    ``unit`` (what its bucket counts, by subclass: :class:`BytesKeyed` the :data:`BYTES` of the full
+    tensor, :class:`TokensKeyed` the :data:`TOKENS` per rank);
+    ``shape`` (what its DB ``shape`` column holds: :data:`NO_SHAPE` or the op's kind);
+    ``fallback`` (the backend that always serves it: the tuner's baseline, the dispatcher's last
+    resort) and ``fallback_order`` (where no row serves, the first of these that can serve runs
+    with its ``fallback_config``); ``config_type`` (the config class its database rows hold) and
+    ``other_config_types`` (those of backends outside autosymm's families: FlashInfer's fused
+    call); ``lookups`` and the growth model (:meth:`moved_ratio`) of the dispatcher; its default
+    tuning ``points``; ``tuned_by_default`` (in `autosymm tune`'s default ``--ops``);
+    ``invariant_fallback`` (the batch-invariant backend that always serves it under the
+    ``deterministic`` setting where the ``fallback_order`` has none; '' when that order has one).
+    Subclasses (one module per op) give :meth:`check_problem` and :meth:`problems`."""
+
+    unit: ClassVar[BucketUnit]
+    name: str
+    fallback: str
+    fallback_order: tuple[str, ...]
+    points: TuningPoints
+    config_type: type
+    lookups: Lookups = Lookups()
+    other_config_types: tuple[type, ...] = ()
+    shape: ShapeKind = NO_SHAPE
+    tuned_by_default: bool = True
+    invariant_fallback: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.fallback_order or self.fallback_order[-1] != self.fallback:
+            raise ValueError(f"{self.name}: fallback_order {self.fallback_order} must end with the fallback "
+                             f"{self.fallback!r} (the backend that always serves)")
+
+    def __reduce__(self):
+        """Pickled by name (a Problem sent to a worker process keeps the registered spec)."""
+        return _registered, (self.name,)
+
+    def check_problem(self, problem: Problem) -> None:
+        """ValueError naming what ``problem`` (of this op) lacks."""
+        raise NotImplementedError(self.name)
+
+    def bucket(self, problem: Problem) -> int:
+        """The database bucket (autosymm.problem): tokens per rank, or bytes (at least 1)."""
+        raise NotImplementedError(self.name)
+
+    def shape_key(self, problem: Problem) -> str:
+        """The database ``shape`` column ('' without a shape)."""
+        return ""
+
+    def shape_of_key(self, key: str) -> Any:
+        """The shape a database ``shape`` key names; ValueError for an op without shapes or a key
+        it cannot read."""
+        if not self.shape:
+            raise ValueError(f"{self.name} has no shape parameter; got the shape key {key!r}")
+        return self.shape.of_key(key)
+
+    def describe(self, problem: Problem) -> str:
+        raise NotImplementedError(self.name)
+
+    def one_rank_reason(self, deterministic: bool) -> str:
+        """Why a call over a one-rank group runs no collective (its decision is backend 'noop'),
+        or '' where a backend serves it; the dispatcher and the entry's checks both ask."""
+        return ""
+
+    def problem_hint(self) -> str:
+        """How a caller builds a Problem of this op (errors that ask for one name it)."""
+        return f"autosymm.Problem({self.name!r}, dtype, world_size, nbytes=...)"
+
+    def size_text(self, bucket: int) -> str:
+        """A bucket as the dispatcher's reasons say it."""
+        return self.unit.text(bucket)
+
+    def point_label(self, problem: Problem, sep: str = " t=") -> str:
+        """A tuned point as summaries and plans label it ('1MiB', 'd7168_e256_k8 t=64')."""
+        raise NotImplementedError(self.name)
+
+    def moved_ratio(self, problem: Problem, row) -> float:
+        """How much more work the call ``problem`` moves than the tuned ``row`` (a db.schema.Row of
+        this op) on the critical path, before any per-config rounds (autosymm.runtime.neighbours)."""
+        return problem.bucket / row.bucket
+
+    def problems(self, request: PointRequest) -> list[Problem]:
+        """The Problems of ``request`` (its fields, else :attr:`points`), dtype-major."""
+        raise NotImplementedError(self.name)
+
+    def problem_of_key(self, key: "CallKey", world_size: int) -> Problem:
+        """The Problem of a call key (re-preparing cached launchers); ops that need it give it."""
+        raise NotImplementedError(self.name)
+
+
+@dataclass(frozen=True, eq=False)
+class BytesKeyed(OpSpec):
+    """An op keyed by the bytes of its full tensor, without a shape (all-reduce, reduce-scatter,
+    all-gather): ``nbytes`` >= 0, bucket max(1, nbytes)."""
+
+    unit: ClassVar[BucketUnit] = BYTES
+
+    def check_problem(self, problem: Problem) -> None:
+        if problem.nbytes < 0:
+            raise ValueError(f"nbytes={problem.nbytes} must be >= 0")
+
+    def bucket(self, problem: Problem) -> int:
+        return max(1, problem.nbytes)
+
+    def describe(self, problem: Problem) -> str:
+        return f"{self.name} {problem.dtype} ws={problem.world_size} {format_bytes(problem.nbytes)}"
+
+    def point_label(self, problem: Problem, sep: str = " t=") -> str:
+        return format_bytes(problem.nbytes)
+
+    def problems(self, request: PointRequest) -> list[Problem]:
+        sizes = self.points.sizes if request.sizes is None else request.sizes
+        return [Problem(self.name, d, request.world_size, nbytes=n) for d in request.dtypes for n in sizes]
+
+
+@dataclass(frozen=True, eq=False)
+class TokensKeyed(OpSpec):
+    """An op keyed by tokens per rank and a shape (the MoE conversions, the fused op)."""
+
+    unit: ClassVar[BucketUnit] = TOKENS
+
+    def bucket(self, problem: Problem) -> int:
+        return problem.n_tokens_local
+
+    def describe(self, problem: Problem) -> str:
+        return (f"{self.name} {problem.dtype} ws={problem.world_size} {self.shape_key(problem)} "
+                f"tokens/rank={problem.n_tokens_local}")
+
+    def point_label(self, problem: Problem, sep: str = " t=") -> str:
+        return f"{self.shape_key(problem)}{sep}{problem.n_tokens_local}"
+
+
+def _registered(name: str) -> OpSpec:
+    return spec_of(name)
+
+
+class CallKey(tuple):
+    """The key of a prepared call in a group's cache, one rule for every op: ``(spec, dtype,
+    shape, device, capturing, extra)``. ``shape`` is the op's leading tensor's (the all-reduce's
+    numel: it is served flat), ``capturing`` the mode (True while the stream captures a CUDA
+    graph), ``extra`` what else fixes the call (a reduce op's name, per-rank sizes, an epilogue,
+    the MoE routing's sizes). Built by :func:`call_key` only; a plain tuple underneath, so a
+    lookup hashes and compares it at tuple speed."""
+
+    __slots__ = ()
+    spec = property(itemgetter(0))
+    dtype = property(itemgetter(1))
+    shape = property(itemgetter(2))
+    device = property(itemgetter(3))
+    capturing = property(itemgetter(4))
+    extra = property(itemgetter(5))
+
+    @property
+    def mode(self) -> str:
+        return "graph" if self[4] else "eager"
+
+
+_tuple_new = tuple.__new__
+
+
+def call_key(spec: OpSpec, dtype, shape, device, capturing: bool, extra: Any = None) -> CallKey:
+    """The :class:`CallKey` of a call (the one builder)."""
+    return _tuple_new(CallKey, (spec, dtype, shape, device, capturing, extra))

@@ -1,0 +1,31 @@
+"""The sharded ops' specs: ``reduce_scatter`` (a tensor summed over the group, each rank keeping
+its dim-0 shard) and ``all_gather`` (every rank's tensor concatenated along dim 0 in rank order).
+Problem: ``nbytes`` of the full (unsharded) tensor; bucket: those bytes; no shape. An all-gather
+copies bytes: a dtype without rows of its own is keyed as bf16 (the rows of the same byte size).
+Their front doors: autosymm.collectives.reduce_scatter / all_gather."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..configs import AllGatherConfig, ReduceScatterConfig
+from .all_reduce import SIZES
+from .base import BytesKeyed, Lookups, TuningPoints
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedSpec(BytesKeyed):
+    """The reduce-scatter and the all-gather: a full tensor and its dim-0 shards."""
+
+    def one_rank_reason(self, deterministic: bool) -> str:
+        return "world size 1: the shard is the whole tensor"
+
+
+REDUCE_SCATTER = ShardedSpec("reduce_scatter", fallback="nccl_reduce_scatter",
+                             fallback_order=("nccl_reduce_scatter",), points=TuningPoints(sizes=SIZES),
+                             config_type=ReduceScatterConfig, lookups=Lookups(bf16_same_bytes=True),
+                             tuned_by_default=False, invariant_fallback="nccl_ordered_reduce_scatter")
+
+ALL_GATHER = ShardedSpec("all_gather", fallback="nccl_all_gather", fallback_order=("nccl_all_gather",),
+                         points=TuningPoints(sizes=SIZES), config_type=AllGatherConfig,
+                         lookups=Lookups(bf16_same_bytes=True), tuned_by_default=False)
