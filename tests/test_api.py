@@ -239,7 +239,9 @@ def test_hot_plans_are_forgotten_on_eviction_new_staging_limits_and_reset(hot_gr
         autosymm.all_reduce(y)  # y's plan evicts x's
     assert x.data_ptr() not in api.HOT and y.data_ptr() in api.HOT
     launcher.workspace.empty_bytes = 256  # as autosymm.empty does, which also forgets every hot plan
-    api.forget_all()
+    from autosymm.runtime.replay import forget_all
+
+    forget_all()
     n = len(slow)
     autosymm.all_reduce(y)
     assert len(slow) == n + 1 and y.data_ptr() not in api.HOT  # replanned from scratch

@@ -74,7 +74,8 @@ def test_only_the_settings_module_touches_the_environment():
 
 #: Comparisons on op names allowed outside the op records (autosymm/collectives/) and the tuning
 #: side's per-op modules (autosymm/tuning/ops/): everything else asks the registry.
-MAX_OP_NAME_COMPARISONS = 5
+MAX_OP_NAME_COMPARISONS = 3
+MAX_BACKEND_NAME_COMPARISONS = 11
 
 
 def _names_op(node, op_names) -> bool:
@@ -109,14 +110,38 @@ def test_the_op_name_check_finds_literals_tuples_and_their_constants():
     assert [line for line, _ in _op_name_comparisons(source, ops)] == [2, 3, 4]
 
 
-def test_few_comparisons_on_op_names_outside_the_op_records():
-    from autosymm import spec
-
-    op_names = set(spec.names())
+def _comparisons_outside_the_specs(words) -> list[str]:
     found = []
     for path in _modules():
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] == "collectives" or rel.parts[:2] == ("tuning", "ops"):
-            continue
-        found += [f"{rel}:{line}: {text}" for line, text in _op_name_comparisons(path.read_text(), op_names)]
+        if rel.parts[0] == "spec" or rel.parts[:2] == ("tuning", "ops"):
+            continue  # the specs and the tuning side's per-op modules name their own op
+        found += [f"{rel}:{line}: {text}" for line, text in _op_name_comparisons(path.read_text(), words)]
+    return found
+
+
+def test_few_comparisons_on_op_names_outside_the_op_specs():
+    from autosymm import spec
+
+    found = _comparisons_outside_the_specs(set(spec.names()))
     assert len(found) <= MAX_OP_NAME_COMPARISONS, found
+
+
+def test_no_comparison_on_bucket_units_or_shape_kinds():
+    """The CLI, plans, bench and database ask an op's spec (its ``unit`` and ``shape`` records);
+    none compares their names."""
+    from autosymm import spec
+
+    words = {unit.name for unit in (spec.BYTES, spec.TOKENS)} | {s.shape.param for s in spec.ALL if s.shape}
+    assert words == {"bytes", "tokens", "moe_shape", "hidden"}
+    assert _comparisons_outside_the_specs(words) == []
+
+
+def test_few_comparisons_on_backend_names():
+    """Backends answer for themselves (``why_not``, their ``needs``); the few comparisons left are
+    the bench's own implementations (NCCL and torch's ops it times beside autosymm), the 'noop'
+    decision and torch's 'nccl' process-group backend."""
+    from autosymm.backends import backend_names
+
+    found = _comparisons_outside_the_specs(set(backend_names()) | {"noop"})
+    assert len(found) <= MAX_BACKEND_NAME_COMPARISONS, found

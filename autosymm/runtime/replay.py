@@ -80,6 +80,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import settings
+from ..workspace.symm import STAGING_LISTENERS
 from ..epilogue import DEFAULT as DEFAULT_EPILOGUE
 
 log = logging.getLogger("autosymm")
@@ -138,6 +139,9 @@ def forget_all() -> None:
     """Drop every hot call (staging limits moved, or autosymm.reset)."""
     HOT.clear()
     FUSED_HOT.clear()
+
+
+STAGING_LISTENERS.append(forget_all)  # a workspace's new staging limits void every plan
 
 
 def replay_enabled() -> bool:

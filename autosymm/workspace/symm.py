@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import threading
 from math import prod
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -66,8 +66,17 @@ from ..geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, LAMPORT
                         N_SIGNAL_CHANNELS, Region, SIGNAL_BYTES, SIGNAL_CHANNEL, SIGNAL_SLOTS_PER_RANK,
                         MOE_SIGNAL_SLOT, align, moe_buffer, workspace_layout)
 from ..dist_compat import group_name
-from ..runtime.replay import forget_all
 from ..settings import default_region_bytes, multicast_disabled_by_env
+
+#: Called (no arguments) whenever a workspace's staging limits change (``empty_bytes``): the
+#: replay plans made under the old limits are forgotten (autosymm.runtime.replay registers
+#: ``forget_all`` here; the workspace sits below the runtime and imports none of it).
+STAGING_LISTENERS: list[Callable[[], None]] = []
+
+
+def staging_changed() -> None:
+    for listener in STAGING_LISTENERS:
+        listener()
 
 
 class Workspace:
@@ -234,12 +243,12 @@ class Workspace:
             )
         tensor = self.local_view("all_reduce", shape, dtype, self.empty_bytes)
         self.empty_bytes += nbytes
-        forget_all()  # plans made under the old staging limits
+        staging_changed()  # plans made under the old staging limits
         return tensor
 
     def reset_empty(self) -> None:
         self.empty_bytes = 0
-        forget_all()
+        staging_changed()
 
     def offset_in_region(self, tensor: torch.Tensor, name: str = "all_reduce") -> Optional[int]:
         """Byte offset of ``tensor`` inside this rank's region ``name``, or None if outside."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ...collectives.moe import convert_dp_to_ep, convert_ep_to_dp
 from ...spec import DP_TO_EP as DP_TO_EP_RECORD, EP_TO_DP as EP_TO_DP_RECORD
 from ...problem import Problem
 from .base import SEED, TuningOp
@@ -61,9 +62,7 @@ class MoETuning(TuningOp):
 
     def autosymm_call(self):
         """autosymm's public function of this conversion."""
-        import autosymm
-
-        return autosymm.convert_dp_to_ep if self.record.to_experts else autosymm.convert_ep_to_dp
+        return convert_dp_to_ep if self.record.to_experts else convert_ep_to_dp
 
     def bench_indx(self, gate_indx: torch.Tensor, topk_indx: torch.Tensor) -> torch.Tensor:
         """The index argument of this direction (gate_indx dp->ep, topk_indx ep->dp)."""
