@@ -90,7 +90,7 @@ def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: s
 
 def _lookups(problem: Problem, mode: str):
     """(dtype, row mode, nearest shape?, note) lookups in order of preference (the op's
-    record's :class:`~autosymm.collectives.Lookups`)."""
+    spec's :class:`~autosymm.spec.Lookups`)."""
     lookups = problem.record.lookups
     other = "graph" if mode == "eager" else "eager"
     yield problem.dtype, mode, False, ""
@@ -141,7 +141,7 @@ def _between(problem: Problem, points: tuple[int, ...]) -> str:
 
 def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str,
            deterministic: bool = False) -> Decision:
-    """The decision for ``problem`` in ``mode`` (see the module docstring for the rules)."""
+    """The decision for ``problem`` in ``mode`` (the rules: docs/DISPATCH.md#runtime-dispatch)."""
     record = problem.record
     if settings.disabled():
         return Decision(last_resort(problem, deterministic), None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket,

@@ -39,8 +39,9 @@ CAPTURE_AFTER = 2
 
 
 class HotCall:
-    """A plan autosymm.api may call for an eager SUM of a tensor at one address: valid for the
-    ``group`` argument, dtype and numel it was made for (and a contiguous tensor)."""
+    """A plan ``autosymm.all_reduce``'s hot path (autosymm.collectives.all_reduce) may call for
+    an eager SUM of a tensor at one address: valid for the ``group`` argument, dtype and numel it
+    was made for (and a contiguous tensor)."""
 
     __slots__ = ("group", "dtype", "numel", "device_index", "entry", "plan")
 
@@ -56,9 +57,10 @@ HOT: dict[int, HotCall] = {}
 
 
 class HotFused:
-    """The eager fused call autosymm.fused may make at once on a ``group`` argument: the last one
-    prepared there, valid for its x dtype and shape (the cache key's); ``call`` is its
-    :class:`FusedReplay`, whose hit path checks the rest."""
+    """The eager fused call ``autosymm.all_reduce_rmsnorm`` (autosymm.collectives.all_reduce_rmsnorm)
+    may make at once on a ``group`` argument: the last one prepared there, valid for its x dtype
+    and shape (the call key's); ``call`` is its :class:`FusedReplay`, whose hit path checks the
+    rest."""
 
     __slots__ = ("dtype", "shape", "device_index", "entry", "call")
 
@@ -91,9 +93,9 @@ def replay_enabled() -> bool:
 
 def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Callable[[], None], Any], Any]] = None,
                max_graphs: Optional[int] = None, capture_after: int = CAPTURE_AFTER) -> Any:
-    """The launcher api should run for an eager call of ``decision``: an :class:`EagerReplay`
-    around a Triton all-reduce launcher (one that has ``bind`` and a ``workspace``), a
-    :class:`FusedReplay` around one that returns a new tensor (``eager_call = "new_output"``:
+    """The launcher a group state (autosymm.runtime.group) runs for an eager call of ``decision``:
+    an :class:`EagerReplay` around a Triton all-reduce launcher (one that has ``bind`` and a
+    ``workspace``), a :class:`FusedReplay` around one that returns a new tensor (``eager_call = "new_output"``:
     the fused op's), else ``launcher`` itself (graph mode, NCCL, torch's ops, MoE).
     ``capture(launch, device) -> graph`` (``graph.replay()``) defaults to
     :func:`capture_cuda_graph` on CUDA devices; none (CPU, AUTOSYMM_EAGER_REPLAY=0, or a config
@@ -102,8 +104,8 @@ def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Call
     :data:`FUSED_MAX_GRAPHS`).
 
     Contract: the caller hands the result only tensors of one prepared call (all-reduce: one
-    (dtype, numel, contiguity); fused: one x dtype and shape), as autosymm.api's and
-    autosymm.fused's cache keys guarantee. Read at prepare time: set AUTOSYMM_EAGER_REPLAY
+    (dtype, numel) of contiguous tensors; fused: one x dtype and shape), as their call keys
+    (autosymm.spec.CallKey) guarantee. Read at prepare time: set AUTOSYMM_EAGER_REPLAY
     before a size's first call."""
     if getattr(decision, "mode", None) != "eager" or not str(getattr(decision, "backend", "")).startswith("triton_"):
         return launcher
