@@ -2,40 +2,13 @@
 (residual add or not, RMSNorm or Gemma RMSNorm, output quantization), as one record
 (:class:`Epilogue`), and THE reference formula every path of the op follows (:func:`reference`).
 
-Reference formula. Given ``sum_fp32``, the all-reduced x in fp32 (ranks 0..W-1 in order, every
-add rounded to fp32), the dtype ``T`` of x (= the weight's), for each row::
+In short, per row, from ``sum_fp32`` (the ranks' x summed in fp32, ranks 0..W-1 in order) and the
+dtype ``T`` of x: ``s = sum_fp32 (+ residual.float())`` in fp32, the residual written back as
+``T(s)``, ``y = s * rsqrt(sum(s * s) / hidden + eps) * (weight.float() (+ 1 if gemma))`` of the
+unrounded ``s``, then ``T(y)``, or static FP8, per-token FP8 or NVFP4 (block scales in the
+swizzled 128x4 layout, :func:`nvfp4_scale_offsets`) after vLLM's unfused kernels.
 
-    s        = sum_fp32 (+ residual.float() with a residual)                  fp32
-    residual = T(s)                                (written in place; none without a residual)
-    y        = s * rsqrt(sum(s * s) / hidden + eps) * (weight.float() (+ 1 if gemma))   fp32
-
-The norm reads the unrounded fp32 ``s``. Then the output:
-
-* ``quant=None``: ``T(y)``.
-* ``"fp8"`` (static per-tensor, ``scale`` a float32 scalar tensor): ``e4m3(clamp(y * (1 / scale),
-  -448, 448))``, the reciprocal rounded to fp32 first (vLLM csrc/quantization/w8a8/fp8/common.cu,
-  ``scaled_fp8_quant_kernel_strided``: ``inv_scale = 1.0f / (*scale)``; ``scaled_fp8_conversion``
-  in common.cuh multiplies when the scale is inverted, clamps, then converts).
-* ``"fp8_per_token"``: per row ``scale_row = max(amax(|y_row|) / 448, 1 / (448 * 512))`` (fp32,
-  returned as [tokens, 1]) and ``e4m3(clamp(y / scale_row, -448, 448))``: a true division, as in
-  common.cu's ``dynamic_per_token_scaled_fp8_quant_kernel_strided`` (``scaled_fp8_conversion<false>``
-  divides; the floor is ``min_scaling_factor`` of w8a8/utils: ``1.0f / (448 * 512.0f)``).
-* ``"nvfp4"`` (``scale`` the float32 global scale ``gs``): per block of 16 columns, ``sf =
-  e4m3(min(gs * (amax(|y_block|) * fp32(1/6)), 448))``, ``output_scale = 1 / (fp32(sf) * (1 / gs))``
-  (0 where sf is 0), values ``e2m1(y * output_scale)`` rounded to nearest even and saturating at 6,
-  two per byte, the even column in the low nibble; the block scales in the swizzled 128x4 layout
-  of vLLM's ``scaled_fp4_quant`` (:func:`nvfp4_scale_offsets`; padding 0). After vLLM
-  csrc/quantization/fp4/nvfp4_utils.cuh ``cvt_warp_fp16_to_fp4`` and
-  ``cvt_quant_to_fp4_get_sf_out_offset``, and nvfp4_quant_kernels.cu ``cvt_fp16_to_fp4``. vLLM
-  takes its reciprocals with ``rcp.approx.ftz``; here they are IEEE fp32 divisions (the same but
-  for the last bit where the approximation is off), and the quant reads fp32 ``y`` where vLLM's
-  unfused chain reads ``T(y)``.
-
-e4m3 conversions round to nearest even (torch's cast; the kernels' ``cvt.rn.satfinite``).
-The vLLM sources read (github.com/vllm-project/vllm, by function, at the commits read):
-csrc/quantization/w8a8/fp8/common.cu @096d3dc, common.cuh @0f5257e,
-csrc/quantization/fp4/nvfp4_utils.cuh @07c13c7, nvfp4_quant_kernels.cu @086f514; the allocation
-of the scales (zero padding) in vllm/_custom_ops.py ``create_fp4_scale_tensor`` (vLLM 0.33).
+Design notes: docs/EPILOGUE.md#epilogue
 """
 
 from __future__ import annotations

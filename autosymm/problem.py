@@ -116,7 +116,7 @@ class Problem:
     shape: Any = None
     n_tokens_local: int = 0
     hidden: int = 0  # all_reduce_rmsnorm only: elements per row
-    #: all_reduce_rmsnorm only: its autosymm.epilogue.Epilogue (None: the default, set by the record)
+    #: all_reduce_rmsnorm only: its autosymm.epilogue.Epilogue (None: the default, set by the op's spec)
     epilogue: Any = None
     #: The op's registered spec (autosymm.spec), found once: it keys and describes the problem.
     record: Any = field(init=False, repr=False, compare=False)
@@ -142,13 +142,14 @@ class Problem:
     @property
     def bucket(self) -> int:
         """The database bucket: the exact size, tokens per rank for MoE and the fused op, bytes
-        (at least 1) for all-reduce (see the module docstring; the op's record decides)."""
+        (at least 1) for all-reduce (see the module docstring; the op's spec decides)."""
         return self.record.bucket(self)
 
     @property
     def shape_key(self) -> str:
-        """The database `shape` column: '' for all-reduce, MoEShape.key for MoE, 'h{hidden}' for
-        all_reduce_rmsnorm, 'h{hidden}_{epilogue}' for its other epilogues (the op's record decides)."""
+        """The database `shape` column: '' for all-reduce, reduce-scatter and all-gather,
+        MoEShape.key for MoE, 'h{hidden}' for all_reduce_rmsnorm, 'h{hidden}_{epilogue}' for its
+        other epilogues (the op's spec decides)."""
         return self.record.shape_key(self)
 
     @classmethod

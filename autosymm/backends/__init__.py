@@ -1,5 +1,5 @@
 """Backend registry: every way autosymm knows to run an op, by name. Which backend always serves
-an op, and in which order untuned calls try them, is the op's record's (autosymm.collectives:
+an op, and in which order untuned calls try them, is the op's spec's (autosymm.spec.OpSpec:
 ``fallback``, ``fallback_order``).
 
 The registry is an entry list (autosymm.entries): a backend's module is imported on first use,

@@ -14,14 +14,19 @@ A backend never decides; it answers:
 * ``prepare(problem, config, ctx)``: a launcher bound to everything but the tensors, so a
   repeated call costs one Python call plus the kernel launch.
 
-Launchers:
+Launchers (what ``prepare`` returns, by op; the front doors, autosymm.collectives, call them):
   all_reduce:         ``launcher(x) -> x`` (sum in place over the group);
   all_reduce_rmsnorm: ``launcher(x, residual, weight, eps) -> out`` (residual += the sum of x,
                       in place; out = RMSNorm(residual) * weight, a new tensor); for a problem
                       with another epilogue, ``launcher(x, residual, weight, eps, *, scale=None) -> out``
                       or ``(out, scales)`` (residual None: no add; autosymm.epilogue);
   dp_to_ep:           ``launcher(src, assignment, expt_indx, gate_indx) -> dst`` (this rank's EP buffer);
-  ep_to_dp:           ``launcher(src, assignment, expt_indx, topk_indx) -> dst`` (this rank's DP rows).
+  ep_to_dp:           ``launcher(src, assignment, expt_indx, topk_indx) -> dst`` (this rank's DP rows);
+  reduce_scatter:     ``launcher(output, input, counts=None) -> output`` (output = this rank's
+                      segment of the sum over ranks of input; ``counts``: the segments' element
+                      counts per rank, reduce_scatterv; None: equal segments);
+  all_gather:         ``launcher(output, input, counts=None) -> output`` (every rank's input in
+                      rank order; ``counts``: the ranks' element counts, all_gatherv).
 """
 
 from __future__ import annotations

@@ -4,51 +4,14 @@ beside the Triton and NCCL backends of ``all_reduce_rmsnorm``, so the database (
 table) decides between them. It serves only where ``flashinfer.comm`` imports; no row of it exists
 until a GPU node with FlashInfer tunes.
 
-The API used, read at FlashInfer commit fb28d72 (github.com/flashinfer-ai/flashinfer) and vLLM
-0.33.0 (the wheel's Python sources):
-
-* ``flashinfer.comm.allreduce_fusion(input, workspace, pattern, launch_with_pdl,
-  trigger_completion_at_end, output, residual_out, norm_out, quant_out, scale_out, residual_in,
-  rms_gamma, rms_eps, scale_factor, layout_code, use_oneshot, fp32_acc, ..., weight_bias)``:
-  flashinfer/comm/allreduce.py:547-582; ``weight_bias=1.0`` is Gemma's ``(1 + w)``
-  (allreduce.py:704-714; trtllm_ar.py:1096-1099); vLLM calls it so in
-  vllm/compilation/passes/fusion/allreduce_rms_fusion.py:265-293 (Gemma: :530-531, :588-589).
-* Patterns (``AllReduceFusionPattern``, trtllm_ar.py:68-98): ``kARResidualRMSNorm`` (1),
-  ``kARResidualRMSNormFP8Quant`` (2), ``kARResidualRMSNormFP4Quant`` (3) as vLLM uses them
-  (allreduce_rms_fusion.py:394, :663-666, :837-839), ``kARResidualRMSNormDynamicFP8Quant`` (10)
-  where the installed FlashInfer has it. No residual: vLLM passes a zero residual
-  (allreduce_rms_fusion.py:381-394); so does this backend. NVFP4's scales in the swizzled 128x4
-  layout (``QuantizationSFLayout.SWIZZLED_128x4``, trtllm_ar.py:100-116; vLLM :262-263), which is
-  autosymm.epilogue's layout.
-* The workspace: ``create_allreduce_fusion_workspace(backend="trtllm", world_size, rank,
-  max_token_num, hidden_dim, dtype, group=...)`` (allreduce.py:357-369; vLLM
-  device_communicators/flashinfer_all_reduce.py:89-98), a collective, destroyed by
-  ``workspace.destroy()`` (allreduce.py:265-274). Only the "trtllm" (IPC) workspace: its buffers
-  are peer-mapped with ``enable_multicast=False`` (trtllm_ar.py:686-696; under confidential
-  computing, where NVLink multicast does not exist, torch's symm_mem buffers instead:
-  allreduce.py:135-137, torch_symmetric_memory.py:45-75); the "mnnvl" and "auto"
-  workspaces need or may pick NVLink multicast (vLLM flashinfer_all_reduce.py:98-103), so they
-  are never asked for, and a workspace reporting another backend is refused.
-* Limits FlashInfer states: up to 16 ranks (allreduce.py:282-296), kernels built for 2, 4, 8 and
-  16 ranks (include/flashinfer/comm/trtllm_allreduce_fusion.cuh:1914-1929); fp16, bf16, fp32
-  (csrc/trtllm_allreduce_fusion.cu:10-27), FP4 patterns not for fp32 (.cuh:1881-1893); hidden a
-  multiple of 16 bytes of elements (.cuh:31, :1687); two-shot needs more tokens than ranks
-  (trtllm_ar.py:1115); one-shot's Lamport buffer at most ``MAX_COMM_SIZE`` bytes (trtllm_ar.py:555,
-  :1117-1127: beyond it FlashInfer silently runs two-shot, so such a config is not offered).
-  Clusters need sm_90 (vLLM's table starts at sm_90: allreduce_rms_fusion.py:103-126).
-
-Workspace lifetime: one per (process group, fp32-or-16-bit x), created collectively by the first
-``prepare`` that needs it, on every rank at the same point (dispatch's decision and the tuner's
-candidates are the same on every rank), sized for the largest call asked for so far (rows of
-``hidden`` elements, tokens rounded up to a power of two), recreated larger when a bigger call
-comes, freed by :func:`close` / :func:`close_all` (autosymm.api.reset, and at exit as vLLM does:
-flashinfer_all_reduce.py:390). FlashInfer caches its IPC buffers per argument tuple
-(trtllm_ar.py:588, ``functools.cache``), so their memory returns when the process ends.
-
-The result is FlashInfer's arithmetic (its sum order, fp32 or 16-bit accumulation by
-``fp32_acc``, its norm and quant), not autosymm's reference bit for bit: the backend is not
-batch-invariant, and the tuner's validation against the reference decides whether it may enter
+Invariants: only FlashInfer's "trtllm" (IPC) workspace, never one that needs or may pick NVLink
+multicast; one workspace per (process group, fp32-or-16-bit x), created collectively by the first
+``prepare`` that needs it, on every rank at the same point, recreated larger for a bigger call,
+freed by :func:`close` / :func:`close_all`. The result is FlashInfer's arithmetic, not autosymm's
+reference bit for bit (not batch-invariant): the tuner's validation decides whether it may enter
 the database at all.
+
+Design notes: docs/BACKENDS.md#backends-flashinfer-fused
 """
 
 from __future__ import annotations

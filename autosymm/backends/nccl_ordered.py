@@ -2,33 +2,15 @@
 ``nccl_ordered_reduce_scatter`` (reduce_scatter): the batch-invariant fallbacks of the
 ``deterministic`` setting (autosymm.settings).
 
-An NCCL all-gather moves every rank's tensor unchanged (no arithmetic), then each rank sums the
-W copies locally in fp32 in the order 0..W-1, starting from +0.0, and rounds once: the formula of
-the Triton all-reduce kernels (autosymm.kernels.all_reduce), element by element, so a row's bits
-depend on that row's inputs alone, at any size, world size and mode, and equal those of
-``triton_one_shot``, ``triton_one_shot_push`` and ``triton_two_shot``. NCCL's own all-reduce
-cannot promise that (its ring reduces each chunk in an order that follows the chunk's position,
-with a rounding per step, and picks its algorithm by size).
+NCCL only moves data (an all-gather; an all-to-all for the reduce-scatter), then each rank sums
+the W copies locally in fp32 in the order 0..W-1, starting from +0.0, and rounds once: the Triton
+kernels' formula, so a row's bits depend on that row's inputs alone and equal those of
+``triton_one_shot``, ``triton_one_shot_push`` and ``triton_two_shot``. The fused fallback takes
+the RMSNorm with a fixed pairwise reduction tree that follows the hidden size alone. Other
+floating-point reductions use the same scheme (:func:`ordered_reduce`). Cost: the all-reduce
+receives (W - 1) copies of the tensor and holds W copies plus an accumulator.
 
-The fused fallback sums the same way, adds the residual in fp32 and rounds once (the Triton
-fused kernels' residual, bit for bit), then takes the RMSNorm of the unrounded sum with a fixed
-reduction tree: the squares of a row, padded with zeros to a power of two, summed pairwise by
-column index (column 2i + column 2i+1, level after level). Every step is an elementwise add of
-two given values, so the tree follows the hidden size alone, never the batch, the device's
-reduction kernels or their launch shapes.
-
-The reduce-scatter moves each rank's segment r to rank r unchanged (an NCCL all-to-all, no
-arithmetic) and rank r sums the W copies of its segment the same way: the Triton
-reduce-scatters' bits, and those of the ordered all-reduce over that segment.
-
-Other reductions of floating-point tensors (``avg``, ``product``, and every dtype the kernels do
-not take, fp64 and complex included) use the same scheme with the op's own formula:
-:func:`ordered_reduce`. The exact reductions (max, min, bitwise, integer sums) are
-batch-invariant on NCCL itself.
-
-Cost: the all-reduce receives (W - 1) copies of the tensor (NCCL's all-reduce: about
-2 (W - 1) / W) and holds W copies plus an accumulator; the reduce-scatter receives what NCCL's
-does, (W - 1) / W of the tensor.
+Design notes: docs/BACKENDS.md#backends-nccl-ordered
 """
 
 from __future__ import annotations

@@ -5,32 +5,13 @@ is served by its own backend, autosymm.backends.triton_lamport. Each is a record
 :data:`ALGORITHMS` (autosymm.backends.launch.Algorithm: kernel, stage, splits by rank, double
 buffering, multicast) with its search space (:func:`all_reduce_space`) beside it.
 
-A launcher works on any contiguous tensor of the prepared dtype that fits the workspace's
-all-reduce region. A tensor from ``Workspace.empty`` (inside the region) is reduced in place
-there (zero-copy); any other tensor is staged by the kernel's fused copy-in at the *top* of the
-region (``Workspace.empty`` allocates from the bottom), so live zero-copy tensors are not
-overwritten unless the region is nearly full. Zero-copy must be symmetric: every rank passes a
-tensor at the same offset, as the SPMD use of ``Workspace.empty`` guarantees.
+Invariants: a tensor from ``Workspace.empty`` is reduced in place (zero-copy: every rank passes a
+tensor at the same offset); any other is staged at the *top* of the all-reduce region, or in a
+double-buffer half. All calls of one workspace must be stream-ordered. Failures are reported after
+the fact, never on the hot path: the barrier waits are bounded, ``Workspace.barrier_errors()`` is
+then non-zero, and every rank must call ``Workspace.reset_signals()`` before the next kernel.
 
-Double buffering (``AllReduceConfig.double_buffer``, one-shot): a staged tensor that fits one
-half of the workspace's double-buffer region (``Workspace.double_buffer_half_bytes``, a region
-of its own, see autosymm.workspace.symm) is staged at the bottom of half ``epoch & 1`` by a kernel without
-an end barrier (autosymm.kernels.all_reduce). A larger tensor, a zero-copy one, or a workspace
-without that region takes the single-buffer kernel (with its end barrier) exactly as a config
-without double buffering does, so the size limits are those of the single-buffer path. All
-calls of one workspace must be stream-ordered (one stream, or streams joined by events), as the
-signal-pad barriers already require.
-
-Push one-shot (``triton_one_shot_push``): peers write into this rank's stage and ``x`` is only
-read locally, so any tensor is served without a copy-in; the stage takes ``world_size - 1``
-slots of the tensor's size (rounded up to 256 bytes): in a double-buffer half when they fit and
-the config asks for it, else at the top of the all-reduce region.
-
-Failures are reported after the fact, never on the hot path: the kernels' barrier waits are
-bounded (autosymm.kernels.barrier), so a peer that never launches its kernel (it raised, or runs
-another decision) makes this rank's kernel finish with a garbage sum instead of hanging the GPU.
-``Workspace.barrier_errors()`` (it synchronizes the device) is then non-zero, and every rank must
-call ``Workspace.reset_signals()`` before the next collective kernel.
+Design notes: docs/BACKENDS.md#backends-triton-all-reduce
 """
 
 from __future__ import annotations

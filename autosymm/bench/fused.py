@@ -3,7 +3,7 @@ autosymm's dispatcher against the composition through NCCL (backend ``nccl_fused
 fused call as vLLM runs it (backend ``flashinfer_fused``, FlashInfer's own one-shot heuristic and
 fp32 accumulation), under the rules of autosymm.bench.run: every output checked against the
 NCCL composition's first, then timed eager and graph, MAX over ranks. Points: the op's default
-hidden sizes (autosymm.collectives.all_reduce_rmsnorm.HIDDEN) x ``--tokens`` per rank.
+hidden sizes (autosymm.spec.all_reduce_rmsnorm.HIDDEN) x ``--tokens`` per rank.
 
 FlashInfer's result is its own arithmetic (not autosymm's fp32 rank-order sum): outputs are compared
 within :data:`RTOL` / :data:`ATOL` of the NCCL composition's, not bit for bit.

@@ -21,7 +21,7 @@ from ..spec.all_reduce import SIZES_SPEC
 from ..problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
 from ..bench.report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 
-#: `autosymm tune --sizes` by default: the all-reduce record's default points.
+#: `autosymm tune --sizes` by default: the all-reduce spec's default points.
 TUNE_SIZES = SIZES_SPEC
 #: `autosymm tune --ops` (and `bench --ops`) by default: the ops tuned by default, registry order.
 DEFAULT_OPS = ",".join(spec.default_tuned())

@@ -22,7 +22,7 @@ from ..settings import MAX_WORKSPACE_BYTES
 from ..units import MAX_SIZE
 
 DEFAULT_SIZES = "4KiB:256MiB"
-DEFAULT_TOKENS = ",".join(map(str, TOKENS))  # the MoE records' default tuning points
+DEFAULT_TOKENS = ",".join(map(str, TOKENS))  # the MoE specs' default tuning points
 
 #: Width of a console that is not a terminal (a pipe, a file, a test): wide enough that no
 #: table is cut or wrapped. On a terminal, columns fold (never cut) to its width.

@@ -77,7 +77,7 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     """On every rank of ``group``: ``residual += all_reduce(x)`` (in place) and return
     ``rmsnorm(residual) * weight`` as a new tensor.
 
-    Epilogues (keyword-only; docs/INTEGRATIONS.md states each reference formula,
+    Epilogues (keyword-only; docs/EPILOGUE.md states each reference formula,
     autosymm.epilogue.reference computes it): ``residual=None``: no add, the norm reads the sum
     itself and only new tensors are written (every path of an epilogue call leaves x unchanged);
     ``gemma=True``: the weight applied as ``(1 + weight)``; ``quant="fp8"`` with ``scale`` (float32, one element):

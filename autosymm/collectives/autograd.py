@@ -1,6 +1,6 @@
 """Autograd formulas of autosymm's functional custom ops, the formulas of
-``torch.distributed.nn.functional`` where it has one (each op's record declares them with its
-custom op; autosymm.ops registers them with ``torch.library.register_autograd``).
+``torch.distributed.nn.functional`` where it has one (each op's door, autosymm.collectives,
+declares them with its custom op; autosymm.ops registers them with ``torch.library.register_autograd``).
 
 * ``all_reduce(x, op)``: ``y_p = sum_q x_q`` on every rank p, so ``dL/dx_q = sum_p dL/dy_p``: the
   gradient is the all-reduce (sum) of the gradients (``_AllReduce.backward``); ``avg``: their
@@ -15,7 +15,7 @@ custom op; autosymm.ops registers them with ``torch.library.register_autograd``)
   and ``rms_norm``). Computed in fp32 from the rounded ``new_residual``. ``gemma``: the weight
   applied is ``1 + weight``, so ``g = dL/dout * (1 + weight)`` and ``dL/dweight`` is unchanged;
   without a residual (None) ``s`` is the sum itself and no residual gradient is returned. The
-  quantized epilogues have no backward (autosymm.fused refuses a quantized call needing grad).
+  quantized epilogues have no backward (``autosymm.all_reduce_rmsnorm`` refuses a quantized call needing grad).
 * ``dp_to_ep`` / ``ep_to_dp``: pure row moves, so each one's backward is the other direction with
   the same routing: the gradient rows of dp->ep go back to their tokens' ranks by ep->dp and are
   summed over each token's top-k slots; those of ep->dp go to their experts' ranks by dp->ep with

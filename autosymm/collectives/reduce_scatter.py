@@ -144,7 +144,7 @@ DOOR = ReduceScatterDoor(REDUCE_SCATTER, arg_names=("output", "input", "reduce_o
 
 def traced(what: str, *tensors: torch.Tensor) -> bool:
     """torch.compile, or a tensor subclass (FakeTensor, FunctionalTensor): the op path (a fake or
-    meta tensor outside tracing: a ValueError, autosymm.group.check_traced). Anything that is
+    meta tensor outside tracing: a ValueError, autosymm.runtime.group.check_traced). Anything that is
     not a tensor takes the keyed path, whose checks name it."""
     if _dynamo_compiling():
         return True

@@ -214,7 +214,7 @@ class Row:
             put("_config_obj", _config_of(self.config))  # parsed once per text: validated and cached
         except ValueError as exc:
             raise ValueError(f"Row.config: {exc}") from None
-        # the config type of the op's rows (its record's): a row of another op's type is refused
+        # the config type of the op's rows (its spec's): a row of another op's type is refused
         record = spec.get(self.op) if self.op in spec.names() else None
         kind = record.config_type if record is not None else None
         kinds = (kind, *record.other_config_types) if kind is not None else ()

@@ -1,59 +1,17 @@
 """The tuning database: measured rows in one SQLite file, written by the tuner, read by the dispatcher.
 
-Schema version 3 (open any file with the ``sqlite3`` CLI)::
+Schema version 3: table ``results`` (one row per key and backend: its best config as JSON, times
+in microseconds, versions), ``meta`` (``schema_version``), the view ``winners`` (never read by
+autosymm). The key (autosymm.db.schema.Key: the primary key without ``backend``) is written by the
+tuner through ``Key.for_problem`` and read by the dispatcher the same way (autosymm.db.read).
+A database is untrusted data: bound parameters only, no pickle or eval, unknown columns ignored; a
+row that does not validate (autosymm.db.schema.checked_row) is skipped by every read with one
+:class:`BadRowWarning` per file and key, and never written; every query is bounded in time
+(autosymm.db.open). The user's database is ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite``
+(:func:`user_db_path`); shipped ones ``tuning_db/<slug>.sqlite`` (:func:`shipped_db_paths`),
+opened read-only.
 
-    CREATE TABLE results (          -- one row per key and backend: that backend's best config
-      hardware TEXT NOT NULL,       -- hardware slug, e.g. 'nvidia-h200-nvlink'
-      gpu TEXT NOT NULL DEFAULT '', -- GPU name (descriptive, not part of the key)
-      world_size INTEGER NOT NULL,
-      op TEXT NOT NULL,             -- 'all_reduce' | 'all_reduce_rmsnorm' | 'dp_to_ep' | 'ep_to_dp'
-      dtype TEXT NOT NULL,          -- 'bf16' | 'fp16' | 'fp32'
-      bucket INTEGER NOT NULL,      -- the size tuned at (autosymm.problem): all_reduce bytes of the
-                                    -- tensor; all_reduce_rmsnorm and MoE tokens per rank
-      shape TEXT NOT NULL DEFAULT '',  -- '' for all_reduce; 'h8192' (hidden size) for all_reduce_rmsnorm;
-                                       -- MoEShape.key ('d7168_e256_k8') for MoE
-      mode TEXT NOT NULL,           -- 'eager' | 'graph' (CUDA-graph replay)
-      backend TEXT NOT NULL,        -- backend name, e.g. 'nccl'
-      config TEXT NOT NULL,         -- launch config as JSON (configs.config_to_json), '{}' if none
-      median_us REAL NOT NULL,      -- median time of one call, microseconds (max over ranks)
-      p10_us REAL, p90_us REAL,     -- 10th / 90th percentile, microseconds
-      nccl_us REAL,                 -- NCCL measured in the same run (NULL if not measured)
-      speedup REAL,                 -- nccl_us / median_us
-      trials INTEGER,               -- configs the search evaluated for this backend (failed too)
-      autosymm_version TEXT, torch_version TEXT, triton_version TEXT,
-      cuda_version TEXT, driver_version TEXT,
-      created TEXT NOT NULL,        -- ISO 8601 date-time, UTC
-      comm_env TEXT,                -- multicast/NVLS variables as the tune saw them (NULL: not recorded)
-      nccl_version TEXT,            -- the NCCL nccl_us was measured with, e.g. '2.28.9' (NULL: not recorded)
-      PRIMARY KEY (hardware, world_size, op, dtype, bucket, shape, mode, backend));
-    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);  -- 'schema_version' and notes
-    CREATE VIEW winners AS ...      -- results' fastest row per key (ties: backend name)
-
-The key (``Key``: the primary key without ``backend``) is written by the tuner through
-``Key.for_problem`` and read by the dispatcher by the same call's key (autosymm.db.read, which
-also defines a key's *winner* for dispatch and ``autosymm show``). For example::
-
-    sqlite3 ~/.cache/autosymm/tuning.sqlite "SELECT world_size, bucket, backend, median_us,
-      speedup FROM winners WHERE op = 'all_reduce' AND dtype = 'bf16' ORDER BY 1, 2"
-
-A database is untrusted data: values are always bound parameters, no pickle or eval, unknown
-extra columns are ignored; a row that does not validate (autosymm.db.schema.checked_row, the one
-validator: fields, vocabulary, the bucket's bound, config, backend) is skipped by every read,
-digest, merge, export, ``show`` and the dispatcher, with one :class:`BadRowWarning` per file and
-key, and never written (``record_many`` refuses it); autosymm never reads the
-file's ``winners`` view nor runs its schema's code, and every query is bounded in time
-(autosymm.db.open). An older schema is migrated in one transaction (in memory when opened
-read-only; a hot journal is rolled back first where the file is writable); a newer one raises
-:class:`DatabaseVersionError`; a file that is not a tuning database raises
-:class:`CorruptDatabaseError`; a locked one :class:`DatabaseLockedError` after ``LOCK_WAIT_S``
-(reads) or ``BUSY_TIMEOUT_S`` (the tuner's writes: several tune processes can share one file;
-writers take ``BEGIN IMMEDIATE``; a merge waits ``autosymm.db.merge.MERGE_LOCK_WAIT_S``). The
-query clock bounds each statement, and each wait for a statement's next row, not an operation
-of many rows: a merge or export of any size passes, a statement that spins is stopped.
-:func:`verdict` says whether a file is usable, and why not.
-The user's database is ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite``
-(:func:`user_db_path`); shipped ones are ``tuning_db/<slug>.sqlite`` in the package
-(:func:`shipped_db_paths`), opened read-only.
+Design notes: docs/DISPATCH.md#db-store
 """
 
 from __future__ import annotations

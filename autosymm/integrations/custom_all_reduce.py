@@ -1,44 +1,16 @@
 """The custom-all-reduce slot of vLLM and SGLang, with autosymm first in it.
 
-Built the way the stacks build theirs: vLLM 0.33.0 ``CustomAllreduce(group=cpu_group,
-device=device, symm_mem_enabled=..., register_graph_buffers=...)``
-(``distributed/device_communicators/cuda_communicator.py``), SGLang 0.5.23
-``CAClass(group=cpu_group, device=device)`` (``srt/distributed/parallel_state.py``). The group
-they pass is the CPU (gloo) group; autosymm serves on the device group over the same ranks
-(:func:`autosymm.integrations.groups.device_group_for`: found, or created collectively).
+Built the way the stacks build theirs (vLLM 0.33.0 ``CustomAllreduce(group=cpu_group, ...)``,
+SGLang 0.5.23 ``CAClass(group=cpu_group, device=device)``); autosymm serves on the device group
+over the same ranks (:func:`autosymm.integrations.groups.device_group_for`). autosymm's half is an
+:class:`~autosymm.integrations.serving.AutosymmServing`, held as ``slot.autosymm``. :func:`wrap`
+puts it on a stack's object **in place** (the object's class becomes a generated subclass of its
+own class, :func:`slot_class`, overriding only the slot calls: autosymm's where its decision is not
+NCCL, else the class's own method) or **standalone** (an :class:`AutosymmCustomAllReduce` with the
+object as ``fallback``). Constructing is collective over the group's ranks (``autosymm.init`` on
+the device group).
 
-autosymm's half is an :class:`~autosymm.integrations.serving.AutosymmServing`, held as
-``slot.autosymm`` (its ``serves(x)``, ``all_reduce(x)``, ``all_gather(x)``, ``reduce_scatter(x)``,
-``max_size``, ...). :func:`wrap` puts it on a stack's object in one of two ways:
-
-* **in place**, where the stack's object is enabled (``disabled`` False): the object's class
-  becomes a generated subclass of its own class (:func:`slot_class`), so ``isinstance`` checks
-  such as SGLang's ``isinstance(ca_comm, CustomAllReduceV2)`` hold and its own fused paths stay
-  on. The subclass overrides only the slot calls the class has, with the class's signatures
-  (``should_custom_ar``, ``custom_all_reduce``, ``capture``, ``close`` and vLLM's
-  ``[should_]custom_all_gather`` / ``[should_]custom_reduce_scatter``): autosymm's where its
-  decision is not NCCL, else the class's own method. Everything else (``all_reduce``,
-  ``reduce_scatter``, ``max_size``, ``disabled``, ...) is the object's, unshadowed. A class with
-  neither ``fused_allreduce_rmsnorm`` nor ``custom_fused_ar_rms`` gains SGLang's
-  ``fused_allreduce_rmsnorm`` (autosymm's fused op where it serves, else None).
-* **standalone**, where there is no stack object, it is disabled, or its class cannot be swapped:
-  an :class:`AutosymmCustomAllReduce` with the object as ``fallback``.
-
-What the stacks call on a slot (both kinds):
-
-* ``disabled``, ``should_custom_ar(x) -> bool``, ``custom_all_reduce(x) -> Optional[Tensor]``.
-* ``capture()``: context manager around a stack's CUDA-graph capture, warm-up runs included;
-  inside it the graph-mode rows decide, and the stack object's ``capture()`` is entered too.
-* ``fused_allreduce_rmsnorm(x, residual, weight, eps) -> Optional[(out, residual_out)]``: SGLang's
-  fused convention (``GroupCoordinator.fused_allreduce_rmsnorm``): ``residual_out = residual +
-  all_reduce(x)`` (a new tensor; ``residual`` unchanged, ``x`` is scratch) and ``out =
-  rmsnorm(residual_out) * weight``.
-* ``custom_all_gather(x)`` ([world_size * n, ...]) / ``custom_reduce_scatter(x)`` ([n /
-  world_size, ...]), vLLM's, with ``should_custom_all_gather`` / ``should_custom_reduce_scatter``.
-* ``close()``: autosymm stops serving, and the stack object closes; the workspace belongs to
-  autosymm's group state and stays for other users of the group.
-
-Constructing is collective over the group's ranks (``autosymm.init`` on the device group).
+Design notes: docs/INTEGRATIONS.md#integrations-custom-all-reduce
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """An inductor pass that fuses all-reduce -> residual add -> RMSNorm (-> FP8 quant) into ``autosymm::all_reduce_rmsnorm``.
 
-For any model under ``torch.compile`` (inductor): a tensor-parallel layer's
+For any model under ``torch.compile`` (inductor): ``h = residual + all_reduce(x); y = rms_norm(h) *
+weight`` becomes one ``torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, group_name)``
+(``residual`` then holds ``h``); without the add, the op with ``residual=None``; with a static FP8
+quant of the norm's output, the op with ``quant="fp8", scale=scale``. It rewrites only where the
+result is the same computation (one dtype, contiguous tensors, the norm over the last dimension,
+the intermediates read by nothing else); outputs agree with the unfused graph within rounding.
+Install for one compile, ``torch.compile(model, options={"post_grad_custom_post_pass":
+AllReduceRMSNormPass()})``, or for every compile of the process, :func:`install`.
 
-    h = residual + all_reduce(x);  y = rms_norm(h) * weight
-
-becomes one ``torch.ops.autosymm.all_reduce_rmsnorm(x, residual, weight, eps, group_name)``
-(``residual`` then holds ``h``). Without the add (``y = rms_norm(all_reduce(x)) * weight``, the
-sum read by the norm alone) it becomes the op with ``residual=None``; a static FP8 quant of the
-norm's output as torch code writes it, ``(y / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``
-(any float casts between, ``clamp`` or ``clamp_min`` / ``clamp_max``, ``scale`` a float32 tensor of
-one element; ``y`` read by the quant alone), becomes the op with ``quant="fp8", scale=scale``: its
-e4m3 output is ``clamp(y_fp32 * (1 / scale))`` of the unrounded norm (autosymm.epilogue), so it
-agrees with the model's cast of the rounded ``y / scale`` to within one e4m3 step. Sources of the all-reduce: autosymm's ops
-(``torch.ops.autosymm.all_reduce`` / ``all_reduce_``, what ``autosymm.all_reduce`` traces to) and
-torch.distributed's functional all-reduce (``torch.ops._c10d_functional.all_reduce`` +
-``wait_tensor``: ``torch.distributed._functional_collectives.all_reduce`` and DTensor's
-Partial -> Replicate), summing. The RMSNorm: ``torch.nn.functional.rms_norm`` / ``nn.RMSNorm``
-and the HF Llama form ``w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) +
-eps)).to(dtype)``, as both reach the post-grad graph (decomposed: pow, mean, add eps, rsqrt, mul).
-
-It rewrites only where the result is the same computation: one dtype (bf16, fp16, fp32) for
-the reduced tensor, residual, weight and output; contiguous tensors; the norm over the last
-dimension; the sum used by the add alone and the norm's intermediates by nothing else (a sum
-read elsewhere, e.g. written back into a graph input, keeps the graph as it was). Outputs agree
-with the unfused graph within rounding (the fused op sums in fp32 and rounds once).
-
-Install for one compile, or for every compile of the process::
-
-    torch.compile(model, options={"post_grad_custom_post_pass": AllReduceRMSNormPass()})
-    autosymm.integrations.fusion_pass.install()
+Design notes: docs/INTEGRATIONS.md#integrations-fusion-pass
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """``AutosymmAll2AllManager``: MoE token dispatch/combine over autosymm's dp->ep / ep->dp conversions.
 
 The role of vLLM's ``All2AllManagerBase`` (``dispatch``/``combine``/``destroy``) and of SGLang's
-token dispatchers, with autosymm's layout (see ``autosymm.routing``). Contract, per rank of a
-group of ``R`` ranks, every rank holding ``n_tokens_local`` tokens (the same number on every
-rank: pad with tokens whose ids are all -1):
+token dispatchers, with autosymm's layout (autosymm.routing). Every rank holds ``n_tokens_local``
+tokens, the same number on every rank (pad with tokens whose ids are all -1).
+``dispatch(hidden_states, topk_ids, topk_weights=None)`` returns a :class:`Dispatched`
+(expert-ordered rows, their ``local_expert_ids``, ``tokens_per_expert``, the ``handle``);
+``combine(expert_output, handle, reduce=True)`` returns each token's weighted sum (fp32
+accumulation) or, ``reduce=False``, its per-pair rows. A pair whose expert id is outside ``[0,
+n_experts)`` is dropped. No rank is left waiting because another raised: every call first
+all-gathers a fixed-size header (its checks' verdict and the call's shape) from every rank.
 
-``dispatch(hidden_states [n_tokens_local, d_model], topk_ids [n_tokens_local, k], topk_weights=None)``
-  gathers every rank's ``topk_ids`` (one all-gather of ``k`` ints per token), routes them, and
-  sends each token's row to the ranks owning its experts. Returns a :class:`Dispatched`:
-
-  * ``hidden_states`` [n_tokens_global * k, d_model]: expert-ordered rows (ascending global
-    expert id, the rows of one expert contiguous, token order within). Only the rows with
-    ``local_expert_ids >= 0`` are this rank's to process; the others hold garbage.
-  * ``local_expert_ids`` int32 [n_tokens_global * k]: the local id (0 .. n_local_experts-1, in
-    ascending global id) of each row's expert when this rank owns it, else -1.
-  * ``tokens_per_expert`` int64 [n_local_experts]: rows per local expert (a device tensor:
-    dispatch and combine stay CUDA-graph capturable).
-  * ``handle``: what ``combine`` needs.
-
-  ``hidden_states`` is a tensor the caller owns (a copy of autosymm's workspace view) unless the
-  manager was built with ``copy_outputs=False``: then it is a workspace view, valid until the
-  next dispatch on the group.
-
-``combine(expert_output [n_tokens_global * k, d_model], handle, reduce=True)``
-  sends the rows this rank processed (same order as ``Dispatched.hidden_states``; rows of other
-  ranks' experts are ignored) back to their tokens' ranks. ``reduce=True``: returns the tokens'
-  [n_tokens_local, d_model] = sum over the valid top-k pairs of ``topk_weights * row`` (weights
-  1 when dispatch got none), accumulated in fp32, in ``expert_output``'s dtype. ``reduce=False``:
-  the per-pair rows [n_tokens_local, k, d_model], dropped pairs zeroed. Either is a new tensor.
-
-A pair whose expert id is outside ``[0, n_experts)`` (e.g. -1) is dropped: it is sent nowhere
-and contributes nothing to ``combine``.
-
-No rank is left waiting because another raised: before its first collective, every
-``dispatch`` / ``combine`` all-gathers a fixed-size header from every rank (its checks' verdict
-and the call's shape: tokens, top-k, d_model, dtype), so a bad argument on one rank, or ranks
-holding different token counts or top-k, raise on every rank (the failing one its own error,
-the others a ValueError naming it) instead of one rank raising while its peers wait in the
-id all-gather. Eager calls all-gather the header on the group (one small collective and a read
-back); inside a CUDA-graph capture the ranks compare it through autosymm's agreement channel
-(host only, with its deadline, AUTOSYMM_AGREE_TIMEOUT_S).
+Design notes: docs/INTEGRATIONS.md#integrations-moe-all2all
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
 """autosymm's all-to-all manager for vLLM 0.33.0's expert-parallel MoE (checked against its sources).
 
-**Selection.** vLLM picks its manager by name in ``CudaCommunicator.__init__``
-(``distributed/device_communicators/cuda_communicator.py:202-278``, a ValueError on any other
-name) from ``parallel_config.all2all_backend``, a pydantic ``Literal`` (``config/parallel.py:45``)
-whose default is ``"allgather_reducescatter"`` (``config/parallel.py:220``; ``"naive"`` is
-rewritten to it at ``config/parallel.py:537``). A new name would fail that validation and the CLI's
-choices, so autosymm serves under the default: the plugin's ``AutosymmCudaCommunicator`` calls
-:func:`install`, which replaces the ``AgRsAll2AllManager`` vLLM just built
-(``cuda_communicator.py:203-208``) by :class:`AutosymmAgRsAll2AllManager`, its subclass. Any other
-``all2all_backend`` keeps vLLM's manager; ``VLLM_PLUGINS`` without autosymm keeps vLLM's classes.
+vLLM picks its manager by name from ``parallel_config.all2all_backend``, a pydantic ``Literal``, so
+autosymm serves under the default ``"allgather_reducescatter"``: the plugin's
+``AutosymmCudaCommunicator`` calls :func:`install`, which replaces the ``AgRsAll2AllManager`` vLLM
+just built by :class:`AutosymmAgRsAll2AllManager`, its subclass. autosymm's dp->ep / ep->dp
+conversions (autosymm.integrations.moe_rows) serve the naive prepare/finalize's ``dispatch`` and
+the ``combine`` / ``combine_into_output`` after it where every condition holds (expert parallelism
+over this group with linear placement, the group's ranks, dtypes, room inside a capture), each the
+same on every rank; everything else is vLLM's ``AgRsAll2AllManager`` unchanged.
 
-**What it serves.** The modular kernels' naive prepare/finalize
-(``model_executor/layers/fused_moe/prepare_finalize/naive_dp_ep.py:219``, ``:280``), used with
-expert parallelism and data parallelism at this default, call ``dispatch(hidden_states,
-topk_weights, topk_ids, is_sequence_parallel, extra_tensors)`` then ``allocate_combine_input`` and
-``combine_into_output``. autosymm's dp->ep / ep->dp conversions (:mod:`~autosymm.integrations.
-moe_rows`) serve ``dispatch`` and the ``combine`` / ``combine_into_output`` after it when every
-condition below holds, each the same on every rank (config, host-side token counts, dtypes):
-
-* the experts are placed by expert parallelism over this group: every MoE layer vLLM registered
-  (``compilation_config.static_all_moe_layers`` / ``static_forward_context``,
-  ``runner/moe_runner.py:59-69``) has
-  ``use_ep``, ``ep_size`` equal to the group's size and one common ``num_experts`` (placement
-  linear: ``expert_map_manager.py:116-149`` turns round-robin into linear for this backend);
-* the call's group (vLLM's ``_get_comm_group``: the DP or EP group) holds the EP group's ranks in
-  its order, the group is not stateless and within one node;
-* the rows are bf16 / fp16 / fp32 or a 1-byte dtype with an even row length (moved as 2-byte
-  words); combine's partials are bf16 / fp16 / fp32;
-* inside a CUDA-graph capture, autosymm's Triton conversion serves both directions from the
-  workspace it has (nothing is allocated in a capture; eager calls grow it first).
-
-Uneven DP token counts are vLLM's own (``dp_metadata`` chunk sizes, ``_get_sizes``). Everything
-else is vLLM's ``AgRsAll2AllManager`` unchanged: ``dispatch_router_logits`` (routing happens after
-it, so every rank needs every token), ``allocate_combine_input``, the other calls, and every
-method vLLM's callers reach (``max_sms_used`` / ``set_num_sms``, ``ubatch_utils.py:110``;
-``checkpoint_*``, ``cuda_communicator.py:874``; ``mask_remote_ranks``, ``stage_ep_size``,
-``commit_ep_size``, ``destroy``) keep the base classes' behaviour. ``topk_weights`` and
-``extra_tensors`` (quantization scales, the LoRA mapping) go through vLLM's ``all_gatherv``.
+Design notes: docs/INTEGRATIONS.md#integrations-vllm-all2all
 """
 
 from __future__ import annotations

@@ -1,49 +1,17 @@
 """All-reduce (sum) kernels over the symmetric workspace (Triton, device side only).
 
-Every kernel reduces a contiguous tensor ``x`` of ``numel`` elements (bf16, fp16 or fp32) in
-place over the group; sums are accumulated in fp32 in a fixed peer order (0..WORLD_SIZE-1), so
-every rank gets bit-identical results. The data lives in the all-reduce region of the workspace:
-``region_ptrs[r] + stage_offset`` (bytes) is rank r's copy of ``x``, the *stage*. A fused
-copy-in puts ``x`` there, unless ``x`` already is the stage (ZERO_COPY: ``x`` was allocated
-with ``Workspace.empty`` and sits at ``stage_offset`` on every rank).
+Every kernel reduces a contiguous tensor ``x`` of ``numel`` elements (bf16, fp16 or fp32) in place
+over the group, accumulating in fp32 in a fixed peer order (0..WORLD_SIZE-1), so every rank gets
+bit-identical results. ``region_ptrs[r] + stage_offset`` (bytes) is rank r's copy of ``x``, the
+*stage* (a fused copy-in, unless ZERO_COPY). Invariants: program ``b`` of a grid of ``G`` owns
+chunks ``b, b+G, ...`` in every phase and on every rank, so the per-program signal-pad barriers of
+autosymm.kernels.barrier order every cross-rank access; every single-buffer kernel that reads a
+stage ends with an *end barrier*, so the next kernel (any grid) may overwrite any stage at once;
+the double-buffered one-shot instead alternates between two halves nothing else writes.
+Kernels: ``_one_shot_all_reduce``, ``_two_shot_all_reduce`` (MULTIMEM: ``multimem.ld_reduce`` and
+``multimem.st``); the push one-shot lives in autosymm.kernels.push_all_reduce.
 
-Work split: the data is cut into BLOCK-element chunks, and program ``b`` of a grid of ``G``
-owns chunks ``b, b+G, b+2G, ...`` in every phase and on every rank. A peer's chunk is only ever
-read or written by the same program index that produced it, so the per-program signal-pad
-barriers of autosymm.kernels.barrier order every cross-rank access. After a kernel returns on a
-rank, every program of it has passed a barrier that each peer's same program entered after its
-last access to this rank's stage, and after its own last read of the peer's stage (the *end
-barrier*: every single-buffer kernel that reads a stage ends with one after its last read, the
-two-shot after its copy-out included); hence the next kernel (whatever its grid or BLOCK) may
-overwrite its own stage, and write into a peer's stage before any barrier of its own (the push
-one-shots do), without an extra barrier. The double-buffered one-shot is the exception: it
-returns while peers may still read its stage, which is why it alternates between two halves of
-a region nothing else writes (see ``_one_shot_all_reduce``).
-
-Vector width: full chunks are loaded and stored without masks, so with a 16-byte aligned stage
-(``ALIGNED``) and ``x`` the accesses are 128-bit; only the last (partial) chunk is masked.
-
-Kernels (launch parameters come from autosymm.configs.AllReduceConfig):
-
-* ``_one_shot_all_reduce``: copy-in, barrier, every rank reads every rank's stage and writes
-  the sum into ``x``, end barrier. 2 barriers. Per rank and call (N = bytes of x): N in over
-  NVLink from each of the W-1 peers, plus N read + N written locally for the copy-in.
-  ZERO_COPY holds each chunk's sum in registers until a barrier says every peer has read that
-  chunk of every x, then stores it: 1 + (chunks per program) barriers, no copy-in.
-  DOUBLE_BUFFER (staged inputs only): the stage alternates between two halves and the end
-  barrier becomes a local arrival count: 1 barrier (see the kernel's docstring for why).
-* the push one-shot (every rank writes into its peers' stages) lives in
-  autosymm.kernels.push_all_reduce and shares this module's helpers.
-* ``_two_shot_all_reduce``: copy-in, barrier, rank r reduces segment r (a W-th of the data,
-  16-byte aligned) from all stages and pushes the sum into segment r of every peer's stage and
-  its own x, barrier, copy the other segments from the stage into x, end barrier (a peer's next
-  push one-shot writes our stage at once: not before our copy-out is done). 3 barriers; 2 with
-  ZERO_COPY (no copy-out, the stage is x: nothing of the region is read after the second). Per rank:
-  N (W-1)/W bytes in and as many out over NVLink (peer loads, then peer stores), plus the local
-  copy-in (N) and copy-out (N (W-1)/W). ZERO_COPY skips both copies: the pushes land in the
-  peers' x. With MULTIMEM the reduce-and-push is one ``multimem.ld_reduce`` and one
-  ``multimem.st`` per 16 bytes through the multicast address: N/W bytes leave each rank per
-  instruction kind and the NVSwitch reduces and broadcasts.
+Design notes: docs/KERNELS.md#kernels-all-reduce
 """
 
 import triton

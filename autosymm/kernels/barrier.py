@@ -1,39 +1,16 @@
 """Signal-pad barriers between the same program of every rank (Triton, device side only).
 
-Slot ``[program][sender]`` of a rank's signal channel (autosymm.workspace.symm) counts the signals that
-program ``program`` of rank ``sender`` sent it and that it has not consumed. A barrier is:
+Slot ``[program][sender]`` of a rank's signal channel (autosymm.workspace.symm) counts the signals
+that program ``program`` of rank ``sender`` sent it and that it has not consumed. A barrier: CTA
+barrier; one ``red.add.release.sys`` on slot ``[program][RANK]`` of every peer; acquire-poll our
+slot of each peer until non-zero, then subtract one; CTA barrier. Every barrier consumes exactly
+what it was sent (the pads are back to zero after each kernel: a CUDA graph replays with no host
+reset); all ranks must launch the same grid. Waits are bounded (:data:`MAX_POLLS`): a wait that
+gives up adds one to the rank's error slot (``signal_ptrs[WORLD_SIZE]``) and performs no acquire,
+so the host must treat every call since the last clean ``Workspace.barrier_errors()`` as failed
+and call ``Workspace.reset_signals()`` on every rank before the next collective kernel.
 
-1. ``tl.debug_barrier()``: every thread of the program has issued its prior memory operations;
-2. signal: one ``red.add.release.sys`` on slot ``[program][RANK]`` of every peer. Release at
-   system scope after the CTA barrier makes every write of this program (local or to a peer)
-   visible to whoever acquires the signal;
-3. wait: for each peer, poll our slot ``[program][peer]`` with acquire loads until it is
-   non-zero, then subtract one. Only this rank ever decrements its slots and only the one
-   sender increments a slot, so a count never goes negative; counting (not a 0/1 flag) lets a
-   sender run one barrier ahead without a signal being lost;
-4. ``tl.debug_barrier()``: no thread reads peer data before the acquire above.
-
-Every barrier consumes exactly what it was sent, so the pads are back to zero after each
-kernel: the same launch replays under a CUDA graph with no host reset. All ranks must launch the
-same grid (the tuner and the dispatcher guarantee it: a decision is the same on every rank).
-
-Bounded waits. A wait gives up after :data:`MAX_POLLS` polls of its slot that found no signal
-(a peer that never arrives: it failed before launching, launched fewer collective kernels, or
-runs a different grid). It then adds one to this rank's *error slot* of the channel (its address
-is entry ``WORLD_SIZE`` of ``signal_ptrs``; autosymm.workspace.symm lays the slots out) instead of
-consuming a signal, and the kernel runs to completion, so a missing peer never hangs the GPU.
-A wait that finds the error slot already non-zero when it would have to spin gives up at once
-(fail fast: after the first timeout a whole graph of barriers finishes in one spin limit, not
-one per wait). The hot path is unchanged: a wait whose signal is already there costs what it
-did, and each poll of a spinning wait adds one counter compare.
-
-Memory ordering after a timeout: a wait that gave up performed no acquire, so nothing a peer
-wrote is guaranteed visible; data read from peers (or written by them into this rank) after it
-is garbage, and a late peer may still write into this rank's buffers and signal it later. The
-pads then hold stale counts (an unconsumed late signal lets a later barrier pass with no real
-synchronisation). The host must treat every call since the last clean check as failed
-(``Workspace.barrier_errors() > 0``) and call ``Workspace.reset_signals()`` on every rank before
-the next collective kernel.
+Design notes: docs/KERNELS.md#kernels-barrier
 """
 
 import triton

@@ -1,48 +1,17 @@
 """Fused all-reduce + residual add + RMSNorm kernels (Triton, device side only).
 
 Every rank holds ``x`` and ``residual`` of [n_rows, HIDDEN] (contiguous, bf16/fp16/fp32) and
-``weight`` [HIDDEN]. Each kernel leaves on every rank (autosymm.epilogue states the formula)::
+``weight`` [HIDDEN]; each kernel leaves on every rank ``s = residual + sum over ranks of x`` (fp32,
+ranks 0..W-1 in order), ``residual = ELEM(s)`` and ``out = ELEM(s * rsqrt(mean(s^2) + eps) *
+weight)`` (autosymm.epilogue states the formula; HAS_RESIDUAL, GEMMA and QUANT are compile-time
+variants, autosymm.kernels.fused_epilogue). ``x`` is left unchanged. A program owns whole rows (a
+[ROWS, BLOCK] tile; the norm of the unrounded fp32 sum, both results rounded once), or SPLIT
+programs share a row. The stage layout, barriers and double-buffer epoch, and their
+memory-ordering arguments, are those of autosymm.kernels.all_reduce and push_all_reduce.
+Kernels: ``_one_shot_all_reduce_rmsnorm``, ``_push_one_shot_all_reduce_rmsnorm``,
+``_two_shot_all_reduce_rmsnorm``.
 
-    s        = residual + sum over ranks of x                   (fp32, ranks 0..W-1 in order)
-    residual = ELEM(s)
-    out      = ELEM(s * rsqrt(mean(s^2) + eps) * weight)          (fp32)
-
-The epilogue is a compile-time variant (autosymm.kernels.fused_epilogue): HAS_RESIDUAL=False
-adds no residual (s is the sum; ``res_ptr`` is never touched), GEMMA applies ``1 + weight``,
-QUANT 1 / 2 / 3 writes out as fp8 e4m3 with the static scale at ``scale_ptr``, as fp8 e4m3 with
-a row scale per token (fp32 at ``scales_ptr``), or as nvfp4 (packed e2m1 bytes, e4m3 block
-scales swizzled at ``scales_ptr``, the global scale at ``scale_ptr``). Pointers a variant does not
-use may be any valid pointer.
-
-``x`` is left unchanged. ``residual`` is replicated (tensor parallelism): the one-shots compute
-every row on every rank from the same inputs with the same code, so all ranks end bit-identical;
-the two-shot computes each row on one rank and copies the results to the others.
-
-Rows: a program owns whole rows, in groups of ROWS held in registers as one [ROWS, BLOCK] tile
-(BLOCK >= HIDDEN, a power of two): the norm is taken of the unrounded fp32 sum, so both results
-are rounded exactly once. Program ``b`` of a grid of ``G`` owns groups ``b, b+G, ...`` on every
-rank (the two-shot numbers the groups inside each rank's segment). Or (one-shots, SPLIT > 1, for
-few rows) SPLIT programs share a row, each reducing a part of BLOCK / SPLIT columns, and the
-row's last program to finish normalises it from the parts' fp32 sums
-(``_one_shot_all_reduce_rmsnorm``: rounded once too). HIDDEN is a constexpr (one
-compile per hidden size): row offsets then carry its divisibility, so rows of a multiple of 16
-bytes are loaded and stored with 128-bit accesses.
-
-The stage layout, barriers and double-buffer epoch are those of autosymm.kernels.all_reduce and
-autosymm.kernels.push_all_reduce (their docstrings hold the memory-ordering arguments, which
-apply unchanged: a peer's rows are only read or written by the same program index that produced
-them, and every staged kernel ends with a barrier, or advances the epoch):
-
-* ``_one_shot_all_reduce_rmsnorm``: copy-in, barrier, every rank sums every stage and
-  normalises all rows, end barrier (none with DOUBLE_BUFFER). Per rank: N in from each peer.
-* ``_push_one_shot_all_reduce_rmsnorm``: every rank stores its x into its slot of every peer's
-  stage (posted writes), barrier, sums its own stage's slots and x locally, end barrier (none
-  with DOUBLE_BUFFER). Per rank: N out to each peer.
-* ``_two_shot_all_reduce_rmsnorm``: rows split into W segments of ceil(n_rows / W) rows; copy-in,
-  barrier, rank r reduces and normalises segment r and stores its residual and out rows into
-  every peer's stage (residual over the x rows it read, out in a second area at
-  ``out_offset``), barrier, copy the other segments' rows out. Per rank: N (W-1)/W in and
-  2 N (W-1)/W out over NVLink.
+Design notes: docs/KERNELS.md#kernels-fused-rmsnorm
 """
 
 import triton

@@ -1,74 +1,17 @@
 """The Lamport one-shot all-reduce for small tensors (Triton, device side only).
 
-No barrier: the data carries its own arrival mark, as in TensorRT-LLM's, FlashInfer's and NCCL
-UB-X's small-size all-reduces. Every rank stores its x into its slot of buffer ``k % 3`` of
-every peer's *receive buffers* (the workspace's Lamport region, autosymm.geometry), and each
-rank spins with volatile loads on its own buffer until every element of its chunk is there,
-sums in fp32 in the fixed peer order 0..W-1 (its own x read locally), rounds once and writes x.
-
-Layout of a rank's Lamport region (bytes): a 256-byte header of this rank's own words (int32:
-``[0]`` the rotation index, k mod 3 for the k-th Lamport call since the last reset (stored
-reduced, so it never overflows in a long-running server); ``[1]`` the
-arrival counter of the call's programs, 0 between calls; ``[2]`` the element count of the
-previous call), then 3 buffers of ``WORLD_SIZE - 1`` slots of ``slot_bytes``; sender s writes
-slot ``(s - receiver - 1) mod WORLD_SIZE`` of the receiver's buffer (as the push one-shot).
-
-The arrival mark. An element's *wire* form is its bits with the sign bit flipped, and the
-*sentinel* (not arrived) is the wire word 0, i.e. the value -0.0: a zero-filled region is armed
-(autosymm.workspace.symm zeroes it when it creates the workspace and in ``reset_signals``) and re-arming is
-storing zeros. A real -0.0 input is sent as +0.0 (wire: the sign bit alone). This leaves every
-result bit unchanged, the sign of an all-zero sum included: the fp32 accumulator starts at +0.0
-and in round-to-nearest a sum is -0.0 only when both addends are, so the accumulator is never
--0.0 and adding -0.0 or +0.0 to it gives the same bits. Every other value (NaNs, infinities,
-subnormals) crosses bit for bit. The result is thus bit-identical to the other one-shots'
-(autosymm.kernels.all_reduce): same fp32 sum, same order, one rounding.
-
-Rotation (k % 3 is read from the header by every program; the last program to finish stores
-(k + 1) % 3, exactly as the double-buffer epoch advances: autosymm.kernels.all_reduce's
-``_advance_epoch``, so any grid advances it by one and a CUDA graph replays with the same
-arguments). Call k writes buffer ``k % 3`` of every peer, reads ``k % 3`` of its own, and
-re-arms ``(k + 2) % 3``, the buffer of call k - 1 (its element count is header word ``[2]``), at
-once after its pushes, while they fly.
-
-Invariants (every rank runs the same sequence of Lamport calls since the last reset, so k and
-the counts agree on all ranks):
-
-* At the start of rank r's call k, r's buffer ``k % 3`` is the sentinel everywhere except where
-  peers already stored call k's data. It was last written, before call k's pushes, by call
-  k - 3's pushes and then by r's re-arm in call k - 2, both over what call k - 3 wrote (and the
-  re-arm covers the whole range: call k - 3's count is call k - 2's header word). r's loads of
-  call k follow its own re-arm (an earlier kernel on its stream), so by coherence they read the
-  re-arm or a later store, never call k - 3's value: a reader never sees a stale value.
-* A peer q stores into r's buffer ``k % 3`` only in call k (buffers rotate by one per call) or
-  in call k + 3. q starts call k + 3 only after its call k + 2 saw r's call k + 2 data, which r
-  pushed after its call k + 1 and therefore after its call k (with its reads of ``k % 3``) and
-  its call k + 1's re-arm of ``k % 3`` completed: re-arming never erases data a reader still
-  needs, and no reader of call k can see call k + 3's data. The re-arm of ``(k + 2) % 3`` in call
-  k is equally safe from any program over any range: r finished reading it (call k - 1 ended)
-  and a peer writes it next in call k + 2, after r's call k + 1 pushes.
-* Three buffers, not two: while r runs call k, a peer may already run call k + 1 (it needs only
-  r's call k pushes, done first) and store into buffer ``(k + 1) % 3``; r reads ``k % 3`` and
-  re-arms call k - 1's buffer. With two buffers call k - 1's buffer would be ``(k + 1) % 2``,
-  the one that peer writes. A peer is never two calls ahead (call k + 1 ends only with r's call
-  k + 1 data), so three suffice, and the re-arm needs no ordering with the call's reads.
-
-Memory ordering: no flag guards the data, the data is the flag, so there is nothing to order
-between a flag and a payload. Each element is read with a volatile load (``ld.volatile``, never
-served from L1) until it is not the sentinel; an element's store is single-copy atomic (2 or 4
-bytes, naturally aligned), so a reader sees the sentinel or the whole value, never a torn one.
-The orderings the invariants need between calls (a re-arm before a peer's later store into the
-same word) follow from stream order on the rank (a kernel's stores are performed before the
-next kernel starts) and from causality through the data a peer observed, as in the Lamport
-kernels named above; there is no release/acquire pair on the hot path.
-
-Bounded waits: a slot's chunk that is still incomplete after ``MAX_POLLS`` polls
-(autosymm.kernels.barrier, AUTOSYMM_BARRIER_MAX_POLLS) is given up, counted in this rank's
-error slot of the 'all_reduce' channel (``signal_ptrs[WORLD_SIZE]``), and the missing elements
-add -0.0 (nothing) to the sum; once the error slot is non-zero, later waits give up at once (fail fast),
-so a dead peer never hangs the GPU. A late peer may then store into a buffer after its re-arm:
-as after any barrier timeout, every result since the last clean ``Workspace.barrier_errors()``
-is suspect and ``Workspace.reset_signals()`` (which re-arms the region and zeroes the header)
+No barrier: the data carries its own arrival mark. Every rank stores its x (its *wire* form, the
+sign bit flipped, so the sentinel "not arrived" is the word 0) into its slot of buffer ``k % 3``
+of every peer's receive buffers (the workspace's Lamport region, autosymm.geometry); each rank
+spins with volatile loads on its own buffer until its chunk is there, sums in fp32 in the peer
+order 0..W-1 and rounds once (the other one-shots' bits), and re-arms call k - 1's buffer.
+Invariants: every rank runs the same sequence of Lamport calls since the last reset; three buffers
+because a peer may run one call ahead, never two; the rotation index k % 3 lives on the device
+(header word 0). Waits are bounded as autosymm.kernels.barrier's: after a timeout every result
+since the last clean ``Workspace.barrier_errors()`` is suspect, and ``Workspace.reset_signals()``
 must run on every rank before the next collective kernel.
+
+Design notes: docs/KERNELS.md#kernels-lamport-all-reduce
 """
 
 import triton

@@ -1,52 +1,16 @@
 """MoE token conversion over symmetric memory: dp->ep and ep->dp (Triton, device side only).
 
-Both kernels move *pair rows*: one row of ``d_model`` elements per (token, top-k slot) pair,
-read from a local source row and stored straight into a row of some rank's destination buffer
-in the workspace's 'moe' region (push over NVLink; the local rank's rows are plain stores).
-With ``p = t * K + j`` (``t`` a global token, ``j`` its top-k slot, ``e = expt_indx[p]``):
+Both kernels move *pair rows*: one row of ``d_model`` elements per (token, top-k slot) pair, read
+from a local source row and stored straight into a row of some rank's destination buffer in the
+workspace's 'moe' region (push over NVLink). dp->ep sends each local pair's token row to rank
+``expt_owner[e]``, row ``gate_indx[p]``; ep->dp sends each expert-sorted row this rank owns back to
+its token's rank. Invalid pairs (an expert id or an index out of range) write nothing, so a bad
+index never writes outside a buffer; any top-k and world size 1..8, without padding. The receiver
+must not read rows still in flight: an end barrier follows, a separate ``barrier._barrier_kernel``
+launch or ``FUSED_BARRIER`` (an acq_rel arrival counter at system scope, then the signal-pad
+barrier run by the last program; the counter is back to 0 after every call).
 
-* dp->ep, rank r, local pair ``q`` in ``[0, n_tokens_local * K)``, ``p = r * n_tokens_local * K + q``:
-  src row ``q // K`` -> rank ``expt_owner[e]``, row ``gate_indx[p]`` of its
-  ``[n_tokens_global * K, d_model]`` buffer. A token's row is read once per pair; the K reads of
-  one token come from neighbouring programs at nearly the same time, so they hit L2 (local
-  reads are ~10x cheaper than the NVLink stores they feed).
-* ep->dp, rank r, expert-sorted row ``s`` in ``[0, n_tokens_global * K)``, ``p = topk_indx[s]``:
-  copied only when ``expt_owner[e] == r``: src row ``s`` -> rank ``p // (n_tokens_local * K)``,
-  row ``p % (n_tokens_local * K)`` of its ``[n_tokens_local * K, d_model]`` buffer.
-
-Any top-k works without padding: pairs are flattened, K only divides. Any world size 1..8
-works without padding: a row's destination base address is gathered from the int64 tensor
-``dst_ptrs`` [WORLD_SIZE] at its owner/home rank. Invalid pairs are skipped (nothing is
-written for them): an expert id < 0 or >= n_expts_tot (-1 marks a dropped pair; compared at
-the ids' own width, so an int64 id of 2**32 or more is skipped, never wrapped), or an
-index (gate/topk row, owner) out of range, so a bad index never writes outside a buffer.
-
-Launch shape: a program copies ``ROWS`` pair rows per step, ``BLOCK_N`` columns at a time, and
-strides over the row groups ``range(pid, n_groups, num_programs)`` (a persistent grid when the
-host launches fewer programs than groups). ``d_model = d_vecs * VEC``: VEC (a power of two, at
-most 16 bytes of elements) divides d_model, which lets the compiler prove every row start
-``VEC``-element aligned and emit 16-byte vector accesses; destination bases are 256-byte
-aligned (asserted with ``tl.multiple_of``).
-
-End barrier (the receiver must not read rows still in flight). Either the host launches
-``barrier._barrier_kernel`` after the kernel (stream order publishes: it starts only once every
-store of the copy kernel has completed, and its release.sys signals follow), or
-``FUSED_BARRIER``: every program, after its
-stores, does ``debug_barrier`` (all its threads issued their stores) then one
-``atom.add.acq_rel.sys`` on an arrival counter. The release half makes the program's stores,
-including those over NVLink, visible at system scope before its arrival counts; the program
-that sees ``num_programs - 1`` earlier arrivals is the last one, and the acquire half makes
-every other program's stores happen-before its own later operations. It resets the counter to
-0 (so a CUDA graph replays without a host reset) and runs the signal-pad barrier with the same
-program slot on every peer (release.sys signals are cumulative: they publish every program's
-stores; acquire.sys waits). Programs other than the last never wait, so the barrier needs no
-co-residency. The counter is this rank's slot ``[0][RANK]`` of the channel ``signal_ptrs``
-points at: signals only ever land in slots ``[program][sender != RANK]``, so it is free. It is
-zero whenever no conversion of this op runs: the last program resets it before it signals,
-also when its wait then times out (bounded waits, autosymm.kernels.barrier). Checked on the
-sm_90 PTX: every scalar atomic of the end barrier (arrival, reset, signal, poll, consume) is
-issued by thread 0 of the program only (``@p atom``/``red`` with ``p = tid.x == 0``) and the
-arrival count reaches the other threads through shared memory between two ``bar.sync``.
+Design notes: docs/KERNELS.md#kernels-moe-conversion
 """
 
 import triton

@@ -6,7 +6,7 @@ copy-in (x is never read by a peer), one barrier per chunk, software-pipelined s
 reduce overlaps the next chunk's writes, plus an end barrier (none when DOUBLE_BUFFER). Per
 rank: N out over NVLink to each of the W-1 peers (stage: W-1 slots of N), N read twice and
 written once locally. Layout, chunking, the double-buffer epoch and the fp32 fixed-order sum
-are those of autosymm.kernels.all_reduce (its module docstring).
+are those of autosymm.kernels.all_reduce (docs/KERNELS.md#kernels-all-reduce).
 """
 
 import triton

@@ -1,40 +1,15 @@
 """Reduce-scatter (sum) over the symmetric workspace, pull and push (Triton, device side only).
 
 Every rank holds a contiguous input of ``total`` elements (bf16, fp16 or fp32) cut into
-WORLD_SIZE *segments*, segment ``s`` = elements ``[start_s, start_s + count_s)`` (equal
-segments: ``start_s = s * seg``; variable ones, reduce_scatterv: a table, see
-:func:`_segment`). Rank r's output is the sum over ranks of segment r: accumulated in fp32 in
-the fixed peer order 0..WORLD_SIZE-1, starting from 0.0 and rounded once, exactly as
-autosymm.kernels.all_reduce's ``_sum_stages`` does, so every element has the bits the Triton
-all-reduce gives it (a reduce-scatter followed by an all-gather *is* that all-reduce).
+WORLD_SIZE *segments* (equal, or a table: reduce_scatterv, :func:`_segment`). Rank r's output is
+the sum over ranks of segment r, accumulated in fp32 in the fixed peer order 0..WORLD_SIZE-1 from
+0.0 and rounded once: the bits the Triton all-reduce gives each element. Invariants: the
+all-reduce's work split, per segment (program ``b`` owns chunks ``b, b+G, ...`` of every segment,
+on every rank, in every phase), and its end barrier, so the next kernel may overwrite any stage;
+the rank is a run-time argument (one compiled kernel serves every rank).
+``_reduce_scatter_push`` stores into the peers' stages instead of loading from them.
 
-Staging. ``region_ptrs[q] + stage_offset`` (bytes) is rank q's *stage*. Staged (not
-ZERO_COPY): the kernel copies its input into its stage, segment s at element ``stage_start_s``
-(16-byte aligned whatever ``start_s`` is, so peers' loads are 128-bit even when segments are
-ragged), barrier, reads segment r from every rank's stage (its own included: the same code for
-every peer, no branch on the run-time rank in the hot loop), end barrier. ZERO_COPY: the input
-already is the stage (``Workspace.empty``, the same offset on every rank; ``stage_start_s =
-start_s``): no copy-in, 2 barriers all the same. Per rank (N = bytes of the input): N (W-1)/W
-in over NVLink, N copied locally (none with ZERO_COPY).
-
-Ordering. The work split of autosymm.kernels.all_reduce, per segment: program ``b`` of a grid
-of G owns chunks ``b, b+G, ...`` (BLOCK elements each, counted from the segment's start) of
-*every* segment, on every rank, in every phase. Program b's copy-in of chunk c of segment q
-precedes its start-barrier signal (release.sys after a CTA barrier); rank q's program b reads
-chunk c of segment q of our stage only after acquiring that signal. The end barrier is the
-all-reduce's: a rank returns only once every peer's same program has passed its last read of
-this rank's stage, so the next kernel (any grid) may overwrite its stage, or a peer's, before
-a barrier of its own (the push kernels do). The rank is a run-time argument (not a constexpr):
-one compiled kernel serves every rank, so ranks emulated on one GPU launch concurrently
-without one of them compiling while the others spin.
-
-``_reduce_scatter_push``: posted writes instead of peer loads. Every rank stores segment s of
-its input into its own slot of rank s's stage, barrier, sums its stage's slots locally in slot
-(= rank) order, end barrier; any input, no copy-in, no zero-copy variant (its docstring).
-
-Vectors: full chunks are unmasked; a segment's last chunk is split into its whole 16-byte
-vectors (masks uniform over 16 bytes: 128-bit accesses kept) and a < 16-byte tail
-(:func:`chunk_bounds`).
+Design notes: docs/KERNELS.md#kernels-reduce-scatter
 """
 
 import triton

@@ -1,43 +1,16 @@
 """Problem -> Decision: which backend and config serve a call, and why.
 
 The decision is a pure function of (problem, mode, capabilities, database rows), so every rank
-that sees the same databases decides the same (autosymm.runtime.group agrees on the databases' digest
-across ranks once per group, and caches each prepared call per key: op, dtype, size, mode).
-Each op's record (autosymm.collectives) gives its fallbacks, lookups and growth model. Rules, in order:
+that sees the same databases decides the same (autosymm.runtime.group agrees on the databases'
+digest across ranks once per group, and caches each prepared call by its autosymm.spec.CallKey).
+Each op's spec (autosymm.spec.OpSpec) gives its fallbacks, lookups and growth model. Rules, in
+order: 1. ``AUTOSYMM_DISABLE=1`` -> :func:`last_resort`; 2. an op that runs no collective over one
+rank, at world size 1 -> ``noop``; 3. a group spanning nodes -> :func:`last_resort` (NCCL); 4. the
+databases' rows under the op's lookups, each modelled at the call, the fastest trusted one whose
+backend can serve wins; 5. nothing usable -> :func:`fallback_decision` (the op's ``fallback_order``).
+``deterministic``: only batch-invariant backends serve.
 
-1. ``AUTOSYMM_DISABLE=1`` -> the op's fallback backend (NCCL) everywhere.
-2. an op that runs no collective over one rank (Collective.one_rank_reason: all of them but the
-   MoE conversions, and the fused op under ``deterministic``) at world size 1 -> ``noop``.
-3. a group spanning nodes -> NCCL, the engine for that scale.
-4. the user database, then the shipped ones, under the op's lookups (dtype, mode, shape) in order:
-   the call's own; the other mode's rows; for all-reduce in fp16/fp32 the bf16 rows of the same
-   byte size (the kernels are byte-bound); for a MoE shape without rows, the nearest tuned
-   shape (below); each fallback said in the reason.
-   Points: rows are stored at the size they were tuned at (autosymm.problem: bytes, or tokens
-   per rank). A call tuned at its exact size uses those rows; any other uses the rows of its
-   neighbouring tuned sizes below and above (one when it lies outside the tuned range), each
-   point's rows from the first database that has it. Every candidate row's time at the call is
-   modelled from the rows (autosymm.runtime.neighbours: interpolated when the same backend and config
-   was tuned on both sides, else its floor plus its work scaled to the call, in rounds per
-   program for the Triton all-reduce configs), the candidates ranked by it, and the first whose
-   backend can serve the call wins (a faster one that cannot — dtype, alignment, size over the
-   workspace, no multicast, not capturable in graph mode — is skipped, said in ``skipped``).
-   NCCL's own row takes part, so where NCCL measured faster it wins. ``expected_us`` is the
-   modelled time; the reason names the tuned point and, off it, the neighbours.
-   MoE shapes: the shape (d_model, experts, top-k) is matched exactly; without rows for it, the
-   nearest tuned (shape, tokens per rank) by bytes per row and rows per rank.
-   Under a running NCCL of another major.minor than a row's (autosymm.db.schema.nccl_trust,
-   the one trust rule: a row that beat its NCCL by less than NCCL_TRUST_MARGIN is passed over,
-   said in ``skipped``; a kept row's reason names both versions and its margin).
-5. nothing usable -> the op's fallback order: NCCL for all-reduce; for MoE the Triton conversion
-   with its default config where it can serve (no NCCL path is graph-capturable), else NCCL
-   all_to_all.
-
-``deterministic`` (AUTOSYMM_DETERMINISTIC or ``autosymm.init(deterministic=True)``, agreed by the
-ranks): only backends declaring ``batch_invariant`` serve (autosymm.backends.base); rows of the
-others are skipped (said in ``skipped``), and every NCCL fallback above becomes the first
-batch-invariant backend of the op's fallback order, else its ``invariant_fallback``
-(autosymm.backends.nccl_ordered): :func:`last_resort`.
+Design notes: docs/DISPATCH.md#runtime-dispatch
 """
 
 from __future__ import annotations
@@ -117,7 +90,7 @@ def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: s
 
 def _lookups(problem: Problem, mode: str):
     """(dtype, row mode, nearest shape?, note) lookups in order of preference (the op's
-    record's :class:`~autosymm.collectives.Lookups`)."""
+    spec's :class:`~autosymm.spec.Lookups`)."""
     lookups = problem.record.lookups
     other = "graph" if mode == "eager" else "eager"
     yield problem.dtype, mode, False, ""
@@ -168,7 +141,7 @@ def _between(problem: Problem, points: tuple[int, ...]) -> str:
 
 def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str,
            deterministic: bool = False) -> Decision:
-    """The decision for ``problem`` in ``mode`` (see the module docstring for the rules)."""
+    """The decision for ``problem`` in ``mode`` (the rules: docs/DISPATCH.md#runtime-dispatch)."""
     record = problem.record
     if settings.disabled():
         return Decision(last_resort(problem, deterministic), None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket,

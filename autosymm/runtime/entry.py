@@ -31,7 +31,7 @@ class CustomOp:
 
 
 class Door:
-    """A collective's entry: ``spec`` (its autosymm.spec record), ``arg_names`` (its entry's
+    """A collective's entry: ``spec`` (its autosymm.spec.OpSpec), ``arg_names`` (its entry's
     arguments, as the checked mode names them) and ``prepare_in_check`` (the decision and
     launcher are made inside the agreed check; False when preparing may run a collective, as
     growing the MoE region does). Subclasses give :meth:`call_text`, :meth:`check_call` and

@@ -1,6 +1,6 @@
 """A process group's autosymm state: what the first call found out, agreed by every rank (see
-autosymm.runtime.agreement), and the prepared calls (keys: autosymm.collectives.base). autosymm.api (the
-public functions) and autosymm.fused build on it.
+autosymm.runtime.agreement), and the prepared calls (keys: autosymm.spec.CallKey). The front doors
+(autosymm.collectives) and autosymm.api's session-level calls build on it.
 """
 
 from __future__ import annotations

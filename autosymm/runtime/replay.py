@@ -1,72 +1,16 @@
 """Eager calls at a stable address: replay a cached one-launch CUDA graph instead of launching.
 
-On a VM where a kernel launch costs 5-6 us of host time, replaying a CUDA graph that holds the
-same launch costs 4-5 us and needs none of the launcher's Python. ``wrap_eager(launcher,
-decision)`` wraps a prepared eager all-reduce launcher of a Triton backend (the others are
-returned as they are) in an :class:`EagerReplay`:
+``wrap_eager(launcher, decision)`` wraps a prepared eager launcher of a Triton backend in an
+:class:`EagerReplay` (all-reduce: plans per tensor address) or a :class:`FusedReplay` (the fused
+op: plans per (x, residual, weight, out) addresses and eps); others are returned as they are. The
+call after ``capture_after - 1`` direct calls at an address captures the bound launch into a graph
+and replays it from then on; ``eager_launch='direct'``, no CUDA or ``AUTOSYMM_EAGER_REPLAY=0``: a
+bound launch instead. Invariants: a wrapper serves one prepared call, so its launch is a function
+of the address and the workspace's ``empty_bytes`` alone; a graph holds only addresses, per-call
+state lives on the device; replay and launch are the same kernel with the same arguments, so ranks
+need not agree on which. ``HOT`` / ``FUSED_HOT``: the front doors' hot tables (:func:`forget_all`).
 
-* the hit path: ``plans[x.data_ptr()]`` (an LRU dict), two cheap checks, ``plan()``;
-* the first ``capture_after - 1`` calls at an address run the launcher itself (all its checks;
-  it compiles and binds the kernel variant); the next one captures ``launcher.bind(x)`` (the
-  same launch, arguments bound) into a graph on a side stream and replays it on the current
-  stream from then on. At most ``max_graphs`` plans per prepared call (least recently used
-  dropped); after ``max_graphs`` evictions (more live addresses than plans, e.g. a fresh
-  tensor per call) no more graphs are captured and bound launches are planned instead;
-* ``AUTOSYMM_EAGER_REPLAY=0``, no CUDA, a capture that failed, or a row whose config says
-  ``eager_launch='direct'``: the plan of a repeated address is its bound launch
-  (``launcher.bind(x)``: no checks, no per-call planning, one launch).
-
-The launch style. A graph replay costs the least host time; a bound launch leaves the shorter
-gap between back-to-back kernels (2x H200: 1.1-1.6 us against 1.8-3.9 us for replays), so it
-wins where the kernel, not the host, bounds a loop of eager calls. Which one an eager row uses is
-its config's ``eager_launch`` (autosymm.configs.EAGER_LAUNCHES), measured by the tuner (every
-eager Triton candidate both ways: autosymm.tuning.sweep.with_eager_launches) and decided, like
-the rest of a row, from the agreed database.
-
-The fused op (:class:`FusedReplay`, for launchers with ``eager_call = "new_output"``): plans per
-(x, residual, weight, out) addresses and eps, ``out`` allocated before the lookup (see there).
-
-Why an address is enough. The wrapper serves one prepared call, keyed in autosymm.api by
-(dtype, numel, contiguity, op, mode): the launcher's variant and integer arguments are then a
-function of the address alone, and of the workspace's ``empty_bytes`` (staging at the top of
-the region must stay clear of ``autosymm.empty`` tensors), which every hit compares. The graph
-holds only addresses, so a tensor freed and re-allocated at the same address with the same
-(dtype, numel) is served right: the kernel reads and writes that address when, and only when,
-it is called with it. Device addresses are unique per process (unified addressing), and every
-hit also compares the tensor's device. Per-call state of the kernels lives on the device (the
-double-buffer epoch and arrival count, autosymm.kernels.all_reduce), so replaying one graph call
-after call alternates the halves exactly as launches do; a graph never bakes host state in.
-Replay and direct launches of one call are the same kernel with the same arguments, so ranks
-need not agree on which they use.
-
-Streams and threads. A replay runs on the caller's current stream, like a launch (calls on one
-workspace must be stream-ordered either way, autosymm.backends.triton_all_reduce). Capture uses
-a side stream of the launcher's device in ``thread_local`` mode, so other threads' unsafe calls
-(a cudaMalloc of the caching allocator) do not break it. The other way round, CUDA forbids any
-thread unsafe calls while another thread captures in ``global`` mode (torch's default): the
-instantiation of our graph at an address's first repeat, and the destruction of an evicted one,
-may then break that capture, as a first-call kernel compile or any allocation on this thread
-would. Programs that capture on one thread while eager calls run on another should warm the
-eager calls' addresses up first, capture with ``capture_error_mode="thread_local"``, or set
-``AUTOSYMM_EAGER_REPLAY=0``. The wrapper only serves eager calls (api keys calls made while the
-current stream captures apart), so a user's own capture never records a replay, and a warmed-up
-loop captures nothing. The hit path reads a dict under the GIL; the cold path holds a lock.
-
-The hot table. ``HOT`` maps a tensor address to the plan that serves an eager SUM of exactly
-that tensor (:class:`HotCall`: group, dtype, numel, the api entry and the plan), so that
-autosymm.api's hit path checks a handful of attributes and calls the plan, skipping the cache
-key and this wrapper. autosymm.api registers a plan after the wrapper made it; the wrapper
-forgets an evicted address (:func:`forget`); a change of the staging limits (a workspace's
-``empty_bytes``: autosymm.workspace.symm) or ``autosymm.reset`` forgets them all (:func:`forget_all`).
-Calls through the table do not touch the wrapper, so they do not refresh its LRU order: with
-more live addresses than ``max_graphs`` per prepared call, the plan made longest ago goes first.
-
-Memory. A captured graph's node is the kernel launch on existing buffers. Capture uses the
-graph's own private pool, which torch releases with the graph: whatever is allocated while it
-captures (on the 2x H200 node a first capture once saw 1 KiB appear, from this thread's launch or
-another thread of the process) comes from that pool, which stays reserved for the graph's
-replays, so a replay never reads memory the allocator handed to someone else. The caching allocator defers other threads' cross-stream frees
-while any capture is under way (briefly, once per address), nothing more.
+Design notes: docs/REPLAY.md#runtime-replay
 """
 
 from __future__ import annotations
@@ -96,8 +40,9 @@ CAPTURE_AFTER = 2
 
 
 class HotCall:
-    """A plan autosymm.api may call for an eager SUM of a tensor at one address: valid for the
-    ``group`` argument, dtype and numel it was made for (and a contiguous tensor)."""
+    """A plan ``autosymm.all_reduce``'s hot path (autosymm.collectives.all_reduce) may call for
+    an eager SUM of a tensor at one address: valid for the ``group`` argument, dtype and numel it
+    was made for (and a contiguous tensor)."""
 
     __slots__ = ("group", "dtype", "numel", "device_index", "entry", "plan")
 
@@ -113,9 +58,10 @@ HOT: dict[int, HotCall] = {}
 
 
 class HotFused:
-    """The eager fused call autosymm.fused may make at once on a ``group`` argument: the last one
-    prepared there, valid for its x dtype and shape (the cache key's); ``call`` is its
-    :class:`FusedReplay`, whose hit path checks the rest."""
+    """The eager fused call ``autosymm.all_reduce_rmsnorm`` (autosymm.collectives.all_reduce_rmsnorm)
+    may make at once on a ``group`` argument: the last one prepared there, valid for its x dtype
+    and shape (the call key's); ``call`` is its :class:`FusedReplay`, whose hit path checks the
+    rest."""
 
     __slots__ = ("dtype", "shape", "device_index", "entry", "call")
 
@@ -151,9 +97,9 @@ def replay_enabled() -> bool:
 
 def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Callable[[], None], Any], Any]] = None,
                max_graphs: Optional[int] = None, capture_after: int = CAPTURE_AFTER) -> Any:
-    """The launcher api should run for an eager call of ``decision``: an :class:`EagerReplay`
-    around a Triton all-reduce launcher (one that has ``bind`` and a ``workspace``), a
-    :class:`FusedReplay` around one that returns a new tensor (``eager_call = "new_output"``:
+    """The launcher a group state (autosymm.runtime.group) runs for an eager call of ``decision``:
+    an :class:`EagerReplay` around a Triton all-reduce launcher (one that has ``bind`` and a
+    ``workspace``), a :class:`FusedReplay` around one that returns a new tensor (``eager_call = "new_output"``:
     the fused op's), else ``launcher`` itself (graph mode, NCCL, torch's ops, MoE).
     ``capture(launch, device) -> graph`` (``graph.replay()``) defaults to
     :func:`capture_cuda_graph` on CUDA devices; none (CPU, AUTOSYMM_EAGER_REPLAY=0, or a config
@@ -162,8 +108,8 @@ def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Call
     :data:`FUSED_MAX_GRAPHS`).
 
     Contract: the caller hands the result only tensors of one prepared call (all-reduce: one
-    (dtype, numel, contiguity); fused: one x dtype and shape), as autosymm.api's and
-    autosymm.fused's cache keys guarantee. Read at prepare time: set AUTOSYMM_EAGER_REPLAY
+    (dtype, numel) of contiguous tensors; fused: one x dtype and shape), as their call keys
+    (autosymm.spec.CallKey) guarantee. Read at prepare time: set AUTOSYMM_EAGER_REPLAY
     before a size's first call."""
     if getattr(decision, "mode", None) != "eager" or not str(getattr(decision, "backend", "")).startswith("triton_"):
         return launcher

@@ -60,7 +60,7 @@ def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
 
 def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: dict[str, MoEShape],
                    tokens: list[int], world_size: int, epilogues: Optional[list] = None) -> list[Problem]:
-    """The problems of the ops in ``ops``, in registry order (autosymm.collectives), each op's
+    """The problems of the ops in ``ops``, in registry order (autosymm.spec.ALL), each op's
     points of these: all-reduce sizes x dtypes, MoE shapes x token counts, the fused all-reduce +
     RMSNorm at its hidden sizes x ``tokens`` (and its extra token counts inside their range) x
     ``epilogues`` (None: its default points' epilogues)."""

@@ -6,13 +6,13 @@ problem and mode it asks each backend whether it serves the problem and for its 
 searches with the evaluator of autosymm.tuning.evaluator; rank 0 writes each backend's best row
 under the problem's exact size (autosymm.problem).
 
-Default points: each op's record declares them (autosymm.collectives: ``points``). All-reduce at
+Default points: each op's spec declares them (autosymm.spec: ``points``). All-reduce at
 two points per octave, 2^k and 1.5 * 2^k bytes from 4 KiB to 256 MiB
-(autosymm.collectives.all_reduce.SIZES, 33 sizes; `autosymm tune --sizes` default
-autosymm.collectives.all_reduce.SIZES_SPEC): the dispatcher serves a call between tuned sizes
+(autosymm.spec.all_reduce.SIZES, 33 sizes; `autosymm tune --sizes` default
+autosymm.spec.all_reduce.SIZES_SPEC): the dispatcher serves a call between tuned sizes
 from its two neighbours (autosymm.runtime.dispatch), and at most 1.5x apart the neighbours' configs stay
 close to what a tune at the call's own size finds; at one point per octave the 4 MiB config
-served 3 MB 15 % slower than a 3 MB tune (2x H200). MoE at autosymm.collectives.moe.TOKENS
+served 3 MB 15 % slower than a 3 MB tune (2x H200). MoE at autosymm.spec.moe.TOKENS
 tokens per rank.
 
 Modes: ``eager`` and ``graph`` for every problem: all-reduce at

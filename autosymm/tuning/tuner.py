@@ -1,45 +1,16 @@
 """The search: which backend and config is fastest for one problem, chosen the same on every rank.
 
-Each tuned backend is searched in turn with its own budget (every backend's best row is recorded:
-the dispatcher needs the runner-up when the winner cannot serve a call). Strategies: ``grid``
-visits every config in a deterministic order; ``optuna`` runs a TPE study (in memory, seeded)
-over the config fields with a trial budget; ``auto`` is grid for a backend space of at most
-GRID_THRESHOLD configs, else optuna (autosymm.tuning.search, the only module that imports optuna,
-lazily; only rank 0 runs a study). Baselines (candidates without a config: NCCL, torch's ops)
-are always evaluated once, first, outside any budget. The ranks talk through
-autosymm.tuning.rank_comm; the records (candidates, results, outcome) are in autosymm.tuning.outcome.
+Each tuned backend is searched in turn with its own budget (every backend's best row is recorded):
+``grid``, ``optuna`` (autosymm.tuning.search; only rank 0 runs a study) or ``auto``. Baselines
+(NCCL, torch's ops) are evaluated once, first, outside any budget. Every rank runs :func:`tune` in
+lock-step over autosymm.tuning.rank_comm (small float64 tensors, no pickling): rank 0 picks and
+broadcasts each candidate; every rank prepares it and the ranks agree on failures before any
+launches it; measurements (validated, then timed) are combined by MAX, so one failing rank scores
++inf everywhere; after a timeout a rank that does not recover aborts the problem on every rank and
+nothing is recorded for it. The measurement must not join host-side collectives. The records
+(candidates, results, outcome) are in autosymm.tuning.outcome.
 
-Rank protocol (every rank runs :func:`tune` in lock-step; all traffic is small float64 tensors on
-``group``, no pickling):
-
-1. the ranks check they hold the same candidate list and search settings (a CRC, MAX/MIN);
-2. per step, rank 0 picks the next candidate (it alone runs the study) and broadcasts its index
-   in the deterministic candidate list (-1: done);
-3. every rank ``prepare``s it locally (compile, allocate; may fail) under a timeout, then the
-   ranks agree (``RankComm.agree``) on which ranks failed: if one did, nobody launches it (no
-   rank waits in a collective kernel for a peer that never comes). This agreement is also the
-   barrier that lines the ranks up for the measurement;
-4. every rank ``measure``s it (validate against the reference, raising on a wrong result, then
-   time) in a worker thread joined with ``timeout_s``. An exception, a non-finite time or a
-   timeout scores +inf. The ranks combine the timing and the failure flags by MAX
-   (``RankComm.combine_measurement``), so one failing rank makes it +inf everywhere, and every
-   rank then holds the same numbers;
-5. after a timeout, the ranks that timed out wait ``grace_s`` for the stuck measurement and every
-   rank probes its device; if any rank did not recover, the search of this problem stops on
-   every rank (``TuneOutcome.aborted``) and nothing must be recorded for it. Otherwise, when the
-   measurement failed on any rank (the agreement says so on every rank), every rank calls the
-   evaluator's optional ``reset()`` in lock-step (e.g. re-arming device signal pads a peer left
-   unbalanced) and the ranks agree that it worked, else the search stops likewise;
-6. rank 0 tells the study the score; at the end it broadcasts the winner's index.
-
-The measurement must not join host-side collectives (barriers, all_reduce on ``group``): a rank
-that timed out has left it behind while its peers go on to step 4's MAX. Device collectives (the
-candidate kernel) are fine. Limit: a GPU kernel that truly hangs (a peer never arrived at its
-device barrier) poisons that process's stream; no thread can cancel it. The tuner then aborts the
-problem on every rank and records nothing for it, never a wrong row; the caller should stop
-(see :meth:`autosymm.tuning.session.TuneSession.sweep`). autosymm's own barriers are bounded (a
-wait gives up and flags the workspace, autosymm.kernels.barrier), so with a timeout above their
-spin limit a missing peer costs one failed candidate and a ``reset()``, not the search.
+Design notes: docs/TUNING.md#tuning-tuner
 """
 
 from __future__ import annotations

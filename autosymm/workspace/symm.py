@@ -1,56 +1,17 @@
 """The symmetric-memory workspace: one buffer per (process group, device), rendezvoused once.
 
-Layout of every rank's buffer (offsets identical on all ranks, so a peer's region is the
-peer's base address plus the same offset)::
+Layout of every rank's buffer (offsets identical on all ranks; autosymm.geometry)::
 
     [ signal pads | all-reduce region | MoE region | all-reduce double buffer | fused stash ]
 
-* signal pads: ``N_SIGNAL_CHANNELS`` channels of ``SIGNAL_SLOTS_PER_RANK`` uint32 slots, zeroed
-  at creation. Slot ``[channel][program][sender]`` of rank r counts the signals rank ``sender``'s
-  program ``program`` sent to rank r and that r has not consumed yet (autosymm.kernels.barrier).
-  One channel per kernel family, so an all-reduce and a MoE conversion on two streams never
-  share a slot. Then ``N_SIGNAL_CHANNELS`` *error slots* (uint32, at ``ERROR_SLOTS_OFFSET``),
-  one per channel: the number of barrier waits on that channel that gave up because a peer never
-  signalled (bounded waits, autosymm.kernels.barrier). No signal ever lands there; only this
-  rank's own kernels add to them and only :meth:`Workspace.reset_signals` clears them. After a
-  timeout the pads hold stale counts: :meth:`Workspace.reset_signals` (collective) is mandatory
-  before the next collective kernel, and every result since the last clean
-  :meth:`Workspace.barrier_errors` is suspect.
+Signal pads: one channel per kernel family, zeroed at creation, and one error slot per channel
+(barrier waits that gave up). After a timeout :meth:`Workspace.reset_signals` (collective) is
+mandatory before the next collective kernel. The self slots hold per-rank device state (arrival
+counters; the double-buffer epoch, NOT zero between calls and equal on every rank). The double
+buffer and the Lamport receive buffers (a zero word: not arrived) are written by nothing else.
+Multicast is never created here: ``multicast_ptr`` is what torch's handle reports.
 
-  Signal slot ``[channel][program][r]`` of rank r itself receives no signal (senders write their
-  own index), so these *self slots* hold per-rank words that only r's own kernels touch:
-
-  - channel 'moe_end', ``[MOE_SIGNAL_SLOT[op]][r]``: the MoE fused end barrier's arrival counter
-    (autosymm.kernels.moe_conversion; the slot numbers here are autosymm.geometry's);
-  - channel 'all_reduce', ``[ALL_REDUCE_ARRIVAL_SLOT][r]``: the double-buffered one-shot's
-    arrival counter (0 whenever no such kernel runs: the last program resets it);
-  - channel 'all_reduce', ``[ALL_REDUCE_EPOCH_SLOT][r]``: the double-buffer *epoch*, the number
-    of double-buffered calls since the last reset; its parity picks the staging half
-    (autosymm.kernels.all_reduce). It is NOT zero between calls, and it must be equal on every
-    rank (every rank runs the same calls); :meth:`Workspace.reset_signals` zeroes it with the
-    rest of the pads on every rank together.
-  After the error slots, the split-row fused kernels' per-row arrival counters (0 between
-  calls) and partial sums (autosymm.geometry.FUSED_COUNTS_OFFSET), touched only by this rank's
-  own kernels; zeroed with the pads.
-* all-reduce region: the staging copy of the tensor being reduced (or, for tensors from
-  :meth:`Workspace.empty`, the tensor itself: zero-copy).
-* MoE region: the dp->ep and ep->dp destination buffers (peers write into them). It may move to
-  a larger symmetric allocation of its own (:meth:`Workspace.move_region`, autosymm.runtime.moe_room).
-* all-reduce double buffer (``DOUBLE_BUFFER_REGION``, 2 halves of ``double_buffer_bytes`` each,
-  absent when that is 0): the staging halves of the double-buffered one-shot. A region of its
-  own, at fixed offsets, because a half may still be read by a peer after this rank's kernel has
-  returned (until the next double-buffered call's start barrier): nothing else may write there,
-  neither the single-buffer stage, nor :meth:`Workspace.empty`'s tensors, nor the tuner's
-  poisoning of the other regions, and the halves must not move with the tensor's size.
-* fused stash (``FUSED_STASH_REGION``): the split-row fused kernels' fp32 row sums, this rank's
-  own (autosymm.geometry).
-* Lamport receive buffers (``LAMPORT_REGION``, autosymm.kernels.lamport_all_reduce): a zero word
-  there means "not arrived yet", so the region is zeroed with the signal pads, at creation and by
-  :meth:`Workspace.reset_signals` (its header, the rotation index, must restart on every rank).
-
-Multicast is never created here: ``multicast_ptr`` is what torch's handle reports (0 when the
-driver, the group or ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` says no), and multimem kernels run only
-when it is non-zero.
+Design notes: docs/REPLAY.md#workspace-symm
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the tuner needs of an op beyond its record (autosymm.collectives): the inputs of a tuning
+"""What the tuner needs of an op beyond its spec (autosymm.spec.OpSpec): the inputs of a tuning
 problem, this rank's reference output, how a launcher is called for validation and timing, and
 the workspace the sweep needs (:class:`TuningOp`). autosymm.tuning.reference.ProblemData holds
 the tensors and delegates here; one module per op, registered in autosymm.tuning.ops."""
@@ -21,7 +21,8 @@ def quarters(shape: tuple, gen: torch.Generator, device: torch.device, dtype: to
 
 
 class TuningOp:
-    """The tuning side of one op (``record``); ``exact``: its validation compares bits (copies)."""
+    """The tuning side of one op (``record``: its autosymm.spec.OpSpec); ``exact``: its
+    validation compares bits (copies)."""
 
     exact = False
 
