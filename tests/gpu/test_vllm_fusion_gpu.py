@@ -13,11 +13,12 @@ branches, eagerly and in replays of a CUDA graph of the compiled step with new d
   and quant ops (no vLLM pass in the compile, so no FlashInfer), bit for bit the unfused step.
 
 Tolerances of the autosymm branch against the unfused step (autosymm rounds once from fp32;
-vLLM's norm rounds its normalized value, then the product with the weight, and its quant reads
-that rounded output): the new residual / the sum bit-exact (the inputs are multiples of 1/8
-whose sums are exact in bf16 on up to 8 ranks); the norm within 2 ulp of bf16; e4m3 values and
-NVFP4's e4m3 block scales and e2m1 codes within one step of the quantized unfused value, at least
-90% of them bit-equal. The stand-ins' quant kernels are autosymm's reference formula
+vLLM's RMSNorm with a bf16 weight rounds the normalized value, then its product with the weight,
+and vLLM's quant reads that rounded output): the new residual / the sum bit-exact (x and the
+residual are multiples of 1/8 whose sums are exact in bf16 on up to 8 ranks; the residual and
+the weight are the same on every rank); the norm within 2 ulp of bf16; e4m3 values, and NVFP4's
+e4m3 block scales and e2m1 codes, within one step of the unfused step's, at least 90% of them
+bit-equal. The stand-ins' quant kernels are autosymm's reference formula
 (autosymm.epilogue.quantize: vLLM's FP8 kernel bit for bit, its NVFP4 kernel but for its
 approximate reciprocals), so the quantized comparisons check the fused path's rounding and
 plumbing (items, scale layout, padding), not vLLM's CUDA kernels themselves."""
@@ -51,27 +52,29 @@ _NORM_CALLS = {True: "vllm_ir.fused_add_rms_norm", False: "vllm_ir.rms_norm"}
 _QUANT_CALLS = {None: (), "fp8": ("_C.static_scaled_fp8_quant",), "fp8_native": (),
                 "nvfp4": ("_C.scaled_fp4_quant.out",)}
 #: The static FP8 scale and NVFP4's global scale (float32), before and after the new data.
-_SCALES = {"fp8": (0.02, 0.03), "fp8_native": (0.02, 0.03), "nvfp4": (336.0, 224.0), None: (1.0, 1.0)}
+#: (FP8: 448 * 0.01 = 4.5 clamps the norm's tail; NVFP4: 600 saturates the largest blocks' scales.)
+_SCALES = {"fp8": (0.01, 0.03), "fp8_native": (0.01, 0.03), "nvfp4": (336.0, 600.0), None: (1.0, 1.0)}
 
 
-def _exact_values(gen, rank: int, shape, device, spread: float) -> torch.Tensor:
-    """bf16 multiples of 1/8 in [-spread, spread], shifted by ``rank`` / 8: sums of 8 ranks' are exact in bf16."""
-    values = torch.randn(shape, generator=gen, device=device) * spread
-    return ((values * 8).round().clamp(-8 * spread, 8 * spread) + rank).div(8).bfloat16()
+def _exact_values(gen, shift: int, device) -> torch.Tensor:
+    """bf16 [TOKENS, HIDDEN] multiples of 1/8 in [-2, 2] plus ``shift`` / 8 (< 1): a residual plus
+    8 ranks' x stays within 25, 200 eighths, so every sum of them, in any order, is exact in bf16."""
+    values = torch.randn((TOKENS, HIDDEN), generator=gen, device=device) * 2
+    return ((values * 8).round().clamp(-16, 16) + shift).div(8).bfloat16()
 
 
-def _inputs(gen, rank: int, device, quant) -> list[torch.Tensor]:
-    """(x, residual, weight, scale) of one rank: x and residual exactly summable, weight bf16 randn."""
-    return [_exact_values(gen, rank, (TOKENS, HIDDEN), device, 3.0),
-            _exact_values(gen, 0, (TOKENS, HIDDEN), device, 2.0),
-            torch.randn(HIDDEN, generator=gen, device=device).bfloat16(),
+def _inputs(gens, rank: int, device, quant) -> list[torch.Tensor]:
+    """(x, residual, weight, scale) of one rank: x its own (``gens[1]``), the others the same on
+    every rank (``gens[0]``), as vLLM's TP ranks hold them; x and residual exactly summable."""
+    return [_exact_values(gens[1], rank, device), _exact_values(gens[0], 0, device),
+            torch.randn(HIDDEN, generator=gens[0], device=device).bfloat16(),
             torch.tensor([_SCALES[quant][0]], dtype=torch.float32, device=device)]
 
 
-def _new_data(args, gen, rank: int, quant) -> None:
+def _new_data(args, gens, rank: int, quant) -> None:
     """New x, residual and scale in the same tensors (what a CUDA-graph replay reads)."""
-    args[0].copy_(_exact_values(gen, rank, (TOKENS, HIDDEN), args[0].device, 3.0))
-    args[1].copy_(_exact_values(gen, 0, (TOKENS, HIDDEN), args[0].device, 2.0))
+    args[0].copy_(_exact_values(gens[1], rank, args[0].device))
+    args[1].copy_(_exact_values(gens[0], 0, args[0].device))
     args[3].fill_(_SCALES[quant][1])
 
 
@@ -100,6 +103,7 @@ def _within_one_step(what: str, got: torch.Tensor, want: torch.Tensor, sign_bit:
 
 def _within_ulps(what: str, got: torch.Tensor, want: torch.Tensor, ulps: int) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    got, want = got.cpu(), want.cpu()  # nextafter of bf16 on the CPU
     up = torch.nextafter(want, torch.full_like(want, float("inf"))).float() - want.float()
     down = want.float() - torch.nextafter(want, torch.full_like(want, float("-inf"))).float()
     err = (got.float() - want.float()).abs()
@@ -158,11 +162,14 @@ def _expect_calls(what: str, name: str, ran: list, served: bool) -> None:
 
 def _replays(name: str, branch: str, compiled, args, serving) -> None:
     """Capture ``compiled`` in a CUDA graph (the adapter in graph mode), replay it twice on new
-    data, each against the unfused step on that data. ``serving``: (adapter, served, gen, rank)."""
+    data, each against the unfused step on that data. ``serving``: (the adapter, the epilogue
+    the op asks it about, the generators of :func:`_inputs`, rank)."""
     from _vllm_stand_ins import CALLS, chain
 
-    adapter, served, gen, rank = serving
+    adapter, epilogue, gens, rank = serving
     residual, gemma, quant, _ = PATTERNS[name]
+    with adapter.capture():  # where the adapter is on the communicator, its graph-mode decision serves
+        served = branch == "autosymm" and adapter.serves_fused(args[0], epilogue=epilogue)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -174,7 +181,7 @@ def _replays(name: str, branch: str, compiled, args, serving) -> None:
         outs = compiled(*args)
     _expect_calls(f"{name} ({branch}, captured)", name, list(CALLS), served)
     for trial in range(2):
-        _new_data(args, gen, rank, quant)
+        _new_data(args, gens, rank, quant)
         graph.replay()
         torch.cuda.synchronize()
         want = chain(residual, gemma, quant)(*args)
@@ -192,8 +199,8 @@ def _run_pattern(name: str, rank: int, adapter, communicator) -> None:
 
     residual, gemma, quant, _ = PATTERNS[name]
     device = adapter.device
-    gen = torch.Generator(device=device).manual_seed(3 + rank)
-    args = _inputs(gen, rank, device, quant)
+    gens = (torch.Generator(device=device).manual_seed(3), torch.Generator(device=device).manual_seed(100 + rank))
+    args = _inputs(gens, rank, device, quant)
     step = chain(residual, gemma, quant)
     epilogue = Epilogue(residual=True, gemma=gemma, quant=FORMS.get(quant))  # the op passes a zero residual
     compiled = None
@@ -210,7 +217,7 @@ def _run_pattern(name: str, rank: int, adapter, communicator) -> None:
             _expect_calls(f"{name} ({branch})", name, list(CALLS), served)
             _compare(f"{name} ({branch}, eager)", quant, got, want, exact=not served)
             if device.type == "cuda":
-                _replays(name, branch, compiled, [a.clone() for a in args], (adapter, served, gen, rank))
+                _replays(name, branch, compiled, [a.clone() for a in args], (adapter, epilogue, gens, rank))
 
 
 def _body(rank, world_size, names, device_type="cuda"):
