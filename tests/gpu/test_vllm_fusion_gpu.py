@@ -107,7 +107,8 @@ def _within_ulps(what: str, got: torch.Tensor, want: torch.Tensor, ulps: int) ->
     up = torch.nextafter(want, torch.full_like(want, float("inf"))).float() - want.float()
     down = want.float() - torch.nextafter(want, torch.full_like(want, float("-inf"))).float()
     err = (got.float() - want.float()).abs()
-    assert bool((err <= ulps * torch.maximum(up, down)).all()), f"{what}: max error {err.max().item()} beyond {ulps} ulp"
+    assert bool((err <= ulps * torch.maximum(up, down)).all()), \
+        f"{what}: max error {err.max().item()} beyond {ulps} ulp of the unfused step's"
 
 
 def _compare(what: str, quant, got, want, exact: bool) -> None:
