@@ -1,10 +1,11 @@
 """The vLLM fusion pass (autosymm.integrations.vllm_fusion, vllm_fusion_quant) on real GPUs (every
 local GPU, one process each), with stand-ins of vLLM's ops (tests/_vllm_stand_ins): for each
 pattern the pass rewrites (RMSNorm or Gemma RMSNorm, with and without the residual add; RMSNorm
-then static FP8 in both QuantFP8 forms, or NVFP4), inductor's CUDA code calls
-``autosymm.vllm_all_reduce_rmsnorm`` or ``autosymm.vllm_all_reduce_rmsnorm_quant`` in place of
-vLLM's ops, and its outputs match the unfused step (the stand-ins run eagerly) in both run-time
-branches, eagerly and in replays of a CUDA graph of the compiled step with new data:
+then static FP8 in both QuantFP8 forms, or NVFP4; a Gemma norm before FP8, which fuses
+unquantized), inductor's CUDA code calls ``autosymm.vllm_all_reduce_rmsnorm`` or
+``autosymm.vllm_all_reduce_rmsnorm_quant`` in place of vLLM's ops, and its outputs match the
+unfused step (the stand-ins run eagerly) in both run-time branches, eagerly and in replays of a
+CUDA graph of the compiled step with new data (a failure names the pattern, branch and run):
 
 * ``autosymm``: the group's adapter on vLLM's communicator, which serves the call where its
   decision is not NCCL (at one rank: ``noop``, autosymm's one-rank formula; the stand-ins must
@@ -46,6 +47,8 @@ PATTERNS = {
     "add_rms_fp8_native": (True, False, "fp8_native", "add_rms_fp8"),
     "rms_fp8_native": (False, False, "fp8_native", "rms_fp8"),
     "add_rms_nvfp4": (True, False, "nvfp4", "add_rms_nvfp4"), "rms_nvfp4": (False, False, "nvfp4", "rms_nvfp4"),
+    # vLLM's quantized patterns take no Gemma weight: the norm fuses unquantized, the quant op stays
+    "add_gemma_then_fp8": (True, True, "fp8", "add_gemma"),
 }
 #: vLLM's ops each pattern's unfused step calls (the stand-ins' CALLS names), norm then quant.
 _NORM_CALLS = {True: "vllm_ir.fused_add_rms_norm", False: "vllm_ir.rms_norm"}
@@ -131,6 +134,11 @@ def _compare(what: str, quant, got, want, exact: bool) -> None:
         _within_one_step(f"{what} e4m3 values", got[0].view(torch.uint8), want[0].view(torch.uint8), 7)
 
 
+def _fused_quant(name: str) -> bool:
+    """Whether the pattern's quant goes into the fused call (else it stays after it, if any)."""
+    return PATTERNS[name][3].endswith(("_fp8", "_nvfp4"))
+
+
 def _compile(name: str, step, args):
     """``step`` compiled with a fresh pass as inductor's post-grad pre pass (as the plugin installs
     it; vLLM's setting: auto_functionalized v1), run once; checks the rewrite and the generated code."""
@@ -139,7 +147,7 @@ def _compile(name: str, step, args):
 
     from autosymm.integrations import vllm_fusion
 
-    quant, key = PATTERNS[name][2], PATTERNS[name][3]
+    quant, key, fused_quant = PATTERNS[name][2], PATTERNS[name][3], _fused_quant(name)
     fusion = vllm_fusion.VllmAllReduceRMSNormPass()
     options = {vllm_fusion.PRE_PASS_KEY: fusion, "fx_graph_cache": False, "enable_auto_functionalized_v2": False}
     torch._dynamo.reset()
@@ -147,17 +155,22 @@ def _compile(name: str, step, args):
     got, code = run_and_get_code(compiled, *args)
     code = "\n".join(code)
     assert fusion.rewrites == 1 and dict(fusion.patterns) == {key: 1}, f"{name}: the pass made {dict(fusion.patterns)}"
-    assert code.count(FUSED[quant is not None]) == 1 and FUSED[quant is None] not in code, \
-        f"{name}: inductor's code does not hold one {FUSED[quant is not None]}...):\n{code}"
-    for gone in ("torch.ops.vllm.all_reduce", "torch.ops.vllm_ir.", "torch.ops._C."):
+    assert code.count(FUSED[fused_quant]) == 1 and FUSED[not fused_quant] not in code, \
+        f"{name}: inductor's code does not hold one {FUSED[fused_quant]}...):\n{code}"
+    quant_stays = quant is not None and not fused_quant
+    for gone in ("torch.ops.vllm.all_reduce", "torch.ops.vllm_ir.") + (() if quant_stays else ("torch.ops._C.",)):
         assert gone not in code, f"{name}: {gone} is still in inductor's code:\n{code}"
+    for kept in () if fused_quant else _QUANT_CALLS[quant]:
+        assert f"torch.ops.{kept}" in code, f"{name}: vLLM's {kept} is not after the fused call:\n{code}"
     return compiled, got
 
 
 def _expect_calls(what: str, name: str, ran: list, served: bool) -> None:
-    """The stand-ins that ran in the fused call: none where autosymm served it, else vLLM's chain."""
+    """The stand-ins that ran: where autosymm served the fused call, only a quant op left after
+    it; else vLLM's chain."""
     residual, _, quant, _ = PATTERNS[name]
-    want = [] if served else ["vllm.all_reduce", _NORM_CALLS[residual], *_QUANT_CALLS[quant]]
+    after = [] if _fused_quant(name) else list(_QUANT_CALLS[quant])
+    want = after if served else ["vllm.all_reduce", _NORM_CALLS[residual], *_QUANT_CALLS[quant]]
     assert ran == want, f"{what}: vLLM's ops that ran in the fused call: {ran}, want {want} (served={served})"
 
 
@@ -203,7 +216,8 @@ def _run_pattern(name: str, rank: int, adapter, communicator) -> None:
     gens = (torch.Generator(device=device).manual_seed(3), torch.Generator(device=device).manual_seed(100 + rank))
     args = _inputs(gens, rank, device, quant)
     step = chain(residual, gemma, quant)
-    epilogue = Epilogue(residual=True, gemma=gemma, quant=FORMS.get(quant))  # the op passes a zero residual
+    # the epilogue the fused call asks the adapter about (it passes a zero residual where there is none)
+    epilogue = Epilogue(residual=True, gemma=gemma, quant=FORMS[quant] if _fused_quant(name) else None)
     compiled = None
     with torch.no_grad():
         want = step(*args)
