@@ -40,20 +40,11 @@ def define_vllm_stand_ins() -> None:
     def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
         CALLS.append("vllm_ir.fused_add_rms_norm")
         s = x.float() + x_residual.float()
-        part = s if variance_size is None else s[..., :variance_size]
-        normed = s * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + epsilon)
-        if weight is not None:
-            normed = normed.to(weight.dtype) * weight
-        return normed.to(x.dtype), s.to(x.dtype)
+        return _rms_norm(s, weight, epsilon, variance_size).to(x.dtype), s.to(x.dtype)
 
     def rms_norm(x, weight, epsilon, variance_size=None):
         CALLS.append("vllm_ir.rms_norm")
-        s = x.float()
-        part = s if variance_size is None else s[..., :variance_size]
-        normed = s * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + epsilon)
-        if weight is not None:
-            normed = normed.to(weight.dtype) * weight
-        return normed.to(x.dtype)
+        return _rms_norm(x.float(), weight, epsilon, variance_size).to(x.dtype)
 
     vllm.impl("all_reduce", all_reduce, "CompositeExplicitAutograd")
     ir.impl("rms_norm", rms_norm, "CompositeExplicitAutograd")
@@ -62,6 +53,13 @@ def define_vllm_stand_ins() -> None:
     torch.library.register_fake("vllm::all_reduce", lambda tensor, group_name: torch.empty_like(tensor), lib=vllm)
     torch.library.register_fake("vllm_ir::fused_add_rms_norm",
                                 lambda x, r, w, e, v=None: (torch.empty_like(x), torch.empty_like(x)), lib=ir)
+
+
+def _rms_norm(s, weight, epsilon, variance_size):
+    """vLLM's native norm of the fp32 ``s``: normalized in fp32, cast to the weight's dtype, times it."""
+    part = s if variance_size is None else s[..., :variance_size]
+    normed = s * torch.rsqrt(part.pow(2).mean(-1, keepdim=True) + epsilon)
+    return normed if weight is None else normed.to(weight.dtype) * weight
 
 
 def layer(variance_size=None, reuse_sum=False):
