@@ -145,7 +145,7 @@ def _compile(name: str, step, args):
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
 
-    from autosymm.integrations import vllm_fusion
+    from autosymm.integrations import vllm_ops
 
     quant, key, fused_quant = PATTERNS[name][2], PATTERNS[name][3], _fused_quant(name)
     fusion = vllm_fusion.VllmAllReduceRMSNormPass()
@@ -240,7 +240,7 @@ def _body(rank, world_size, names, device_type="cuda"):
     import torch.distributed as dist
 
     from _vllm_stand_ins import define_vllm_quant_stand_ins
-    from autosymm.integrations import vllm_fusion
+    from autosymm.integrations import vllm_ops
     from autosymm.integrations.serving import AutosymmServing
 
     define_vllm_quant_stand_ins()
@@ -250,7 +250,7 @@ def _body(rank, world_size, names, device_type="cuda"):
     communicator = types.SimpleNamespace(autosymm=adapter)
     coordinator = types.SimpleNamespace(device_communicator=communicator, world_size=world_size,
                                         all_reduce=lambda t: torch.ops.vllm.all_reduce(t, "tp:0"))
-    vllm_fusion.group_coordinator = lambda name: coordinator
+    vllm_ops.group_coordinator = lambda name: coordinator
     for name in names:
         _run_pattern(name, rank, adapter, communicator)
 
