@@ -145,7 +145,7 @@ def _compile(name: str, step, args):
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
 
-    from autosymm.integrations import vllm_ops
+    from autosymm.integrations import vllm_fusion
 
     quant, key, fused_quant = PATTERNS[name][2], PATTERNS[name][3], _fused_quant(name)
     fusion = vllm_fusion.VllmAllReduceRMSNormPass()
