@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.fx import Node
 
 from autosymm.collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
+from autosymm.epilogue import Epilogue
 
 
 def group_coordinator(name: str):
@@ -35,7 +36,8 @@ def vllm_all_reduce_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tenso
     (``x.shape[0] <= flashinfer_max_tokens``, 0: it would not), else vLLM's all-reduce and norm."""
     coordinator = group_coordinator(group_name)
     adapter = getattr(coordinator.device_communicator, "autosymm", None)
-    if adapter is not None and adapter.serves_fused(x):
+    # asked about the epilogue the call runs (the residual is always given: a zero one without)
+    if adapter is not None and adapter.serves_fused(x, epilogue=Epilogue(residual=True, gemma=gemma)):
         summed = residual.clone() if residual is not None else torch.zeros_like(x)
         out = all_reduce_rmsnorm(x.clone(), summed, weight, eps, group=adapter.group, gemma=gemma)
         return out, summed
