@@ -151,6 +151,7 @@ def _floor_launches() -> dict:
 def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, float]]:
     """Host us per call of the pieces of autosymm's eager hit path (no GPU work but the replay
     row): what each costs on this host, beside the whole call above. Device column: 0."""
+    import autosymm
     from autosymm import api
     from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, call_key
     from autosymm.epilogue import DEFAULT
@@ -158,7 +159,7 @@ def _host_pieces(calls: int, repeats: int) -> dict[str, tuple[float, float, floa
 
     x = torch.zeros(HOST_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
-        api.all_reduce(x)
+        autosymm.all_reduce(x)
     entry = api.STATES[None].cache[call_key(ALL_REDUCE, x.dtype, x.numel(), x.device, False, "sum")]
     state = api.STATES[None]
     key = call_key(ALL_REDUCE, x.dtype, x.numel(), x.device, False, "sum")
