@@ -141,6 +141,7 @@ def _api_level(check, world_size):
     """autosymm.all_reduce eagerly (replayed once wired) and inside captured graphs, interleaved."""
     import autosymm
     from autosymm import api
+    from autosymm.runtime.replay import HOT
     from autosymm.spec import ALL_REDUCE, call_key
     from autosymm.runtime.replay import EagerReplay, wrap_eager
 
@@ -161,9 +162,9 @@ def _api_level(check, world_size):
         check(lambda t: (g_in.copy_(t), graph.replay(), t.copy_(g_in)), x)
     if isinstance(entry.launcher, EagerReplay):
         assert entry.launcher.captures >= 1 and x.data_ptr() in entry.launcher._plans
-        assert x.data_ptr() in api.HOT, "a planned address takes the hot path"
+        assert x.data_ptr() in HOT, "a planned address takes the hot path"
     elif world_size == 1:  # the identity: never wrapped, never hot
-        assert x.data_ptr() not in api.HOT, entry.decision.describe()
+        assert x.data_ptr() not in HOT, entry.decision.describe()
     # a hot address captured in a graph (a capturing side stream: graph mode, not the hot plan),
     # and eager calls of it on a side stream (not capturing: the hot plan)
     hot_graph = torch.cuda.CUDAGraph()
