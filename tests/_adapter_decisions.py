@@ -13,9 +13,9 @@ def adapter_decisions(explain=None, backend: str = "triton_one_shot"):
     from autosymm.runtime.dispatch import Decision
     from autosymm.integrations import serving as module
 
-    real = module.autosymm.explain
-    module.autosymm.explain = explain or (lambda *a, **k: Decision(backend, None, "stub", mode="eager"))
+    real = module.explain
+    module.explain = explain or (lambda *a, **k: Decision(backend, None, "stub", mode="eager"))
     try:
         yield
     finally:
-        module.autosymm.explain = real
+        module.explain = real

@@ -146,7 +146,9 @@ def test_a_graph_mode_call_only_a_non_capturable_backend_serves_is_a_clear_error
     from autosymm.runtime.dispatch import Decision
     from autosymm.problem import MoEShape, Problem
 
-    state = object.__new__(api.GroupState)
+    from autosymm.runtime.group import GroupState
+
+    state = object.__new__(GroupState)
     decision = Decision("nccl_all_to_all", None, "no tuned backend can serve the call", mode="graph",
                         skipped=("triton_moe: the output needs 939524096 bytes",))
     monkeypatch.setattr(state, "decide", lambda problem, mode: decision, raising=False)

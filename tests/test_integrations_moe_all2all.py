@@ -83,7 +83,7 @@ def _captured(manager, rank, monkeypatch_module):
         channel = __import__("autosymm").api.STATES[None].channel
         assert channel.rounds == {"moe_dispatch": 2}
     finally:
-        monkeypatch_module.stream_capturing = __import__("autosymm").group.stream_capturing
+        monkeypatch_module.stream_capturing = __import__("autosymm.runtime.group").runtime.group.stream_capturing
 
 
 def _body(rank, world_size):

@@ -91,7 +91,9 @@ def test_explain_with_default_settings_picks_the_triton_conversion_at_3000_token
 def _one_rank_state(monkeypatch, moe_bytes):
     """A group state of one CPU rank over a simulated workspace, as api.GroupState would hold it."""
     (ws,) = simulated_workspaces(1, all_reduce_bytes=4096, moe_bytes=moe_bytes)
-    state = object.__new__(api.GroupState)
+    from autosymm.runtime.group import GroupState
+
+    state = object.__new__(GroupState)
     state.group, state.world_size, state.rank, state.device = None, 1, 0, torch.device("cpu")
     state.workspace, state.sources, state.safe_reason, state.hardware = ws, [], None, "cpu"
     state.channel, state.prepared_calls = Exchange(None, 0, 1, store=object()), 0  # one rank: no store traffic

@@ -31,6 +31,7 @@ from dataclasses import replace, dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..geometry import ALIGN, align
 

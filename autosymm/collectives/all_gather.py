@@ -45,7 +45,7 @@ class AllGatherDoor(ShardedDoor):
         if input.dtype not in UNREDUCIBLE:
             return problem
         entry = self.prepare(state, problem, mode)
-        if entry.decision.backend == self.fallback:  # torch's collectives refuse fp8: they move its bytes
+        if entry.decision.backend == self.spec.fallback:  # torch's collectives refuse fp8: they move its bytes
             entry.launcher = _as_bytes(entry.launcher)
         return entry
 
