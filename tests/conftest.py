@@ -41,6 +41,17 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: no workers for a session of only tests/gpu (they share the GPUs) or only
+    tests/stacks; else one per CPU, at least 2 (rank processes spend much of their time waiting
+    on each other, so a second worker fills the gaps even on one core)."""
+    if config.args and all(_inside_gpu_tests(arg) or _inside(arg, STACK_TESTS) for arg in config.args):
+        return 0
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return max(2, len(os.sched_getaffinity(0)))
+
+
 def pytest_configure(config):
     only_gpu_tests = bool(config.args) and all(_inside_gpu_tests(arg) for arg in config.args)
     if not only_gpu_tests:
