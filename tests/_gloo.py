@@ -1,9 +1,10 @@
 """Run a test body in several CPU processes joined by a gloo process group.
 
-The rank processes are forks of one fork server per pytest process that has imported torch once
-and triton once (a spawned process pays 2-4 s of CPU to import them; the suite starts hundreds of ranks). Each
-rank first takes the environment its caller had when it started, as a spawned one would, before
-anything of autosymm or triton is imported.
+The rank processes are forks of one fork server per pytest process that has imported torch and
+triton once (a spawned process pays 2-4 s of CPU to import them; the suite starts hundreds of
+ranks). Each rank takes the environment its caller had when it started, as a spawned one would,
+before the body runs; only the modules loaded while its target is unpickled (this one, the test
+module, autosymm) see the fork server's environment, the pytest process's at its first rank.
 """
 
 from __future__ import annotations

@@ -58,7 +58,19 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _module_wide(item) -> bool:
+    """Whether ``item`` uses a module- or package-scoped fixture (an sm_90 compile of every case,
+    a gloo run shared by the module's tests)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope in ("module", "package")
+                                    for defs in info.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a module-wide fixture runs once per worker: keep its module on one
+        if _module_wide(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
