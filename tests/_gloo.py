@@ -1,14 +1,67 @@
-"""Run a test body in several CPU processes joined by a gloo process group."""
+"""Run a test body in several CPU processes joined by a gloo process group.
+
+The rank processes are forks of one fork server per pytest process that has imported torch and
+triton once (a spawned process pays 2-4 s of CPU to import them; the suite starts hundreds of
+ranks). Each rank takes the environment its caller had when it started, as a spawned one would,
+before the body runs; only the modules loaded while its target is unpickled (this one, the test
+module, autosymm) see the fork server's environment, the pytest process's at its first rank.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import traceback
 
 import pytest
 import torch.multiprocessing as mp
 
-from autosymm.tuning.workers import free_port
+from autosymm.tuning.workers import free_port as any_free_port  # also loads autosymm's ops, as bodies expect
+
+_PRELOAD = ["torch", "torch.distributed", "triton"]
+#: Under pytest-xdist each worker takes its ports from its own range, below Linux's ephemeral
+#: ports (32768-60999), so no worker's rendezvous port is handed to another's bind(0) meanwhile.
+_PORTS_PER_WORKER = 1000
+_next_port = itertools.count()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for MASTER_PORT, from this xdist worker's own range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return any_free_port()
+    base = 12000 + int(worker[2:]) * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = base + next(_next_port) % _PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORTS_PER_WORKER - 1} for xdist worker {worker}")
+
+
+def context():
+    """The multiprocessing context of the rank processes: the torch-preloading fork server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def in_environment(environ: dict, target, *args):
+    """``target(*args)`` in a rank process after taking the starting process's ``environ``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return target(*args)
+
+
+def start(ctx, target, args) -> "mp.Process":
+    """A started daemon process of ``ctx`` running ``target(*args)`` in this process's environment."""
+    proc = ctx.Process(target=in_environment, args=(dict(os.environ), target, *args), daemon=True)
+    proc.start()
+    return proc
 
 
 def _worker(rank, world_size, port, env, body, args, results):
@@ -47,13 +100,10 @@ def run_gloo(body, world_size: int, *args, env: dict | None = None, deadline_s: 
     import queue as queue_module
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, env or {}, body, args, results), daemon=True)
-             for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
+    procs = [start(ctx, _worker, (rank, world_size, port, env or {}, body, args, results)) for rank in range(world_size)]
     out, errors, end = {}, {}, time.monotonic() + deadline_s
     try:
         while len(out) + len(errors) < world_size:
@@ -79,12 +129,10 @@ def run_with_deadline(target, world_size: int, deadline_s: float = 90.0) -> dict
     import queue as queue_module
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, out), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs = [start(ctx, target, (r, world_size, port, out)) for r in range(world_size)]
     reports, end = {}, time.monotonic() + deadline_s
     try:
         while len(reports) < world_size:

@@ -41,13 +41,36 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: no workers for a session of only tests/gpu (they share the GPUs) or only
+    tests/stacks; else one per CPU, at least 2 (rank processes spend much of their time waiting
+    on each other, so a second worker fills the gaps even on one core)."""
+    if config.args and all(_inside_gpu_tests(arg) or _inside(arg, STACK_TESTS) for arg in config.args):
+        return 0
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return max(2, len(os.sched_getaffinity(0)))
+
+
 def pytest_configure(config):
     only_gpu_tests = bool(config.args) and all(_inside_gpu_tests(arg) for arg in config.args)
     if not only_gpu_tests:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _module_wide(item) -> bool:
+    """Whether ``item`` uses a module- or package-scoped fixture (an sm_90 compile of every case,
+    a gloo run shared by the module's tests)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope in ("module", "package")
+                                    for defs in info.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a module-wide fixture runs once per worker: keep its module on one
+        if _module_wide(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)

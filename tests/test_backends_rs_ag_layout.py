@@ -68,5 +68,9 @@ def test_configs_reject_illegal_combinations():
         AllGatherConfig("pull", 1024, 1, 3)
     with pytest.raises(ValueError, match="must be an int"):
         AllGatherConfig("pull", 1024.0, 1, 4)
-    assert AllGatherConfig("pull", 4096, 8, 4) == AllGatherConfig("pull", 4096, 8, 4)
-    assert hash(ReduceScatterConfig("pull", 4096, 8, 4)) == hash(ReduceScatterConfig("pull", 4096, 8, 4))
+    config = AllGatherConfig("pull", 4096, 8, 4)
+    assert (config.algorithm, config.block_size, config.num_blocks, config.num_warps) == ("pull", 4096, 8, 4)
+    # configs key plan caches: equal fields of one op are one key, another op's never
+    assert config != AllGatherConfig("push", 4096, 8, 4) and config != ReduceScatterConfig("pull", 4096, 8, 4)
+    keys = {ReduceScatterConfig("pull", 4096, 8, 4): 1, ReduceScatterConfig("pull", 4096, 4, 4): 2}
+    assert keys[ReduceScatterConfig("pull", 4096, 8, 4)] == 1 and len(keys) == 2

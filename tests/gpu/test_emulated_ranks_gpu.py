@@ -360,11 +360,11 @@ def test_barrier_emulated(world_size):
 
 
 def _rs_ag():
-    """(reduce_scatter, all_gather, rs_ag_layout) modules; skips where the kernels (helper rsag's,
-    issue 21) are not on this branch yet."""
-    rs = pytest.importorskip("autosymm.kernels.reduce_scatter", reason="no reduce-scatter kernels on this branch")
-    ag = pytest.importorskip("autosymm.kernels.all_gather", reason="no all-gather kernels on this branch")
-    return rs, ag, pytest.importorskip("autosymm.backends.rs_ag_layout")
+    """(reduce_scatter, all_gather, rs_ag_layout) modules; a broken import fails the test."""
+    from autosymm.backends import rs_ag_layout
+    from autosymm.kernels import all_gather, reduce_scatter
+
+    return reduce_scatter, all_gather, rs_ag_layout
 
 
 def _rs_ag_launchers(kernel, wss, layout, block, stage_offset=512):
