@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+from autosymm.spec import ALL_REDUCE, call_key
 from _gloo import run_gloo
 
 from autosymm.db.store import Row, TuningDB

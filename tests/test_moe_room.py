@@ -18,6 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are importe
 
 import autosymm  # noqa: E402
 from autosymm import api
+from autosymm.collectives import moe as moe_door
 from autosymm.runtime import moe_room  # noqa: E402
 from autosymm.backends.base import Capabilities, RunContext  # noqa: E402
 from autosymm.backends.triton_moe import TRITON_MOE, buffer_bytes, region_bytes_for  # noqa: E402
@@ -144,7 +145,7 @@ def test_an_eager_call_that_does_not_fit_grows_the_region_once_and_relaunches_ca
 
 def test_a_graph_call_that_does_not_fit_names_the_bytes_and_the_reserving_api(monkeypatch):
     state, moves = _one_rank_state(monkeypatch, moe_bytes=4096)
-    monkeypatch.setattr(api, "stream_capturing", lambda: True)
+    monkeypatch.setattr(moe_door, "stream_capturing", lambda: True)
     problem = Problem.moe("dp_to_ep", MoEShape(64, 4, 2), 40, "bf16", 1)
     with pytest.raises(RuntimeError, match=rf"needs a MoE workspace region of {region_bytes_for(problem)} bytes.*"
                                            r"autosymm.init\(group, moe=\[autosymm.MoEPlan\('d64_e4_k2', "
@@ -160,10 +161,10 @@ def test_declared_room_grows_a_set_up_group_and_limits_apply(monkeypatch):
     plan = autosymm.MoEPlan("d64_e4_k2", 40)
     moe_room.configure(state, moe_room.plans_region_bytes([plan], 1), 0)
     assert moves == [plan.region_bytes(1)] and state.caps.moe_max_bytes == state.caps.moe_bytes == moves[0]
-    monkeypatch.setattr(api, "stream_capturing", lambda: True)
+    monkeypatch.setattr(moe_door, "stream_capturing", lambda: True)
     out, want, _ = _call(40)  # declared: fits inside a capture
     assert torch.equal(out, want)
-    monkeypatch.setattr(api, "stream_capturing", lambda: False)
+    monkeypatch.setattr(moe_door, "stream_capturing", lambda: False)
     problem = Problem.moe("dp_to_ep", MoEShape(64, 4, 2), 4000, "bf16", 1)
     assert state.decide(problem, "eager").backend == "nccl_all_to_all"  # moe_max_bytes=0: no growth past it
 

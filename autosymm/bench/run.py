@@ -36,8 +36,8 @@ from ..tuning import ops as tuning_ops
 from .baselines import (Setup, SymmetricPool, agree, bench_plan, build, check_output, measure, nccl_symm_why_not,
                         pool_bytes, torch_ops_why_not, zero_copy_why_not)
 from .fused import fused_rows, fused_table
-from .report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, all_reduce_table, moe_link_gbps, moe_table, size_label,
-                     write_bench_csv)
+from .report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, all_reduce_table, failures, losses, moe_link_gbps, moe_table,
+                     size_label, worst_ratios, write_bench_csv)
 from .rs_ag import sharded_pool_bytes, sharded_rows, sharded_table
 
 __all__ = ["BenchOptions", "BenchResult", "BenchRow", "bench_job", "moe_link_gbps", "print_bench", "write_bench_csv"]
