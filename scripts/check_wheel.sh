@@ -26,7 +26,7 @@ tar tzf "$sdist" | grep -q "/tuning_db/.*\.sqlite$" || { echo "sdist lacks the s
 "$py" -m pip install -q torch==2.13.0
 "$py" -m pip install -q "$wheel"
 cd "$work"   # outside the checkout: only the installed copy can be imported
-"$py" - <<'PY'
+AUTOSYMM_SRC="$work/src" "$py" - <<'PY'
 import os
 from pathlib import Path
 
@@ -34,10 +34,15 @@ import torch
 import torch.distributed as dist
 
 import autosymm
-from autosymm import db
+from autosymm.db import store as db
 
 installed = Path(autosymm.__file__).resolve()
 assert "site-packages" in installed.parts, f"imported {installed}, not the installed wheel"
+source = Path(os.environ["AUTOSYMM_SRC"]) / "autosymm"
+packages = sorted(str(p.parent.relative_to(source.parent)) for p in source.rglob("__init__.py"))
+missing = [pkg for pkg in packages if not (installed.parent.parent / pkg / "__init__.py").is_file()]
+assert not missing, f"the wheel lacks the packages {missing}"
+print(f"every package of the checkout is installed: {len(packages)}")
 shipped = sorted(p.name for p in Path(db.shipped_db_dir()).glob("*.sqlite"))
 assert shipped, f"no shipped database under {db.shipped_db_dir()}"
 print(f"autosymm {installed.parent}; shipped databases: {', '.join(shipped)}")

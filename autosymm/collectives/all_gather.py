@@ -21,12 +21,11 @@ from torch import Tensor
 
 from ..dist_compat import Work, group_name, resolve_group
 from ..problem import DTYPE_NAMES, Problem
-from ..runtime.entry import CustomOp, prepare_call, refuse_call
+from ..runtime.entry import CustomOp, refuse_call
 from ..runtime.group import STATES, state_of, stream_capturing
-from ..spec import ALL_GATHER, call_key
+from ..spec import ALL_GATHER, KEY_EXTRA, call_key
 from ..spec.all_reduce import UNREDUCIBLE
-from .reduce_scatter import ShardedDoor, checked_sizes, checked_tensors, refuse_layout, shard_counts, shards_text, \
-    traced
+from .reduce_scatter import ShardedDoor, checked_sizes, checked_tensors, run_sharded, shard_counts, shards_text, traced
 
 
 class AllGatherDoor(ShardedDoor):
@@ -67,16 +66,8 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, sizes, group):
                        (output.shape, None if sizes is None else checked_sizes(sizes, "all_gatherv")))
     except (AttributeError, TypeError):  # not a tensor, or sizes not ints: the checks name which, on every rank
         return refuse_call(state, DOOR, (output, input, sizes))
-    entry = state.cache.get(key)
-    if entry is None:
-        entry = prepare_call(state, DOOR, key, (output, input, key.extra[1]))
-    entry.calls += 1
-    sizes, row = key.extra[1], math.prod(input.shape[1:])
-    try:
-        return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
-    except (NotImplementedError, RuntimeError):
-        refuse_layout(DOOR, output, input)
-        raise
+    sizes = key[KEY_EXTRA][1]
+    return run_sharded(state, DOOR, key, (output, input, sizes), sizes, math.prod(input.shape[1:]))
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):

@@ -22,7 +22,7 @@ from ..runtime.entry import CustomOp, Door, prepare_call, refuse_call
 from ..runtime.group import STATES, Entry, check_tensor, check_traced, current_raw_stream, dense_error, identity, \
     state_of, stream_capturing
 from ..runtime.replay import HOT, EagerReplay, HotCall
-from ..spec import ALL_REDUCE, call_key
+from ..spec import ALL_REDUCE, KEY_CAPTURING, KEY_SHAPE, call_key
 from ..spec.all_reduce import NCCL_OPS, check_reducible
 from . import autograd
 
@@ -112,11 +112,11 @@ def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     entry.calls += 1
     launcher = entry.launcher
     launcher(tensor)
-    if not key.capturing and type(launcher) is EagerReplay and not state.check_calls:  # checked: never hot
+    if not key[KEY_CAPTURING] and type(launcher) is EagerReplay and not state.check_calls:  # checked: never hot
         addr = tensor.data_ptr()
         plan = launcher.plan_for(addr)
         if plan is not None:
-            HOT[addr] = HotCall(group, tensor.dtype, key.shape, launcher.device_index, entry, plan)
+            HOT[addr] = HotCall(group, tensor.dtype, key[KEY_SHAPE], launcher.device_index, entry, plan)
     return tensor
 
 

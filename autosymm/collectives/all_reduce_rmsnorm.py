@@ -27,7 +27,7 @@ from ..runtime.dispatch import Decision
 from ..runtime.entry import CustomOp, Door, prepare_call
 from ..runtime.group import STATES, Entry, check_traced, current_raw_stream, state_of, stream_capturing
 from ..runtime.replay import FUSED_HOT, FusedReplay, HotFused
-from ..spec import ALL_REDUCE_RMSNORM, call_key
+from ..spec import ALL_REDUCE_RMSNORM, KEY_CAPTURING, KEY_EXTRA, call_key
 from ..spec.all_reduce_rmsnorm import TWO_OUTPUT_QUANTS
 from . import autograd
 from .fused_checks import check_args, check_scale, epilogue_of
@@ -37,7 +37,7 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 class AllReduceRMSNormDoor(Door):
     def call_text(self, key, args: tuple, mode: str) -> str:
-        x, epilogue = args[0], key.extra
+        x, epilogue = args[0], key[KEY_EXTRA]
         ending = "" if epilogue == DEFAULT else f" with epilogue {epilogue.key}"
         return f"{self.name} of {x.dtype} {tuple(x.shape)}{ending} in {mode} mode"
 
@@ -45,7 +45,7 @@ class AllReduceRMSNormDoor(Door):
         """This rank's checks (ValueError naming the bad tensor): the Problem, or a 'noop' Entry
         without rows (the same on every rank: x's shape is replicated)."""
         x, residual, weight, scale = args
-        epilogue = key.extra
+        epilogue = key[KEY_EXTRA]
         check_args(x, residual, weight, state.device, self.name)
         check_scale(x, epilogue, scale, state.device, self.name)
         dtype = dtype_name(x.dtype)
@@ -163,7 +163,7 @@ def fused_call(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.
     launcher = entry.launcher
     if not default:
         return launcher(x, residual, weight, eps, scale=scale)
-    if not key.capturing and type(launcher) is FusedReplay and not state.check_calls:  # checked: never hot
+    if not key[KEY_CAPTURING] and type(launcher) is FusedReplay and not state.check_calls:  # checked: never hot
         FUSED_HOT[group] = HotFused(x.dtype, x.shape, launcher.device_index, entry, launcher)
     return launcher(x, residual, weight, eps)
 

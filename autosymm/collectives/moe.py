@@ -17,7 +17,7 @@ from ..routing import ExptAssignment
 from ..runtime import moe_room
 from ..runtime.entry import CustomOp, Door, prepare_call
 from ..runtime.group import STATES, check_tensor, check_traced, state_of, stream_capturing
-from ..spec import DP_TO_EP, EP_TO_DP, call_key
+from ..spec import DP_TO_EP, EP_TO_DP, KEY_EXTRA, call_key
 from ..spec.moe import MoEConversionSpec
 from . import autograd
 
@@ -33,7 +33,7 @@ class MoEDoor(Door):
 
     def call_text(self, key, args: tuple, mode: str) -> str:
         src, _, expt_indx, _ = args
-        text = (f"{self.name} of {src.dtype} {tuple(src.shape)} with {key.extra[0]} experts, expt_indx "
+        text = (f"{self.name} of {src.dtype} {tuple(src.shape)} with {key[KEY_EXTRA][0]} experts, expt_indx "
                 f"{tuple(expt_indx.shape)}, in {mode} mode")
         if mode == "eager":  # the ids must be the same on every rank: compared by digest (a read-back)
             text += f", expt_indx digest {ids_digest(expt_indx)}"

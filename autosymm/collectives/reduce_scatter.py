@@ -30,7 +30,7 @@ from ..problem import DTYPE_NAMES, Problem
 from ..runtime.dispatch import Decision
 from ..runtime.entry import CustomOp, Door, prepare_call, refuse_call
 from ..runtime.group import STATES, Entry, check_tensor, check_traced, dense_error, state_of, stream_capturing
-from ..spec import REDUCE_SCATTER, call_key
+from ..spec import KEY_EXTRA, REDUCE_SCATTER, call_key
 from ..spec.all_reduce import NCCL_OPS, check_reducible
 
 log = logging.getLogger("autosymm")
@@ -162,15 +162,22 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes, g
                        (output.shape, op, None if sizes is None else checked_sizes(sizes, "reduce_scatterv")))
     except (AttributeError, TypeError):  # not a tensor, or sizes not ints: the checks name which, on every rank
         return refuse_call(state, DOOR, (output, input, op, sizes))
+    sizes = key[KEY_EXTRA][2]
+    return run_sharded(state, DOOR, key, (output, input, op, sizes), sizes, math.prod(output.shape[1:]))
+
+
+def run_sharded(state, door: Door, key, args: tuple, sizes, row: int):
+    """A sharded op's keyed call: its entry (prepared on a miss), counted, launched on ``args[0]``
+    (output) and ``args[1]`` (input) with the per-rank ``sizes`` in rows of ``row`` elements."""
     entry = state.cache.get(key)
     if entry is None:
-        entry = prepare_call(state, DOOR, key, (output, input, op, key.extra[2]))
+        entry = prepare_call(state, door, key, args)
     entry.calls += 1
-    sizes, row = key.extra[2], math.prod(output.shape[1:])
+    output, input = args[0], args[1]
     try:
         return entry.launcher(output, input, None if sizes is None else [s * row for s in sizes])
     except (NotImplementedError, RuntimeError):
-        refuse_layout(DOOR, output, input)
+        refuse_layout(door, output, input)
         raise
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..spec import CallKey, OpSpec
+from ..spec import CallKey, OpSpec, key_mode
 from .call_check import checked_entry, fingerprint
 from .group import Entry, stream_capturing
 
@@ -79,7 +79,7 @@ def prepare_call(state, door: Door, key: CallKey, args: tuple):
     call is that lookup, ``entry.calls += 1`` and the launcher, inline in the entry). In checked
     mode (AUTOSYMM_CHECK_CALLS) every call comes here, its lookups missing by design, and is
     checked with every rank first (autosymm.runtime.call_check.checked_entry)."""
-    mode = key.mode
+    mode = key_mode(key)
     if state.check_calls:
         entry = checked_entry(state, door, key, args, mode)
         if entry is not None:

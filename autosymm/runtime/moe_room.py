@@ -25,6 +25,7 @@ import torch
 
 from ..backends import get_backend
 from ..geometry import MOE_REGION, grown_moe_bytes, moe_region_bytes
+from ..spec import KEY_SPEC
 from ..problem import DTYPES, MODEL_SHAPES, MoEShape, Problem, dtype_name
 
 log = logging.getLogger("autosymm")
@@ -181,7 +182,7 @@ def prepare_again(state) -> None:
     backend = get_backend("triton_moe")
     for key, entry in state.cache.items():
         if entry.decision.backend == backend.name:
-            entry.launcher = backend.prepare(key.spec.problem_of_key(key, state.world_size), entry.decision.config,
+            entry.launcher = backend.prepare(key[KEY_SPEC].problem_of_key(key, state.world_size), entry.decision.config,
                                              state.ctx)
 
 

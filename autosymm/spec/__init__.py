@@ -13,6 +13,7 @@ from .all_reduce import ALL_REDUCE
 from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
 from .base import (BYTES, NO_SHAPE, TOKENS, BucketUnit, BytesKeyed, CallKey, Lookups, OpSpec, PointRequest, ShapeKind,
                    TokensKeyed, TuningPoints, call_key)
+from .base import KEY_CAPTURING, KEY_DTYPE, KEY_EXTRA, KEY_SHAPE, KEY_SPEC, key_mode
 from .moe import DP_TO_EP, EP_TO_DP
 from .reduce_scatter import ALL_GATHER, REDUCE_SCATTER
 
@@ -35,4 +36,5 @@ def default_tuned() -> tuple[str, ...]:
 
 __all__ = ["ALL", "ALL_GATHER", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "BYTES", "BucketUnit", "BytesKeyed", "CallKey",
            "DP_TO_EP", "EP_TO_DP", "Lookups", "NO_SHAPE", "OpSpec", "PointRequest", "REDUCE_SCATTER", "ShapeKind",
-           "TOKENS", "TokensKeyed", "TuningPoints", "call_key", "default_tuned", "get", "names"]
+           "KEY_CAPTURING", "KEY_DTYPE", "KEY_EXTRA", "KEY_SHAPE",
+           "KEY_SPEC", "TOKENS", "TokensKeyed", "TuningPoints", "call_key", "key_mode", "default_tuned", "get", "names"]

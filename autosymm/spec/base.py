@@ -8,7 +8,6 @@ the records it is made of (:class:`BucketUnit`, :class:`ShapeKind`, :class:`Look
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from ..problem import MoEShape, Problem, format_bytes, parse_bytes, spec_of
@@ -252,30 +251,21 @@ def _registered(name: str) -> OpSpec:
     return spec_of(name)
 
 
-class CallKey(tuple):
-    """The key of a prepared call in a group's cache, one rule for every op: ``(spec, dtype,
-    shape, device, capturing, extra)``. ``shape`` is the op's leading tensor's (the all-reduce's
-    numel: it is served flat), ``capturing`` the mode (True while the stream captures a CUDA
-    graph), ``extra`` what else fixes the call (a reduce op's name, per-rank sizes, an epilogue,
-    the MoE routing's sizes). Built by :func:`call_key` only; a plain tuple underneath, so a
-    lookup hashes and compares it at tuple speed."""
-
-    __slots__ = ()
-    spec = property(itemgetter(0))
-    dtype = property(itemgetter(1))
-    shape = property(itemgetter(2))
-    device = property(itemgetter(3))
-    capturing = property(itemgetter(4))
-    extra = property(itemgetter(5))
-
-    @property
-    def mode(self) -> str:
-        return "graph" if self[4] else "eager"
-
-
-_tuple_new = tuple.__new__
+#: The key of a prepared call in a group's cache, one rule for every op: the plain tuple ``(spec,
+#: dtype, shape, device, capturing, extra)`` :func:`call_key` builds (a lookup hashes and compares
+#: it at tuple speed), read through the indices below. ``shape`` is the op's leading tensor's (the
+#: all-reduce's numel: it is served flat), ``capturing`` the mode (True while the stream captures
+#: a CUDA graph), ``extra`` what else fixes the call (a reduce op's name, per-rank sizes, an
+#: epilogue, the MoE routing's sizes).
+CallKey = tuple
+KEY_SPEC, KEY_DTYPE, KEY_SHAPE, KEY_DEVICE, KEY_CAPTURING, KEY_EXTRA = range(6)
 
 
 def call_key(spec: OpSpec, dtype, shape, device, capturing: bool, extra: Any = None) -> CallKey:
-    """The :class:`CallKey` of a call (the one builder)."""
-    return _tuple_new(CallKey, (spec, dtype, shape, device, capturing, extra))
+    """The :data:`CallKey` of a call (the one builder)."""
+    return spec, dtype, shape, device, capturing, extra
+
+
+def key_mode(key: CallKey) -> str:
+    """'graph' for a key made while the stream captured a CUDA graph, else 'eager'."""
+    return "graph" if key[KEY_CAPTURING] else "eager"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..configs import MoEConfig
 from ..problem import DTYPES, MODEL_SHAPES, MoEShape, Problem, dtype_name
-from .base import CallKey, Lookups, PointRequest, ShapeKind, TokensKeyed, TuningPoints
+from .base import KEY_DTYPE, KEY_EXTRA, KEY_SHAPE, CallKey, Lookups, PointRequest, ShapeKind, TokensKeyed, TuningPoints
 
 #: Tokens per rank of the default sweep: powers of four from 1 to 4096, and 8192. The dispatcher
 #: serves a count in between from its tuned neighbours, so the range 1..8192 is covered with 8
@@ -58,11 +58,11 @@ class MoEConversionSpec(TokensKeyed):
 
     def problem_of_key(self, key: CallKey, world_size: int) -> Problem:
         """The key's shape is src's; its extra (experts in total, expt_indx's shape)."""
-        n_expts_tot, indx_shape = key.extra
-        n_expts_act, rows, d_model = int(indx_shape[1]), int(key.shape[0]), int(key.shape[1])
+        n_expts_tot, indx_shape = key[KEY_EXTRA]
+        n_expts_act, rows, d_model = int(indx_shape[1]), int(key[KEY_SHAPE][0]), int(key[KEY_SHAPE][1])
         n_tokens_local = rows if self.to_experts else rows // (n_expts_act * world_size)
         return Problem.moe(self.name, MoEShape(d_model, n_expts_tot, n_expts_act), max(1, n_tokens_local),
-                           dtype_name(key.dtype), world_size)
+                           dtype_name(key[KEY_DTYPE]), world_size)
 
 
 _POINTS = TuningPoints(moe_shapes=tuple(MODEL_SHAPES.values()), tokens=TOKENS)
