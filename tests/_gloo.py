@@ -1,10 +1,11 @@
 """Run a test body in several CPU processes joined by a gloo process group.
 
-The rank processes are forks of one fork server per pytest process that has imported torch and
-triton once (a spawned process pays 2-4 s of CPU to import them; the suite starts hundreds of
-ranks). Each rank takes the environment its caller had when it started, as a spawned one would,
-before the body runs; only the modules loaded while its target is unpickled (this one, the test
-module, autosymm) see the fork server's environment, the pytest process's at its first rank.
+The rank processes are forks of one fork server per pytest process that has imported torch,
+triton, inductor and autosymm once (a spawned process pays 2-4 s of CPU to import them; the suite
+starts hundreds of ranks). The fork server starts in the environment this module was imported in
+(at collection, before any test changed it), so what those modules read at import comes from it.
+Each rank takes the environment its caller had when it started, as a spawned one would, before
+the body runs; the test module, loaded while the target is unpickled, sees the fork server's.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ import os
 import socket
 import traceback
 
+import _interpreter
 import pytest
 import torch.multiprocessing as mp
 
 from autosymm.tuning.workers import free_port as any_free_port  # also loads autosymm's ops, as bodies expect
 
-_PRELOAD = ["torch", "torch.distributed", "triton"]
+#: inductor's modules (about 3 s of CPU to import, in each rank that compiles) and this module,
+#: with autosymm (0.2 s in every rank).
+_PRELOAD = ["torch", "torch.distributed", "triton", "torch._dynamo", "torch._inductor.compile_fx", "_gloo",
+            "_fork_server_ready"]
+_SESSION_ENVIRON = dict(os.environ)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
 #: Under pytest-xdist each worker takes its ports from its own range, below Linux's ephemeral
 #: ports (32768-60999), so no worker's rendezvous port is handed to another's bind(0) meanwhile.
 _PORTS_PER_WORKER = 1000
@@ -44,9 +51,22 @@ def free_port() -> int:
 
 
 def context():
-    """The multiprocessing context of the rank processes: the torch-preloading fork server."""
+    """The multiprocessing context of the rank processes: the preloading fork server, started
+    (once per pytest process) in the session's environment, with tests/ on its path (the fork
+    server ignores the caller's sys.path, and a preload it cannot import is skipped silently)."""
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENVIRON)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, _SESSION_ENVIRON.get("PYTHONPATH")]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
     return ctx
 
 
@@ -54,6 +74,8 @@ def in_environment(environ: dict, target, *args):
     """``target(*args)`` in a rank process after taking the starting process's ``environ``."""
     os.environ.clear()
     os.environ.update(environ)
+    if environ.get("TRITON_INTERPRET") == "1":
+        _interpreter.install()
     return target(*args)
 
 

@@ -1,8 +1,9 @@
 """Compiling Triton kernels for sm_90 without a GPU, in subprocesses, and reading their PTX.
 
 Under TRITON_INTERPRET=1 (the CPU suite's setting) a @triton.jit function cannot be compiled, so
-``compile_in_subprocesses`` runs ``<module>._compile_cases(indices)`` in two fresh processes
-without it (halves of the cases in parallel) and gathers {case index: features}.
+``compile_in_subprocesses`` runs ``<module>._compile_cases(indices)`` in compile servers, processes
+without it that live as long as the pytest process (the cases dealt out over them in parallel), and
+gathers {case index: features}.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -65,20 +69,84 @@ def compile_ptx(fn, signature: dict, constexprs: dict, aligned_args, num_warps: 
     return compiled.asm["ptx"]
 
 
+class _CompileServer:
+    """A process without TRITON_INTERPRET that compiles cases for every compile module: it pays
+    the ~3 s import of torch, triton and autosymm's kernels once per pytest process, not once per
+    module. Requests and answers are JSON lines; an answer line starts with ``@@``."""
+
+    _CODE = (
+        "import importlib, json, sys, traceback\n"
+        "answers, sys.stdout = sys.stdout, sys.stderr\n"  # one line per request on the pipe, nothing else
+        "for line in sys.stdin:\n"
+        "    request = json.loads(line)\n"
+        "    try:\n"
+        "        answer = {'ok': importlib.import_module(request['module'])._compile_cases(request['indices'])}\n"
+        "    except BaseException:\n"
+        "        answer = {'error': traceback.format_exc()}\n"
+        "    answers.write('@@' + json.dumps(answer) + '\\n')\n"
+        "    answers.flush()\n"
+    )
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # read back only when a request fails
+        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE], env=env, cwd=REPO, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
+
+    def send(self, module: str, indices: list[int]) -> None:
+        self.proc.stdin.write(json.dumps({"module": module, "indices": indices}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, deadline: float) -> dict:
+        """The answer to the request sent, {"ok": {i: features}} or {"error": text}; the server is
+        stopped (and an error returned) when it dies or has not answered by ``deadline``
+        (time.monotonic()). The pipe carries only answers, one request at a time, so a readable
+        pipe holds the whole line or its end."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = self.proc.stdout.readline() if ready else ""
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+        self.stop()
+        self.stderr.seek(0)
+        why = "died" if ready else "did not answer in time"
+        return {"error": f"the compile process {why}:\n{self.stderr.read()[-4000:]}"}
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+
+
+_servers: list[_CompileServer] = []
+
+
+def _compile_servers() -> list[_CompileServer]:
+    """This pytest process's servers, started at first use: one per CPU left to each xdist worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    wanted = max(1, len(os.sched_getaffinity(0)) // workers)
+    _servers[:] = [server for server in _servers if server.alive()]
+    while len(_servers) < wanted:
+        _servers.append(_CompileServer())
+    return _servers
+
+
 def compile_in_subprocesses(module: str, n_cases: int, timeout_s: float = 600) -> dict[int, dict]:
-    """{i: features} of ``tests/<module>.py``'s ``_compile_cases`` over cases 0..n_cases-1."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    code = (f"import json, sys; from {module} import _compile_cases; "
-            "print('@@' + json.dumps(_compile_cases(json.loads(sys.argv[1]))))")
-    halves = [list(range(n_cases))[k::2] for k in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(h)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in halves]
-    result: dict[int, dict] = {}
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        if proc.returncode != 0:
-            pytest.fail(f"compiling for sm_90 failed:\n{stderr[-4000:]}")
-        line = next(l for l in stdout.splitlines() if l.startswith("@@"))
-        result.update({int(k): v for k, v in json.loads(line[2:]).items()})
+    """{i: features} of ``tests/<module>.py``'s ``_compile_cases`` over cases 0..n_cases-1, the
+    cases dealt out over this process's compile servers."""
+    servers = _compile_servers()
+    for k, server in enumerate(servers):
+        server.send(module, list(range(n_cases))[k::len(servers)])
+    deadline, result, errors = time.monotonic() + timeout_s, {}, []
+    for server in servers:
+        answer = server.answer(deadline)
+        if "error" in answer:
+            errors.append(answer["error"])
+        else:
+            result.update({int(k): v for k, v in answer["ok"].items()})
+    if errors:
+        pytest.fail("compiling for sm_90 failed:\n" + "\n".join(e[-4000:] for e in errors))
     return result

@@ -13,8 +13,12 @@ NVLink multicast stays off everywhere.
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread per process, read when torch loads: the tests' tensors are tiny, and each
+# rank's idle OpenMP threads spin on the CPUs the other ranks and workers need.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 STACK_TESTS = Path(__file__).resolve().parent / "stacks"  # scripts/test_real_stacks.sh runs them
@@ -23,6 +27,13 @@ GPU_SKIP_REASON = ("tests/gpu need kernels compiled for the GPU; this session ru
 
 os.environ.update({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's warning; same default
+# torch.compile in the tests: every compile runs inductor's passes (a cached FX graph would skip the
+# custom pass the tests count), in the compiling process (no pool of compile workers), and inductor's
+# CPU kernels are scalar C++ (its vector ISA only shapes its own C++, never which op a graph calls;
+# finding it compiles a probe per ISA, ~10 s, and vector code compiles slower).
+os.environ.update({"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"})
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 
 def _inside(arg: str, root: Path) -> bool:
@@ -56,6 +67,10 @@ def pytest_configure(config):
     only_gpu_tests = bool(config.args) and all(_inside_gpu_tests(arg) for arg in config.args)
     if not only_gpu_tests:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import _interpreter
+
+        _interpreter.install()
 
 
 def _module_wide(item) -> bool:

@@ -1,19 +1,16 @@
 """The MoE conversion kernels compile for Hopper (sm_90) on the CPU, with 128-bit accesses.
 
 Under TRITON_INTERPRET=1 (the CPU suite) every @triton.jit function, triton's own standard
-library included, is an interpreted function and cannot be compiled; so one subprocess with the
-interpreter off compiles every case and reports what the PTX holds.
+library included, is an interpreted function and cannot be compiled; so the compile servers of
+``_sm90`` (the interpreter off) compile every case and report what the PTX holds.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from _sm90 import compile_in_subprocesses
 
 # dtype, top-k, world size, d_model, block_n, rows, warps, fused barrier, expt_indx type
 SPREAD = [
@@ -28,14 +25,16 @@ ALIGNED = [("bf16", 8, 8, 7168, 1024, 2, 4, True, "i32"), ("fp16", 8, 8, 200, 10
            ("fp32", 8, 8, 2880, 1024, 2, 4, True, "i32")]
 ODD = [("bf16", 2, 2, 7167, 256, 1, 1, False, "i32")]
 OPS = ("dp_to_ep", "ep_to_dp")
+CASES = [(op, case) for op in OPS for case in SPREAD + ALIGNED + ODD]  # and, at index len(CASES), the barrier
 
 
 def _case_id(op, case) -> str:
     return op + "-" + "-".join(map(str, case))
 
 
-def _compile_all(cases) -> dict:
-    """Compile each (op, case) for sm_90; {case id: PTX facts}. Runs with the interpreter off."""
+def _compile_cases(indices: list[int]) -> dict:
+    """Runs in a compile server: compile CASES[i] (i == len(CASES): the barrier kernel) for
+    sm_90; {i: PTX facts}."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,7 +44,11 @@ def _compile_all(cases) -> dict:
 
     kernels = {"dp_to_ep": _convert_dp_to_ep, "ep_to_dp": _convert_ep_to_dp}
     out = {}
-    for op, (dtype, k, world_size, d_model, block_n, rows, warps, fused, index_type) in cases:
+    for i in indices:
+        if i == len(CASES):
+            out[i] = _barrier_facts()
+            continue
+        op, (dtype, k, world_size, d_model, block_n, rows, warps, fused, index_type) = CASES[i]
         fn = kernels[op]
         types = {"dst_ptrs": "*i64", "expt_owner_ptr": "*i32", "signal_ptrs": "*i64", "gate_indx_ptr": "*i32",
                  "topk_indx_ptr": "*i32", "n_tokens_local": "i32", "n_expts_tot": "i32", "d_vecs": "i32",
@@ -60,22 +63,28 @@ def _compile_all(cases) -> dict:
         kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": warps})
         ptx = kernel.asm["ptx"]
-        out[_case_id(op, (dtype, k, world_size, d_model, block_n, rows, warps, fused, index_type))] = {
+        out[i] = {
             "target": re.findall(r"\.target\s+(\w+)", ptx),
             "global": sorted(set(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)*", ptx))),
             "atomics": sorted(set(re.findall(r"\b(?:atom|red)\.global(?:\.[a-z0-9_]+)*", ptx))),
             "cubin_bytes": len(kernel.asm.get("cubin", b"")),
             **_wait_facts(ptx),
         }
+    return out
+
+
+def _barrier_facts() -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     from autosymm.kernels.barrier import _barrier_kernel
 
     kernel = triton.compile(ASTSource(_barrier_kernel, {"signal_ptrs": "*i64", "RANK": "constexpr",
                                                         "WORLD_SIZE": "constexpr"}, dict(RANK=1, WORLD_SIZE=2)),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    out["_barrier_kernel"] = {"atomics": sorted(set(re.findall(r"\b(?:atom|red)\.global(?:\.[a-z0-9_]+)*",
-                                                               kernel.asm["ptx"]))),
-                              "cubin_bytes": len(kernel.asm.get("cubin", b"")), **_wait_facts(kernel.asm["ptx"])}
-    return out
+    return {"atomics": sorted(set(re.findall(r"\b(?:atom|red)\.global(?:\.[a-z0-9_]+)*", kernel.asm["ptx"]))),
+            "cubin_bytes": len(kernel.asm.get("cubin", b"")), **_wait_facts(kernel.asm["ptx"])}
 
 
 def _wait_facts(ptx: str) -> dict:
@@ -93,14 +102,9 @@ def _wait_facts(ptx: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled():
-    cases = [(op, case) for op in OPS for case in SPREAD + ALIGNED + ODD]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], input=json.dumps(cases), env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """{case id or "_barrier_kernel": PTX facts}."""
+    facts = compile_in_subprocesses("test_compile_moe_conversion", len(CASES) + 1)
+    return {(_case_id(*CASES[i]) if i < len(CASES) else "_barrier_kernel"): f for i, f in facts.items()}
 
 
 @pytest.mark.parametrize("case", SPREAD, ids=lambda c: "-".join(map(str, c)))
@@ -134,10 +138,6 @@ def test_aligned_rows_use_128_bit_accesses(compiled, op, case):
 def test_odd_d_model_compiles_with_element_accesses(compiled, op):
     accesses = set(compiled[_case_id(op, ODD[0])]["global"])
     assert "st.global.b16" in accesses and "st.global.v4.b32" not in accesses, accesses
-
-
-if __name__ == "__main__":  # the compiling subprocess of the `compiled` fixture
-    print(json.dumps(_compile_all([(op, tuple(case)) for op, case in json.load(sys.stdin)])))
 
 
 def test_barrier_kernel_compiles_with_a_bounded_wait(compiled):
