@@ -10,6 +10,7 @@ the body runs; the test module, loaded while the target is unpickled, sees the f
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -51,29 +52,36 @@ def free_port() -> int:
 
 
 def context():
-    """The multiprocessing context of the rank processes: the preloading fork server, started
-    (once per pytest process) in the session's environment, with tests/ on its path (the fork
-    server ignores the caller's sys.path, and a preload it cannot import is skipped silently)."""
-    from multiprocessing import forkserver
-
+    """The multiprocessing context of the rank processes: the preloading fork server."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    _start_fork_server()
+    return ctx
+
+
+@functools.cache
+def _start_fork_server() -> None:
+    """Start the fork server once per pytest process, in the session's environment with tests/ on
+    its path (it ignores the caller's sys.path, and skips a preload it cannot import silently)."""
+    from multiprocessing import forkserver
+
     current = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(_SESSION_ENVIRON)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, _SESSION_ENVIRON.get("PYTHONPATH")]))
+    _take_environment({**_SESSION_ENVIRON,
+                       "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, _SESSION_ENVIRON.get("PYTHONPATH")]))})
     try:
         forkserver.ensure_running()
     finally:
-        os.environ.clear()
-        os.environ.update(current)
-    return ctx
+        _take_environment(current)
+
+
+def _take_environment(environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def in_environment(environ: dict, target, *args):
     """``target(*args)`` in a rank process after taking the starting process's ``environ``."""
-    os.environ.clear()
-    os.environ.update(environ)
+    _take_environment(environ)
     if environ.get("TRITON_INTERPRET") == "1":
         _interpreter.install()
     return target(*args)

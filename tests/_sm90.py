@@ -72,26 +72,13 @@ def compile_ptx(fn, signature: dict, constexprs: dict, aligned_args, num_warps: 
 class _CompileServer:
     """A process without TRITON_INTERPRET that compiles cases for every compile module: it pays
     the ~3 s import of torch, triton and autosymm's kernels once per pytest process, not once per
-    module. Requests and answers are JSON lines; an answer line starts with ``@@``."""
-
-    _CODE = (
-        "import importlib, json, sys, traceback\n"
-        "answers, sys.stdout = sys.stdout, sys.stderr\n"  # one line per request on the pipe, nothing else
-        "for line in sys.stdin:\n"
-        "    request = json.loads(line)\n"
-        "    try:\n"
-        "        answer = {'ok': importlib.import_module(request['module'])._compile_cases(request['indices'])}\n"
-        "    except BaseException:\n"
-        "        answer = {'error': traceback.format_exc()}\n"
-        "    answers.write('@@' + json.dumps(answer) + '\\n')\n"
-        "    answers.flush()\n"
-    )
+    module. It runs :func:`serve` (``python -m _sm90``)."""
 
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
         self.stderr = tempfile.TemporaryFile(mode="w+")  # read back only when a request fails
-        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE], env=env, cwd=REPO, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", "_sm90"], env=env, cwd=REPO, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
 
     def send(self, module: str, indices: list[int]) -> None:
@@ -150,3 +137,25 @@ def compile_in_subprocesses(module: str, n_cases: int, timeout_s: float = 600) -
     if errors:
         pytest.fail("compiling for sm_90 failed:\n" + "\n".join(e[-4000:] for e in errors))
     return result
+
+
+def serve() -> None:
+    """The compile server's loop: a JSON request ``{"module", "indices"}`` per stdin line, answered
+    on stdout by one line ``@@`` + JSON, ``{"ok": {i: features}}`` or ``{"error": traceback}``;
+    everything else the compiles print goes to stderr."""
+    import importlib
+    import traceback
+
+    answers, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            answer = {"ok": importlib.import_module(request["module"])._compile_cases(request["indices"])}
+        except BaseException:
+            answer = {"error": traceback.format_exc()}
+        answers.write("@@" + json.dumps(answer) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    serve()
