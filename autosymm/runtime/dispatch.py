@@ -44,6 +44,11 @@ class Decision:
     skipped: tuple[str, ...] = field(default=(), compare=False)  # "backend: why" of faster rows passed over
     measured: bool = False  # expected_us is the row's own time (the call's size, dtype, shape, mode), not modelled
 
+    @property
+    def tuned(self) -> bool:
+        """True when a database row decided (False: a fallback, a one-rank or disabled call)."""
+        return bool(self.source)
+
     def describe(self) -> str:
         text = f"{self.backend}"
         if self.config is not None:
