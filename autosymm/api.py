@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from .backends import flashinfer_fused
 from .logs import configure_from_env
-from .problem import MODES, Problem, dtype_name
+from .dist_compat import reduce_op_name
+from .problem import MODES, Problem, any_dtype_name
 from .runtime import moe_room
 from .runtime.dispatch import Decision
 from .runtime.group import STATES, state_key, state_of, stream_capturing
@@ -56,9 +57,11 @@ def _mode() -> str:
 
 
 def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_reduce", mode: Optional[str] = None,
-            problem: Optional[Problem] = None) -> Decision:
+            problem: Optional[Problem] = None, reduce_op="sum") -> Decision:
     """The Decision a call would get on ``group`` (backend, config, DB row or fallback reason,
-    expected µs), without running it. Give a tensor (all-reduce) or a Problem."""
+    expected µs, the hardware decided for), without running it: the dispatcher's, as the call
+    itself gets it. Give a tensor (an all-reduce by ``reduce_op``, any dtype) or a Problem (any
+    op, any dtype or reduction)."""
     if mode is not None and mode not in MODES:
         raise ValueError(f"explain: mode={mode!r} is not one of {MODES}")
     if op not in op_names():
@@ -75,7 +78,8 @@ def explain(x: Optional[torch.Tensor] = None, *, group=None, op: str = "all_redu
     state = state_of(group)
     mode = mode or _mode()
     if problem is None:
-        problem = Problem.all_reduce(x.numel() * x.element_size(), dtype_name(x.dtype), state.world_size)
+        problem = Problem(ALL_REDUCE.name, any_dtype_name(x.dtype), state.world_size,
+                          nbytes=x.numel() * x.element_size(), reduce_op=reduce_op_name(reduce_op))
     return state.decide(problem, mode)
 
 

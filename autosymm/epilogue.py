@@ -13,6 +13,8 @@ Design notes: docs/EPILOGUE.md#epilogue
 
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -257,6 +259,35 @@ def epilogue_launcher(epilogue: Epilogue, total, inv_rms=None):
 def single_rank_launcher(epilogue: Epilogue):
     """World size 1 (non-default epilogue): the sum is ``x`` itself (left as it is), no collective."""
     return epilogue_launcher(epilogue, lambda x: x.float())
+
+
+def local_launcher(problem):
+    """The launcher of a fused call with nothing to exchange (autosymm.backends.local, the
+    backend 'noop'): no rows, the epilogue's empty outputs; one rank, the sum is ``x`` itself
+    (left as it is): the default epilogue runs ``residual += x`` and torch's ``rms_norm`` in x's
+    dtype (the native chain of the NCCL fallback), the others :func:`reference`'s steps."""
+    epilogue = problem.epilogue or DEFAULT
+    if problem.n_tokens_local == 0 or problem.hidden == 0:
+        if epilogue == DEFAULT:
+            return _empty_default
+        return functools.partial(_empty_epilogue, epilogue)
+    if epilogue == DEFAULT:
+        return _single_rank_default
+    return single_rank_launcher(epilogue)
+
+
+def _empty_default(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _empty_epilogue(epilogue: Epilogue, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                    eps: float = 1e-6, *, scale: Optional[torch.Tensor] = None):
+    return outputs_like(x, epilogue)
+
+
+def _single_rank_default(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    residual.add_(x)
+    return torch.nn.functional.rms_norm(residual, (x.shape[1],), weight, eps)
 
 
 def outputs_like(x: torch.Tensor, epilogue: Epilogue):

@@ -17,10 +17,12 @@ from typing import Any, Optional
 
 import torch
 
+from .dist_compat import REDUCE_OP_NAMES
 from .units import format_size, parse_size
 
 MODES = ("eager", "graph")
 
+#: The dtypes autosymm's kernels compute in, by the names its database rows carry.
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -35,6 +37,22 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} is not supported (supported: {sorted(DTYPES)})") from None
+
+
+def any_dtype_name(dtype: torch.dtype) -> str:
+    """The name a Problem carries for any torch dtype: :data:`DTYPES`' for the kernels' dtypes,
+    else torch's own ('float64', 'int32', 'float8_e4m3fn', 'bool', ...)."""
+    return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a Problem's dtype name (:func:`any_dtype_name`); ValueError naming it."""
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, str(name), None) if str(name).isidentifier() else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype={name!r} is not one of {sorted(DTYPES)} nor a torch dtype name")
+    return dtype
 
 
 def next_pow2(value: int) -> int:
@@ -108,6 +126,8 @@ class Problem:
     """
 
     op: str
+    #: 'bf16' | 'fp16' | 'fp32' (:data:`DTYPES`, the kernels' and the database's), or any other
+    #: torch dtype by torch's name (:func:`any_dtype_name`), which only the fallbacks serve
     dtype: str
     world_size: int
     nbytes: int = 0
@@ -118,21 +138,29 @@ class Problem:
     hidden: int = 0  # all_reduce_rmsnorm only: elements per row
     #: all_reduce_rmsnorm only: its autosymm.epilogue.Epilogue (None: the default, set by the op's spec)
     epilogue: Any = None
+    #: the reduction of a reducing op (all_reduce, reduce_scatter), by its name
+    #: (autosymm.dist_compat.REDUCE_OP_NAMES); the kernels sum, the fallbacks serve the others
+    reduce_op: str = "sum"
     #: The op's registered spec (autosymm.spec), found once: it keys and describes the problem.
     record: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         record = spec_of(self.op)  # ValueError naming the registered ops
         object.__setattr__(self, "record", record)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        torch_dtype(self.dtype)  # ValueError naming an unknown dtype
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r} must be an integer >= 1")
+        if self.reduce_op not in REDUCE_OP_NAMES:
+            raise ValueError(f"reduce_op={self.reduce_op!r} is not one of {REDUCE_OP_NAMES}")
         record.check_problem(self)
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return torch_dtype(self.dtype).itemsize
 
     @property
     def numel(self) -> int:

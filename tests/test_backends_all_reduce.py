@@ -225,11 +225,11 @@ def test_torch_launcher_input_errors():
 
 def test_nccl_launcher_calls_all_reduce(monkeypatch):
     calls = []
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group=None: calls.append((x, group)))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, op=None, group=None: calls.append((x, op, group)))
     group = object()
     x = torch.ones(4)
     assert nccl.prepare(_problem(), None, RunContext(group=group))(x) is x
-    assert calls == [(x, group)]
+    assert calls == [(x, torch.distributed.ReduceOp.SUM, group)]
 
 
 # --------------------------------------------------------------------------------------------

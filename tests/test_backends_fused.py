@@ -92,7 +92,9 @@ def test_problem_keys_by_hidden_and_token_bucket():
     assert (p.bucket, p.shape_key, p.nbytes, p.numel) == (300, "h8192", 300 * 8192 * 2, 300 * 8192)
     assert p.describe() == "all_reduce_rmsnorm bf16 ws=2 h8192 tokens/rank=300"
     with pytest.raises(ValueError, match="hidden"):
-        Problem("all_reduce_rmsnorm", "bf16", 2, n_tokens_local=4)
+        Problem("all_reduce_rmsnorm", "bf16", 2, n_tokens_local=4, hidden=-1)
+    empty = Problem("all_reduce_rmsnorm", "bf16", 2, n_tokens_local=4)  # no columns: nothing to exchange
+    assert empty.record.empty_reason(empty) == "no rows: nothing to exchange"
     with pytest.raises(ValueError, match="dtype"):
         Problem.all_reduce_rmsnorm(4, 8192, "int8")
 

@@ -218,6 +218,6 @@ def test_the_backends_declared_batch_invariant_are_the_ones_shown_so():
     assert invariant == {"triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_lamport",
                          "triton_reduce_scatter_pull", "triton_reduce_scatter_push", "nccl_ordered",
                          "nccl_ordered_fused", "nccl_ordered_reduce_scatter", "triton_moe",
-                         "nccl_all_to_all"} | gathers  # gathers copy too
+                         "nccl_all_to_all", "noop"} | gathers  # gathers copy too; noop exchanges nothing
     assert "nccl_all_gather" in gathers
     assert {case[0] for case in ALL_REDUCE_CASES} == {"one_shot", "one_shot_push", "two_shot"}

@@ -168,7 +168,7 @@ def test_moe_shape_from_bad_key(key):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(op="broadcast", dtype="bf16", world_size=2), "op='broadcast'"),
-    (dict(op="all_reduce", dtype="int8", world_size=2), "dtype='int8'"),
+    (dict(op="all_reduce", dtype="int9", world_size=2), "dtype='int9'"),
     (dict(op="all_reduce", dtype="bf16", world_size=0), "world_size=0"),
     (dict(op="all_reduce", dtype="bf16", world_size=2.0), "world_size=2.0"),
     (dict(op="all_reduce", dtype="bf16", world_size=2, nbytes=-1), "nbytes=-1"),

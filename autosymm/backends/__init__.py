@@ -39,6 +39,7 @@ _REGISTRY: dict[str, str] = {
     "triton_reduce_scatter_push": "autosymm.backends.triton_rs_ag:triton_reduce_scatter_push",
     "triton_all_gather_push": "autosymm.backends.triton_rs_ag:triton_all_gather_push",
     "triton_all_gather_pull": "autosymm.backends.triton_rs_ag:triton_all_gather_pull",
+    "noop": "autosymm.backends.local:noop",
 }
 
 _LOADED: dict[str, Backend] = {}

@@ -99,7 +99,8 @@ class Needs:
     """What a backend declares it needs from a call and a group."""
 
     ops: tuple[str, ...]
-    dtypes: tuple[str, ...] = tuple(DTYPES)
+    dtypes: Optional[tuple[str, ...]] = tuple(DTYPES)  # None: any dtype (NCCL's, a byte copy)
+    reduce_ops: Optional[tuple[str, ...]] = ("sum",)  # of a reducing op (Problem.reduce_op); None: any
     graph_capturable: bool = True  # its launcher may be captured in a CUDA graph
     compiles_kernels: bool = False  # its launchers compile Triton kernels (the tuner precompiles them)
     workspace_region: Optional[str] = None  # the symmetric-workspace region it works in
@@ -133,6 +134,11 @@ class Backend:
     needs: Needs
     batch_invariant: bool = False
 
+    def invariant_for(self, problem: Problem) -> bool:
+        """Whether this backend's result for ``problem`` is batch-invariant (``batch_invariant``,
+        unless the backend knows better for this call: NCCL's max of any dtype is)."""
+        return self.batch_invariant
+
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         """None when this backend can serve ``problem`` on ``caps`` in ``mode``, else why not."""
         needs = self.needs
@@ -140,8 +146,11 @@ class Backend:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
         if problem.op not in needs.ops:
             return f"does not serve {problem.op}"
-        if problem.dtype not in needs.dtypes:
+        if needs.dtypes is not None and problem.dtype not in needs.dtypes:
             return f"dtype {problem.dtype} (supports {', '.join(needs.dtypes)})"
+        if (needs.reduce_ops is not None and problem.record.domain.reduce_ops
+                and problem.reduce_op not in needs.reduce_ops):
+            return f"op {problem.reduce_op} (supports {', '.join(needs.reduce_ops)})"
         if mode == "graph" and not needs.graph_capturable:
             return "not CUDA-graph capturable"
         if needs.intra_node and not caps.intra_node:

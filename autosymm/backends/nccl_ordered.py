@@ -15,21 +15,15 @@ Design notes: docs/BACKENDS.md#backends-nccl-ordered
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..problem import Problem
+from ..spec.all_reduce import ORDERED_OPS, needs_ordering
 from .base import Backend, BackendError, Needs, RunContext
 from .nccl_rs_ag import checked_counts
 
-
-#: The reductions :func:`ordered_reduce` computes (the others are exact in any order).
-ORDERED_OPS = ("sum", "avg", "product")
-
-
-def needs_ordering(op: str, dtype: torch.dtype) -> bool:
-    """Whether NCCL's ``op`` over ``dtype`` can round differently with the call's size or algorithm
-    (floating-point sums, means and products); max, min, bitwise and integer ops are exact."""
-    return op in ORDERED_OPS and (dtype.is_floating_point or dtype.is_complex)
 
 
 def ordered_sum(gathered: torch.Tensor) -> torch.Tensor:
@@ -111,28 +105,39 @@ def ordered_reduce_scatter_launcher(group, world_size: int, rank: int, op: str =
     return launcher
 
 
-class NcclOrderedAllReduce(Backend):
-    """All-gather + fp32 in-order sum: serves every bf16/fp16/fp32 sum, no config."""
+class _Ordered(Backend):
+    """The ordered scheme serves the reductions whose result NCCL could round otherwise: a
+    floating-point sum, mean or product (:func:`needs_ordering`), no config."""
+
+    batch_invariant = True
+
+    def limits(self, problem: Problem, caps) -> Optional[str]:
+        if not needs_ordering(problem.reduce_op, problem.torch_dtype):
+            return f"op {problem.reduce_op} of {problem.dtype} is exact in any order (NCCL serves it)"
+        return None
+
+
+class NcclOrderedAllReduce(_Ordered):
+    """All-gather + in-order reduction (fp32 from +0.0 for a sum, rounded once)."""
 
     name = "nccl_ordered"
-    needs = Needs(ops=("all_reduce",))
-    batch_invariant = True
+    needs = Needs(ops=("all_reduce",), dtypes=None, reduce_ops=ORDERED_OPS)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        return ordered_all_reduce_launcher(ctx.group, problem.world_size)
+        return ordered_all_reduce_launcher(ctx.group, problem.world_size, problem.reduce_op)
 
 
-class NcclOrderedReduceScatter(Backend):
-    """All-to-all of the segments + fp32 in-order sum: serves every bf16/fp16/fp32 sum, no config."""
+class NcclOrderedReduceScatter(_Ordered):
+    """All-to-all of the segments + in-order reduction."""
 
     name = "nccl_ordered_reduce_scatter"
-    needs = Needs(ops=("reduce_scatter",))
-    batch_invariant = True
+    needs = Needs(ops=("reduce_scatter",), dtypes=None, reduce_ops=ORDERED_OPS)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist
 
-        return ordered_reduce_scatter_launcher(ctx.group, problem.world_size, dist.get_rank(ctx.group))
+        return ordered_reduce_scatter_launcher(ctx.group, problem.world_size, dist.get_rank(ctx.group),
+                                               problem.reduce_op)
 
 
 class NcclOrderedFused(Backend):

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..problem import Problem
+from ..spec.all_reduce import UNREDUCIBLE, needs_ordering
 from .base import Backend, BackendError, Needs, RunContext
 
 
@@ -46,15 +47,19 @@ def checked_counts(op: str, counts: Optional[Sequence[int]], total: int, world_s
 
 
 class NcclReduceScatter(Backend):
-    """Segment ``rank`` of the sum over the group: serves every reduce-scatter, no config."""
+    """Segment ``rank`` of the reduction over the group: serves every reduce-scatter, no config."""
 
     name = "nccl_reduce_scatter"
-    needs = Needs(ops=("reduce_scatter",))
+    needs = Needs(ops=("reduce_scatter",), dtypes=None, reduce_ops=None)
+
+    def invariant_for(self, problem: Problem) -> bool:
+        """Exact reductions (max, min, bitwise, integer sums) are; floating-point sums are not."""
+        return not needs_ordering(problem.reduce_op, problem.torch_dtype)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist
 
-        return reduce_scatter_launcher(ctx.group, dist.ReduceOp.SUM)
+        return reduce_scatter_launcher(ctx.group, getattr(dist.ReduceOp, problem.reduce_op.upper()))
 
 
 def reduce_scatter_launcher(group, reduce_op):
@@ -79,14 +84,27 @@ def reduce_scatter_launcher(group, reduce_op):
 
 
 class NcclAllGather(Backend):
-    """Every rank's input in rank order: serves every all-gather, no config."""
+    """Every rank's input in rank order: serves every all-gather of any dtype, no config (the
+    dtypes torch's NCCL and gloo refuse, fp8 and fp4, move as their bytes)."""
 
     name = "nccl_all_gather"
     batch_invariant = True  # rows are copied, never summed
-    needs = Needs(ops=("all_gather",))
+    needs = Needs(ops=("all_gather",), dtypes=None)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        return all_gather_launcher(ctx.group)
+        launcher = all_gather_launcher(ctx.group)
+        return as_bytes(launcher) if problem.torch_dtype in UNREDUCIBLE else launcher
+
+
+def as_bytes(launcher):
+    """``launcher(output, input, counts=None)`` on byte views of contiguous tensors of any dtype."""
+    def launch(output: torch.Tensor, input: torch.Tensor, counts=None) -> torch.Tensor:
+        size = output.element_size()
+        launcher(output.view(-1).view(torch.uint8), input.reshape(-1).view(torch.uint8),
+                 None if counts is None else [c * size for c in counts])
+        return output
+
+    return launch
 
 
 def all_gather_launcher(group):

@@ -353,8 +353,8 @@ class TritonAllGather(Backend):
         self.algorithm = algorithm
         self.name = f"triton_all_gather_{algorithm}"
         self.batch_invariant = True  # rows are copied, never summed
-        self.needs = Needs(ops=("all_gather",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
-                           intra_node=True)
+        self.needs = Needs(ops=("all_gather",), dtypes=None, compiles_kernels=True,  # bytes of any dtype
+                           workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         return _stage_limits(stage_bytes(self.algorithm == "pull", problem.nbytes, problem.world_size),

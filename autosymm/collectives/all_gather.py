@@ -5,8 +5,8 @@ autograd: the gradient of an all-gather is the reduce-scatter (sum) of the gradi
 autosymm.spec.reduce_scatter.ALL_GATHER.
 
 An all-gather copies bytes: a dtype without rows of its own (integers, bool, fp8) is keyed as
-bf16, and where NCCL serves fp8 or fp4 (which torch's NCCL and gloo refuse), it moves their
-bytes. Call key: ``call_key(ALL_GATHER, dtype, input shape, input device, capturing, (output
+bf16 (its spec's domain), and where NCCL serves fp8 or fp4 (which torch's NCCL and gloo refuse),
+it moves their bytes (autosymm.backends.nccl_rs_ag). Call key: ``call_key(ALL_GATHER, dtype, input shape, input device, capturing, (output
 shape, sizes or None))``; the call's arguments ``(output, input, sizes)``.
 """
 
@@ -20,11 +20,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..dist_compat import Work, group_name, resolve_group
-from ..problem import DTYPE_NAMES, Problem
+from ..problem import Problem, any_dtype_name
 from ..runtime.entry import CustomOp, refuse_call
 from ..runtime.group import STATES, state_of, stream_capturing
 from ..spec import ALL_GATHER, KEY_EXTRA, call_key
-from ..spec.all_reduce import UNREDUCIBLE
 from .reduce_scatter import ShardedDoor, checked_sizes, checked_tensors, run_sharded, shard_counts, shards_text, traced
 
 
@@ -33,20 +32,15 @@ class AllGatherDoor(ShardedDoor):
         output, input, sizes = args
         return f"{self.name} of {input.dtype} {shards_text(input, sizes)} -> {tuple(output.shape)} in {mode} mode"
 
-    def check_call(self, state, key: tuple, args: tuple, mode: str):
+    def check_tensors(self, state, args: tuple, mode: str) -> None:
         output, input, sizes = args
         checked_tensors(self, state, output, input)
         shard_counts(self, output, input, sizes, state.rank, state.world_size)
-        if state.world_size == 1:
-            return self.single_rank_entry(mode)
-        dtype = DTYPE_NAMES.get(input.dtype, "bf16")  # bytes are bytes: see the module docstring
-        problem = Problem(self.name, dtype, state.world_size, nbytes=output.numel() * output.element_size())
-        if input.dtype not in UNREDUCIBLE:
-            return problem
-        entry = self.prepare(state, problem, mode)
-        if entry.decision.backend == self.spec.fallback:  # torch's collectives refuse fp8: they move its bytes
-            entry.launcher = _as_bytes(entry.launcher)
-        return entry
+
+    def problem(self, state, key, args: tuple, mode: str) -> Problem:
+        output = args[0]
+        return Problem(self.name, any_dtype_name(output.dtype), state.world_size,
+                       nbytes=output.numel() * output.element_size())
 
     def bytes_per_call(self, args: tuple) -> int:
         return args[0].numel() * args[0].element_size()
@@ -92,17 +86,6 @@ def all_gatherv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int],
     ``all_gatherv``): ``output`` [sum(sizes), ...] = every rank's ``input`` [sizes[r], ...] in rank
     order. Returns ``output``. Eager only, as :func:`reduce_scatterv`."""
     return _all_gather(output, input, sizes, group)
-
-
-def _as_bytes(launcher):
-    """``launcher(output, input, counts=None)`` on byte views of contiguous tensors of any dtype."""
-    def launch(output: Tensor, input: Tensor, counts=None) -> Tensor:
-        size = output.element_size()
-        launcher(output.view(-1).view(torch.uint8), input.reshape(-1).view(torch.uint8),
-                 None if counts is None else [c * size for c in counts])
-        return output
-
-    return launch
 
 
 def _all_gather_into_tensor(input: Tensor, group_size: int, group_name: str) -> Tensor:

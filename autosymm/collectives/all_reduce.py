@@ -8,25 +8,19 @@ tensor is served flat: its shape beyond numel fixes nothing).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.nccl_ordered import needs_ordering, ordered_all_reduce_launcher
 from ..dist_compat import Work, group_name, is_dtensor, reduce_dtensor, reduce_op_name, resolve_group
-from ..problem import DTYPE_NAMES, Problem
-from ..runtime.dispatch import Decision
+from ..problem import Problem, any_dtype_name
 from ..runtime.entry import CustomOp, Door, prepare_call, refuse_call
-from ..runtime.group import STATES, Entry, check_tensor, check_traced, current_raw_stream, dense_error, identity, \
-    state_of, stream_capturing
+from ..runtime.group import STATES, check_tensor, check_traced, current_raw_stream, dense_error, state_of, \
+    stream_capturing
 from ..runtime.replay import HOT, EagerReplay, HotCall
 from ..spec import ALL_REDUCE, KEY_CAPTURING, KEY_SHAPE, call_key
 from ..spec.all_reduce import NCCL_OPS, check_reducible
 from . import autograd
-
-log = logging.getLogger("autosymm")
 
 _SUM = dist.ReduceOp.SUM
 _Tensor = torch.Tensor
@@ -39,20 +33,20 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 class AllReduceDoor(Door):
     def call_text(self, key, args: tuple, mode: str) -> str:
         x, op = args
-        return f"all_reduce of {x.dtype} x {x.numel()} op={op} in {mode} mode"
+        return f"all_reduce of {x.dtype} x {x.numel()} op={reduce_op_name(op)} in {mode} mode"
 
-    def check_call(self, state, key, args: tuple, mode: str):
-        x, op = args
+    def check_options(self, state, args: tuple) -> None:
+        reduce_op_name(args[1])  # names what is accepted
+
+    def check_tensors(self, state, args: tuple, mode: str) -> None:
+        x = args[0]
         check_tensor(x, state, self.name)
-        if op not in NCCL_OPS:
-            raise ValueError(f"autosymm.all_reduce: op={op!r} is not one of {sorted(NCCL_OPS)}")
         check_reducible(x.dtype, self.name)
-        if state.world_size == 1:
-            return Entry(Decision("noop", None, self.spec.one_rank_reason(state.deterministic), mode=mode), identity)
-        dtype = DTYPE_NAMES.get(x.dtype)
-        if op == "sum" and dtype is not None:
-            return Problem.all_reduce(x.numel() * x.element_size(), dtype, state.world_size)
-        return _nccl_entry(state, x, op, mode)
+
+    def problem(self, state, key, args: tuple, mode: str) -> Problem:
+        x, op = args
+        return Problem(self.name, any_dtype_name(x.dtype), state.world_size, nbytes=x.numel() * x.element_size(),
+                       reduce_op=reduce_op_name(op))
 
     def custom_ops(self) -> tuple[CustomOp, ...]:
         return (CustomOp("all_reduce_", _all_reduce_, _all_reduce__fake, mutates_args=("tensor",)),
@@ -92,11 +86,24 @@ def all_reduce(tensor: torch.Tensor, op=_SUM, group=None, async_op: bool = False
                 return tensor
             return _all_reduce_sum(tensor, group)
         return _all_reduce_general(tensor, op, group, async_op)
-    except (AttributeError, RuntimeError):
-        # a list or a sparse tensor fails at its first use as a dense tensor, before anything runs
-        if dense_error(tensor, "all_reduce") is None:
+    except (AttributeError, RuntimeError, TypeError, ValueError) as error:
+        # a list or a sparse tensor fails at its first use as a dense tensor, an unknown op at its
+        # name, before anything runs: refused on every rank of a first call
+        if dense_error(tensor, "all_reduce") is None and _op_error(op) is None:
             raise
-    refuse_call(STATES.get(group) or state_of(group), DOOR, (tensor, reduce_op_name(op)))
+        if _dynamo_compiling() or (isinstance(tensor, _Tensor) and type(tensor) is not _Tensor
+                                   and type(tensor) is not torch.nn.Parameter):
+            raise error  # a tracer's tensor: nothing runs, no rank waits
+    refuse_call(STATES.get(group) or state_of(group), DOOR, (tensor, op))
+
+
+def _op_error(op):
+    """The error :func:`reduce_op_name` raises for ``op``, or None."""
+    try:
+        reduce_op_name(op)
+    except (TypeError, ValueError) as error:
+        return error
+    return None
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -174,29 +181,6 @@ def _all_reduce_async(tensor: torch.Tensor, op: str, group):
         return dist.all_reduce(tensor, op=getattr(dist.ReduceOp, NCCL_OPS[op]), group=state.group, async_op=True)
     entry.launcher(tensor)
     return Work(tensor)
-
-
-def _nccl_entry(state, x: Tensor, op: str, mode: str) -> Entry:
-    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
-    Under the deterministic setting a floating-point sum, mean or product takes the ordered
-    fallback's formula (autosymm.backends.nccl_ordered): NCCL's could round differently with
-    the call's size."""
-    reason = f"op {op}" if op != "sum" else f"dtype {x.dtype}"
-    if state.deterministic and needs_ordering(op, x.dtype):
-        decision = Decision(ALL_REDUCE.invariant_fallback, None, f"{reason} has no tuned kernel; deterministic: "
-                            f"NCCL all-gather + in-order {op}", mode=mode)
-        log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
-        return Entry(decision, ordered_all_reduce_launcher(state.group, state.world_size, op))
-    decision = Decision(ALL_REDUCE.fallback, None, f"{reason} has no tuned kernel: NCCL", mode=mode)
-    reduce_op = getattr(dist.ReduceOp, NCCL_OPS[op])
-    group = state.group
-
-    def launcher(t):
-        dist.all_reduce(t, op=reduce_op, group=group)
-        return t
-
-    log.info("autosymm: all_reduce %s %s -> %s", x.dtype, op, decision.describe())
-    return Entry(decision, launcher)
 
 
 def _all_reduce_(tensor: Tensor, op: str, group_name: str) -> None:

@@ -14,18 +14,16 @@ its replay checks the arguments.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..dist_compat import group_name as name_of_group, resolve_group
-from ..epilogue import DEFAULT, Epilogue, outputs_like, single_rank_launcher
+from ..epilogue import DEFAULT, Epilogue, outputs_like
 from ..problem import Problem, dtype_name
-from ..runtime.dispatch import Decision
-from ..runtime.entry import CustomOp, Door, prepare_call
-from ..runtime.group import STATES, Entry, check_traced, current_raw_stream, state_of, stream_capturing
+from ..runtime.entry import CustomOp, Door, prepare_call, refuse_call
+from ..runtime.group import STATES, check_traced, current_raw_stream, state_of, stream_capturing
 from ..runtime.replay import FUSED_HOT, FusedReplay, HotFused
 from ..spec import ALL_REDUCE_RMSNORM, KEY_CAPTURING, KEY_EXTRA, call_key
 from ..spec.all_reduce_rmsnorm import TWO_OUTPUT_QUANTS
@@ -36,29 +34,43 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 class AllReduceRMSNormDoor(Door):
+    """The fused op's entry; a call's arguments ``(x, residual, weight, scale, eps, gemma, quant)``
+    (the keywords as the caller gave them: checked with every rank)."""
+
     def call_text(self, key, args: tuple, mode: str) -> str:
         x, epilogue = args[0], key[KEY_EXTRA]
         ending = "" if epilogue == DEFAULT else f" with epilogue {epilogue.key}"
         return f"{self.name} of {x.dtype} {tuple(x.shape)}{ending} in {mode} mode"
 
-    def check_call(self, state, key, args: tuple, mode: str):
-        """This rank's checks (ValueError naming the bad tensor): the Problem, or a 'noop' Entry
-        without rows (the same on every rank: x's shape is replicated)."""
-        x, residual, weight, scale = args
-        epilogue = key[KEY_EXTRA]
+    def fingerprint(self, key, args: tuple, mode: str) -> dict:
+        """Door.fingerprint, and in eager mode the scale's value (a read-back: every rank's
+        quantized output depends on it; inside a capture only its presence, dtype and shape)."""
+        found = super().fingerprint(key, args, mode)
+        scale = args[3]
+        if mode == "eager" and isinstance(scale, Tensor) and scale.numel() == 1 and not scale.is_meta:
+            found["scale value"] = float(scale.reshape(-1)[0])
+        return found
+
+    def check_options(self, state, args: tuple) -> None:
+        x, residual, weight, scale, eps, gemma, quant = args
+        epilogue_of(residual, gemma, quant, scale)  # ValueError naming gemma, quant or scale
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"autosymm.{self.name}: eps={eps!r} must be a float >= 0")
+
+    def check_tensors(self, state, args: tuple, mode: str) -> None:
+        x, residual, weight, scale, eps, gemma, quant = args
         check_args(x, residual, weight, state.device, self.name)
+        epilogue = epilogue_of(residual, gemma, quant, scale)
         check_scale(x, epilogue, scale, state.device, self.name)
-        dtype = dtype_name(x.dtype)
-        n_tokens, hidden = int(x.shape[0]), int(x.shape[1])
-        default = epilogue == DEFAULT
-        if n_tokens == 0 or hidden == 0:
-            empty = _empty_call if default else partial(_empty_epilogue_call, epilogue)
-            return Entry(Decision("noop", None, "no rows: nothing to exchange", mode=mode), empty)
-        one_rank = self.spec.one_rank_reason(state.deterministic) if state.world_size == 1 else ""
-        if one_rank:
-            single = _single_rank_call if default else single_rank_launcher(epilogue)
-            return Entry(Decision("noop", None, one_rank, mode=mode), single)
-        return Problem.all_reduce_rmsnorm(n_tokens, hidden, dtype, state.world_size, epilogue=epilogue)
+        if quant is not None and torch.is_grad_enabled() and any(
+                getattr(t, "requires_grad", False) for t in (x, residual, weight)):
+            raise RuntimeError(f"autosymm.{self.name}: quant={quant!r} output has no gradient (a quantized output "
+                               "feeds a GEMM, not autograd); detach the inputs or run under torch.no_grad()")
+
+    def problem(self, state, key, args: tuple, mode: str) -> Problem:
+        x, residual, weight, scale, eps, gemma, quant = args
+        return Problem.all_reduce_rmsnorm(int(x.shape[0]), int(x.shape[1]), dtype_name(x.dtype), state.world_size,
+                                          epilogue=epilogue_of(residual, gemma, quant, scale))
 
     def custom_ops(self) -> tuple[CustomOp, ...]:
         # x is declared mutated: the NCCL path sums into it
@@ -68,7 +80,7 @@ class AllReduceRMSNormDoor(Door):
                          setup_context=autograd.fused_setup))
 
 
-DOOR = AllReduceRMSNormDoor(ALL_REDUCE_RMSNORM, arg_names=("x", "residual", "weight", "scale"))
+DOOR = AllReduceRMSNormDoor(ALL_REDUCE_RMSNORM, arg_names=("x", "residual", "weight", "scale", "eps", "gemma", "quant"))
 
 
 def all_reduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
@@ -120,12 +132,14 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
 def _epilogue_call(x, residual, weight, eps, group, gemma, quant, scale):
     """:func:`all_reduce_rmsnorm` with a non-default epilogue."""
-    epilogue = epilogue_of(residual, gemma, quant, scale)  # ValueError naming the argument, before anything runs
+    try:
+        epilogue = epilogue_of(residual, gemma, quant, scale)  # ValueError naming the argument
+    except ValueError:
+        return _refuse(x, residual, weight, eps, group, gemma, quant, scale)
     tensors = (x, weight) if residual is None else (x, residual, weight)
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
-        if quant is not None:
-            raise RuntimeError(f"autosymm.all_reduce_rmsnorm: quant={quant!r} output has no gradient (a quantized "
-                               "output feeds a GEMM, not autograd); detach the inputs or run under torch.no_grad()")
+        if quant is not None:  # no gradient of a quantized output: the door's checks say so, on every rank
+            return _refuse(x, residual, weight, eps, group, gemma, quant, scale)
         out, new_residual = torch.ops.autosymm.all_reduce_rmsnorm_functional(x, residual, weight, eps,
                                                                              name_of_group(group), gemma)
         if residual is not None:
@@ -139,13 +153,32 @@ def _epilogue_call(x, residual, weight, eps, group, gemma, quant, scale):
     return fused_call(x, residual, weight, eps, group, epilogue, scale)
 
 
+def _refuse(x, residual, weight, eps, group, gemma, quant, scale):
+    """A call whose keywords or grad requirements the door refuses: its error on every rank of a
+    first call (autosymm.runtime.entry.refuse_call); a tracer's call raises it alone (nothing runs)."""
+    args = (x, residual, weight, scale, eps, gemma, quant)
+    if type(x) is not torch.Tensor or _dynamo_compiling():
+        state = STATES.get(group)
+        device = state.device if state is not None else getattr(x, "device", None)
+        DOOR.check_options(None, args)
+        DOOR.check_tensors(_Placed(device), args, "eager")
+    return refuse_call(STATES.get(group) or state_of(group), DOOR, args)
+
+
+class _Placed:
+    """The group state's one field a tracer's checks read (the device)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+
 def fused_call(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, group,
                epilogue: Epilogue = DEFAULT, scale: Optional[torch.Tensor] = None):
     """The keyed eager path of :func:`all_reduce_rmsnorm` for plain tensors (the custom ops' impls)."""
     state = STATES.get(group) or state_of(group)
     default = epilogue == DEFAULT
     key = call_key(ALL_REDUCE_RMSNORM, x.dtype, x.shape, x.device, stream_capturing(), epilogue)
-    args = (x, residual, weight, scale)
+    args = (x, residual, weight, scale, eps, epilogue.gemma, epilogue.quant)
     try:
         check_args(x, residual, weight, state.device)  # every call, before anything runs (the key names x only)
         if not default:
@@ -166,24 +199,6 @@ def fused_call(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.
     if not key[KEY_CAPTURING] and type(launcher) is FusedReplay and not state.check_calls:  # checked: never hot
         FUSED_HOT[group] = HotFused(x.dtype, x.shape, launcher.device_index, entry, launcher)
     return launcher(x, residual, weight, eps)
-
-
-def _empty_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """No rows (on every rank alike): nothing to exchange."""
-    return torch.empty_like(x)
-
-
-def _single_rank_call(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """World size 1: the sum is ``x`` itself (left as it is, as the NCCL path leaves the sum), so
-    ``residual += x`` and the norm, without a collective."""
-    residual.add_(x)
-    return torch.nn.functional.rms_norm(residual, (x.shape[1],), weight, eps)
-
-
-def _empty_epilogue_call(epilogue: Epilogue, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, *,
-                         scale: Optional[Tensor] = None):
-    """No rows, a non-default epilogue: its empty outputs."""
-    return outputs_like(x, epilogue)
 
 
 def _call(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, group_name: str, gemma: bool,

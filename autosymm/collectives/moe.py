@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..backends.moe_inputs import check_index_ranges, check_inputs, ids_digest
 from ..dist_compat import group_name, resolve_group
+from ..problem import Problem
 from ..routing import ExptAssignment
 from ..runtime import moe_room
 from ..runtime.entry import CustomOp, Door, prepare_call
@@ -47,17 +48,21 @@ class MoEDoor(Door):
             found["expt_indx digest"] = ids_digest(args[2])
         return found
 
-    def check_call(self, state, key, args: tuple, mode: str):
+    def check_tensors(self, state, args: tuple, mode: str) -> None:
         src, assignment, expt_indx, indx = args
         check_tensor(src, state, self.name, "src")
         if src.dim() != 2 or expt_indx.dim() != 2:
             raise ValueError(f"autosymm.{self.name}: src {tuple(src.shape)} and expt_indx {tuple(expt_indx.shape)} "
                              f"must be 2-D ([rows, d_model], [n_tokens_global, k])")
-        problem = self.spec.problem_of_key(key, state.world_size)
-        check_inputs(problem, state.device, state.world_size, src, assignment, expt_indx, indx)
+        check_inputs(self.problem(state, None, args, mode), state.device, state.world_size, src, assignment,
+                     expt_indx, indx)
         if mode == "eager":  # a range check reads the indices back: not inside a capture
             check_index_ranges(self.name, expt_indx, indx, assignment.expt_owner, state.world_size)
-        return problem
+
+    def problem(self, state, key, args: tuple, mode: str) -> Problem:
+        src, assignment, expt_indx, _ = args
+        return self.spec.problem_of_key(_key(self.spec, src, assignment, expt_indx, mode == "graph"),
+                                        state.world_size)
 
     def prepare(self, state, problem, mode: str):
         """After growing the MoE region (eager; collective) where only room stops the Triton
@@ -113,13 +118,18 @@ def convert_ep_to_dp(src: torch.Tensor, expt_assignment, expt_indx: torch.Tensor
 def _moe_call(door: MoEDoor, src, expt_assignment, expt_indx, indx, group):
     """A MoE conversion of plain tensors, eager or captured."""
     state = STATES.get(group) or state_of(group)
-    key = call_key(door.spec, src.dtype, src.shape, src.device, stream_capturing(),
-                   (int(expt_assignment.expt_map.shape[1]), expt_indx.shape))
+    key = _key(door.spec, src, expt_assignment, expt_indx, stream_capturing())
     entry = state.cache.get(key)
     if entry is None:
         entry = prepare_call(state, door, key, (src, expt_assignment, expt_indx, indx))
     entry.calls += 1
     return entry.launcher(src, expt_assignment, expt_indx, indx)
+
+
+def _key(spec, src: Tensor, assignment, expt_indx: Tensor, capturing: bool):
+    """A conversion's call key: src's dtype, shape and device, (experts in total, expt_indx's shape)."""
+    return call_key(spec, src.dtype, src.shape, src.device, capturing, (int(assignment.expt_map.shape[1]),
+                                                                        expt_indx.shape))
 
 
 def _assignment_args(a) -> tuple[list[torch.Tensor], list[int]]:

@@ -14,7 +14,6 @@ reduce op name, sizes or None))``; the call's arguments ``(output, input, op, si
 
 from __future__ import annotations
 
-import logging
 import math
 import operator
 from typing import Optional, Sequence
@@ -23,17 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.nccl_ordered import needs_ordering, ordered_reduce_scatter_launcher
-from ..backends.nccl_rs_ag import reduce_scatter_launcher
 from ..dist_compat import Work, group_name, reduce_op_name, resolve_group
-from ..problem import DTYPE_NAMES, Problem
-from ..runtime.dispatch import Decision
+from ..problem import Problem, any_dtype_name
 from ..runtime.entry import CustomOp, Door, prepare_call, refuse_call
-from ..runtime.group import STATES, Entry, check_tensor, check_traced, dense_error, state_of, stream_capturing
+from ..runtime.group import STATES, check_tensor, check_traced, dense_error, state_of, stream_capturing
 from ..spec import KEY_EXTRA, REDUCE_SCATTER, call_key
-from ..spec.all_reduce import NCCL_OPS, check_reducible
-
-log = logging.getLogger("autosymm")
+from ..spec.all_reduce import check_reducible
 
 _SUM = dist.ReduceOp.SUM
 _Tensor = torch.Tensor
@@ -97,14 +91,10 @@ def shards_text(shard: Tensor, sizes: Optional[Sequence[int]]) -> str:
 class ShardedDoor(Door):
     """The reduce-scatter's and the all-gather's entry: a full tensor and its dim-0 shards."""
 
-    def single_rank_entry(self, mode: str) -> Entry:
-        """World size 1: one copy of the whole tensor (none when output and input are one tensor)."""
-        def launcher(output: Tensor, input: Tensor, counts=None) -> Tensor:
-            if output.data_ptr() != input.data_ptr():
-                output.view(-1).copy_(input.reshape(-1))
-            return output
-
-        return Entry(Decision("noop", None, self.spec.one_rank_reason(False), mode=mode), launcher)
+    def check_options(self, state, args: tuple) -> None:
+        sizes = args[-1]
+        if sizes is not None:
+            checked_sizes(sizes, self.name)
 
 
 def checked_tensors(door: Door, state, output: Tensor, input: Tensor) -> None:
@@ -117,19 +107,20 @@ class ReduceScatterDoor(ShardedDoor):
         output, input, op, sizes = args
         return f"{self.name} of {input.dtype} {tuple(input.shape)} -> {shards_text(output, sizes)} op={op} in {mode} mode"
 
-    def check_call(self, state, key: tuple, args: tuple, mode: str):
+    def check_options(self, state, args: tuple) -> None:
+        reduce_op_name(args[2])
+        super().check_options(state, args)
+
+    def check_tensors(self, state, args: tuple, mode: str) -> None:
         output, input, op, sizes = args
         checked_tensors(self, state, output, input)
-        if op not in NCCL_OPS:
-            raise ValueError(f"autosymm.reduce_scatter_tensor: op={op!r} is not one of {sorted(NCCL_OPS)}")
         check_reducible(input.dtype, self.name)
         shard_counts(self, input, output, sizes, state.rank, state.world_size)
-        if state.world_size == 1:
-            return self.single_rank_entry(mode)
-        dtype = DTYPE_NAMES.get(input.dtype)
-        if op == "sum" and dtype is not None:
-            return Problem(self.name, dtype, state.world_size, nbytes=input.numel() * input.element_size())
-        return _nccl_entry(state, input, op, mode)
+
+    def problem(self, state, key, args: tuple, mode: str) -> Problem:
+        output, input, op, sizes = args
+        return Problem(self.name, any_dtype_name(input.dtype), state.world_size,
+                       nbytes=input.numel() * input.element_size(), reduce_op=reduce_op_name(op))
 
     def bytes_per_call(self, args: tuple) -> int:
         return args[1].numel() * args[1].element_size()
@@ -155,13 +146,16 @@ def traced(what: str, *tensors: torch.Tensor) -> bool:
     return False
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, sizes, group):
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, sizes, group):
     state = STATES.get(group) or state_of(group)
     try:
         key = call_key(REDUCE_SCATTER, input.dtype, input.shape, input.device, stream_capturing(),
-                       (output.shape, op, None if sizes is None else checked_sizes(sizes, "reduce_scatterv")))
-    except (AttributeError, TypeError):  # not a tensor, or sizes not ints: the checks name which, on every rank
+                       (output.shape, reduce_op_name(op),
+                        None if sizes is None else checked_sizes(sizes, "reduce_scatterv")))
+    except (AttributeError, TypeError, ValueError):
+        # not a tensor, an unknown op, sizes not ints: the checks name which, on every rank
         return refuse_call(state, DOOR, (output, input, op, sizes))
+    op = key[KEY_EXTRA][1]
     sizes = key[KEY_EXTRA][2]
     return run_sharded(state, DOOR, key, (output, input, op, sizes), sizes, math.prod(output.shape[1:]))
 
@@ -200,15 +194,14 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=_SUM, gr
     stream. Both tensors contiguous, on the group's device, one dtype. Under torch.compile the call
     is ``torch.ops.autosymm.reduce_scatter_tensor`` (functional; copied into ``output``).
     """
-    name = reduce_op_name(op)
     if traced("reduce_scatter_tensor", output, input):
         if async_op:
             raise RuntimeError("autosymm.reduce_scatter_tensor: async_op=True cannot be traced; drop async_op")
         world_size = dist.get_world_size(group)
-        output.copy_(torch.ops.autosymm.reduce_scatter_tensor(input, name, world_size, group_name(group))
-                     .view(output.shape))
+        output.copy_(torch.ops.autosymm.reduce_scatter_tensor(input, reduce_op_name(op), world_size,
+                                                              group_name(group)).view(output.shape))
         return None
-    _reduce_scatter(output, input, name, None, group)
+    _reduce_scatter(output, input, op, None, group)
     return Work(output) if async_op else None  # the work is queued on the current stream
 
 
@@ -219,21 +212,6 @@ def reduce_scatterv(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[i
     only (a per-rank split copies its bounds table to the device on its first call: make that
     call before capturing a CUDA graph)."""
     return _reduce_scatter(output, input, "sum", sizes, group)
-
-
-def _nccl_entry(state, input: Tensor, op: str, mode: str):
-    """Only sums of bf16/fp16/fp32 have tuned kernels; NCCL serves the rest on every rank alike.
-    Under the deterministic setting a floating-point sum, mean or product takes the ordered
-    fallback's formula (autosymm.backends.nccl_ordered)."""
-    reason = f"op {op}" if op != "sum" else f"dtype {input.dtype}"
-    if state.deterministic and needs_ordering(op, input.dtype):
-        decision = Decision(REDUCE_SCATTER.invariant_fallback, None, f"{reason} has no tuned kernel; deterministic: "
-                            f"NCCL all-to-all + in-order {op}", mode=mode)
-        log.info("autosymm: reduce_scatter %s %s -> %s", input.dtype, op, decision.describe())
-        return Entry(decision, ordered_reduce_scatter_launcher(state.group, state.world_size, state.rank, op))
-    decision = Decision(REDUCE_SCATTER.fallback, None, f"{reason} has no tuned kernel: NCCL", mode=mode)
-    log.info("autosymm: reduce_scatter %s %s -> %s", input.dtype, op, decision.describe())
-    return Entry(decision, reduce_scatter_launcher(state.group, getattr(dist.ReduceOp, NCCL_OPS[op])))
 
 
 def _reduce_scatter_tensor(input: Tensor, op: str, group_size: int, group_name: str) -> Tensor:

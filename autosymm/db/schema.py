@@ -102,8 +102,9 @@ class Key(NamedTuple):
 
     @classmethod
     def for_problem(cls, hardware: str, problem: Any, mode: str = "eager") -> "Key":
-        """The key of an autosymm.problem.Problem on ``hardware`` in ``mode``."""
-        return cls(hardware, problem.world_size, problem.op, problem.dtype, problem.bucket,
+        """The key of an autosymm.problem.Problem on ``hardware`` in ``mode`` (its dtype: the rows'
+        that decide it, autosymm.spec.OpSpec.key_dtype)."""
+        return cls(hardware, problem.world_size, problem.op, problem.record.key_dtype(problem), problem.bucket,
                    problem.shape_key, mode)
 
 

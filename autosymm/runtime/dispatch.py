@@ -1,14 +1,18 @@
-"""Problem -> Decision: which backend and config serve a call, and why.
+"""Problem -> Decision: which backend and config serve a call, and why. The one decider: every
+call of every op, inside the tuned domain or not, is decided here (the front doors only check
+and launch), so ``autosymm.explain`` answers for every call.
 
 The decision is a pure function of (problem, mode, capabilities, database rows), so every rank
 that sees the same databases decides the same (autosymm.runtime.group agrees on the databases'
 digest across ranks once per group, and caches each prepared call by its autosymm.spec.CallKey).
-Each op's spec (autosymm.spec.OpSpec) gives its fallbacks, lookups and growth model. Rules, in
-order: 1. ``AUTOSYMM_DISABLE=1`` -> :func:`last_resort`; 2. an op that runs no collective over one
-rank, at world size 1 -> ``noop``; 3. a group spanning nodes -> :func:`last_resort` (NCCL); 4. the
+Each op's spec (autosymm.spec.OpSpec) gives its domain, fallbacks, lookups and growth model.
+Rules, in order: 1. nothing to exchange (an empty call; one rank, where the op's spec says a
+rank alone holds the result) -> ``noop``; 2. ``AUTOSYMM_DISABLE=1`` -> :func:`last_resort`; 3. a
+group spanning nodes -> :func:`last_resort` (NCCL); 4. a call outside the op's tuned domain (a
+reduction or dtype no kernel computes) -> :func:`fallback_decision`, no row read; 5. the
 databases' rows under the op's lookups, each modelled at the call, the fastest trusted one whose
-backend can serve wins; 5. nothing usable -> :func:`fallback_decision` (the op's ``fallback_order``).
-``deterministic``: only batch-invariant backends serve.
+backend can serve wins; 6. nothing usable -> :func:`fallback_decision` (the op's
+``fallback_order``). ``deterministic``: only backends batch-invariant for the call serve.
 
 Design notes: docs/DISPATCH.md#runtime-dispatch
 """
@@ -43,6 +47,7 @@ class Decision:
     mode: str = "eager"
     skipped: tuple[str, ...] = field(default=(), compare=False)  # "backend: why" of faster rows passed over
     measured: bool = False  # expected_us is the row's own time (the call's size, dtype, shape, mode), not modelled
+    hardware: str = ""  # the hardware slug decided for (autosymm.hardware)
 
     @property
     def tuned(self) -> bool:
@@ -62,6 +67,9 @@ class Decision:
         text += f" - {self.reason}"
         if self.source:
             text += f" ({Path(self.source).name})"
+        timed = self.expected_us is not None or self.backend == "noop"
+        if self.hardware or not timed:
+            text += f" [{'on ' + self.hardware if self.hardware else ''}{'' if timed else ': no measured time'}]"
         return text
 
 
@@ -70,7 +78,7 @@ def last_resort(problem: Problem, deterministic: bool = False) -> str:
     its ``invariant_fallback`` unless the fallback is batch-invariant itself (RuntimeError for an
     op that has neither: no call of it may break the setting)."""
     record = problem.record
-    if not deterministic or get_backend(record.fallback).batch_invariant:
+    if not deterministic or get_backend(record.fallback).invariant_for(problem):
         return record.fallback
     if not record.invariant_fallback:
         raise RuntimeError(f"autosymm: {problem.describe()} has no batch-invariant backend; "
@@ -78,36 +86,50 @@ def last_resort(problem: Problem, deterministic: bool = False) -> str:
     return record.invariant_fallback
 
 
+def unagreed_decision(problem: Problem, mode: str, why: str, deterministic: bool = False,
+                      hardware: str = "") -> Decision:
+    """The decision of every call on a group whose ranks failed or disagree at set-up (``why``):
+    :func:`last_resort` on every rank (nothing to exchange: 'noop', as anywhere)."""
+    record = problem.record
+    nothing = record.empty_reason(problem) or (record.one_rank_reason(deterministic) if problem.world_size == 1
+                                               else "")
+    backend = "noop" if nothing else last_resort(problem, deterministic)
+    return Decision(backend, None, nothing or f"ranks failed or disagree at set-up ({why})", bucket=problem.bucket,
+                    mode=mode, hardware=hardware)
+
+
 def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str,
-                      deterministic: bool = False) -> Decision:
+                      deterministic: bool = False, hardware: str = "") -> Decision:
     """The decision when no tuned row serves ``problem``: the first backend of the op's
-    ``fallback_order`` that can serve it (batch-invariant, with ``deterministic``), with its
-    ``fallback_config``; else :func:`last_resort`."""
+    ``fallback_order`` that can serve it (batch-invariant for the call, with ``deterministic``),
+    with its ``fallback_config``; else :func:`last_resort`."""
     for name in problem.record.fallback_order:
         backend = get_backend(name)
-        if (not deterministic or backend.batch_invariant) and backend.why_not(problem, caps, mode) is None:
+        if (not deterministic or backend.invariant_for(problem)) and backend.why_not(problem, caps, mode) is None:
             config = backend.fallback_config(problem)
             note = "; untuned default config" if config is not None else ""
-            return Decision(name, config, reason + note, bucket=problem.bucket, mode=mode)
+            return Decision(name, config, reason + note, bucket=problem.bucket, mode=mode, hardware=hardware)
     note = "; deterministic: batch-invariant backends only" if deterministic else ""
-    return Decision(last_resort(problem, deterministic), None, reason + note, bucket=problem.bucket, mode=mode)
+    return Decision(last_resort(problem, deterministic), None, reason + note, bucket=problem.bucket, mode=mode,
+                    hardware=hardware)
 
 
 def _lookups(problem: Problem, mode: str):
     """(dtype, row mode, nearest shape?, note) lookups in order of preference (the op's
     spec's :class:`~autosymm.spec.Lookups`)."""
     lookups = problem.record.lookups
+    dtype = problem.record.key_dtype(problem)
     other = "graph" if mode == "eager" else "eager"
-    yield problem.dtype, mode, False, ""
+    yield dtype, mode, False, ""
     if lookups.other_mode:
-        yield problem.dtype, other, False, f"no {mode}-mode row, using the {other}-mode row"
-    if problem.dtype != "bf16" and lookups.bf16_same_bytes:
-        yield "bf16", mode, False, f"no {problem.dtype} row, using the bf16 row of the same byte size"
-        yield "bf16", other, False, f"no {problem.dtype} row, using the bf16 {other}-mode row"
+        yield dtype, other, False, f"no {mode}-mode row, using the {other}-mode row"
+    if dtype != "bf16" and lookups.bf16_same_bytes:
+        yield "bf16", mode, False, f"no {dtype} row, using the bf16 row of the same byte size"
+        yield "bf16", other, False, f"no {dtype} row, using the bf16 {other}-mode row"
     if lookups.nearest_shape:
-        yield problem.dtype, mode, True, ""
+        yield dtype, mode, True, ""
         if lookups.other_mode:
-            yield problem.dtype, other, True, f"no {mode}-mode row, using the {other}-mode row"
+            yield dtype, other, True, f"no {mode}-mode row, using the {other}-mode row"
 
 
 def _rows_for(problem: Problem, key: Key, nearest: bool,
@@ -146,17 +168,24 @@ def _between(problem: Problem, points: tuple[int, ...]) -> str:
 
 def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str,
            deterministic: bool = False) -> Decision:
-    """The decision for ``problem`` in ``mode`` (the rules: docs/DISPATCH.md#runtime-dispatch)."""
+    """The decision for ``problem`` in ``mode`` (the rules: the module docstring and
+    docs/DISPATCH.md#runtime-dispatch)."""
     record = problem.record
+
+    def plain(backend: str, reason: str) -> Decision:
+        return Decision(backend, None, reason, bucket=problem.bucket, mode=mode, hardware=hardware)
+
+    nothing = record.empty_reason(problem) or (record.one_rank_reason(deterministic) if problem.world_size == 1
+                                               else "")
+    if nothing:
+        return plain("noop", nothing)
     if settings.disabled():
-        return Decision(last_resort(problem, deterministic), None, "AUTOSYMM_DISABLE=1", bucket=problem.bucket,
-                        mode=mode)
-    one_rank = record.one_rank_reason(deterministic) if problem.world_size == 1 else ""
-    if one_rank:
-        return Decision("noop", None, one_rank, bucket=problem.bucket, mode=mode)
+        return plain(last_resort(problem, deterministic), "AUTOSYMM_DISABLE=1")
     if not caps.intra_node:
-        return Decision(last_resort(problem, deterministic), None, "group spans nodes: NCCL", bucket=problem.bucket,
-                        mode=mode)
+        return plain(last_resort(problem, deterministic), "group spans nodes: NCCL")
+    outside = record.outside_domain(problem)
+    if outside:
+        return fallback_decision(problem, mode, caps, outside, deterministic, hardware)
     skipped: list[str] = []
     key = Key.for_problem(hardware, problem, mode)
     for dtype, row_mode, nearest, note in _lookups(problem, mode):
@@ -172,9 +201,9 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
                 if text not in skipped:
                     skipped.append(text)
                 continue
-            return _decision(problem, mode, candidate, ranked, (how, note), skipped)
+            return replace(_decision(problem, mode, candidate, ranked, (how, note), skipped), hardware=hardware)
     reason = "no tuned row for this hardware/world size/shape" if not skipped else "no tuned backend can serve the call"
-    decision = fallback_decision(problem, mode, caps, reason, deterministic)
+    decision = fallback_decision(problem, mode, caps, reason, deterministic, hardware)
     return replace(decision, skipped=tuple(skipped))
 
 
@@ -206,6 +235,6 @@ def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str,
         backend = get_backend(backend_name)
     except (KeyError, ImportError) as exc:
         return f"not available here ({exc})"
-    if deterministic and not backend.batch_invariant:
+    if deterministic and not backend.invariant_for(problem):
         return "not batch-invariant (deterministic)"
     return backend.why_not(problem, caps, mode)

@@ -1,7 +1,7 @@
-"""The entry half of a collective (:class:`Door`: its checks, the text and fingerprint the ranks
-compare, how a checked call is prepared, its custom ops), and the one path every public call
-takes on the first call of a key (:func:`prepare_call`) or with arguments no key can be built of
-(:func:`refuse_call`). Each op's door, public function and hot path live in its module of
+"""The entry half of a collective (:class:`Door`: its checks in the one order of every door, the
+text and fingerprint the ranks compare, how a checked call is prepared, its custom ops), and the
+one path every public call takes on the first call of a key (:func:`prepare_call`) or with
+arguments no key can be built of (:func:`refuse_call`). Each op's door, public function and hot path live in its module of
 autosymm.collectives; its key is an autosymm.spec.CallKey, built by ``call_key`` only.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ..problem import Problem
 from ..spec import CallKey, OpSpec, key_mode
 from .call_check import checked_entry, fingerprint
 from .group import Entry, stream_capturing
@@ -31,11 +32,20 @@ class CustomOp:
 
 
 class Door:
-    """A collective's entry: ``spec`` (its autosymm.spec.OpSpec), ``arg_names`` (its entry's
-    arguments, as the checked mode names them) and ``prepare_in_check`` (the decision and
-    launcher are made inside the agreed check; False when preparing may run a collective, as
-    growing the MoE region does). Subclasses give :meth:`call_text`, :meth:`check_call` and
-    :meth:`custom_ops`; ``args`` is the call's tensors and values in the entry's order."""
+    """A collective's entry: ``spec`` (its autosymm.spec.OpSpec) and ``arg_names`` (its call's
+    arguments in the entry's order, as errors and the checked mode name them). ``args`` is the
+    call's arguments in that order, as the caller gave them (a keyword option unparsed), so that
+    every check of them runs inside the step that shares a failure with every rank.
+
+    A door checks and launches; it never decides (autosymm.runtime.dispatch does). Its checks
+    run in the one order :meth:`check_call` fixes for every door: :meth:`check_options` (the
+    non-tensor arguments: a reduce op, epilogue keywords, per-rank sizes), then
+    :meth:`check_tensors` (each tensor's type, layout, dtype, device, contiguity, shape and grad
+    requirement, and how the tensors fit together), then :meth:`problem` (what the call is, for
+    the dispatcher). Each raises a ValueError (TypeError for a wrong kind of argument) naming the
+    argument. ``prepare_in_check``: the decision and launcher are made inside the agreed check
+    (False when preparing may run a collective, as growing the MoE region does). Subclasses give
+    :meth:`call_text`, the three checks they need and :meth:`custom_ops`."""
 
     prepare_in_check = True
 
@@ -48,12 +58,24 @@ class Door:
 
     def fingerprint(self, key: Optional[CallKey], args: tuple, mode: str) -> dict[str, Any]:
         """What the checked mode (AUTOSYMM_CHECK_CALLS) compares across ranks on every call: each
-        argument by :attr:`arg_names` (a tensor's dtype and shape) and the mode."""
+        argument by :attr:`arg_names` (a tensor's dtype and shape, a value itself) and the mode."""
         return fingerprint(self.name, args, self.arg_names, mode=mode)
 
-    def check_call(self, state, key: Optional[CallKey], args: tuple, mode: str) -> Any:
-        """This rank's checks of a new call (local: no collective; ValueError naming the bad
-        tensor): its Problem, or a prepared Entry where no database decides (e.g. 'noop')."""
+    def check_call(self, state, key: Optional[CallKey], args: tuple, mode: str) -> Problem:
+        """This rank's checks of a call, in the one order of every door (local: no collective):
+        its Problem, or the first error."""
+        self.check_options(state, args)
+        self.check_tensors(state, args, mode)
+        return self.problem(state, key, args, mode)
+
+    def check_options(self, state, args: tuple) -> None:
+        """The call's non-tensor arguments (see the class docstring)."""
+
+    def check_tensors(self, state, args: tuple, mode: str) -> None:
+        """The call's tensors (see the class docstring)."""
+
+    def problem(self, state, key: Optional[CallKey], args: tuple, mode: str) -> Problem:
+        """The checked call as the dispatcher sees it."""
         raise NotImplementedError(self.name)
 
     def prepare(self, state, problem, mode: str):
@@ -86,10 +108,8 @@ def prepare_call(state, door: Door, key: CallKey, args: tuple):
             return entry
 
     def local():
-        found = door.check_call(state, key, args, mode)
-        if door.prepare_in_check and not isinstance(found, Entry):
-            return door.prepare(state, found, mode)
-        return found
+        problem = door.check_call(state, key, args, mode)
+        return door.prepare(state, problem, mode) if door.prepare_in_check else problem
 
     found = state.agreed_check(door.call_text(key, args, mode), local)
     entry = found if isinstance(found, Entry) else door.prepare(state, found, mode)

@@ -148,9 +148,7 @@ class GroupState:
 
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:
-            return Decision(dispatch.last_resort(problem, self.deterministic), None,
-                            f"ranks failed or disagree at set-up ({self.safe_reason})", bucket=problem.bucket,
-                            mode=mode)
+            return dispatch.unagreed_decision(problem, mode, self.safe_reason, self.deterministic, self.hardware)
         return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware, self.deterministic)
 
     def set_deterministic(self, value: bool) -> None:
@@ -167,18 +165,14 @@ class GroupState:
     def prepare(self, problem: Problem, mode: str) -> Entry:
         decision = self.decide(problem, mode)
         log.info("autosymm: %s %s -> %s", problem.describe(), mode, decision.describe())
-        if decision.backend == "noop":
-            launcher = identity
-        else:
-            backend = get_backend(decision.backend)
-            if mode == "graph" and not backend.needs.graph_capturable:
-                skipped = "; ".join(decision.skipped) or "none"
-                raise RuntimeError(
-                    f"autosymm: {problem.describe()} cannot be captured in a CUDA graph: only {decision.backend} "
-                    f"can serve it ({decision.reason}; passed over: {skipped}). A larger workspace "
-                    f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
-            launcher = wrap_eager(backend.prepare(problem, decision.config, self.ctx), decision)
-        return Entry(decision, launcher)
+        backend = get_backend(decision.backend)
+        if mode == "graph" and not backend.needs.graph_capturable:
+            skipped = "; ".join(decision.skipped) or "none"
+            raise RuntimeError(
+                f"autosymm: {problem.describe()} cannot be captured in a CUDA graph: only {decision.backend} "
+                f"can serve it ({decision.reason}; passed over: {skipped}). A larger workspace "
+                f"(AUTOSYMM_WORKSPACE_BYTES) lets the Triton kernels serve it; or run this call eagerly")
+        return Entry(decision, wrap_eager(backend.prepare(problem, decision.config, self.ctx), decision))
 
     def agree_once(self, call: str) -> None:
         """Agree on ``call`` (text that must match on every rank) on its first use on this group,
@@ -264,10 +258,6 @@ def check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> No
 
 def _nothing() -> None:
     return None
-
-
-def identity(x, *args):
-    return x
 
 
 STATES: dict[Any, GroupState] = {}

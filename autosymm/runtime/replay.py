@@ -19,7 +19,7 @@ import logging
 import threading
 import types
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -93,6 +93,15 @@ STAGING_LISTENERS.append(forget_all)  # a workspace's new staging limits void ev
 def replay_enabled() -> bool:
     """False when AUTOSYMM_EAGER_REPLAY asks for plain launches (a switch: 0, false, no, off)."""
     return settings.get("AUTOSYMM_EAGER_REPLAY")
+
+
+class Launched(NamedTuple):
+    """What :func:`wrap_eager` reads of a prepared call: its backend, config and mode (a
+    Decision has them; the tuner's candidates give them without one)."""
+
+    backend: str
+    config: Any
+    mode: str
 
 
 def wrap_eager(launcher: Any, decision: Any, *, capture: Optional[Callable[[Callable[[], None], Any], Any]] = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..problem import register_specs, spec_of
 from .all_reduce import ALL_REDUCE
 from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
-from .base import (BYTES, NO_SHAPE, TOKENS, BucketUnit, BytesKeyed, CallKey, Lookups, OpSpec, PointRequest, ShapeKind,
+from .base import (BYTES, NO_SHAPE, TOKENS, BucketUnit, BytesKeyed, CallKey, Domain, Lookups, OpSpec, PointRequest, ShapeKind,
                    TokensKeyed, TuningPoints, call_key)
 from .base import KEY_CAPTURING, KEY_DTYPE, KEY_EXTRA, KEY_SHAPE, KEY_SPEC, key_mode
 from .moe import DP_TO_EP, EP_TO_DP
@@ -35,6 +35,6 @@ def default_tuned() -> tuple[str, ...]:
 
 
 __all__ = ["ALL", "ALL_GATHER", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "BYTES", "BucketUnit", "BytesKeyed", "CallKey",
-           "DP_TO_EP", "EP_TO_DP", "Lookups", "NO_SHAPE", "OpSpec", "PointRequest", "REDUCE_SCATTER", "ShapeKind",
+           "DP_TO_EP", "Domain", "EP_TO_DP", "Lookups", "NO_SHAPE", "OpSpec", "PointRequest", "REDUCE_SCATTER", "ShapeKind",
            "KEY_CAPTURING", "KEY_DTYPE", "KEY_EXTRA", "KEY_SHAPE",
            "KEY_SPEC", "TOKENS", "TokensKeyed", "TuningPoints", "call_key", "key_mode", "default_tuned", "get", "names"]

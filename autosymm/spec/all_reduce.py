@@ -11,7 +11,7 @@ import torch
 from ..configs import AllReduceConfig
 from ..dist_compat import REDUCE_OP_NAMES
 from ..problem import DTYPE_NAMES, octave_points
-from .base import BytesKeyed, Lookups, TuningPoints
+from .base import BytesKeyed, Domain, Lookups, TuningPoints
 
 #: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
 NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
@@ -24,6 +24,16 @@ UNREDUCIBLE = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "floa
 #: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
 SIZES_SPEC = "4KiB:256MiB:2"
 SIZES = tuple(octave_points(4 << 10, 256 << 20, 2))
+
+
+#: The reductions whose result can depend on the order of the ranks' values (floating point).
+ORDERED_OPS = ("sum", "avg", "product")
+
+
+def needs_ordering(op: str, dtype: torch.dtype) -> bool:
+    """Whether NCCL's ``op`` over ``dtype`` can round differently with the call's size or algorithm
+    (floating-point sums, means and products); max, min, bitwise and integer ops are exact."""
+    return op in ORDERED_OPS and (dtype.is_floating_point or dtype.is_complex)
 
 
 def check_reducible(dtype: torch.dtype, what: str) -> None:
@@ -40,6 +50,9 @@ class AllReduceSpec(BytesKeyed):
         return "world size 1: nothing to exchange"  # any reduction over one rank is the identity
 
 
+#: The all-reduce's and reduce-scatter's tuned domain: sums of the kernels' dtypes.
+SUMS = Domain(reduce_ops=("sum",))
+
 ALL_REDUCE = AllReduceSpec("all_reduce", fallback="nccl", fallback_order=("nccl",), points=TuningPoints(sizes=SIZES),
                            config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
-                           invariant_fallback="nccl_ordered")
+                           invariant_fallback="nccl_ordered", domain=SUMS, local="autosymm.backends.local:identity")

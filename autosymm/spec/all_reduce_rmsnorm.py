@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..configs import FlashInferFusedConfig, FusedConfig
 from ..epilogue import DEFAULT, NVFP4_BLOCK, QUANTS, Epilogue
-from ..problem import Problem
+from ..problem import DTYPES, Problem
 from .base import PointRequest, ShapeKind, TokensKeyed, TuningPoints
 from .moe import TOKENS
 
@@ -95,9 +95,11 @@ HIDDEN_SHAPE = ShapeKind("hidden", option="--hidden", option_dest="hidden", requ
 @dataclass(frozen=True, eq=False)
 class AllReduceRMSNormSpec(TokensKeyed):
     def check_problem(self, problem: Problem) -> None:
-        if problem.hidden < 1 or problem.n_tokens_local < 1:
-            raise ValueError(f"all_reduce_rmsnorm needs hidden >= 1 and n_tokens_local >= 1, got "
+        if problem.hidden < 0 or problem.n_tokens_local < 0:
+            raise ValueError(f"all_reduce_rmsnorm needs hidden >= 0 and n_tokens_local >= 0, got "
                              f"hidden={problem.hidden}, n_tokens_local={problem.n_tokens_local}")
+        if problem.dtype not in DTYPES:
+            raise ValueError(f"all_reduce_rmsnorm: dtype={problem.dtype!r} is not one of {sorted(DTYPES)}")
         if problem.epilogue is None:  # a Problem built without one: the default epilogue
             object.__setattr__(problem, "epilogue", DEFAULT)
         check_problem_epilogue(problem.epilogue, problem.hidden, self.name)
@@ -119,6 +121,9 @@ class AllReduceRMSNormSpec(TokensKeyed):
         # deterministic: the ordered fallback, whose norm follows its fixed tree (torch's may not)
         return "" if deterministic else "world size 1: nothing to exchange; add + rms_norm"
 
+    def empty_reason(self, problem: Problem) -> str:
+        return "no rows: nothing to exchange" if problem.n_tokens_local == 0 or problem.hidden == 0 else ""
+
     def problem_hint(self) -> str:
         return "autosymm.Problem.all_reduce_rmsnorm(n_tokens_local, hidden, dtype, world_size, epilogue=...)"
 
@@ -128,4 +133,5 @@ ALL_REDUCE_RMSNORM = AllReduceRMSNormSpec("all_reduce_rmsnorm", fallback="nccl_f
                                           other_config_types=(FlashInferFusedConfig,),
                                           points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS,
                                                               epilogues=(DEFAULT,)),
-                                          tuned_by_default=False, invariant_fallback="nccl_ordered_fused")
+                                          tuned_by_default=False, invariant_fallback="nccl_ordered_fused",
+                                          local="autosymm.epilogue:local_launcher")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
-from ..problem import MoEShape, Problem, format_bytes, parse_bytes, spec_of
+from ..problem import DTYPES, MoEShape, Problem, format_bytes, parse_bytes, spec_of
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,19 @@ class Lookups:
 
 
 @dataclass(frozen=True)
+class Domain:
+    """The calls an op's database rows can decide (its tuned domain): ``dtypes`` (the kernels'),
+    ``reduce_ops`` (a reducing op's: the kernels sum; () for ops that reduce nothing) and
+    ``keyed_as`` (a dtype outside ``dtypes`` whose calls take that dtype's rows of the same
+    bytes: an all-gather copies bytes; '' none). The dispatcher serves a call outside it from
+    the op's fallbacks, without reading a row."""
+
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    reduce_ops: tuple[str, ...] = ()
+    keyed_as: str = ""
+
+
+@dataclass(frozen=True)
 class TuningPoints:
     """An op's default tuning points (``autosymm tune`` without options), as data: ``sizes``
     (bytes), ``moe_shapes``, ``hidden`` sizes (elements per row), ``tokens`` per rank, and
@@ -128,7 +141,10 @@ class OpSpec:
     call); ``lookups`` and the growth model (:meth:`moved_ratio`) of the dispatcher; its default
     tuning ``points``; ``tuned_by_default`` (in `autosymm tune`'s default ``--ops``);
     ``invariant_fallback`` (the batch-invariant backend that always serves it under the
-    ``deterministic`` setting where the ``fallback_order`` has none; '' when that order has one).
+    ``deterministic`` setting where the ``fallback_order`` has none; '' when that order has one);
+    ``domain`` (the calls its rows can decide: :class:`Domain`); ``local`` (the entry
+    'module:function' making the launcher of a call with nothing to exchange, the backend
+    'noop': ``local(problem) -> launcher``; '' where every call exchanges).
     Subclasses (one module per op) give :meth:`check_problem` and :meth:`problems`."""
 
     unit: ClassVar[BucketUnit]
@@ -142,6 +158,8 @@ class OpSpec:
     shape: ShapeKind = NO_SHAPE
     tuned_by_default: bool = True
     invariant_fallback: str = ""
+    domain: Domain = Domain()
+    local: str = ""
 
     def __post_init__(self) -> None:
         if not self.fallback_order or self.fallback_order[-1] != self.fallback:
@@ -176,8 +194,26 @@ class OpSpec:
 
     def one_rank_reason(self, deterministic: bool) -> str:
         """Why a call over a one-rank group runs no collective (its decision is backend 'noop'),
-        or '' where a backend serves it; the dispatcher and the entry's checks both ask."""
+        or '' where a backend serves it (the dispatcher asks)."""
         return ""
+
+    def empty_reason(self, problem: Problem) -> str:
+        """Why ``problem`` exchanges nothing on any rank (its decision is backend 'noop'), or ''."""
+        return ""
+
+    def outside_domain(self, problem: Problem) -> str:
+        """Why no database row can decide ``problem`` (its dtype or reduction is outside the
+        op's :class:`Domain`: the fallbacks serve it), or ''."""
+        domain = self.domain
+        if domain.reduce_ops and problem.reduce_op not in domain.reduce_ops:
+            return f"op {problem.reduce_op} has no tuned kernel"
+        if problem.dtype not in domain.dtypes and not domain.keyed_as:
+            return f"dtype {problem.dtype} has no tuned kernel"
+        return ""
+
+    def key_dtype(self, problem: Problem) -> str:
+        """The dtype of the rows that decide ``problem`` (its own, or the domain's ``keyed_as``)."""
+        return problem.dtype if problem.dtype in self.domain.dtypes else self.domain.keyed_as
 
     def problem_hint(self) -> str:
         """How a caller builds a Problem of this op (errors that ask for one name it)."""
@@ -219,8 +255,12 @@ class BytesKeyed(OpSpec):
     def bucket(self, problem: Problem) -> int:
         return max(1, problem.nbytes)
 
+    def empty_reason(self, problem: Problem) -> str:
+        return "an empty tensor: nothing to exchange" if problem.nbytes == 0 else ""
+
     def describe(self, problem: Problem) -> str:
-        return f"{self.name} {problem.dtype} ws={problem.world_size} {format_bytes(problem.nbytes)}"
+        op = f" op={problem.reduce_op}" if self.domain.reduce_ops and problem.reduce_op != "sum" else ""
+        return f"{self.name} {problem.dtype}{op} ws={problem.world_size} {format_bytes(problem.nbytes)}"
 
     def point_label(self, problem: Problem, sep: str = " t=") -> str:
         return format_bytes(problem.nbytes)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..configs import AllGatherConfig, ReduceScatterConfig
-from .all_reduce import SIZES
-from .base import BytesKeyed, Lookups, TuningPoints
+from .all_reduce import SIZES, SUMS
+from .base import BytesKeyed, Domain, Lookups, TuningPoints
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,8 +24,10 @@ class ShardedSpec(BytesKeyed):
 REDUCE_SCATTER = ShardedSpec("reduce_scatter", fallback="nccl_reduce_scatter",
                              fallback_order=("nccl_reduce_scatter",), points=TuningPoints(sizes=SIZES),
                              config_type=ReduceScatterConfig, lookups=Lookups(bf16_same_bytes=True),
-                             tuned_by_default=False, invariant_fallback="nccl_ordered_reduce_scatter")
+                             tuned_by_default=False, invariant_fallback="nccl_ordered_reduce_scatter",
+                             domain=SUMS, local="autosymm.backends.local:copy_shard")
 
 ALL_GATHER = ShardedSpec("all_gather", fallback="nccl_all_gather", fallback_order=("nccl_all_gather",),
                          points=TuningPoints(sizes=SIZES), config_type=AllGatherConfig,
-                         lookups=Lookups(bf16_same_bytes=True), tuned_by_default=False)
+                         lookups=Lookups(bf16_same_bytes=True), tuned_by_default=False,
+                         domain=Domain(keyed_as="bf16"), local="autosymm.backends.local:copy_shard")

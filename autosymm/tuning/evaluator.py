@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from ..runtime.dispatch import Decision
 from ..problem import Problem
-from ..runtime.replay import EagerReplay, wrap_eager
+from ..runtime.replay import EagerReplay, Launched, wrap_eager
 from .outcome import Candidate
 from .reference import ProblemData, check_output
 from .sweep import TimingPlan
@@ -44,7 +43,7 @@ class SweepEvaluator:
     def prepare(self, candidate: Candidate):
         launcher = self.backends[candidate.backend].prepare(self.problem, candidate.config, self.ctx)
         if self.mode == "eager":  # what autosymm.runtime.group prepares for an eager call: replays where it can
-            launcher = wrap_eager(launcher, Decision(candidate.backend, candidate.config, "tuning", mode="eager"))
+            launcher = wrap_eager(launcher, Launched(candidate.backend, candidate.config, "eager"))
         launcher = self.data.op.callable(self.data, launcher)
         self.data.refresh()
         ws = self.ctx.workspace
