@@ -147,7 +147,7 @@ def make_folders(folder: Path, path: Path) -> list[Path]:
     while not os.path.isdir(folder):
         if os.path.lexists(folder):
             raise NotADatabaseFileError(f"{path}: its folder {folder} is {path_kind(folder)}, not a folder; "
-                                        f"nothing was written")
+                                        f"it was left as it is")
         missing.append(folder)
         folder = folder.parent
     made: list[Path] = []
@@ -159,7 +159,7 @@ def make_folders(folder: Path, path: Path) -> list[Path]:
             except FileExistsError:  # another process made it first: a folder, or refused
                 if not os.path.isdir(folder):
                     raise NotADatabaseFileError(f"{path}: its folder {folder} is {path_kind(folder)}, not a "
-                                                f"folder; nothing was written") from None
+                                                f"folder; it was left as it is") from None
     except BaseException:
         Claim(path, folders=made).undo()
         raise
