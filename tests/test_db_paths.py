@@ -297,7 +297,6 @@ def test_export_over_a_link_to_a_file_replaces_that_file_and_keeps_the_link(here
 
 def test_a_failed_export_removes_the_folders_it_made(here, monkeypatch):
     before = snapshot(here)
-    monkeypatch.setattr(db_open, "place", lambda *args, **kwargs: 1 / 0)
     monkeypatch.setattr("autosymm.db.store.place", lambda *args, **kwargs: 1 / 0)
     with TuningDB(Path("good.sqlite"), readonly=True) as tdb, pytest.raises(ZeroDivisionError):
         tdb.export("new/deeper/out.sqlite")

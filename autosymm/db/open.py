@@ -1,21 +1,19 @@
 """Opening a tuning-database file as untrusted data (see autosymm.db.store): what a path is, connections,
 locks, a bound on query time, hot journals, and which schema version a file holds.
 
-A path is data, never options nor a place to clean up blindly: every file is opened through the
-URI that names exactly it (:func:`path_uri`: a name like ``file:x?mode=memory`` is a file's
-name, though SQLite is often built to read any ``file:`` name as a URI); a path that is not a
-regular file (or a link to one) nor a free name (:func:`path_kind`: a folder, a FIFO, a device,
-a dangling link, a link loop) raises :class:`NotADatabaseFileError` naming it and what it is,
-before anything is opened or made; a new file is made exclusively (:func:`claim`), so what a
-failed write may remove is what that call made (:meth:`Claim.undo`), nothing else.
+A path is data: every file is opened through the URI naming exactly it (:func:`path_uri`; SQLite
+is often built to read any ``file:`` name as a URI); one that is not a regular file (or a link
+to one) nor free (:func:`path_kind`) raises :class:`NotADatabaseFileError` naming it and what it
+is before anything is opened or made; a new file is made exclusively (:func:`claim`), so a failed
+write removes only what it made (:meth:`Claim.undo`). A file's schema never runs code of its
+making on autosymm's behalf: ``PRAGMA trusted_schema=OFF`` on every connection; only the
+``results`` and ``meta`` tables are read, never the ``winners`` view; a file with a trigger, or
+whose ``results``/``meta`` is not a table, is refused; every statement runs under a
+:class:`QueryClock`, so one that spins ends with :class:`QueryTimeoutError` after
+``QUERY_LIMIT_S``. A file locked by another process raises :class:`DatabaseLockedError` naming
+it after the lock wait (``LOCK_WAIT_S`` for reads).
 
-A file's own schema never runs code of its making on autosymm's behalf: every connection has
-``PRAGMA trusted_schema=OFF`` (no function or virtual table of the file's views or triggers);
-autosymm reads only its ``results`` and ``meta`` tables, never the ``winners`` view; a file with
-a trigger, or whose ``results``/``meta`` is not a table, is refused; and every statement runs
-under a :class:`QueryClock` (an SQLite progress handler), so a query that spins ends with
-:class:`QueryTimeoutError` after ``QUERY_LIMIT_S``. A file locked by another process raises
-:class:`DatabaseLockedError` naming it after the lock wait (``LOCK_WAIT_S`` for reads).
+Design notes: docs/DISPATCH.md#db-store
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ autosymm). The key (autosymm.db.schema.Key: the primary key without ``backend``)
 tuner through ``Key.for_problem`` and read by the dispatcher the same way (autosymm.db.read).
 A database is untrusted data: bound parameters only, no pickle or eval, unknown columns ignored; a
 row that does not validate (autosymm.db.schema.checked_row) is skipped by every read with one
-:class:`BadRowWarning` per file and key, and never written; every query is bounded in time
-(autosymm.db.open). The user's database is ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite``
-(:func:`user_db_path`); shipped ones ``tuning_db/<slug>.sqlite`` (:func:`shipped_db_paths`),
-opened read-only.
+:class:`BadRowWarning` per file and key, and never written; every query is bounded in time; a
+path is a file's name, never a URI: one that is not a regular file (or a link to one) nor free
+is refused, and a write removes only what it made (autosymm.db.open). The user's database is
+``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite`` (:func:`user_db_path`); shipped ones
+``tuning_db/<slug>.sqlite`` (:func:`shipped_db_paths`), opened read-only.
 
 Design notes: docs/DISPATCH.md#db-store
 """
