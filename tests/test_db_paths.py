@@ -307,9 +307,9 @@ def test_a_path_that_appears_meanwhile_is_never_replaced(here, monkeypatch):
     # claim: a FIFO made between the look at the free name and the exclusive create
     made = db_open.make_folders
 
-    def race(folder, path):
+    def race(path):
         os.mkfifo(path)
-        return made(folder, path)
+        return made(path)
 
     monkeypatch.setattr(db_open, "make_folders", race)
     with pytest.raises(NotADatabaseFileError, match="new.sqlite is a named pipe"):

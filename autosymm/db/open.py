@@ -138,14 +138,13 @@ class Claim:
                 break
 
 
-def make_folders(folder: Path, path: Path) -> list[Path]:
-    """Create ``folder`` (``path``'s) and its missing parents; the folders made, outermost first.
-    A parent that is there and not a folder raises NotADatabaseFileError naming it (nothing made)."""
-    missing = []
+def make_folders(path: Path) -> list[Path]:
+    """Create ``path``'s folder and its missing parents; the folders made, outermost first. One
+    that is there and not a folder raises NotADatabaseFileError naming it (nothing is made)."""
+    missing, folder = [], path.parent
     while not os.path.isdir(folder):
         if os.path.lexists(folder):
-            raise NotADatabaseFileError(f"{path}: its folder {folder} is {path_kind(folder)}, not a folder; "
-                                        f"it was left as it is")
+            raise _not_a_folder(path, folder)
         missing.append(folder)
         folder = folder.parent
     made: list[Path] = []
@@ -156,12 +155,16 @@ def make_folders(folder: Path, path: Path) -> list[Path]:
                 made.append(folder)
             except FileExistsError:  # another process made it first: a folder, or refused
                 if not os.path.isdir(folder):
-                    raise NotADatabaseFileError(f"{path}: its folder {folder} is {path_kind(folder)}, not a "
-                                                f"folder; it was left as it is") from None
+                    raise _not_a_folder(path, folder) from None
     except BaseException:
         Claim(path, folders=made).undo()
         raise
     return made
+
+
+def _not_a_folder(path: Path, folder: Path) -> NotADatabaseFileError:
+    return NotADatabaseFileError(f"{path}: its folder {folder} is {path_kind(folder)}, not a folder; it was left "
+                                 f"as it is")
 
 
 def place(new: Path, path: Path, replace: bool) -> None:
@@ -173,14 +176,14 @@ def place(new: Path, path: Path, replace: bool) -> None:
         return
     try:
         os.link(new, path)
+        return
     except FileExistsError:
-        raise FileExistsError(f"{path} appeared while it was written ({path_kind(path)}); it was left as it "
-                              f"is") from None
+        pass
     except OSError:  # no hard links on this file system
-        kind = path_kind(path)
-        if kind != MISSING:
-            raise FileExistsError(f"{path} appeared while it was written ({kind}); it was left as it is") from None
-        os.replace(new, path)
+        if path_kind(path) == MISSING:
+            os.replace(new, path)
+            return
+    raise FileExistsError(f"{path} appeared while it was written ({path_kind(path)}); it was left as it is")
 
 
 def claim(path: Path) -> Claim:
@@ -192,9 +195,9 @@ def claim(path: Path) -> Claim:
         return Claim(path)
     if kind != MISSING:
         raise refusal(path, kind)
-    folders = make_folders(path.parent, path)
+    folders = make_folders(path)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # & ~umask
     except FileExistsError:  # another process made it since (a concurrent merge or tune): a file, or refused
         kind = path_kind(path)
         if kind != FILE:

@@ -244,7 +244,7 @@ class TuningDB:
                              f"{path} was not written")
         notes = {k: v for k, v in self.meta().items() if k != "schema_version"}
         final = Path(os.path.realpath(path)) if kind == FILE else path
-        made = Claim(final, folders=make_folders(final.parent, final))  # only its folders: undone on failure
+        made = Claim(final, folders=make_folders(final))  # only its folders: undone on failure
         try:
             fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
             try:
