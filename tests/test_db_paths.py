@@ -11,11 +11,13 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import socket
 import sqlite3
 import stat
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from autosymm.cli.main import main
 from autosymm.db import open as db_open
 from autosymm.db.merge import merge_files
 from autosymm.db.open import NotADatabaseFileError, claim, place
+from autosymm.db.read import open_sources
 from autosymm.db.store import TuningDB, verdict
 
 from _db_rows import make_row
@@ -170,9 +173,23 @@ def test_read_only_opens_refuse_a_path_that_is_no_file_naming_it(here, kind):
     name = make_odd(kind)
     before = snapshot(here)
     with nobody_opens(name) if kind == "FIFO" else contextlib.nullcontext():
-        with pytest.raises(NotADatabaseFileError, match=ODD[kind][1].replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(NotADatabaseFileError, match=re.escape(ODD[kind][1])):
             TuningDB(Path(name), readonly=True)
         assert ODD[kind][1] in verdict(name)  # what `show`, `explain` and `info` say of it
+    assert snapshot(here) == before
+
+
+@pytest.mark.parametrize("kind", ["link loop", "dangling link to an unmounted share", "FIFO"])
+def test_the_dispatcher_skips_a_user_db_that_is_no_file_with_a_warning_naming_it(here, kind):
+    name = make_odd(kind)
+    before = snapshot(here)
+    with nobody_opens(name) if kind == "FIFO" else contextlib.nullcontext():
+        with pytest.warns(UserWarning, match=f"ignoring tuning database {name}: {re.escape(ODD[kind][1])}"):
+            (source,) = open_sources(Path(name), [Path("good.sqlite")])
+    assert source.label == "good.sqlite" and set(source._rows) == set(GOOD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a user DB that is not there: skipped without a word
+        assert [s.label for s in open_sources(Path("absent.sqlite"), [Path("good.sqlite")])] == ["good.sqlite"]
     assert snapshot(here) == before
 
 
