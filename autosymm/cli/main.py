@@ -421,7 +421,7 @@ def db_export(output, source, hardware, world_size, overwrite) -> None:
     from ..db.store import TuningDB, user_db_path
 
     filters = {k: v for k, v in (("hardware", hardware), ("world_size", world_size)) if v is not None}
-    with TuningDB(source or user_db_path(), readonly=True) as src:
+    with TuningDB(Path(source) if source else user_db_path(), readonly=True) as src:
         count = src.export(output, overwrite=overwrite, **filters)
     click.echo(f"exported {count} rows to {output}")
 

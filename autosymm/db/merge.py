@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Sequence, Union
 
+from .open import claim
 from .store import DatabaseLockedError, MergeCounts, Row, TuningDB
 
 #: How long a merge waits for the target's write lock, seconds: another merge or tune of the
@@ -35,20 +36,23 @@ def merge_files(sources: Sequence[Union[str, os.PathLike]], target: Union[str, o
 
     Every source is opened and read before ``target`` is touched: an unreadable, corrupt or
     newer source raises and leaves ``target`` as it was (no new file when it did not exist); a
-    target locked past ``timeout_s`` seconds raises DatabaseLockedError naming it.
+    target that is not a regular file (or a link to one) nor a free name raises
+    NotADatabaseFileError naming it and what it is, and stays as it is (autosymm.db.open.claim);
+    a target locked past ``timeout_s`` seconds raises DatabaseLockedError naming it. A failed
+    merge removes only the file (and folders) it made itself.
     """
     loaded = []
     for source in sources:
-        with TuningDB(source, readonly=True) as db:
+        with TuningDB(Path(source), readonly=True) as db:
             loaded.append(_mergeable_rows(db))
     target = Path(target).expanduser()
-    created = not target.exists()
+    claimed = claim(target)
     try:
         with TuningDB(target, timeout_s=timeout_s) as into, into._guarded(), into._transaction():
             return [into._merge_rows(rows, skipped) for rows, skipped in loaded]
     except BaseException:
-        if created and _holds_no_rows(target):  # a concurrent merge may have filled the new file: keep it
-            target.unlink(missing_ok=True)
+        if claimed.made is not None and _holds_no_rows(target):  # a concurrent merge may have filled it: kept
+            claimed.undo()
         raise
 
 

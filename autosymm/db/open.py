@@ -1,21 +1,30 @@
-"""Opening a tuning-database file as untrusted data (see autosymm.db.store): connections, locks, a bound
-on query time, hot journals, and which schema version a file holds.
+"""Opening a tuning-database file as untrusted data (see autosymm.db.store): what a path is, connections,
+locks, a bound on query time, hot journals, and which schema version a file holds.
 
-A file's own schema never runs code of its making on autosymm's behalf: every connection has
-``PRAGMA trusted_schema=OFF`` (no function or virtual table of the file's views or triggers);
-autosymm reads only its ``results`` and ``meta`` tables, never the ``winners`` view; a file with
-a trigger, or whose ``results``/``meta`` is not a table, is refused; and every statement runs
-under a :class:`QueryClock` (an SQLite progress handler), so a query that spins ends with
-:class:`QueryTimeoutError` after ``QUERY_LIMIT_S``. A file locked by another process raises
-:class:`DatabaseLockedError` naming it after the lock wait (``LOCK_WAIT_S`` for reads).
+A path is data: every file is opened through the URI naming exactly it (:func:`path_uri`; SQLite
+is often built to read any ``file:`` name as a URI); one that is not a regular file (or a link
+to one) nor free (:func:`path_kind`) raises :class:`NotADatabaseFileError` naming it and what it
+is before anything is opened or made; a new file is made exclusively (:func:`claim`), so a failed
+write removes only what it made (:meth:`Claim.undo`). A file's schema never runs code of its
+making on autosymm's behalf: ``PRAGMA trusted_schema=OFF`` on every connection; only the
+``results`` and ``meta`` tables are read, never the ``winners`` view; a file with a trigger, or
+whose ``results``/``meta`` is not a table, is refused; every statement runs under a
+:class:`QueryClock`, so one that spins ends with :class:`QueryTimeoutError` after
+``QUERY_LIMIT_S``. A file locked by another process raises :class:`DatabaseLockedError` naming
+it after the lock wait (``LOCK_WAIT_S`` for reads).
+
+Design notes: docs/DISPATCH.md#db-store
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
+import stat
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +47,171 @@ class DatabaseLockedError(TuningDBError):
 
 class QueryTimeoutError(TuningDBError):
     """A statement on the file ran past ``QUERY_LIMIT_S`` and was interrupted."""
+
+
+class NotADatabaseFileError(TuningDBError):
+    """A path names something a tuning database cannot be (a folder, a FIFO, a device, a socket, a
+    dangling link, a link loop): the message names it and what it is; it is left as it was."""
+
+
+# ---------------------------------------------------------------------------------------- paths
+
+#: What :func:`path_kind` says of a regular file (or a link to one), and of a name nothing has.
+FILE, MISSING = "a regular file", "missing"
+_MODES = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _mode_kind(mode: int) -> str:
+    return FILE if stat.S_ISREG(mode) else next((kind for test, kind in _MODES if test(mode)), "not a file")
+
+
+def _link_kind(path: Path) -> str:
+    """What the symbolic link ``path`` leads to: FILE, or a description naming where it points."""
+    try:
+        to = repr(os.readlink(path))
+    except OSError:
+        to = "somewhere unreadable"
+    try:
+        kind = _mode_kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return f"a dangling symbolic link to {to} (nothing is there)"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"a symbolic link to {to} that loops (a link loop)"
+        return f"a symbolic link to {to}, which cannot be looked up ({exc.strerror})"
+    return FILE if kind == FILE else f"a symbolic link to {kind} ({to})"
+
+
+def path_kind(path: Path) -> str:
+    """What ``path`` is, without opening it: :data:`FILE` (a regular file or a link to one),
+    :data:`MISSING` (no file and no link), or else a description for messages ('a folder', 'a
+    named pipe (FIFO)', "a dangling symbolic link to '/mnt/x.sqlite' ...", a link loop, a path
+    inside something that is not a folder)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return MISSING
+    except OSError as exc:  # ENOTDIR, ELOOP, EACCES...: name the part of the path that is wrong
+        for folder in reversed(path.parents):
+            if os.path.lexists(folder) and not os.path.isdir(folder):
+                return f"a path inside {folder} ({path_kind(folder)}, not a folder)"
+        return f"a path that cannot be looked up ({exc.strerror})"
+    return _link_kind(path) if stat.S_ISLNK(mode) else _mode_kind(mode)
+
+
+def refusal(path: Path, kind: str) -> NotADatabaseFileError:
+    """The error for ``path``, which is ``kind`` (path_kind), not a database file."""
+    return NotADatabaseFileError(f"{path} is {kind}, not a tuning database file (a regular file, or a link to "
+                                 f"one); it was left as it is")
+
+
+def path_uri(path: Path, mode: str) -> str:
+    """The SQLite URI naming exactly the file ``path`` (absolute, '?', '#' and '%' escaped), opened
+    in ``mode`` ('ro', 'rw')."""
+    return (path if path.is_absolute() else Path.cwd() / path).as_uri() + f"?mode={mode}"
+
+
+@dataclass
+class Claim:
+    """A writable database path, as :func:`claim` found or made it: ``made``, (device, inode) of
+    the file it created (None: the file was there), and the folders it created, outermost first."""
+
+    path: Path
+    made: Optional[tuple[int, int]] = None
+    folders: list[Path] = field(default_factory=list)
+
+    def undo(self) -> None:
+        """Remove what the claim made: its file (if that very file is still at the path) and the
+        folders it made (each only while empty); never anything else."""
+        try:
+            now = os.lstat(self.path)
+        except OSError:
+            now = None
+        if self.made is not None and now is not None and stat.S_ISREG(now.st_mode) \
+                and (now.st_dev, now.st_ino) == self.made:
+            self.path.unlink()
+        for folder in reversed(self.folders):
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty (another process's file) or gone: it stays
+                break
+
+
+def make_folders(path: Path) -> list[Path]:
+    """Create ``path``'s folder and its missing parents; the folders made, outermost first. One
+    that is there and not a folder raises NotADatabaseFileError naming it (nothing is made)."""
+    missing, folder = [], path.parent
+    while not os.path.isdir(folder):
+        if os.path.lexists(folder):
+            raise _not_a_folder(path, folder)
+        missing.append(folder)
+        folder = folder.parent
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder)
+                made.append(folder)
+            except FileExistsError:  # another process made it first: a folder, or refused
+                if not os.path.isdir(folder):
+                    raise _not_a_folder(path, folder) from None
+    except BaseException:
+        Claim(path, folders=made).undo()
+        raise
+    return made
+
+
+def _not_a_folder(path: Path, folder: Path) -> NotADatabaseFileError:
+    return NotADatabaseFileError(f"{path}: its folder {folder} is {path_kind(folder)}, not a folder; it was left "
+                                 f"as it is")
+
+
+def place(new: Path, path: Path, replace: bool) -> None:
+    """Put the file ``new`` at ``path`` (same folder): over the regular file there (``replace``), or
+    at a free name only while it is free (a hard link, atomic; where the file system has none, a
+    rename after looking again), never over anything that appeared there meanwhile."""
+    if replace:
+        os.replace(new, path)
+        return
+    try:
+        os.link(new, path)
+        return
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links on this file system
+        if path_kind(path) == MISSING:
+            os.replace(new, path)
+            return
+    raise FileExistsError(f"{path} appeared while it was written ({path_kind(path)}); it was left as it is")
+
+
+def claim(path: Path) -> Claim:
+    """``path`` as a file to write a database in: a regular file (or a link to one) as it is, or
+    where nothing is, a new empty file made exclusively (the mode a plain file gets under the
+    umask), with its missing folders. Anything else raises NotADatabaseFileError (nothing made)."""
+    kind = path_kind(path)
+    if kind == FILE:
+        return Claim(path)
+    if kind != MISSING:
+        raise refusal(path, kind)
+    folders = make_folders(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # & ~umask
+    except FileExistsError:  # another process made it since (a concurrent merge or tune): a file, or refused
+        kind = path_kind(path)
+        if kind != FILE:
+            Claim(path, folders=folders).undo()
+            raise refusal(path, kind) from None
+        return Claim(path, folders=folders)
+    except BaseException:
+        Claim(path, folders=folders).undo()
+        raise
+    try:
+        made = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return Claim(path, (made.st_dev, made.st_ino), folders)
 
 
 class QueryClock:
@@ -103,7 +277,7 @@ def _roll_back_hot_journal(path: Path, timeout_s: float) -> None:
     if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
         raise CorruptDatabaseError(advice)
     try:
-        with contextlib.closing(sqlite3.connect(str(path), timeout=timeout_s)) as conn:
+        with contextlib.closing(sqlite3.connect(path_uri(path, "rw"), uri=True, timeout=timeout_s)) as conn:
             harden(conn)
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
     except sqlite3.OperationalError as exc:
@@ -114,21 +288,24 @@ def _roll_back_hot_journal(path: Path, timeout_s: float) -> None:
 
 
 def connect(path: Optional[Path], readonly: bool, timeout_s: float) -> sqlite3.Connection:
-    """A connection to ``path`` (None: in memory), waiting up to ``timeout_s`` seconds for locks.
+    """A connection to the file ``path`` (None: in memory), waiting up to ``timeout_s`` seconds
+    for locks; a path that is not a regular file (or a link to one) raises NotADatabaseFileError.
 
-    Writable: parent folders are created. ``readonly``: SQLite's ``mode=ro``, the file must
-    exist; a hot journal is rolled back first where the file is writable (else explained); a
-    lock held past ``timeout_s`` raises DatabaseLockedError.
+    Writable: a missing file is made with its folders (:func:`claim`). ``readonly``: SQLite's
+    ``mode=ro``, the file must exist; a hot journal is rolled back first where the file is
+    writable (else explained); a lock held past ``timeout_s`` raises DatabaseLockedError.
     """
     if path is None:
         return sqlite3.connect(":memory:")
     if not readonly:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return sqlite3.connect(str(path), timeout=timeout_s)
-    if not path.is_file():
+        claim(path)
+        return _opened(path, "rw", timeout_s)
+    kind = path_kind(path)
+    if kind == MISSING:
         raise FileNotFoundError(f"tuning database {path} does not exist")
-    uri = path.resolve().as_uri() + "?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, timeout=timeout_s)
+    if kind != FILE:
+        raise refusal(path, kind)
+    conn = _opened(path, "ro", timeout_s)
     try:
         harden(conn)
         conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # a hot journal or a lock shows here
@@ -140,8 +317,16 @@ def connect(path: Optional[Path], readonly: bool, timeout_s: float) -> sqlite3.C
         if _is_hot_journal(path, exc):
             conn.close()
             _roll_back_hot_journal(path, timeout_s)
-            return sqlite3.connect(uri, uri=True, timeout=timeout_s)
+            return _opened(path, "ro", timeout_s)
     return conn  # any other error: the schema check reports it
+
+
+def _opened(path: Path, mode: str, timeout_s: float) -> sqlite3.Connection:
+    """sqlite3's connection to the file ``path`` in ``mode``; a failure to open names the file."""
+    try:
+        return sqlite3.connect(path_uri(path, mode), uri=True, timeout=timeout_s)
+    except sqlite3.OperationalError as exc:  # gone since it was looked at, no permission...
+        raise TuningDBError(f"cannot open {path} as a tuning database: {exc}") from exc
 
 
 def _check_objects(db: sqlite_utils.Database, where: str) -> set[str]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .open import MISSING, path_kind
 from .store import DatabaseLockedError, QueryTimeoutError, TuningDB, rows_digest
 from .schema import KEY_COLUMNS, NCCL_TRUST_MARGIN, Key, Row, nccl_trust, row_matches, where_clause
 from ..hardware import nccl_version
@@ -123,9 +124,9 @@ def _key_order(key: Key) -> tuple:
 def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSource]:
     """Open the user DB (if it exists) and the shipped DBs, read-only, user first, and read their rows.
 
-    A missing file is skipped; one that cannot be used (not SQLite, empty, foreign, a newer
-    schema: autosymm.db.store.verdict) is skipped with a warning naming it and why (the decisions then
-    fall back), never misread. A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
+    A missing file is skipped; one that cannot be used (not a regular file: a dangling link, a
+    FIFO...; not SQLite, empty, foreign, a newer schema: autosymm.db.store.verdict) is skipped
+    with a warning naming it and why (the decisions then fall back), never misread. A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
     raises (DatabaseLockedError / QueryTimeoutError, naming the file): at a group's first call it
     goes through the ranks' agreement, so every rank takes NCCL and rank 0 says why. A source
     whose rows were measured with another NCCL major.minor than this process runs is logged once
@@ -134,10 +135,10 @@ def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSou
     """
     sources: list[DBSource] = []
     for path in ([user_db] if user_db else []) + list(shipped):
-        if path is None or not Path(path).exists():
+        if path is None or path_kind(Path(path)) == MISSING:  # a dangling link, a FIFO...: warned about below
             continue
         try:
-            sources.append(DBSource(TuningDB(path, readonly=True), str(path)))
+            sources.append(DBSource(TuningDB(Path(path), readonly=True), str(path)))  # a Path: always a file
         except (DatabaseLockedError, QueryTimeoutError):
             raise
         except Exception as exc:  # corrupt / foreign / too-new DB: never misread, say which and why

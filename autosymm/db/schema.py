@@ -225,7 +225,9 @@ class Row:
 
     def _check_vocabulary(self) -> None:
         """The key's words are autosymm's: a registered op, a dtype and mode it serves, a shape
-        of the op's kind, and a bucket no larger than a tensor can be (MAX_TENSOR_BYTES)."""
+        of the op's kind, a bucket no larger than a tensor can be (MAX_TENSOR_BYTES), and a key
+        some call has: the op's spec builds its Problem (``OpSpec.problem_of_row``), so the op's
+        and its epilogue's own rules hold (e.g. NVFP4 packs a hidden size of whole 16-blocks)."""
         if self.op not in spec.names():
             raise ValueError(f"Row.op={self.op!r} is not one of {spec.names()}")
         if self.dtype not in DTYPES:
@@ -246,6 +248,11 @@ class Row:
             what = "bytes" if per_unit == 1 else f"tokens per rank of {per_unit} bytes each"
             raise ValueError(f"Row.bucket={self.bucket} {what} is over the largest tensor a call can have "
                              f"({MAX_TENSOR_BYTES} bytes, 1 TiB)")
+        try:  # the op's and its epilogue's own rules, as a call of this key would meet them
+            record.problem_of_row(self)
+        except ValueError as exc:
+            raise ValueError(f"Row.shape={self.shape!r} at bucket {self.bucket}: no {self.op} call has this key "
+                             f"({exc})") from None
 
     @property
     def key(self) -> Key:
@@ -299,8 +306,8 @@ def backend_fault(row: Row) -> Optional[str]:
 def checked_row(data: Union[Row, dict[str, Any]]) -> Row:
     """The one row validator: ``data`` (a stored row's columns, or a Row) as a Row that every
     read, merge, export, ``show`` and the dispatcher may use. Its fields as Row checks them
-    (types, ranges, the op/dtype/mode vocabulary, the bucket's bound MAX_TENSOR_BYTES, the
-    config), then its backend (:func:`backend_fault`). ValueError saying what is wrong."""
+    (types, ranges, the op/dtype/mode vocabulary, the bucket's bound MAX_TENSOR_BYTES, a key some
+    call has, the config), then its backend (:func:`backend_fault`). ValueError saying what is wrong."""
     row = data if isinstance(data, Row) else Row.from_dict(data)
     fault = backend_fault(row)
     if fault is not None:

@@ -6,10 +6,11 @@ autosymm). The key (autosymm.db.schema.Key: the primary key without ``backend``)
 tuner through ``Key.for_problem`` and read by the dispatcher the same way (autosymm.db.read).
 A database is untrusted data: bound parameters only, no pickle or eval, unknown columns ignored; a
 row that does not validate (autosymm.db.schema.checked_row) is skipped by every read with one
-:class:`BadRowWarning` per file and key, and never written; every query is bounded in time
-(autosymm.db.open). The user's database is ``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite``
-(:func:`user_db_path`); shipped ones ``tuning_db/<slug>.sqlite`` (:func:`shipped_db_paths`),
-opened read-only.
+:class:`BadRowWarning` per file and key, and never written; every query is bounded in time; a
+path is a file's name, never a URI: one that is not a regular file (or a link to one) nor free
+is refused, and a write removes only what it made (autosymm.db.open). The user's database is
+``$AUTOSYMM_DB`` or ``~/.cache/autosymm/tuning.sqlite`` (:func:`user_db_path`); shipped ones
+``tuning_db/<slug>.sqlite`` (:func:`shipped_db_paths`), opened read-only.
 
 Design notes: docs/DISPATCH.md#db-store
 """
@@ -30,7 +31,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import sqlite_utils
 
 from .. import settings
-from .open import LOCK_WAIT_S, DatabaseLockedError, QueryTimeoutError, connect, db_error, harden, read_schema_version
+from .open import (FILE, LOCK_WAIT_S, MISSING, Claim, DatabaseLockedError, NotADatabaseFileError, QueryTimeoutError,
+                   connect, db_error, harden, make_folders, path_kind, place, read_schema_version, refusal)
 from .schema import (BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, MIGRATIONS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER,
                      SCHEMA_VERSION, BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts,
                      ReadOnlyDatabaseError, Row, TuningDBError, checked_row, create_schema, version_mismatch,
@@ -45,8 +47,9 @@ _WARNED: dict[str, set[tuple]] = {}
 
 
 class TuningDB:
-    """The tuning database at ``path`` (created with its parent folders if missing),
-    ``':memory:'``, or an open ``sqlite_utils.Database``.
+    """The tuning database in the file ``path`` (created with its parent folders if missing; a path
+    that is not a regular file, a link to one, or free is NotADatabaseFileError), in memory for
+    the string ``':memory:'`` (a Path is always a file), or an open ``sqlite_utils.Database``.
 
     ``readonly=True`` opens the file with SQLite's ``mode=ro`` (shipped databases are never
     written; an older schema is migrated in an in-memory copy). ``timeout_s``: how long to wait
@@ -62,7 +65,7 @@ class TuningDB:
             self.db = path
             self.db.conn.execute(f"PRAGMA busy_timeout = {int(self._wait_s * 1000)}")
         else:
-            if str(path) != ":memory:":
+            if not (isinstance(path, str) and path == ":memory:"):
                 self.path = Path(path).expanduser()
                 self.location = str(self.path)
             conn = connect(self.path, readonly, self._wait_s)
@@ -217,13 +220,20 @@ class TuningDB:
         """Write the valid rows matching ``filters`` (see :meth:`rows`) to a new database file.
 
         The file is written aside (a temp file created exclusively in the target's folder) and
-        renamed into place; an existing file is an error unless ``overwrite``; no matching row is
-        a ValueError naming what the source holds (nothing is written). Returns the rows written.
+        put in place (autosymm.db.open.place): at a free name only while it is free; over an
+        existing regular file only with ``overwrite`` (a link to one: the file it names is
+        replaced, the link stays). Any other path (a folder, a FIFO, a dangling link, a link loop)
+        is NotADatabaseFileError, an existing file without ``overwrite`` FileExistsError, no
+        matching row a ValueError naming what the source holds: then nothing is written. Returns
+        the rows written.
         """
         path = Path(path).expanduser()
-        if self.path is not None and path.resolve() == self.path.resolve():
+        kind = path_kind(path)
+        if kind not in (FILE, MISSING):
+            raise refusal(path, kind)
+        if kind == FILE and self.path is not None and os.path.samefile(path, self.path):
             raise ValueError(f"cannot export {self.path} onto itself")
-        if path.exists() and not overwrite:
+        if kind == FILE and not overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
         rows = self.rows(**filters)
         if not rows:
@@ -233,21 +243,25 @@ class TuningDB:
             raise ValueError(f"nothing to export: {self.location} has no valid row with {asked} (it holds {holds}); "
                              f"{path} was not written")
         notes = {k: v for k, v in self.meta().items() if k != "schema_version"}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        final = Path(os.path.realpath(path)) if kind == FILE else path
+        made = Claim(final, folders=make_folders(final))  # only its folders: undone on failure
         try:
-            os.fchmod(fd, plain_file_mode())  # mkstemp's is 0600; an export is a file like any other
-        finally:
-            os.close(fd)
-        tmp = Path(name)
-        try:
-            with TuningDB(tmp) as out:
-                out.record_many(rows)
-                for key, value in notes.items():
-                    out.set_meta(key, value)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+            try:
+                os.fchmod(fd, plain_file_mode())  # mkstemp's is 0600; an export is a file like any other
+            finally:
+                os.close(fd)
+            try:
+                with TuningDB(Path(name)) as out:
+                    out.record_many(rows)
+                    for key, value in notes.items():
+                        out.set_meta(key, value)
+                place(Path(name), final, replace=kind == FILE)
+            finally:
+                Path(name).unlink(missing_ok=True)
+        except BaseException:
+            made.undo()
+            raise
         return len(rows)
 
     # ---------------------------------------------------------------- reading
@@ -312,11 +326,12 @@ def rows_digest(rows: Iterable[Row]) -> str:
 
 
 def verdict(path: Union[str, os.PathLike]) -> Optional[str]:
-    """None when ``path`` is a usable tuning database, else why not, naming the file: missing,
-    locked, not SQLite, empty, foreign, of a newer schema, a hot journal it cannot roll back, a
-    query that does not end. `autosymm show`, `explain` and `info` all judge a file by it."""
+    """None when the file ``path`` is a usable tuning database, else why not, naming it: missing,
+    not a regular file (a folder, a FIFO, a dangling link...), locked, not SQLite, empty, foreign,
+    of a newer schema, a hot journal it cannot roll back, a query that does not end. `autosymm
+    show`, `explain` and `info` all judge a file by it."""
     try:
-        with TuningDB(path, readonly=True) as db:
+        with TuningDB(Path(path), readonly=True) as db:
             len(db)
     except (TuningDBError, OSError, sqlite3.Error) as exc:
         text = str(exc)
@@ -370,6 +385,7 @@ def shipped_db_for(slug: str) -> Optional[Path]:
 __all__ = [
     "BUSY_TIMEOUT_S", "FILTER_COLUMNS", "KEY_COLUMNS", "LOCK_WAIT_S", "MIGRATIONS", "PK_COLUMNS", "SCHEMA_VERSION",
     "BadRowWarning", "CorruptDatabaseError", "DatabaseLockedError", "DatabaseVersionError", "Key", "MergeCounts",
+    "NotADatabaseFileError",
     "QueryTimeoutError", "ReadOnlyDatabaseError", "Row", "TuningDB", "TuningDBError", "rows_digest", "shipped_db_dir",
     "shipped_db_for", "shipped_db_paths", "user_db_path", "verdict", "version_mismatch",
 ]

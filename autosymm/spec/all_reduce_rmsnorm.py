@@ -117,6 +117,10 @@ class AllReduceRMSNormSpec(TokensKeyed):
                 for d in request.dtypes for e in epilogues for h in hidden for t in tokens
                 if e.quant != "nvfp4" or h % NVFP4_BLOCK == 0]  # NVFP4 packs blocks of 16
 
+    def problem_of_row(self, row) -> Problem:
+        hidden, epilogue = split_key(row.shape)
+        return Problem.all_reduce_rmsnorm(row.bucket, hidden, row.dtype, row.world_size, epilogue=epilogue)
+
     def one_rank_reason(self, deterministic: bool) -> str:
         # deterministic: the ordered fallback, whose norm follows its fixed tree (torch's may not)
         return "" if deterministic else "world size 1: nothing to exchange; add + rms_norm"

@@ -240,6 +240,12 @@ class OpSpec:
         """The Problem of a call key (re-preparing cached launchers); ops that need it give it."""
         raise NotImplementedError(self.name)
 
+    def problem_of_row(self, row) -> Problem:
+        """The Problem whose database key is ``row``'s (a db.schema.Row of this op: its dtype,
+        world_size, bucket and shape), built as a call's is, so the op's own rules apply; a
+        ValueError naming the rule where no call can have that key."""
+        raise NotImplementedError(self.name)
+
 
 @dataclass(frozen=True, eq=False)
 class BytesKeyed(OpSpec):
@@ -264,6 +270,9 @@ class BytesKeyed(OpSpec):
 
     def point_label(self, problem: Problem, sep: str = " t=") -> str:
         return format_bytes(problem.nbytes)
+
+    def problem_of_row(self, row) -> Problem:
+        return Problem(self.name, row.dtype, row.world_size, nbytes=row.bucket)
 
     def problems(self, request: PointRequest) -> list[Problem]:
         sizes = self.points.sizes if request.sizes is None else request.sizes

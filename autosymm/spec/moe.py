@@ -53,6 +53,9 @@ class MoEConversionSpec(TokensKeyed):
         return [Problem.moe(self.name, shape, t, d, request.world_size)
                 for d in request.dtypes for shape in shapes for t in tokens]
 
+    def problem_of_row(self, row) -> Problem:
+        return Problem.moe(self.name, MoEShape.from_key(row.shape), row.bucket, row.dtype, row.world_size)
+
     def problem_hint(self) -> str:
         return f"autosymm.Problem.moe({self.name!r}, shape, n_tokens_local, dtype, world_size)"
 
