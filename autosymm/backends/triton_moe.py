@@ -30,8 +30,6 @@ from typing import Optional
 import torch
 
 from ..configs import MoEConfig, moe_space
-from ..kernels.barrier import _barrier_kernel
-from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
 from ..spec import DP_TO_EP, EP_TO_DP
 from ..problem import DTYPES, Problem, next_pow2
 from ..geometry import MOE_REGION, MOE_SIGNAL_SLOT, dst_rows, grid_rows, moe_buffer, moe_region_bytes
@@ -47,7 +45,6 @@ from .moe_inputs import check_inputs, shape_reason
 FUSED_BARRIER_MAX_PROGRAMS = 256
 #: Config of a conversion no database row serves (TritonMoE.fallback_config).
 DEFAULT_MOE_CONFIG = MoEConfig(block_n=4096, num_warps=8, rows_per_program=2, num_blocks=0)
-_KERNELS = {DP_TO_EP.name: _convert_dp_to_ep, EP_TO_DP.name: _convert_ep_to_dp}
 
 
 def _vec(d_model: int, elem_bytes: int) -> int:
@@ -64,6 +61,12 @@ class Conversion:
     binding skipped after the first call), one per specialisation of the kernel."""
 
     def __init__(self, op: str, ws, config: MoEConfig) -> None:
+        # The kernels load with the first Conversion (a workspace exists): a group without one,
+        # a CPU group, asks this backend why not and never imports a Triton kernel.
+        from ..kernels.barrier import _barrier_kernel
+        from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
+
+        self.kernel_fn = _convert_dp_to_ep if op == DP_TO_EP.name else _convert_ep_to_dp
         self.op, self.ws, self.config = op, ws, config
         self.world_size, self.rank = ws.world_size, ws.rank
         self.dst_ptrs = ws.region_ptrs(MOE_REGION, moe_buffer(op, ws.capacity(MOE_REGION), ws.world_size)[0])
@@ -103,7 +106,7 @@ class Conversion:
         rows = self.config.rows_per_program
         constexprs = dict(N_EXPTS_ACT=n_expts_act, RANK=self.rank, WORLD_SIZE=self.world_size, VEC=vec,
                           BLOCK_N=self.config.block_n, ROWS=rows, ROWS_PAD=next_pow2(rows), FUSED_BARRIER=fused)
-        kernel = self._kernels[key] = LeanLauncher(_KERNELS[self.op], (grid,), constexprs,
+        kernel = self._kernels[key] = LeanLauncher(self.kernel_fn, (grid,), constexprs,
                                                    num_warps=self.config.num_warps)
         return kernel
 

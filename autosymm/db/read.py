@@ -37,16 +37,19 @@ log = logging.getLogger("autosymm")
 
 @dataclass
 class DBSource:
-    """An opened tuning database, its label (path) for decisions, and its valid rows (read once)."""
+    """An opened tuning database, its label (path) for decisions, and its valid rows (read once):
+    every row, or ``hardware``'s only (a process serving calls reads its own node's rows, so it
+    validates no row of other hardware, nor loads the kernel modules their configs name)."""
 
     db: TuningDB
     label: str = ""
+    hardware: Optional[str] = None
     _rows: list = field(default_factory=list, repr=False, compare=False)
     _families: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.label = self.label or self.db.location
-        self._rows = self.db.rows()
+        self._rows = self.db.rows() if self.hardware is None else self.db.rows(hardware=self.hardware)
 
     def digest(self) -> str:
         """The digest of the rows this source serves (autosymm.db.store.rows_digest): what ranks agree on."""
@@ -121,13 +124,14 @@ def _key_order(key: Key) -> tuple:
     return key.hardware, key.world_size, key.op, key.dtype, key.shape, key.mode, key.bucket
 
 
-def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSource]:
-    """Open the user DB (if it exists) and the shipped DBs, read-only, user first, and read their rows.
+def open_sources(user_db: Optional[Path], shipped: Sequence[Path], hardware: Optional[str] = None) -> list[DBSource]:
+    """Open the user DB (if it exists) and the shipped DBs, read-only, user first, and read their
+    rows (``hardware``'s only, where given: :class:`DBSource`).
 
     A missing file is skipped; one that cannot be used (not a regular file: a dangling link, a
     FIFO...; not SQLite, empty, foreign, a newer schema: autosymm.db.store.verdict) is skipped
-    with a warning naming it and why (the decisions then fall back), never misread. A lock held past ``LOCK_WAIT_S`` or a query stopped by the clock
-    raises (DatabaseLockedError / QueryTimeoutError, naming the file): at a group's first call it
+    with a warning naming it and why (the decisions then fall back), never misread. A lock held
+    past ``LOCK_WAIT_S`` or a query stopped by the clock raises (DatabaseLockedError / QueryTimeoutError, naming the file): at a group's first call it
     goes through the ranks' agreement, so every rank takes NCCL and rank 0 says why. A source
     whose rows were measured with another NCCL major.minor than this process runs is logged once
     per call (once per group: the group's set-up opens them) with what the trust rule does
@@ -138,7 +142,7 @@ def open_sources(user_db: Optional[Path], shipped: Sequence[Path]) -> list[DBSou
         if path is None or path_kind(Path(path)) == MISSING:  # a dangling link, a FIFO...: warned about below
             continue
         try:
-            sources.append(DBSource(TuningDB(Path(path), readonly=True), str(path)))  # a Path: always a file
+            sources.append(DBSource(TuningDB(Path(path), readonly=True), str(path), hardware))  # a Path: a file
         except (DatabaseLockedError, QueryTimeoutError):
             raise
         except Exception as exc:  # corrupt / foreign / too-new DB: never misread, say which and why

@@ -231,17 +231,20 @@ class LocalSetup:
         agreed = self.report["settings"]
         agreed.update(hardware=self.fingerprint.hardware_slug, nccl_version=nccl_version(), disabled=disabled,
                       deterministic=settings.deterministic(), check_calls=settings.check_calls())
-        self.sources = open_sources(user_db_path(), shipped_db_paths())
+        self.sources = open_sources(user_db_path(), shipped_db_paths(), self.fingerprint.hardware_slug)
         agreed["databases"] = hashlib.sha256("".join(s.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
         if world_size > 1:  # what the kernels would be built with, compared even where none run
-            from ..kernels.barrier import MAX_POLLS
-
             region_bytes = settings.default_region_bytes()
-            agreed.update(region_bytes=region_bytes, barrier_max_polls=int(MAX_POLLS.value),
-                          multicast_off=settings.multicast_disabled_by_env())
+            polls = settings.get_or_default("AUTOSYMM_BARRIER_MAX_POLLS")[0]
             if self.wants_workspace:
+                # a group with a workspace compiles the kernels: the limit their module holds
+                from ..kernels.barrier import MAX_POLLS
+
+                polls = int(MAX_POLLS.value)
                 check_free_memory(device, region_bytes)
+            agreed.update(region_bytes=region_bytes, barrier_max_polls=polls,
+                          multicast_off=settings.multicast_disabled_by_env())
 
 
 def check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> None:
