@@ -9,7 +9,8 @@
   keeps its placements and its data (``redistribute``'s semantics: a Partial DTensor never holds
   summed data).
 * Groups by name: ``group.group_name``, what ``torch.ops.autosymm.*`` (and torch's ``symm_mem``
-  ops) take, and back; the device a group serves on (:func:`group_device`).
+  ops) take, and back; the device a group serves on (:func:`group_device`); the group over the
+  same ranks on another backend (:func:`group_over`: a stack's CPU group, the tuner's).
 """
 
 from __future__ import annotations
@@ -165,3 +166,42 @@ def resolve_group(name: str):
     if world is not None and world.group_name == name:
         return None
     return _resolve_process_group(name)
+
+
+def has_backend(group, backend: str) -> bool:
+    """Whether ``group`` runs torch.distributed backend ``backend`` ('nccl', 'gloo')."""
+    return backend in str(dist.get_backend(group)).lower()
+
+
+def _known_groups() -> list:
+    """Every group this rank belongs to, in creation order (the same order on every rank)."""
+    me = dist.get_rank()
+    ranks_of = getattr(dist.distributed_c10d._world, "pg_group_ranks", {})  # group -> {global: group rank}
+    return [group for group, ranks in ranks_of.items() if me in ranks]
+
+
+def find_group(ranks: list[int], backend: str):
+    """An existing group over exactly ``ranks`` (global ranks in group-rank order) on
+    ``backend``, or None."""
+    for group in _known_groups():
+        if dist.get_process_group_ranks(group) == ranks and has_backend(group, backend):
+            return group
+    return None
+
+
+def group_over(group, backend: str):
+    """The group over ``group``'s ranks (None: the world) that runs ``backend``: ``group`` itself
+    when it does, else an existing one, else a new one. Creating is collective over those ranks
+    only (``use_local_synchronization``): every rank of ``group`` calls this together, in the
+    same order relative to its other group creations."""
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("autosymm needs torch.distributed initialised (dist.init_process_group)")
+    if has_backend(group, backend):
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    found = find_group(ranks, backend)
+    if found is not None:
+        return found
+    # registered with torch like any group: the next caller over these ranks finds it
+    return dist.new_group(ranks, backend=backend, use_local_synchronization=True)

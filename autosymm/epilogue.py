@@ -256,6 +256,14 @@ def epilogue_launcher(epilogue: Epilogue, total, inv_rms=None):
     return launcher
 
 
+#: The fused op's formulas by name (docs/EPILOGUE.md): the reference formula of this module (the
+#: rank sum, residual add and norm in fp32, each output rounded once) ...
+SINGLE_ROUNDING = "single-rounding"
+#: ... and the serving stacks' unfused chain, as NCCL's fused fallback runs it for the default
+#: epilogue: the sum rounded to x's dtype, the residual add rounded again, torch's rms_norm.
+NATIVE_CHAIN = "native-chain"
+
+
 def single_rank_launcher(epilogue: Epilogue):
     """World size 1 (non-default epilogue): the sum is ``x`` itself (left as it is), no collective."""
     return epilogue_launcher(epilogue, lambda x: x.float())

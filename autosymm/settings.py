@@ -119,6 +119,36 @@ def _path(name: str, text: str) -> Path:
     return Path(text).expanduser()
 
 
+#: AUTOSYMM_AUTOTUNE's budget when it is switched on without a number (seconds).
+DEFAULT_AUTOTUNE_S = 30.0
+
+
+def _budget(name: str, text: str) -> float:
+    word = text.strip().lower()
+    if word in TRUE_WORDS[1:]:  # '1' is a number of seconds
+        return DEFAULT_AUTOTUNE_S
+    if word in FALSE_WORDS[1:]:
+        return 0.0
+    try:
+        value = float(word)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 24 * 3600:
+        raise ValueError(f"{name}={text!r} must be seconds of tuning budget in [0, 86400] or a switch "
+                         f"(on: {DEFAULT_AUTOTUNE_S:g} s)")
+    return value
+
+
+def _fraction(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ValueError(f"{name}={text!r} must be a fraction in [0, 1] (0.05: 5 %)")
+    return value
+
+
 def _text(name: str, text: str) -> str:
     return text
 
@@ -153,6 +183,14 @@ VARIABLES: tuple[Variable, ...] = (
              "seconds a rank waits for its peers' reports in a rank agreement"),
     Variable("AUTOSYMM_DETERMINISTIC", parse_bool, False,
              "switch: only batch-invariant backends (a row's bits follow its inputs alone)", agreed=True),
+    Variable("AUTOSYMM_AUTOTUNE", _budget, None,
+             "warm-up tuning for the whole process (autosymm.autotune): seconds of budget, or a switch (on: 30 s)"),
+    Variable("AUTOSYMM_STACK_AUTOTUNE", _budget, DEFAULT_AUTOTUNE_S,
+             "the vLLM / SGLang plugins' warm-up tuning during the stack's warm-up: seconds of budget (default "
+             "30), or a switch (off: none)"),
+    Variable("AUTOSYMM_STACK_MARGIN", _fraction, 0.05,
+             "inside a serving stack, how much faster (a fraction: 0.05 = 5 %) a row must have measured autosymm "
+             "than the stack's own path for autosymm to take the call", agreed=True),
     Variable("AUTOSYMM_EAGER_REPLAY", parse_bool, True,
              "switch: eager Triton all-reduces replay a cached CUDA graph per tensor address"),
     Variable("AUTOSYMM_DB", _path, None, "path of the user's tuning database"),

@@ -1,11 +1,12 @@
 """autosymm.backends.base: the one eligibility contract and the one Capabilities builder."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from autosymm import spec
-from autosymm.backends import backend_names, get_backend
+from autosymm.backends import STACK_PATHS, backend_names, get_backend
 from autosymm.backends.base import Backend, Capabilities, Needs
 from autosymm.backends.triton_moe import DEFAULT_MOE_CONFIG
 from autosymm.problem import MODEL_SHAPES, Problem
@@ -19,11 +20,12 @@ def test_every_registered_backend_declares_needs_and_answers_why_not():
     for name in backend_names():
         backend = get_backend(name)
         assert isinstance(backend, Backend) and isinstance(backend.needs, Needs) and backend.name == name
+        caps = replace(CAPS, stack=name) if name in STACK_PATHS else CAPS  # a stack's path: on its group
         for problem in problems:
             for mode in ("eager", "graph"):
-                reason = backend.why_not(problem, CAPS, mode)
+                reason = backend.why_not(problem, caps, mode)
                 assert (reason is None) == (problem.op in backend.needs.ops and not (
-                    mode == "graph" and not backend.needs.graph_capturable) and backend.limits(problem, CAPS) is None
+                    mode == "graph" and not backend.needs.graph_capturable) and backend.limits(problem, caps) is None
                     and not backend.needs.multicast)
 
 

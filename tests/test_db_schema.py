@@ -39,6 +39,11 @@ INSERT INTO meta VALUES ('schema_version', '2');""")
 RELEASED_V3 = RELEASED_V2.replace("INSERT INTO meta VALUES ('schema_version', '2');", """
 ALTER TABLE results ADD COLUMN nccl_version TEXT;
 INSERT INTO meta VALUES ('schema_version', '3');""")
+RELEASED_V4 = RELEASED_V3.replace("INSERT INTO meta VALUES ('schema_version', '3');", """
+ALTER TABLE results ADD COLUMN stack TEXT;
+ALTER TABLE results ADD COLUMN stack_us REAL;
+ALTER TABLE results ADD COLUMN stack_note TEXT;
+INSERT INTO meta VALUES ('schema_version', '4');""")
 
 
 def shape_of(conn: sqlite3.Connection) -> dict:
@@ -65,7 +70,7 @@ def test_new_files_have_the_released_schema(tmp_path):
     with TuningDB(path) as tdb:
         tdb.record_many([make_row()])
     released = sqlite3.connect(":memory:")
-    released.executescript(RELEASED_V3)
+    released.executescript(RELEASED_V4)
     with sqlite3.connect(path) as conn:
         assert shape_of(conn) == shape_of(released)
         # what the released code ran against its files runs against this one
@@ -94,14 +99,14 @@ def test_version_1_files_migrate_to_comm_env(tmp_path):
     conn.close()
     before = file_sha(path)
     with TuningDB(path, readonly=True) as tdb:  # a shipped file: migrated in memory, never written
-        assert tdb.schema_version == SCHEMA_VERSION == 3
+        assert tdb.schema_version == SCHEMA_VERSION == 4
         (old,) = tdb.rows()
         assert old.comm_env is None and old.median_us == 11.0
     assert file_sha(path) == before
     with TuningDB(path) as tdb:  # a user's file: migrated in place, then takes the new column
         tdb.record_many([make_row(comm_env="TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1")])
     released = sqlite3.connect(":memory:")
-    released.executescript(RELEASED_V3)
+    released.executescript(RELEASED_V4)
     with sqlite3.connect(path) as conn:
         assert shape_of(conn) == shape_of(released)
     with TuningDB(path, readonly=True) as tdb:

@@ -141,8 +141,8 @@ def _stack_construction(rank, world_size):
     import torch.distributed as dist
 
     import autosymm
+    from autosymm import dist_compat
     from autosymm.integrations import AutosymmCustomAllReduce
-    from autosymm.integrations import groups
 
     cpu_group = dist.new_group(list(range(world_size)), backend="gloo")  # as the stacks make theirs
     vllm_style = AutosymmCustomAllReduce(group=cpu_group, device=torch.device("cpu"), symm_mem_enabled=False,
@@ -164,29 +164,29 @@ def _stack_construction(rank, world_size):
         raise AssertionError("an unknown keyword must raise TypeError")
     # The device group over the ranks of a group that does not run the backend: found, else created
     # (collectively over those ranks), and found again by the next adapter.
-    real_get_backend = groups.dist.get_backend
-    groups.dist.get_backend = lambda g=None: "fake" if g is cpu_group else real_get_backend(g)
+    real_get_backend = dist_compat.dist.get_backend
+    dist_compat.dist.get_backend = lambda g=None: "fake" if g is cpu_group else real_get_backend(g)
     try:
-        made = groups.device_group_for(cpu_group, "gloo")
+        made = dist_compat.group_over(cpu_group, "gloo")
         assert made is not cpu_group and dist.get_process_group_ranks(made) == list(range(world_size))
         if world_size == dist.get_world_size():
             assert made is dist.group.WORLD  # the world group runs gloo over the same ranks: found
         sub = dist.new_group([0], backend="gloo") if world_size > 1 else None  # every rank creates it
         if rank == 0:
-            assert groups.find_group([0], "gloo") is sub
-        assert groups.find_group([0], "nccl") is None
+            assert dist_compat.find_group([0], "gloo") is sub
+        assert dist_compat.find_group([0], "nccl") is None
     finally:
-        groups.dist.get_backend = real_get_backend
+        dist_compat.dist.get_backend = real_get_backend
     if world_size > 1:
         single = dist.new_group([1], backend="gloo")  # every rank takes part; only rank 1 is in it
-        groups.dist.get_backend = lambda g=None: "fake" if g is single else real_get_backend(g)
+        dist_compat.dist.get_backend = lambda g=None: "fake" if g is single else real_get_backend(g)
         try:
             if rank == 1:
-                created = groups.device_group_for(single, "gloo")  # no other group over [1]: created alone
+                created = dist_compat.group_over(single, "gloo")  # no other group over [1]: created alone
                 assert created is not single and dist.get_process_group_ranks(created) == [1]
-                assert groups.find_group([1], "gloo") in (single, created)
+                assert dist_compat.find_group([1], "gloo") in (single, created)
         finally:
-            groups.dist.get_backend = real_get_backend
+            dist_compat.dist.get_backend = real_get_backend
     return decision.describe()
 
 

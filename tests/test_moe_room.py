@@ -93,6 +93,7 @@ def _one_rank_state(monkeypatch, moe_bytes):
     """A group state of one CPU rank over a simulated workspace, as api.GroupState would hold it."""
     (ws,) = simulated_workspaces(1, all_reduce_bytes=4096, moe_bytes=moe_bytes)
     from autosymm.runtime.group import GroupState
+    from autosymm.runtime.warmup import WarmupLog
 
     state = object.__new__(GroupState)
     state.group, state.world_size, state.rank, state.device = None, 1, 0, torch.device("cpu")
@@ -100,6 +101,7 @@ def _one_rank_state(monkeypatch, moe_bytes):
     state.channel, state.prepared_calls = Exchange(None, 0, 1, store=object()), 0  # one rank: no store traffic
     state.caps = Capabilities.of(1, workspace=ws, compute_capability=(9, 0))
     state.ctx, state.cache = RunContext(workspace=ws), {}
+    state.warmup, state.agreed_reports = WarmupLog(), []
     monkeypatch.setitem(api.STATES, None, state)
     moves = []
 

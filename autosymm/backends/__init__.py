@@ -40,7 +40,11 @@ _REGISTRY: dict[str, str] = {
     "triton_all_gather_push": "autosymm.backends.triton_rs_ag:triton_all_gather_push",
     "triton_all_gather_pull": "autosymm.backends.triton_rs_ag:triton_all_gather_pull",
     "noop": "autosymm.backends.local:noop",
+    "vllm": "autosymm.backends.stack:vllm",
+    "sglang": "autosymm.backends.stack:sglang",
 }
+#: The backends that are a serving stack's own path (autosymm.backends.stack), by the stack's name.
+STACK_PATHS = ("vllm", "sglang")
 
 _LOADED: dict[str, Backend] = {}
 
@@ -60,4 +64,5 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-__all__ = ["Backend", "BackendError", "Capabilities", "Needs", "RunContext", "backend_names", "get_backend"]
+__all__ = ["STACK_PATHS", "Backend", "BackendError", "Capabilities", "Needs", "RunContext", "backend_names",
+           "get_backend"]

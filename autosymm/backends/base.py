@@ -54,6 +54,7 @@ class Capabilities:
     torch_symm_ops: bool = False  # torch.ops.symm_mem one/two-shot available
     compute_capability: tuple[int, int] = (0, 0)
     moe_max_bytes: int = 0  # MoE region (bytes) an eager call may grow the workspace to (<= moe_bytes: none)
+    stack: str = ""  # the serving stack whose own path this group's runs hold ('vllm', 'sglang'; '': none)
 
     @classmethod
     def of(cls, world_size: int, *, workspace=None, region_bytes: Optional[tuple[int, int]] = None,
@@ -112,10 +113,12 @@ class Needs:
 
 @dataclass
 class RunContext:
-    """Per-rank objects a launcher needs: the group and its workspace (None for NCCL)."""
+    """Per-rank objects a launcher needs: the group and its workspace (None for NCCL), and the
+    serving stack's own path on the group (autosymm.backends.stack.StackPath; None outside one)."""
 
     group: Any = None
     workspace: Any = None
+    stack: Any = None
 
 
 Launcher = Callable[..., Any]
@@ -133,6 +136,13 @@ class Backend:
     name: str
     needs: Needs
     batch_invariant: bool = False
+
+    def formula(self, problem: Problem) -> str:
+        """The numerics of this backend's result for ``problem``, by name: the op's
+        (``OpSpec.formula``: 'sum' in any order, 'copy', the fused op's 'single-rounding')
+        unless the backend computes another (the NCCL fused fallback's 'native-chain'). Warm-up
+        tuning lets only candidates of the reference path's formula compete (autosymm.tuning.warmup)."""
+        return problem.record.formula
 
     def invariant_for(self, problem: Problem) -> bool:
         """Whether this backend's result for ``problem`` is batch-invariant (``batch_invariant``,

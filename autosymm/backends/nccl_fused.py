@@ -21,6 +21,13 @@ class NcclFused(Backend):
     name = "nccl_fused"
     needs = Needs(ops=("all_reduce_rmsnorm",))
 
+    def formula(self, problem: Problem) -> str:
+        """The default epilogue: the native chain (two roundings); the others: the reference
+        formula from NCCL's fp32 sum."""
+        from ..epilogue import DEFAULT, NATIVE_CHAIN, SINGLE_ROUNDING
+
+        return NATIVE_CHAIN if problem.epilogue == DEFAULT else SINGLE_ROUNDING
+
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist
 

@@ -1,5 +1,6 @@
-"""Tuning-database schema: columns, the Key and Row records and their validation, errors, and
-migrations (see autosymm.db.store; opening a file is autosymm.db.open).
+"""Tuning-database schema: columns, the Key and Row records and their validation, errors and the
+trust rules (see autosymm.db.store; opening a file is autosymm.db.open, creating and migrating
+its tables autosymm.db.migrations).
 
 Kept apart from the TuningDB class so the schema and its migrations read in one place. Tables
 and the view are created through sqlite-utils (``Table.create``, ``Database.create_view``).
@@ -19,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import sqlite_utils
 
 from .. import spec
-from ..backends import backend_names, get_backend
+from ..backends import STACK_PATHS, backend_names, get_backend
 from ..configs import AnyConfig, as_int, config_from_json, config_to_json, config_types
 from ..problem import DTYPES, MODES, MoEShape
 
@@ -27,7 +28,7 @@ from ..problem import DTYPES, MODES, MoEShape
 if not hasattr(sqlite_utils.Database, "atomic"):  # 3.x commits an open transaction on every write
     raise ImportError("autosymm.db.store needs sqlite-utils >= 4.0 (nested transactions): pip install -U sqlite-utils")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_S = 30.0
 KEY_COLUMNS = ("hardware", "world_size", "op", "dtype", "bucket", "shape", "mode")
 PK_COLUMNS = KEY_COLUMNS + ("backend",)
@@ -51,7 +52,7 @@ RESULTS_COLUMNS: dict[str, type] = {
     "mode": str, "backend": str, "config": str, "median_us": float, "p10_us": float, "p90_us": float,
     "nccl_us": float, "speedup": float, "trials": int, "autosymm_version": str, "torch_version": str,
     "triton_version": str, "cuda_version": str, "driver_version": str, "created": str, "comm_env": str,
-    "nccl_version": str,
+    "nccl_version": str, "stack": str, "stack_us": float, "stack_note": str,
 }
 RESULTS_NOT_NULL = PK_COLUMNS + ("gpu", "config", "median_us", "created")
 RESULTS_DEFAULTS = {"gpu": "", "shape": "", "config": "{}"}
@@ -182,6 +183,12 @@ class Row:
     created: str = field(default_factory=_utc_now)
     comm_env: Optional[str] = None
     nccl_version: Optional[str] = None
+    #: the serving stack whose own path the row's tune timed beside NCCL ('vllm', 'sglang';
+    #: None: a tune outside a stack), its time (us, MAX over ranks) in ``stack_us``, or in
+    #: ``stack_note`` why it could not be timed (autosymm.tuning.warmup)
+    stack: Optional[str] = None
+    stack_us: Optional[float] = None
+    stack_note: Optional[str] = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:  # the dataclass is frozen
@@ -195,8 +202,14 @@ class Row:
         put("bucket", _int("bucket", self.bucket, 1))
         put("trials", _opt(_int, "trials", self.trials, 0))
         put("median_us", _positive("median_us", self.median_us))
-        for name in ("p10_us", "p90_us", "nccl_us", "speedup"):
+        for name in ("p10_us", "p90_us", "nccl_us", "speedup", "stack_us"):
             put(name, _opt(_positive, name, getattr(self, name)))
+        for name in ("stack", "stack_note"):
+            put(name, getattr(self, name) or None)
+        if self.stack is not None and self.stack not in STACK_PATHS:
+            raise ValueError(f"Row.stack={self.stack!r} is not one of {STACK_PATHS} (or NULL: no stack)")
+        if self.stack is None and (self.stack_us is not None or self.stack_note is not None):
+            raise ValueError("Row.stack_us and Row.stack_note need Row.stack (the stack whose path they describe)")
         if self.speedup is None and self.nccl_us is not None:
             put("speedup", self.nccl_us / self.median_us)
         for name in PROVENANCE_COLUMNS:
@@ -396,49 +409,3 @@ def row_matches(row: Row, filters: dict[str, Any]) -> bool:
     """Whether ``row`` passes ``filters`` as :func:`where_clause` reads them."""
     return all(value is None or getattr(row, column) in (value if isinstance(value, _ANY_OF) else [value])
                for column, value in filters.items())
-
-
-# -------------------------------------------------------------------- creating, migrations
-
-
-def _create_meta_and_winners(db: sqlite_utils.Database) -> None:
-    db["meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
-    db.create_view("winners", WINNERS_SQL, ignore=True)
-
-
-def create_schema(db: sqlite_utils.Database) -> None:
-    """Create the current schema's tables and view in an empty database."""
-    db["results"].create(RESULTS_COLUMNS, pk=PK_COLUMNS, not_null=RESULTS_NOT_NULL, defaults=RESULTS_DEFAULTS)
-    _create_meta_and_winners(db)
-
-
-def _migrate_0_to_1(db: sqlite_utils.Database) -> None:
-    """Version 0 (pre-release) had no meta table, no winners view, no p10_us/p90_us/trials."""
-    results = db.table("results")
-    for column in ("p10_us", "p90_us", "trials"):
-        if column not in results.columns_dict:
-            results.add_column(column, RESULTS_COLUMNS[column])
-    _create_meta_and_winners(db)
-
-
-def _migrate_1_to_2(db: sqlite_utils.Database) -> None:
-    """Version 1 had no ``comm_env`` (its rows read it as NULL: environment not recorded)."""
-    if "results" not in db.table_names():
-        raise CorruptDatabaseError("a version-1 tuning database without its results table")
-    results = db.table("results")
-    if "comm_env" not in results.columns_dict:
-        results.add_column("comm_env", RESULTS_COLUMNS["comm_env"])
-
-
-def _migrate_2_to_3(db: sqlite_utils.Database) -> None:
-    """Version 2 had no ``nccl_version`` (its rows read it as NULL: the NCCL they beat unknown)."""
-    if "results" not in db.table_names():
-        raise CorruptDatabaseError("a version-2 tuning database without its results table")
-    results = db.table("results")
-    if "nccl_version" not in results.columns_dict:
-        results.add_column("nccl_version", RESULTS_COLUMNS["nccl_version"])
-
-
-#: MIGRATIONS[n] turns a version-n database into version n + 1 (inside one transaction).
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_0_to_1, _migrate_1_to_2, _migrate_2_to_3]
-assert len(MIGRATIONS) == SCHEMA_VERSION

@@ -33,10 +33,10 @@ import sqlite_utils
 from .. import settings
 from .open import (FILE, LOCK_WAIT_S, MISSING, Claim, DatabaseLockedError, NotADatabaseFileError, QueryTimeoutError,
                    connect, db_error, harden, make_folders, path_kind, place, read_schema_version, refusal)
-from .schema import (BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, MIGRATIONS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER,
-                     SCHEMA_VERSION, BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts,
-                     ReadOnlyDatabaseError, Row, TuningDBError, checked_row, create_schema, version_mismatch,
-                     where_clause)
+from .migrations import MIGRATIONS, create_schema
+from .schema import (BUSY_TIMEOUT_S, FILTER_COLUMNS, KEY_COLUMNS, PK_COLUMNS, ROW_FIELDS, ROW_ORDER, SCHEMA_VERSION,
+                     BadRowWarning, CorruptDatabaseError, DatabaseVersionError, Key, MergeCounts,
+                     ReadOnlyDatabaseError, Row, TuningDBError, checked_row, version_mismatch, where_clause)
 
 #: Rows per write statement (batch): the query clock times each statement from its start
 #: (autosymm.db.open.QueryClock), so a write of any size is many short statements.

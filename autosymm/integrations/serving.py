@@ -23,10 +23,10 @@ from autosymm.collectives.all_reduce import all_reduce
 from autosymm.collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
 from autosymm.collectives.reduce_scatter import reduce_scatter_tensor
 from autosymm.spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, REDUCE_SCATTER
-from autosymm.dist_compat import group_device
+from autosymm.dist_compat import group_device, group_over
 from autosymm.problem import DTYPES, Problem, dtype_name
 
-from .groups import device_group_for, serving_backend
+from .groups import serving_backend
 
 _SUPPORTED = frozenset(DTYPES.values())
 
@@ -62,8 +62,7 @@ class AutosymmServing:
                                "(dist.init_process_group)")
         self.cpu_group = group
         self.device = as_device(device) if device is not None else group_device(group)
-        self.group = device_group if device_group is not None else device_group_for(group,
-                                                                                   serving_backend(self.device))
+        self.group = device_group if device_group is not None else group_over(group, serving_backend(self.device))
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.stopped = False

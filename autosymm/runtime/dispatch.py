@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import settings
-from ..backends import Capabilities, get_backend
+from ..backends import STACK_PATHS, Capabilities, get_backend
 from ..configs import AnyConfig, config_fields
 from ..db.read import DBSource, Lookup
 from ..db.schema import Key, Row, nccl_trust, version_mismatch
@@ -48,6 +48,9 @@ class Decision:
     skipped: tuple[str, ...] = field(default=(), compare=False)  # "backend: why" of faster rows passed over
     measured: bool = False  # expected_us is the row's own time (the call's size, dtype, shape, mode), not modelled
     hardware: str = ""  # the hardware slug decided for (autosymm.hardware)
+    exchanges: bool = True  # False: nothing to exchange (backend noop: rule 1)
+    stack_us: Optional[float] = None  # inside a serving stack: its own path's time at the call (us)
+    formula: str = ""  # the numerics the backend computes (Backend.formula: 'sum', 'single-rounding', ...)
 
     @property
     def tuned(self) -> bool:
@@ -65,9 +68,11 @@ class Decision:
                 text += f"; NCCL {self.nccl_us:.2f} us, {self.nccl_us / self.expected_us:.2f}x"
             text += ")"
         text += f" - {self.reason}"
+        if self.formula not in ("", "sum", "copy"):
+            text += f"; computes the {self.formula} formula"
         if self.source:
             text += f" ({Path(self.source).name})"
-        timed = self.expected_us is not None or self.backend == "noop"
+        timed = self.expected_us is not None or not self.exchanges
         if self.hardware or not timed:
             text += f" [{'on ' + self.hardware if self.hardware else ''}{'' if timed else ': no measured time'}]"
         return text
@@ -86,6 +91,11 @@ def last_resort(problem: Problem, deterministic: bool = False) -> str:
     return record.invariant_fallback
 
 
+def with_note(decision: Decision, note: str) -> Decision:
+    """``decision`` with ``note`` added to its reason (what warm-up tuning did of the key)."""
+    return replace(decision, reason=f"{decision.reason}; {note}")
+
+
 def unagreed_decision(problem: Problem, mode: str, why: str, deterministic: bool = False,
                       hardware: str = "") -> Decision:
     """The decision of every call on a group whose ranks failed or disagree at set-up (``why``):
@@ -95,7 +105,7 @@ def unagreed_decision(problem: Problem, mode: str, why: str, deterministic: bool
                                                else "")
     backend = "noop" if nothing else last_resort(problem, deterministic)
     return Decision(backend, None, nothing or f"ranks failed or disagree at set-up ({why})", bucket=problem.bucket,
-                    mode=mode, hardware=hardware)
+                    mode=mode, hardware=hardware, exchanges=not nothing)
 
 
 def fallback_decision(problem: Problem, mode: str, caps: Capabilities, reason: str,
@@ -178,14 +188,25 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
     nothing = record.empty_reason(problem) or (record.one_rank_reason(deterministic) if problem.world_size == 1
                                                else "")
     if nothing:
-        return plain("noop", nothing)
+        return replace(plain("noop", nothing), exchanges=False)
     if settings.disabled():
         return plain(last_resort(problem, deterministic), "AUTOSYMM_DISABLE=1")
     if not caps.intra_node:
         return plain(last_resort(problem, deterministic), "group spans nodes: NCCL")
     outside = record.outside_domain(problem)
     if outside:
-        return fallback_decision(problem, mode, caps, outside, deterministic, hardware)
+        decision, ranked = fallback_decision(problem, mode, caps, outside, deterministic, hardware), []
+    else:
+        decision, ranked = _from_rows(problem, mode, caps, sources, hardware, deterministic)
+    if caps.stack:
+        decision = _stack_rule(problem, mode, caps, decision, ranked)
+    return replace(decision, formula=_formula(decision.backend, problem))
+
+
+def _from_rows(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DBSource], hardware: str,
+               deterministic: bool) -> tuple[Decision, list[RowCandidate]]:
+    """Rules 5 and 6: the fastest trusted row whose backend can serve the call, else the op's
+    fallbacks; with the ranked rows of the lookup that decided (none for a fallback)."""
     skipped: list[str] = []
     key = Key.for_problem(hardware, problem, mode)
     for dtype, row_mode, nearest, note in _lookups(problem, mode):
@@ -201,10 +222,45 @@ def decide(problem: Problem, mode: str, caps: Capabilities, sources: Sequence[DB
                 if text not in skipped:
                     skipped.append(text)
                 continue
-            return replace(_decision(problem, mode, candidate, ranked, (how, note), skipped), hardware=hardware)
+            decision = _decision(problem, mode, candidate, ranked, (how, note), skipped)
+            return replace(decision, hardware=hardware), ranked
     reason = "no tuned row for this hardware/world size/shape" if not skipped else "no tuned backend can serve the call"
     decision = fallback_decision(problem, mode, caps, reason, deterministic, hardware)
-    return replace(decision, skipped=tuple(skipped))
+    return replace(decision, skipped=tuple(skipped)), []
+
+
+def _stack_rule(problem: Problem, mode: str, caps: Capabilities, decision: Decision,
+                ranked: list[RowCandidate]) -> Decision:
+    """Inside a serving stack (``caps.stack``), the stack's own path is the default to beat: it
+    serves unless a row measured the winner faster than the stack's path at this call by the
+    margin (AUTOSYMM_STACK_MARGIN), so timing jitter never displaces it; an untuned call, or one
+    no row timed against the stack, is the stack's."""
+    stack = caps.stack
+    if decision.backend == stack or not decision.exchanges or get_backend(stack).why_not(problem, caps, mode):
+        return decision
+    stack_row = next((c for c in ranked if c.row.backend == stack), None)
+    own = (f"{stack}'s own path" if stack_row is None else
+           f"{stack}'s own path ({stack_row.modelled_us:.2f} us)")
+    if not decision.tuned or decision.expected_us is None:
+        return replace(decision, backend=stack, config=None, reason=f"{own}: {decision.reason}")
+    if stack_row is None:
+        notes = sorted({c.row.stack_note for c in ranked if c.row.stack_note})
+        why = f"not timed against it ({'; '.join(notes)})" if notes else "no row of this call timed it"
+        return replace(decision, backend=stack, config=None, reason=f"{own}: {why}", expected_us=None)
+    margin = settings.get("AUTOSYMM_STACK_MARGIN")
+    stack_us = stack_row.modelled_us
+    if decision.expected_us * (1.0 + margin) > stack_us:
+        return replace(decision, backend=stack, config=None, expected_us=stack_us, stack_us=stack_us,
+                       reason=f"{own}: {decision.backend}'s {decision.expected_us:.2f} us is not {margin:.0%} "
+                              f"faster")
+    return replace(decision, stack_us=stack_us,
+                   reason=f"{decision.reason}; {stack_us / decision.expected_us:.2f}x faster than {stack}'s own path "
+                          f"({stack_us:.2f} us, margin {margin:.0%})")
+
+
+def _formula(backend: str, problem: Problem) -> str:
+    """The formula the deciding backend computes for ``problem`` (Backend.formula)."""
+    return get_backend(backend).formula(problem)
 
 
 def _decision(problem: Problem, mode: str, candidate: RowCandidate, ranked: list[RowCandidate],
@@ -235,6 +291,6 @@ def _why_not(backend_name: str, problem: Problem, caps: Capabilities, mode: str,
         backend = get_backend(backend_name)
     except (KeyError, ImportError) as exc:
         return f"not available here ({exc})"
-    if deterministic and not backend.invariant_for(problem):
+    if deterministic and not backend.invariant_for(problem) and backend_name not in STACK_PATHS:
         return "not batch-invariant (deterministic)"
     return backend.why_not(problem, caps, mode)

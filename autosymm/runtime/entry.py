@@ -12,8 +12,9 @@ from typing import Any, Callable, Optional
 
 from ..problem import Problem
 from ..spec import CallKey, OpSpec, key_mode
+from . import warmup
 from .call_check import checked_entry, fingerprint
-from .group import Entry, stream_capturing
+from .group import stream_capturing
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,16 @@ def prepare_call(state, door: Door, key: CallKey, args: tuple):
 
     def local():
         problem = door.check_call(state, key, args, mode)
-        return door.prepare(state, problem, mode) if door.prepare_in_check else problem
+        return problem, door.prepare(state, problem, mode) if door.prepare_in_check else None
 
-    found = state.agreed_check(door.call_text(key, args, mode), local)
-    entry = found if isinstance(found, Entry) else door.prepare(state, found, mode)
+    def word(found) -> dict:  # this rank tunes the key if every rank will (autosymm.runtime.warmup)
+        return {"warmup": warmup.wants(found[0]) and not stream_capturing()}
+
+    problem, entry = state.agreed_check(door.call_text(key, args, mode), local, word)
+    if entry is None:
+        entry = door.prepare(state, problem, mode)
+    if warmup.tune_first_call(state, problem, all(r.get("warmup") for r in state.agreed_reports)):
+        entry = door.prepare(state, problem, mode)  # decided again, from the rows just measured
     entry.bytes_per_call = door.bytes_per_call(args)
     state.cache[key] = entry
     return entry

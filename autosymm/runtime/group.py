@@ -10,8 +10,8 @@ import logging
 import socket
 import threading
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,10 +22,13 @@ from .. import settings
 from .agreement import AgreementError, Exchange, problems
 from .call_check import CheckedCache
 from ..backends import Capabilities, RunContext, get_backend
+from ..db.read import DBSource
+from ..db.store import TuningDB
 from .dispatch import Decision
 from ..dist_compat import check_group, group_device
 from ..problem import Problem
 from .replay import wrap_eager
+from .warmup import WarmupLog, key_of as warmup_key
 
 log = logging.getLogger("autosymm")
 
@@ -145,11 +148,35 @@ class GroupState:
         self.ctx = RunContext(group=group, workspace=self.workspace)
         self.cache: dict[tuple, Entry] = CheckedCache() if self.check_calls else {}
         self.agreed_calls: set[str] = set()  # agree_once's
+        self.agreed_reports: list[dict] = []  # every rank's report of the last agreed check
+        self.control_group = None  # the warm-up tuner's protocol group (autosymm.tuning.warmup), made at need
+        self.warmup = WarmupLog()
 
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:
             return dispatch.unagreed_decision(problem, mode, self.safe_reason, self.deterministic, self.hardware)
-        return dispatch.decide(problem, mode, self.caps, self.sources, self.hardware, self.deterministic)
+        decision = dispatch.decide(problem, mode, self.caps, self.sources, self.hardware, self.deterministic)
+        note = self.warmup.notes.get(warmup_key(problem))
+        return dispatch.with_note(decision, f"warm-up tuning: {note}") if note else decision
+
+    def attach_stack(self, path, control_group=None) -> None:
+        """A serving adapter's word (collective: every rank of the group alike): the stack's own
+        path on this group (autosymm.backends.stack.StackPath) becomes a candidate and the default
+        to beat (autosymm.runtime.dispatch), and ``control_group`` (a gloo group over the ranks,
+        the stack's CPU group, when it is not the group the calls run on) carries the warm-up
+        tuner's protocol. Calls are decided again."""
+        self.ctx.stack = path
+        self.caps = replace(self.caps, stack=path.name)
+        if control_group is not None and control_group is not self.group:
+            self.control_group = control_group
+        self.cache.clear()
+
+    def add_rows(self, rows, label: str) -> None:
+        """Rows measured on this node since set-up (warm-up tuning: the same on every rank), served
+        before every database's (the user database holds them too, for the next start)."""
+        db = TuningDB(":memory:")
+        db.record_many(list(rows))
+        self.sources = [DBSource(db, label or "warm-up tuning", self.hardware)] + list(self.sources)
 
     def set_deterministic(self, value: bool) -> None:
         """``autosymm.init(deterministic=...)``: agreed with every rank (AgreementError naming the
@@ -182,11 +209,13 @@ class GroupState:
         self.agreed_check(call, _nothing)
         self.agreed_calls.add(call)
 
-    def agreed_check(self, call: str, check: Callable[[], Any]) -> Any:
+    def agreed_check(self, call: str, check: Callable[[], Any], word: Optional[Callable[[Any], dict]] = None) -> Any:
         """``check()`` this rank's part of a new call (local work only: no collective), then make
         sure with every rank that each checked the same ``call`` (op, dtype, size, mode) without
         error; returns what ``check`` returned. A failure or mismatch raises on every rank: the
-        failing rank its own error, the others an AgreementError naming it."""
+        failing rank its own error, the others an AgreementError naming it. ``word(result)``:
+        what else this rank tells its peers (compared by nobody: :attr:`agreed_reports` holds
+        every rank's report afterwards)."""
         result, error = None, None
         try:
             result = check()
@@ -195,7 +224,10 @@ class GroupState:
         self.prepared_calls += 1
         report = {"ok": error is None, "error": f"{type(error).__name__}: {error}" if error else "",
                   "settings": {"call": call}}
-        trouble = problems(self.channel.exchange(f"call{self.prepared_calls}", report))
+        if word is not None and error is None:
+            report.update(word(result))
+        self.agreed_reports = self.channel.exchange(f"call{self.prepared_calls}", report)
+        trouble = problems(self.agreed_reports)
         if error is not None:
             raise error
         if trouble is not None:

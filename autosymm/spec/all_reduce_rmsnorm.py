@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from ..configs import FlashInferFusedConfig, FusedConfig
-from ..epilogue import DEFAULT, NVFP4_BLOCK, QUANTS, Epilogue
+from ..epilogue import DEFAULT, NATIVE_CHAIN, NVFP4_BLOCK, QUANTS, SINGLE_ROUNDING, Epilogue  # noqa: F401
 from ..problem import DTYPES, Problem
 from .base import PointRequest, ShapeKind, TokensKeyed, TuningPoints
 from .moe import TOKENS
@@ -138,4 +138,4 @@ ALL_REDUCE_RMSNORM = AllReduceRMSNormSpec("all_reduce_rmsnorm", fallback="nccl_f
                                           points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS,
                                                               epilogues=(DEFAULT,)),
                                           tuned_by_default=False, invariant_fallback="nccl_ordered_fused",
-                                          local="autosymm.epilogue:local_launcher")
+                                          local="autosymm.epilogue:local_launcher", formula=SINGLE_ROUNDING)

@@ -144,7 +144,9 @@ class OpSpec:
     ``deterministic`` setting where the ``fallback_order`` has none; '' when that order has one);
     ``domain`` (the calls its rows can decide: :class:`Domain`); ``local`` (the entry
     'module:function' making the launcher of a call with nothing to exchange, the backend
-    'noop': ``local(problem) -> launcher``; '' where every call exchanges).
+    'noop': ``local(problem) -> launcher``; '' where every call exchanges); ``formula`` (the
+    numerics its backends compute unless one says otherwise, autosymm.backends.Backend.formula:
+    'sum' in any rank order, 'copy', the fused op's 'single-rounding').
     Subclasses (one module per op) give :meth:`check_problem` and :meth:`problems`."""
 
     unit: ClassVar[BucketUnit]
@@ -160,6 +162,7 @@ class OpSpec:
     invariant_fallback: str = ""
     domain: Domain = Domain()
     local: str = ""
+    formula: str = "sum"
 
     def __post_init__(self) -> None:
         if not self.fallback_order or self.fallback_order[-1] != self.fallback:

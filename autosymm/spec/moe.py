@@ -70,7 +70,8 @@ class MoEConversionSpec(TokensKeyed):
 
 _POINTS = TuningPoints(moe_shapes=tuple(MODEL_SHAPES.values()), tokens=TOKENS)
 # No NCCL path is graph-capturable: where no row serves, the Triton conversion's default config first.
-_FALLBACKS = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig)
+_FALLBACKS = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig,
+                  formula="copy")
 DP_TO_EP = MoEConversionSpec("dp_to_ep", points=_POINTS, lookups=Lookups(nearest_shape=True), shape=MOE_SHAPE,
                              to_experts=True, index_name="gate_indx", **_FALLBACKS)
 EP_TO_DP = MoEConversionSpec("ep_to_dp", points=_POINTS, lookups=Lookups(nearest_shape=True), shape=MOE_SHAPE,

@@ -30,4 +30,4 @@ REDUCE_SCATTER = ShardedSpec("reduce_scatter", fallback="nccl_reduce_scatter",
 ALL_GATHER = ShardedSpec("all_gather", fallback="nccl_all_gather", fallback_order=("nccl_all_gather",),
                          points=TuningPoints(sizes=SIZES), config_type=AllGatherConfig,
                          lookups=Lookups(bf16_same_bytes=True), tuned_by_default=False,
-                         domain=Domain(keyed_as="bf16"), local="autosymm.backends.local:copy_shard")
+                         domain=Domain(keyed_as="bf16"), local="autosymm.backends.local:copy_shard", formula="copy")

@@ -42,9 +42,10 @@ class Agreement:
 
 class RankComm:
     """Rank 0's word and MAX over ``group`` (None: the default group), on the group's device for
-    host collectives (CPU for gloo); without a process group every call is local."""
+    host collectives (CPU for gloo); without a process group every call is local. ``wait_s``: how
+    long an agreement waits for a peer (None: the process group's timeout)."""
 
-    def __init__(self, group):
+    def __init__(self, group, wait_s: Optional[float] = None):
         import torch.distributed as dist
 
         self.dist = dist
@@ -57,7 +58,8 @@ class RankComm:
         if self.active:
             # the tuner's agreements (autosymm.runtime.agreement): a peer may still be preparing a
             # candidate (up to its prepare timeout), so they wait as long as the process group would
-            self.channel = Exchange(group, self.rank, self.world_size, wait_s=dist.default_pg_timeout.total_seconds())
+            self.channel = Exchange(group, self.rank, self.world_size,
+                                    wait_s=dist.default_pg_timeout.total_seconds() if wait_s is None else wait_s)
             try:
                 self.src = dist.get_global_rank(group, 0) if group is not None else 0
             except (AttributeError, RuntimeError, ValueError):

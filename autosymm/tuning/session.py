@@ -132,6 +132,9 @@ class TuneSession:
         self.control_group = control_group if control_group is not None else control_group_for(group)
         self.ctx = RunContext(group=group, workspace=workspace)
         self.unavailable: dict[str, str] = {}  # backend -> why it could not be loaded (open)
+        #: ``screen(problem, mode, candidates) -> (kept, {backend: why refused})``: which of the
+        #: eligible candidates compete (warm-up tuning's numerics rule); None: all of them
+        self.screen: Optional[Callable[[Problem, str, dict], tuple[dict, dict]]] = None
 
     @classmethod
     def open(cls, settings: TuneSettings, problems: Sequence[Problem], *, group=None, db_path: Optional[str] = None,
@@ -209,6 +212,9 @@ class TuneSession:
         first (the problem's first mode; the kernels are the same in both, so the second finds
         them compiled)."""
         candidates, why_not = candidates_for(problem, mode, self.backends, self.caps)
+        if self.screen is not None:
+            candidates, refused = self.screen(problem, mode, candidates)
+            why_not.update(refused)
         if not any(name != problem.record.fallback for name in candidates):
             return SweepItem(problem, mode, "skipped", "no backend but the fallback serves it", unsupported=why_not)
         plan = self.settings.plan_for(problem, mode)
@@ -218,7 +224,7 @@ class TuneSession:
             data.allocate()
         except Exception as exc:  # e.g. out of memory on one rank: agree before any collective
             failure = f"{type(exc).__name__}: {exc}"
-        if RankComm(self.control_group).agree(failed=bool(failure)).failed:
+        if RankComm(self.control_group, self.settings.agree_s).agree(failed=bool(failure)).failed:
             return SweepItem(problem, mode, "failed", "inputs could not be built on some rank "
                              f"({failure or 'see others'})", unsupported=why_not)
         data.build_reference()

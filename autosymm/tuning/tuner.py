@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..configs import AnyConfig, config_to_json
@@ -42,6 +42,13 @@ class SearchSettings:
     timeout_s: Optional[float] = 60.0
     prepare_timeout_s: Optional[float] = 600.0
     grace_s: float = 10.0
+    #: seconds after which rank 0 picks no further candidate (the baselines always run; None:
+    #: no deadline): warm-up tuning's budget per key (autosymm.tuning.warmup)
+    deadline_s: Optional[float] = None
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
+    #: seconds an agreement of the protocol waits for a peer (None: the process group's timeout,
+    #: as a peer may still be preparing; warm-up tuning: the agreement deadline)
+    agree_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -54,6 +61,8 @@ class SearchSettings:
                 raise ValueError(f"{name}={value} must be > 0 s (None: no timeout)")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s={self.grace_s} must be >= 0 s")
+        if self.deadline_s is not None and not self.deadline_s >= 0:
+            raise ValueError(f"deadline_s={self.deadline_s} must be >= 0 s (None: no deadline)")
 
 
 class Evaluator(Protocol):
@@ -108,13 +117,18 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 class _Chooser:
-    """Rank 0's chooser (None on the other ranks): ``pick()`` is the next index, -1 when done, -2
-    when the study itself failed (``error``): an optuna failure ends the search, never a rank."""
+    """Rank 0's chooser (None on the other ranks): ``pick()`` is the next index, -1 when done (or
+    past ``deadline``, a time of ``clock``), -2 when the study itself failed (``error``): an optuna
+    failure ends the search, never a rank."""
 
-    def __init__(self, chooser: Any, tuned_indices: set[int]):
+    def __init__(self, chooser: Any, tuned_indices: set[int], deadline: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.chooser, self.tuned_indices, self.error = chooser, tuned_indices, None
+        self.deadline, self.clock = deadline, clock
 
     def pick(self) -> int:
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return -1  # rank 0's clock alone decides; its -1 reaches every rank
         if self.chooser is not None and self.error is None:
             try:
                 index = self.chooser.next()
@@ -300,7 +314,7 @@ def tune(problem: Problem, candidates_by_backend: dict[str, Sequence[Optional[An
     baseline_backend = baseline_backend or problem.record.fallback
     candidates = build_candidates(candidates_by_backend)
     tuned, plans = _plans(candidates, settings)
-    comm = RankComm(group)
+    comm = RankComm(group, settings.agree_s)
     evaluator = as_evaluator(evaluate)
 
     # 1. the same candidates and settings everywhere, or a clear error on every rank
@@ -315,6 +329,7 @@ def tune(problem: Problem, candidates_by_backend: dict[str, Sequence[Optional[An
         chooser = SequentialChooser([make_chooser(candidates, tuned[b], *plans[b], settings.seed)
                                      for b in sorted(tuned)])
     search = _Search(candidates, evaluator, comm, settings, log)
+    deadline = None if settings.deadline_s is None else settings.clock() + settings.deadline_s
     search.run([i for i, c in enumerate(candidates) if c.config is None],
-               _Chooser(chooser, {i for indices in tuned.values() for i in indices}))
+               _Chooser(chooser, {i for indices in tuned.values() for i in indices}, deadline, settings.clock))
     return search.outcome(problem, baseline_backend, {b: plan[0] for b, plan in plans.items()})
