@@ -102,15 +102,18 @@ LAMPORT_MAX_BYTES = 256 << 10
 SMOKE_BYTES = 6144
 
 
-def sized_configs(nbytes: int, elem_bytes: int = 2) -> list[tuple[int, int, int]]:
+def sized_configs(nbytes: int, elem_bytes: int = 2, quick: bool = False) -> list[tuple[int, int, int]]:
     """(BLOCK, grid, warps) sized for the message: 16 bytes a thread, one chunk a program, at two
-    widths (4 and 16 warps), at most 132 programs; plus the issue's B1024 g4 w4 below 64 KiB."""
+    widths (4 and 16 warps; ``quick``: one above 64 KiB), at most 132 programs; plus the issue's
+    B1024 g4 w4 up to 8 KiB (not ``quick``)."""
     numel = max(1, nbytes // elem_bytes)
     out = []
     for block, warps in ((1024, 4), (4096, 16)):
         if block > 2 * numel and block != 1024:
             continue
         out.append((block, min(132, math.ceil(numel / block)), warps))
+    if quick:
+        return out if nbytes <= (64 << 10) else out[:1]
     if nbytes <= (8 << 10) and (1024, 4, 4) not in out:
         out.append((1024, 4, 4))
     return out
@@ -121,7 +124,8 @@ def default_cases(sizes=SIZES, families: Optional[set] = None, quick: bool = Fal
     single and double buffer, two-shot, Lamport), the fused all-reduce + RMSNorm at 1 and 8 tokens
     of hidden 4096 and 8192 with the default and the static-FP8 epilogue (push and pull one-shots
     double-buffered, two-shot at 8 tokens, Lamport where the tree has it), reduce-scatter (pull,
-    push) and all-gather (push, pull). ``quick``: one config per (family, size)."""
+    push) and all-gather (push, pull). ``quick``: fewer configs (:func:`sized_configs`; reduce-scatter
+    and all-gather one per size; the fused cases at 16 warps only)."""
     cases: list[Case] = []
 
     def add(case: Case) -> None:
@@ -129,8 +133,8 @@ def default_cases(sizes=SIZES, families: Optional[set] = None, quick: bool = Fal
             cases.append(case)
 
     for nbytes in sizes:
-        configs = sized_configs(nbytes)[:1] if quick else sized_configs(nbytes)
-        for block, grid, warps in configs:
+        configs = sized_configs(nbytes, quick=quick)
+        for index, (block, grid, warps) in enumerate(configs):
             for name, algorithm, db in (("triton_one_shot", "one_shot", False), ("triton_one_shot", "one_shot", True),
                                         ("triton_one_shot_push", "one_shot_push", False),
                                         ("triton_one_shot_push", "one_shot_push", True),
@@ -144,6 +148,8 @@ def default_cases(sizes=SIZES, families: Optional[set] = None, quick: bool = Fal
             seg = max(1, nbytes // 2 // 2)
             add(Case("all_reduce", "triton_two_shot", "two_shot", block, max(1, min(grid, math.ceil(seg / block))),
                      warps, nbytes))
+            if quick and index:
+                continue
             for algorithm in ("pull", "push"):
                 add(Case("reduce_scatter", f"triton_reduce_scatter_{algorithm}", algorithm, block,
                          max(1, min(grid, math.ceil(seg / block))), warps, nbytes))

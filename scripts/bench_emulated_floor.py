@@ -17,6 +17,7 @@ Timing inputs are zeros (in-place sums stay finite); correctness was checked on 
         [--json OUT.jsonl] [--quick]
   python3 scripts/bench_emulated_floor.py --compare .base [--alternations 3] ...   # base tree vs this one
   python3 scripts/bench_emulated_floor.py --cpu        # smoke: interpreter, forked ranks, no times
+  ncu ... python3 scripts/bench_emulated_floor.py --profile --families ar:lamport --sizes 8K
 
 ``--compare BASE_DIR`` runs this script's cases on BASE_DIR's autosymm (a ``git archive`` of the
 base commit unpacked there) and on this tree's, alternately (B, A, B, A, ...: one subprocess per
@@ -201,6 +202,23 @@ def run_case_gpu(case, world_size: int, seed: int) -> dict:
                 in_space=in_space(case, world_size))
 
 
+def profile_case(case, world_size: int, seed: int, calls: int = 6) -> dict:
+    """Rank 0's kernel alone, ``calls`` times, every wait satisfied before each call (pads pre-set,
+    Lamport buffers pre-filled): its own cost with no peer to wait for, for a profiler (ncu)."""
+    import torch
+    from _floor_cases import RankedCase
+
+    wss = _workspaces(world_size, "cuda")
+    ranked = RankedCase(case, world_size, "cuda")
+    ranked.prepare(0, wss[0])
+    ranked.load_inputs(seed, zeros=True)
+    for _ in range(calls):
+        _presatisfy(wss)
+        ranked.call(0)
+    torch.cuda.synchronize()
+    return dict(case=case.key, world_size=world_size, profiled=calls)
+
+
 # -- CPU smoke: ranks as forked processes under the interpreter -----------------------------------
 
 def run_case_cpu(case, world_size: int, seed: int) -> dict:
@@ -279,7 +297,8 @@ def run_tree(args) -> list[dict]:
     for world_size in world_sizes:
         for i, case in enumerate(cases):
             try:
-                row = (run_case_cpu if args.cpu else run_case_gpu)(case, world_size, seed=1000 + i)
+                run = profile_case if args.profile else run_case_cpu if args.cpu else run_case_gpu
+                row = run(case, world_size, seed=1000 + i)
             except Exception as exc:  # reported, not raised: one broken case must not hide the rest
                 row = dict(case=case.key, family=case.family, shape=case.shape, config=case.config_text, op=case.op,
                            world_size=world_size, error=f"{type(exc).__name__}: {exc}"[:400])
@@ -289,7 +308,7 @@ def run_tree(args) -> list[dict]:
             row["tree"] = tree
             rows.append(row)
             line = json.dumps(row)
-            print(line if args.cpu or "error" in row else
+            print(line if args.cpu or args.profile or "error" in row else
                   f"W{world_size} {case.key:<58} {row['us']:7.2f} us  floor {row['floor_us']:5.2f}  "
                   f"over {row['over_us']:6.2f}  space={row['in_space']}", flush=True)
             if out:
@@ -339,23 +358,38 @@ def compare(args) -> int:
             common += [f"--{flag}", getattr(args, flag)]
     if args.quick:
         common.append("--quick")
+    if args.cpu:  # the plumbing alone: every turn checks its cases on interpreter ranks, times nothing
+        common.append("--cpu")
     env = dict(os.environ)
     started = time.monotonic()
-    compiles = [subprocess.Popen(common + ["--tree", tree, "--compile-only"], env=env) for tree in (base, here)]
+    # both trees' kernels compiled at once (the turns then load them from triton's cache)
+    compiles = [] if args.cpu else [subprocess.Popen(common + ["--tree", tree, "--compile-only"], env=env)
+                                    for tree in (base, here)]
     for p in compiles:
-        p.wait()
+        try:
+            p.wait(timeout=max(1.0, args.compile_timeout - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            print("compiling took too long: the turns compile what is left", flush=True)
     print(f"compiled both trees in {time.monotonic() - started:.0f} s", flush=True)
-    files = {"base": out_dir / "floor_base.jsonl", "new": out_dir / "floor_new.jsonl"}
+    files = _files(out_dir)
     for f in files.values():
         f.unlink(missing_ok=True)
     for turn in range(args.alternations):
         for name, tree in (("base", base), ("new", here)):
             print(f"== turn {turn} {name} ({tree}) {time.monotonic() - started:.0f} s", flush=True)
-            rc = subprocess.run(common + ["--tree", tree, "--json", str(files[name])], env=env,
-                                timeout=args.turn_timeout).returncode
+            try:
+                rc = subprocess.run(common + ["--tree", tree, "--json", str(files[name])], env=env,
+                                    timeout=args.turn_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
             if rc:
                 print(f"turn {turn} {name}: exit status {rc}", flush=True)
     return summarise(files, out_dir / "floor_compare.md")
+
+
+def _files(out_dir: Path) -> dict:
+    return {"base": out_dir / "floor_base.jsonl", "new": out_dir / "floor_new.jsonl"}
 
 
 def summarise(files: dict, md_path: Path) -> int:
@@ -373,12 +407,13 @@ def summarise(files: dict, md_path: Path) -> int:
         for name in ("base", "new"):
             ok = [r for r in by_tree.get(name, []) if "us" in r]
             err = [r for r in by_tree.get(name, []) if "error" in r]
+            checked = [r for r in by_tree.get(name, []) if r.get("checked")]
             if ok:
                 cells.append((statistics.median(r["us"] for r in ok), statistics.median(r["over_us"] for r in ok)))
             else:
-                cells.append(("ERR" if err else "-", "ERR" if err else "-"))
+                cells.append(("ERR" if err else "checked" if checked else "-",) * 2)
         delta = (f"{cells[1][1] - cells[0][1]:+.2f}" if all(isinstance(c[1], float) for c in cells) else "")
-        space = next((r.get("in_space") for r in by_tree.get("new", []) if "us" in r), "")
+        space = next((r.get("in_space") for r in by_tree.get("new", []) if "error" not in r), "")
 
         def fmt(v):
             return f"{v:.2f}" if isinstance(v, float) else v
@@ -407,16 +442,22 @@ def main(argv=None) -> int:
     parser.add_argument("--compare", default="", metavar="BASE_DIR", help="time BASE_DIR's tree and this one, alternately")
     parser.add_argument("--alternations", type=int, default=3)
     parser.add_argument("--turn-timeout", type=float, default=300.0)
+    parser.add_argument("--compile-timeout", type=float, default=180.0)
+    parser.add_argument("--summarise", default="", metavar="DIR", help="print the table of a --compare --out DIR")
     parser.add_argument("--out", default="", help="--compare: folder of the JSON and the table")
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help="smoke run under the interpreter: checks, no times")
+    parser.add_argument("--profile", action="store_true",
+                        help="rank 0's kernels alone, waits pre-satisfied, for ncu (no check, no time)")
     args = parser.parse_args(argv)
     args.world_sizes = args.world_sizes or ("2,3,4" if args.cpu else "2")
-    if args.compare:
-        return compare(args)
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ.setdefault("AUTOSYMM_BARRIER_MAX_POLLS", "2000000")
+    if args.summarise:
+        return summarise(_files(Path(args.summarise)), Path(args.summarise) / "floor_compare.md")
+    if args.compare:
+        return compare(args)
     _use_tree(args.tree)
     rows = run_tree(args)
     failed = [r for r in rows if "error" in r]
