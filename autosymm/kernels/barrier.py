@@ -60,10 +60,15 @@ def signal_peers(signal_ptrs, program, RANK: tl.constexpr, WORLD_SIZE: tl.conste
 
     One vector ``red.release.sys`` over the peers: its fence (``MEMBAR.SYS``, which waits until
     this CTA's earlier stores are performed) is paid once per barrier, not once per peer; a second
-    per-peer fence would also wait for the previous peer's signal to land."""
-    lanes, is_peer = _peers(RANK, WORLD_SIZE)
-    pads = tl.load(signal_ptrs + lanes, mask=is_peer, other=0).to(tl.pointer_type(tl.int32))
-    tl.atomic_add(pads + program * SLOTS_PER_PROGRAM + RANK, 1, mask=is_peer, sem="release", scope="sys")
+    per-peer fence would also wait for the previous peer's signal to land. (World size 2: the one
+    peer's scalar red, the same instruction with one lane.)"""
+    if WORLD_SIZE == 2:
+        pad = tl.load(signal_ptrs + (1 - RANK)).to(tl.pointer_type(tl.int32))
+        tl.atomic_add(pad + program * SLOTS_PER_PROGRAM + RANK, 1, sem="release", scope="sys")
+    else:
+        lanes, is_peer = _peers(RANK, WORLD_SIZE)
+        pads = tl.load(signal_ptrs + lanes, mask=is_peer, other=0).to(tl.pointer_type(tl.int32))
+        tl.atomic_add(pads + program * SLOTS_PER_PROGRAM + RANK, 1, mask=is_peer, sem="release", scope="sys")
 
 
 @triton.jit
@@ -72,31 +77,50 @@ def _missing(pending, is_peer):
 
 
 @triton.jit
+def _poll(slots, is_peer, SCALAR: tl.constexpr):
+    """(what the slots hold, how many of the peers' are empty): one acquire poll (system scope)."""
+    if SCALAR:  # one peer: the acquire add of 0 becomes an ld.acquire
+        pending = tl.atomic_add(slots, 0, sem="acquire", scope="sys")
+        missing = (pending == 0).to(tl.int32)
+    else:
+        pending = tl.atomic_add(slots, 0, mask=is_peer, sem="acquire", scope="sys")
+        missing = _missing(pending, is_peer)
+    return pending, missing
+
+
+@triton.jit
 def wait_peers(signal_ptrs, program, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
     """Consume one signal from every peer's program ``program`` (acquire, system scope), or give
     up after MAX_POLLS polls that found one missing and count the failure in this rank's error
     slot (see above). Every peer's slot is polled by one vector ``atom.acquire.sys`` (all in
-    flight together); the slots that hold a signal are then decremented by one vector ``red``."""
-    lanes, is_peer = _peers(RANK, WORLD_SIZE)
+    flight together; world size 2: the one peer's scalar poll); the slots that hold a signal are
+    then decremented by one ``red``."""
+    SCALAR: tl.constexpr = WORLD_SIZE == 2
     pad = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    slots = pad + program * SLOTS_PER_PROGRAM + lanes
-    pending = tl.atomic_add(slots, 0, mask=is_peer, sem="acquire", scope="sys")
-    missing = _missing(pending, is_peer)
+    if SCALAR:
+        is_peer = True
+        slots = pad + program * SLOTS_PER_PROGRAM + (1 - RANK)
+    else:
+        lanes, is_peer = _peers(RANK, WORLD_SIZE)
+        slots = pad + program * SLOTS_PER_PROGRAM + lanes
+    pending, missing = _poll(slots, is_peer, SCALAR)
     if missing > 0:  # slow path only: a signal is not there yet
         errors = tl.load(signal_ptrs + WORLD_SIZE).to(tl.pointer_type(tl.int32))
         # A channel that already timed out is stale until the host resets it: fail fast. The
         # check's load is in flight with the first re-poll (no round trip of its own).
         failed = tl.load(errors, cache_modifier=".cv")  # a hint: fetched again, not served from L1
-        pending = tl.atomic_add(slots, 0, mask=is_peer, sem="acquire", scope="sys")
-        missing = _missing(pending, is_peer)
+        pending, missing = _poll(slots, is_peer, SCALAR)
         polls = tl.where(failed == 0, 1, MAX_POLLS)
         while (missing > 0) & (polls < MAX_POLLS):
-            pending = tl.atomic_add(slots, 0, mask=is_peer, sem="acquire", scope="sys")
-            missing = _missing(pending, is_peer)
+            pending, missing = _poll(slots, is_peer, SCALAR)
             polls += 1
         if missing > 0:  # gave up: the slots still empty saw no acquire; leave them alone
             tl.atomic_add(errors, 1, sem="relaxed", scope="gpu")
-    tl.atomic_add(slots, -1, mask=is_peer & (pending != 0), sem="relaxed", scope="sys")
+    if SCALAR:
+        if pending != 0:
+            tl.atomic_add(slots, -1, sem="relaxed", scope="sys")
+    else:
+        tl.atomic_add(slots, -1, mask=is_peer & (pending != 0), sem="relaxed", scope="sys")
 
 
 @triton.jit
