@@ -202,7 +202,7 @@ def run_case_gpu(case, world_size: int, seed: int) -> dict:
                 in_space=in_space(case, world_size))
 
 
-def profile_case(case, world_size: int, seed: int, calls: int = 6) -> dict:
+def profile_case(case, world_size: int, seed: int, calls: int = 3) -> dict:
     """Rank 0's kernel alone, ``calls`` times, every wait satisfied before each call (pads pre-set,
     Lamport buffers pre-filled): its own cost with no peer to wait for, for a profiler (ncu)."""
     import torch
@@ -269,6 +269,10 @@ def _select(args):
     cases = smoke_cases() if args.cpu else default_cases(sizes, families, args.quick)
     if args.cpu and families:
         cases = [c for c in cases if any(f in c.family for f in families)]
+    if args.match:
+        import re
+
+        cases = [c for c in cases if re.search(args.match, c.key)]
     keep, skipped = [], []
     for case in cases:
         why = available(case)
@@ -292,7 +296,7 @@ def run_tree(args) -> list[dict]:
     for case, why in skipped:
         print(f"skip {case.key}: {why}", flush=True)
     if args.compile_only:
-        _compile_all(cases, world_sizes)
+        _compile_all(cases, world_sizes, args.compile_shard)
         return rows
     for world_size in world_sizes:
         for i, case in enumerate(cases):
@@ -317,17 +321,18 @@ def run_tree(args) -> list[dict]:
     return rows
 
 
-def _compile_all(cases, world_sizes) -> None:
-    """Compile every rank's kernels of every case (JITFunction.warmup, no launch), in threads: the
-    on-disk Triton cache then serves the timed runs."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def _compile_all(cases, world_sizes, shard: str = "0/1") -> None:
+    """Compile every rank's kernels of every case (JITFunction.warmup, no launch) of this process's
+    shard ``k/n`` of them: the on-disk Triton cache then serves the timed runs. ``compare`` runs n
+    shards per tree as processes (a compile holds the GIL for much of its time: threads would not
+    overlap)."""
     import torch
     from _floor_cases import RankedCase
     from autosymm.backends.launch import compile_only
 
-    def one(item):
-        case, world_size = item
+    k, n = (int(v) for v in shard.split("/"))
+    items = [(c, w) for w in world_sizes for c in cases][k::n]
+    for case, world_size in items:
         try:
             wss = _workspaces(world_size, "cuda")
             ranked = RankedCase(case, world_size, "cuda")
@@ -337,10 +342,6 @@ def _compile_all(cases, world_sizes) -> None:
                     ranked.call(rank)
         except Exception as exc:
             print(f"compile {case.key} W{world_size}: {type(exc).__name__}: {exc}"[:300], flush=True)
-
-    items = [(c, w) for w in world_sizes for c in cases]
-    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2))) as pool:
-        list(pool.map(one, items))
     torch.cuda.synchronize()
 
 
@@ -353,7 +354,7 @@ def compare(args) -> int:
     out_dir = Path(args.out or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     common = [sys.executable, str(Path(__file__).resolve()), "--world-sizes", args.world_sizes]
-    for flag in ("sizes", "families"):
+    for flag in ("sizes", "families", "match"):
         if getattr(args, flag):
             common += [f"--{flag}", getattr(args, flag)]
     if args.quick:
@@ -362,9 +363,12 @@ def compare(args) -> int:
         common.append("--cpu")
     env = dict(os.environ)
     started = time.monotonic()
-    # both trees' kernels compiled at once (the turns then load them from triton's cache)
-    compiles = [] if args.cpu else [subprocess.Popen(common + ["--tree", tree, "--compile-only"], env=env)
-                                    for tree in (base, here)]
+    # both trees' kernels compiled at once, each by a few processes (the turns then load them from
+    # triton's cache)
+    shards = max(1, (os.cpu_count() or 2) // 2 - 1)
+    compiles = [] if args.cpu else [
+        subprocess.Popen(common + ["--tree", tree, "--compile-only", "--compile-shard", f"{k}/{shards}"], env=env)
+        for tree in (base, here) for k in range(shards)]
     for p in compiles:
         try:
             p.wait(timeout=max(1.0, args.compile_timeout - (time.monotonic() - started)))
@@ -436,7 +440,8 @@ def main(argv=None) -> int:
     parser.add_argument("--world-sizes", default="", help="comma-separated (default 2; --cpu: 2,3,4)")
     parser.add_argument("--sizes", default="", help="comma-separated: 2K,8K,64K,1M (default 2K..1M)")
     parser.add_argument("--families", default="", help="substrings of family names to keep, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="one config per family and size")
+    parser.add_argument("--quick", action="store_true", help="fewer configs (scripts/_floor_cases.py: sized_configs)")
+    parser.add_argument("--match", default="", help="a regular expression the case names must match")
     parser.add_argument("--json", default="", help="append one JSON line per case here")
     parser.add_argument("--tree", default=str(HERE.parent), help="the autosymm checkout to run (default: this one)")
     parser.add_argument("--compare", default="", metavar="BASE_DIR", help="time BASE_DIR's tree and this one, alternately")
@@ -446,6 +451,7 @@ def main(argv=None) -> int:
     parser.add_argument("--summarise", default="", metavar="DIR", help="print the table of a --compare --out DIR")
     parser.add_argument("--out", default="", help="--compare: folder of the JSON and the table")
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-shard", default="0/1", help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help="smoke run under the interpreter: checks, no times")
     parser.add_argument("--profile", action="store_true",
                         help="rank 0's kernels alone, waits pre-satisfied, for ncu (no check, no time)")

@@ -37,18 +37,20 @@ step compare_w2 330 python3 $B --compare "$BASE" --world-sizes 2 --quick --alter
 python3 $B --summarise "$OUT/w2" > /dev/null 2>&1  # the table from what was measured, even after a timeout
 # 2. W = 4 and 8 (contended on one GPU: reported, not held to targets), the small set, one turn each
 step compare_w48 150 python3 $B --compare "$BASE" --world-sizes 4,8 --quick --alternations 1 --out "$OUT/w48" \
-  --sizes 8K,64K --families ar:lamport,ar:one_shot_push+db,ar:one_shot+db,fused_lamport,fused_one_shot_push+db \
+  --sizes 8K,64K --match '^ar:(lamport|one_shot_push\+db|one_shot\+db) |^fused_(lamport|one_shot_push\+db) 1x8192' \
   --turn-timeout 100 --compile-timeout 80
 python3 $B --summarise "$OUT/w48" > /dev/null 2>&1
 # 3. Nsight Compute: rank 0's kernel alone (no peer to wait for), its own instructions and stalls
 if command -v ncu >/dev/null; then
   for tree in "$BASE" .; do
     name=ncu_$( [ "$tree" = . ] && echo new || echo base )
-    step "$name" 60 ncu --clock-control none --target-processes all --launch-skip 2 --launch-count 3 \
+    # 6 cases x 3 launches of rank 0 alone: Lamport and push + double buffer at 8 KiB (both sized
+    # configs), fused 1 x 8192 Lamport and push + double buffer (default epilogue, 16 warps)
+    step "$name" 75 ncu --clock-control none --target-processes all \
       -k 'regex:_lamport_all_reduce|_push_one_shot_all_reduce|_one_shot_all_reduce_rmsnorm' \
       --section SpeedOfLight --section WarpStateStats --section InstructionStats --csv --page details \
       python3 $B --tree "$tree" --profile --world-sizes 2 --sizes 8K --quick \
-      --families ar:lamport,ar:one_shot_push+db,fused_one_shot_push+db,fused_lamport
+      --match '^(ar:lamport|ar:one_shot_push\+db) 8KiB|^fused_(lamport|one_shot_push\+db) 1x8192'
   done
 else
   echo "== ncu: not on this machine" | tee -a "$OUT/steps.txt"
