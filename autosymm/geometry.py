@@ -67,8 +67,8 @@ DOUBLE_BUFFER_REGION = "all_reduce_double_buffer"
 FUSED_STASH_REGION = "fused_stash"
 FUSED_STASH_BYTES = 2 << 20
 #: The Lamport one-shot's receive buffers (autosymm.kernels.lamport_all_reduce): a header of this
-#: rank's own words (rotation index, arrival counter, previous element count), then 3 buffers of
-#: MAX_WORLD_SIZE - 1 slots of LAMPORT_SLOT_BYTES. Peers store into it at any time between their
+#: rank's own words (rotation index, arrival counter; word 2 unused: every call re-arms what it
+#: read), then 3 buffers of MAX_WORLD_SIZE - 1 slots of LAMPORT_SLOT_BYTES. Peers store into it at any time between their
 #: calls, and a zero word is "not arrived", so nothing else may write there, it never moves, and
 #: it is zeroed (armed) with the signal pads.
 LAMPORT_REGION = "lamport"

@@ -101,7 +101,12 @@ def test_problem_keys_by_hidden_and_token_bucket():
 
 def test_eligibility():
     p = Problem.all_reduce_rmsnorm(4096, 8192, "bf16", 2)
-    assert all(b.why_not(p, CAPS) is None for b in BACKENDS)
+    barrier_backends = [b for b in BACKENDS if not b.record.lamport]
+    assert all(b.why_not(p, CAPS) is None for b in barrier_backends)
+    # the Lamport variant: x within one slot of its receive buffers (64 MiB of x is not)
+    lamport = get_backend("triton_fused_lamport")
+    assert "Lamport" in lamport.why_not(p, CAPS)
+    assert lamport.why_not(Problem.all_reduce_rmsnorm(8, 8192, "bf16", 2), CAPS) is None
     assert get_backend("nccl_fused").why_not(p, Capabilities(world_size=2)) is None
     assert BACKENDS[0].why_not(p, Capabilities(world_size=2)) == "no symmetric workspace"
     small = Capabilities(world_size=2, all_reduce_bytes=96 << 20)

@@ -104,7 +104,8 @@ def test_launches_and_binds(recorded_launches):
     assert (kind0, kind1) == ("slow", "direct") and grid == (4,)
     assert constexprs == dict(RANK=1, WORLD_SIZE=4, BLOCK=1024, TAIL=1, PHASE=0)
     assert slow[0] is x and slow[1] is launcher.region_ptrs and slow[2] is launcher.signal_ptrs
-    assert slow[3:] == direct[3:] == (1001, LAMPORT_SLOT_BYTES)  # the same slot stride every call
+    assert slow[3] is launcher.header and direct[3] == launcher.header.data_ptr()  # this rank's header
+    assert slow[4:] == direct[4:] == (1001, LAMPORT_SLOT_BYTES)  # the same slot stride every call
     region = wss[0].regions[LAMPORT_REGION]
     assert launcher.region_ptrs.tolist() == [int(ws.buffer.data_ptr()) + region.offset for ws in wss]
     assert direct[:3] == (x.data_ptr(), launcher.region_ptrs.data_ptr(), launcher.signal_ptrs.data_ptr())

@@ -1,11 +1,15 @@
 """The fused all-reduce + RMSNorm kernels compile for Hopper (sm_90) on the CPU, with 128-bit
-peer loads and stores, their barriers, bounded waits and (double buffer) epoch arrivals; and
+peer loads and stores, their barriers (one vector signal and one vector poll per barrier), bounded
+waits, (double buffer) the epoch's early release count and the last program's acquire polls, (the
+Lamport variant) no barrier at all but volatile 128-bit polls; and
 their epilogue variants (no residual, Gemma, fp8, fp8 per token, nvfp4) with the e4m3 ``cvt``,
 IEEE divisions and (nvfp4) the nibble packing.
 
 Compiled in subprocesses without TRITON_INTERPRET (tests/_sm90.py)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -35,6 +39,11 @@ CASES = [
     ("one_shot", "bf16", 2, 8192, 8192, 16, 1, False, True, 1, "add_rms_nvfp4"),
     ("two_shot", "bf16", 8, 7168, 8192, 16, 1, False, True, 1, "gemma_nvfp4"),
     ("one_shot_push", "fp16", 4, 5120, 8192, 4, 1, True, True, 8, "add_rms_nvfp4"),
+    # the Lamport exchange: whole rows (18, 19), split rows (20), an epilogue with its quantization (21)
+    ("lamport", "bf16", 2, 8192, 8192, 16, 1, False, True, 1, ""),
+    ("lamport", "bf16", 8, 4096, 4096, 8, 2, False, True, 1, ""),
+    ("lamport", "bf16", 4, 8192, 8192, 4, 1, False, True, 4, ""),
+    ("lamport", "fp16", 2, 8192, 8192, 16, 1, False, True, 1, "add_rms_fp8"),
 ]
 #: Pointer types of the out / scales arguments by quant (the launcher passes out for unused ones).
 OUT_TYPES = {None: (None, None), "fp8": ("*fp8e4nv", "*fp8e4nv"), "fp8_per_token": ("*fp8e4nv", "*fp32"),
@@ -63,15 +72,19 @@ def _compile_cases(indices: list[int]) -> dict:
             constexprs.update(PHASE=0)
         else:
             fn = _one_shot_all_reduce_rmsnorm
-            signature.update(counts_ptr="*i32", partials_ptr="*fp32", stash_ptr="*fp32", slot_bytes="i64",
-                             half_bytes="i64")
-            constexprs.update(SPLIT=split, PUSH=kernel == "one_shot_push", DOUBLE_BUFFER=double)
+            signature.update(counts_ptr="*i32", partials_ptr="*fp32", stash_ptr="*fp32", header_ptr="*i32",
+                             slot_bytes="i64", half_bytes="i64")
+            constexprs.update(SPLIT=split, PUSH=kernel != "one_shot", DOUBLE_BUFFER=double, LAMPORT=kernel == "lamport")
         constexprs.update(HAS_RESIDUAL=epilogue.residual, GEMMA=epilogue.gemma, QUANT=epilogue.quant_code)
-        # the signature's order is the kernel's: its pointers are 0..5, region and signal 6, 7, the scratch 8..10
+        # the signature's order is the kernel's: its pointers are 0..5, region and signal 6, 7, the
+        # scratch and the Lamport header 8..11
         signature = {name: signature[name] for name in fn.arg_names if name in signature}
-        scratch = (8, 9, 10) if kernel != "two_shot" else ()  # the workspace's: always aligned
+        scratch = (8, 9, 10, 11) if kernel != "two_shot" else ()  # the workspace's: always aligned
         aligned_args = ((0, 1, 2, 3, 4, 5, 6, 7) if aligned else (6, 7)) + scratch
-        out[i] = ptx_features(compile_ptx(fn, signature, constexprs, aligned_args, warps))
+        ptx = compile_ptx(fn, signature, constexprs, aligned_args, warps)
+        out[i] = ptx_features(ptx)
+        out[i].update(count_ins=len(re.findall(r"(?:red|atom)\.global\.gpu\.release\.add", ptx)),
+                      volatile_v4=len(re.findall(r"ld\.volatile\.global\.v4\.b32", ptx)))
     return out
 
 
@@ -89,14 +102,21 @@ def _case_id(c) -> str:
 def test_compiles_for_sm90(features, case):
     kernel, dtype, world_size, hidden, block, warps, rows, double, aligned, split, key = CASES[case]
     got = features[case]
-    peers = world_size - 1
-    n_barriers = {"two_shot": 3}.get(kernel, 1 if double else 2)
-    assert got["signals"] == n_barriers * peers, "one release signal per peer per barrier"
-    assert got["poll_limit"] and got["error_adds"] == n_barriers * peers, "every wait is bounded"
-    # the epoch's arrival and reset (double buffer), a row's arrival and reset (split rows)
-    assert (got["arrivals"], got["counter_resets"]) == ((double + (split > 1),) * 2)
+    n_barriers = {"two_shot": 3, "lamport": 0}.get(kernel, 1 if double else 2)
+    # one vector release signal (every peer's slot, one fence) per barrier
+    assert got["signals"] == n_barriers, "one vector release signal per barrier"
+    # every wait is bounded: a give-up add per barrier; per Lamport poll site (one per row path)
+    # and the rotation's or the epoch's wait for the grid (publish)
+    rotation = kernel == "lamport" or double
+    assert got["poll_limit"] and got["error_adds"] == n_barriers + (kernel == "lamport") + rotation, got
+    # the rotation or the epoch: one early gpu-scope release count (no acq_rel arrival, no exchange
+    # at the end); a split row's arrival and reset
+    assert got["count_ins"] == rotation, got
+    assert (got["arrivals"], got["counter_resets"]) == ((int(split > 1),) * 2), got
     assert not got["ld_reduce"] and got["proxy_fences"] == 0
-    if kernel != "one_shot_push":  # stages are aligned whatever the tensors are
+    if kernel == "lamport":  # no barrier: the words are their own flags, polled 16 bytes at a time
+        assert got["acquire_polls"] == 0 and got["volatile_v4"] >= 1, got
+    elif kernel != "one_shot_push":  # stages are aligned whatever the tensors are
         assert got["peer_v4_loads"] >= world_size, "128-bit loads from every rank's stage"
     if aligned:
         assert got["v4_stores"] >= 1

@@ -1,7 +1,9 @@
 """The Lamport one-shot compiles for Hopper (sm_90) on the CPU, and its PTX has what matters:
-volatile polls (16-byte where aligned), no barrier (no release signal, no acquire poll), bounded
-waits counted in the error slot, one arrival count and reset for the rotation, and 16-byte
-stores (pushes, re-arm, sum) wherever the element count is whole 16-byte vectors.
+volatile polls (16-byte where aligned), every peer polled in one pass, no barrier (no system-scope
+signal, poll or fence), bounded waits counted in the error slot, the rotation as one gpu-scope
+release count and the last program's acquire polls and plain stores (no acq_rel arrival, no
+exchange: nothing at the kernel's end), and 16-byte stores (pushes, re-arm, sum) wherever the
+element count is whole 16-byte vectors.
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ def _compile_cases(indices: list[int]) -> dict:
     out = {}
     for i in indices:
         dtype, world_size, block, warps, x_aligned, tail = CASES[i]
-        signature = {"x_ptr": f"*{dtype}", "region_ptrs": "*i64", "signal_ptrs": "*i64", "numel": "i32",
-                     "slot_bytes": "i64"}
+        signature = {"x_ptr": f"*{dtype}", "region_ptrs": "*i64", "signal_ptrs": "*i64", "header_ptr": "*i32",
+                     "numel": "i32", "slot_bytes": "i64"}
         constexprs = dict(RANK=world_size - 1, WORLD_SIZE=world_size, BLOCK=block, TAIL=tail, PHASE=0)
-        ptx = compile_ptx(_lamport_all_reduce, signature, constexprs, (0, 1, 2) if x_aligned else (1, 2), warps)
+        ptx = compile_ptx(_lamport_all_reduce, signature, constexprs, (0, 1, 2, 3) if x_aligned else (1, 2, 3), warps)
         features = ptx_features(ptx)
         features.update(
             volatile_v4=len(re.findall(r"ld\.volatile\.global\.v4\.b32", ptx)),
             volatile_scalar=len(re.findall(r"ld\.volatile\.global\.(?:b16|b32) ", ptx)),
             fences=len(re.findall(r"\bfence\.|\bmembar\.", ptx)),
+            count_ins=len(re.findall(r"(?:red|atom)\.global\.gpu\.release\.add", ptx)),
+            publish_polls=len(re.findall(r"(?:ld|atom)\.global\.gpu\.acquire", ptx)),
         )
         out[i] = features
     return out
@@ -54,16 +58,20 @@ def test_compiles_for_sm90(features, case):
     peers = world_size - 1
     # no barrier anywhere: the data is its own arrival mark
     assert got["signals"] == 0 and got["acquire_polls"] == 0 and got["fences"] == 0, got
-    # every peer's slot is polled with volatile loads, first and in the bounded loop, in the full
-    # and the ragged chunk's path; 16 bytes each where the count is whole vectors
+    # every peer's slot is polled with volatile loads, first, on the slow path's first re-poll and
+    # in the bounded loop, in the full and the ragged chunk's path; 16 bytes each where the count
+    # is whole vectors
     assert got["volatile_v4"] + got["volatile_scalar"] > 0
     assert got["volatile_v4"] >= 2 * peers, got
     if tail > 1:
         assert got["volatile_scalar"] == 0, got
-    # bounded: compared against MAX_POLLS; a give-up is one relaxed add per wait site (peer, path)
-    assert got["poll_limit"] and got["error_adds"] == 2 * peers, got
-    # the rotation: one gpu-scope acq_rel arrival and one counter reset
-    assert (got["arrivals"], got["counter_resets"]) == (1, 1), got
+    # bounded: compared against MAX_POLLS; a give-up is one relaxed add per wait site (the full
+    # and the ragged chunk's pass over every peer, and the rotation's wait for the grid)
+    assert got["poll_limit"] and got["error_adds"] == 3, got
+    # the rotation: one gpu-scope release count, the last program's acquire polls, plain stores;
+    # no acq_rel arrival or exchange left at the kernel's end
+    assert got["count_ins"] == 1 and got["publish_polls"] >= 1, got
+    assert (got["arrivals"], got["counter_resets"]) == (0, 0), got
     # 16-byte pushes into every peer's slot, re-arm of every slot, the sum's store
     assert got["v4_stores"] >= 2 * peers + 1, got
     if tail > 1:

@@ -76,8 +76,9 @@ def test_configs_name_their_family_records():
     assert [n for n, a in triton_all_reduce.ALGORITHMS.items() if a.double_buffer] == ["one_shot", "one_shot_push"]
     for name, record in triton_fused.ALGORITHMS.items():
         assert FusedConfig(name, 8192, 8, 8).record is record
-    assert [n for n, a in triton_fused.ALGORITHMS.items() if a.row_split] == ["one_shot", "one_shot_push"]
-    with pytest.raises(ValueError, match=r"not one of \('one_shot', 'one_shot_push', 'two_shot'\)"):
+    assert [n for n, a in triton_fused.ALGORITHMS.items() if a.row_split] == ["one_shot", "one_shot_push", "lamport"]
+    assert [n for n, a in triton_fused.ALGORITHMS.items() if a.lamport] == ["lamport"]
+    with pytest.raises(ValueError, match=r"not one of \('one_shot', 'one_shot_push', 'two_shot', 'lamport'\)"):
         FusedConfig("multimem", 8192, 8, 8)
 
 

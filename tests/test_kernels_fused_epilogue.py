@@ -126,7 +126,7 @@ def _launch_one_shot(case, ws, run, weight, push, offset, slot_bytes):
     x, res, out, scale, scales = run
     _one_shot_all_reduce_rmsnorm[(case.programs,)](
         x, x if res is None else res, weight, out, scale, scales, ws.region_ptrs("all_reduce"),
-        ws.signal_ptrs("all_reduce"), *split_scratch(ws), case.n_rows, EPS, offset, slot_bytes, HALF_BYTES,
+        ws.signal_ptrs("all_reduce"), *split_scratch(ws), split_scratch(ws)[0], case.n_rows, EPS, offset, slot_bytes, HALF_BYTES,
         RANK=ws.rank, WORLD_SIZE=case.world_size, HIDDEN=case.hidden, BLOCK=case.block, ROWS=case.rows,
         SPLIT=case.split, PUSH=push, DOUBLE_BUFFER=case.double, num_warps=4, **_epilogue_constexprs(case.epilogue))
 

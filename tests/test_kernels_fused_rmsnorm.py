@@ -77,7 +77,7 @@ def _launch_one_shot(ws, run, weight, n_rows, hidden, case, *, push, double, off
     world_size, _, _, _, block, rows, programs, warps = case
     xv, _, rv, _, out = run
     _one_shot_all_reduce_rmsnorm[(programs,)](xv, rv, weight, out, out, out, ws.region_ptrs("all_reduce"),
-                                              ws.signal_ptrs("all_reduce"), *split_scratch(ws), n_rows, EPS, offset,
+                                              ws.signal_ptrs("all_reduce"), *split_scratch(ws), split_scratch(ws)[0], n_rows, EPS, offset,
                                               slot_bytes, HALF_BYTES, RANK=ws.rank, WORLD_SIZE=world_size,
                                               HIDDEN=hidden, BLOCK=block, ROWS=rows, SPLIT=split, PUSH=push,
                                               DOUBLE_BUFFER=double, num_warps=warps)

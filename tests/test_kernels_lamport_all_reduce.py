@@ -1,8 +1,9 @@
 """The Lamport one-shot all-reduce under the Triton interpreter, through its launcher, on ranks
 simulated one after another (tests/_lamport_sim: pushes first, then the reads). Results are compared bit for bit with the fp32 in-order sum rounded once
-(what every one-shot computes), over several rounds of changing sizes (the rotation wraps and
-the re-arm covers a larger previous call), and the receive buffers are checked after each round:
-only the current buffer holds data, only over the call's elements.
+(what every one-shot computes), over several rounds of changing sizes (the rotation wraps), and
+the receive buffers are checked after each round: every call re-arms what it read, so once every
+rank ran a call every buffer is the sentinel again, and the header holds the next rotation index
+and a zero arrival counter.
 """
 
 import pytest
@@ -31,7 +32,7 @@ def bits(t):
 
 
 def header(ws):
-    """(rotation index, arrival counter, previous element count) of a rank's Lamport region."""
+    """(rotation index, arrival counter, unused word) of a rank's Lamport region."""
     start = ws.regions[LAMPORT_REGION].offset
     return tuple(ws.buffer[start:start + 12].view(torch.int32).tolist())
 
@@ -44,21 +45,18 @@ def slot_words(ws, buffer, slot, elem_bytes):
     return raw.view({2: torch.int16, 4: torch.int32}[elem_bytes])
 
 
-def assert_only_current_buffer(wss, round_, numel, elem_bytes):
+def assert_every_buffer_rearmed(wss, round_, elem_bytes):
+    """Every rank ran the call: every word it read is re-armed (and none past the call was written)."""
     for ws in wss:
-        assert header(ws) == ((round_ + 1) % LAMPORT_BUFFERS, 0, numel)
+        assert header(ws) == ((round_ + 1) % LAMPORT_BUFFERS, 0, 0)
         for buffer in range(LAMPORT_BUFFERS):
             for slot in range(ws.world_size - 1):
                 words = slot_words(ws, buffer, slot, elem_bytes)
-                if buffer == round_ % LAMPORT_BUFFERS:
-                    assert int(words[:numel].eq(0).sum()) == 0, f"rank {ws.rank}: an element never arrived"
-                    assert int(words[numel:].count_nonzero()) == 0, f"rank {ws.rank}: a store past the call"
-                else:
-                    assert int(words.count_nonzero()) == 0, f"rank {ws.rank} buffer {buffer} slot {slot} not re-armed"
+                assert int(words.count_nonzero()) == 0, f"rank {ws.rank} buffer {buffer} slot {slot} not re-armed"
 
 
 # (world_size, dtype, element counts per round): odd counts, single elements, a count of whole
-# 16-byte vectors (TAIL), larger and smaller than the round before (the re-arm's range).
+# 16-byte vectors (TAIL), larger and smaller than the round before.
 CASES = [
     (2, torch.bfloat16, (1001, 17, 4096, 1)),
     (3, torch.float16, (999, 1000, 3, 513)),
@@ -79,7 +77,7 @@ def test_lamport_bit_exact_over_rounds(world_size, dtype, counts, monkeypatch):
         for rank, x in enumerate(xs):
             assert torch.equal(bits(x), want), f"rank {rank} round {round_}: bits differ from the in-order sum"
         assert all(error_counts(ws)["all_reduce"] == 0 for ws in wss)
-        assert_only_current_buffer(wss, round_, numel, elem_bytes)
+        assert_every_buffer_rearmed(wss, round_, elem_bytes)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=lambda d: DTYPES[d])
@@ -147,3 +145,77 @@ def test_launcher_rejects_what_it_cannot_serve():
     inside = wss[0].buffer[region.offset + 4096:region.offset + 4096 + 32].view(torch.bfloat16)
     with pytest.raises(BackendError, match="Lamport receive buffers"):
         launch(inside)
+
+
+def _round_like_kernels(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' fp32 -> dtype cast under the interpreter (bf16 truncates: tests/test_batch_invariance.py)."""
+    if dtype is torch.bfloat16:
+        return (acc.contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    return acc.to(dtype)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_concurrent_ranks_all_reduce_and_fused_share_the_rotation(world_size):
+    """Ranks as concurrent processes (tests/_forked_ranks.py: a peer may run a call ahead, as on
+    GPUs), each running five Lamport calls in a row: all-reduces over 3 programs (one holding two
+    chunks) and the fused all-reduce + RMSNorm's Lamport variant, whole rows and split rows, which
+    no sequential simulation can run (a row's poll has no phase to split at). Every result is the
+    fp32 in-order sum's bits (the residual too); out is bit-identical on every rank and within an
+    ulp of the formula; afterwards the rotation moved by five, every receive buffer is re-armed,
+    every counter is 0 and no wait gave up."""
+    from _forked_ranks import run_forked, shared, shared_workspaces
+    from _fused_ref import reference, ulps_off
+
+    from autosymm.backends import get_backend
+    from autosymm.backends.base import RunContext
+    from autosymm.configs import AllReduceConfig, FusedConfig
+    from autosymm.problem import Problem
+
+    dtype, numel, rows, hidden, eps = torch.bfloat16, 1000, 3, 256, 1e-6
+    wss = shared_workspaces(world_size, all_reduce_bytes=1 << 12, moe_bytes=1 << 12, double_buffer_bytes=0)
+    gen = torch.Generator().manual_seed(7)
+    calls = ["ar", "fused", "ar", "fused_split", "ar"]
+    xs = [[shared(torch.randn(numel if c == "ar" else (rows, hidden), generator=gen).to(dtype))
+           for _ in range(world_size)] for c in calls]
+    inputs = [[x.clone() for x in per_rank] for per_rank in xs]  # the all-reduce is in place
+    residual_in = shared(torch.randn(rows, hidden, generator=gen).to(dtype))
+    residuals = [[shared(residual_in.clone()) for _ in range(world_size)] for _ in calls]
+    outs = [[shared(torch.zeros(rows, hidden, dtype=dtype)) for _ in range(world_size)] for _ in calls]
+    weight = shared((1 + 0.5 * torch.randn(hidden, generator=gen)).to(dtype))
+    configs = {"ar": AllReduceConfig("lamport", 256, 3, 2), "fused": FusedConfig("lamport", 256, 2, 2),
+               "fused_split": FusedConfig("lamport", 256, 2, 4, row_split=2)}
+
+    def body(rank: int) -> None:
+        ctx = RunContext(workspace=wss[rank])
+        ar = get_backend("triton_lamport").prepare(Problem.all_reduce(2 * numel, "bf16", world_size), configs["ar"],
+                                                   ctx)
+        fused = {key: get_backend("triton_fused_lamport").prepare(
+            Problem.all_reduce_rmsnorm(rows, hidden, "bf16", world_size), configs[key], ctx)
+            for key in ("fused", "fused_split")}
+        for k, call in enumerate(calls):
+            if call == "ar":
+                ar(xs[k][rank])
+            else:
+                fused[call](xs[k][rank], residuals[k][rank], weight, eps, out=outs[k][rank])
+
+    run_forked(world_size, body)
+    for k, call in enumerate(calls):
+        total = torch.zeros(inputs[k][0].shape, dtype=torch.float32)
+        for x in inputs[k]:
+            total = total + x.float()
+        if call == "ar":
+            for rank in range(world_size):
+                assert torch.equal(bits(xs[k][rank]), bits(_round_like_kernels(total, dtype))), f"call {k} rank {rank}"
+            continue
+        want_residual = _round_like_kernels(total + residual_in.float(), dtype)
+        _, exact_out = reference(inputs[k], residual_in, weight, eps)
+        for rank in range(world_size):
+            assert torch.equal(bits(residuals[k][rank]), bits(want_residual)), f"call {k} residual rank {rank}"
+            assert torch.equal(bits(outs[k][rank]), bits(outs[k][0])), f"call {k} out rank {rank} differs from rank 0"
+        assert ulps_off(outs[k][0], exact_out) <= 1.0, f"call {k}: out more than an ulp off"
+    for ws in wss:
+        assert header(ws) == (len(calls) % LAMPORT_BUFFERS, 0, 0)
+        region = ws.regions[LAMPORT_REGION]
+        receive = ws.buffer[region.offset + LAMPORT_HEADER_BYTES:region.offset + region.nbytes]
+        assert int(receive.count_nonzero()) == 0, f"rank {ws.rank}: a receive buffer is not re-armed"
+        assert error_counts(ws)["all_reduce"] == 0

@@ -164,3 +164,45 @@ def test_a_missing_peer_flags_the_error_and_the_kernel_completes(monkeypatch, do
         pads(ws.buffer)[ALL_REDUCE_EPOCH_SLOT, 0] = 0
     assert int(pads(ws.buffer).count_nonzero()) == 0, "no signal came, none was consumed"
     assert int(pads(wss[1].buffer).sum()) > 0  # rank 0 still signalled its peer
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_concurrent_ranks_double_buffered_calls_advance_the_epoch(world_size):
+    """Ranks as concurrent processes (tests/_forked_ranks.py), each running six double-buffered
+    calls in a row over 3 programs, push and pull one-shots alternating (they share the epoch and
+    the halves): every sum is the fp32 in-order sum's bits, the epoch moved by six (the grid's last
+    program advanced it once a call, after every program read it), the arrival counter is 0, and
+    every signal sent was consumed."""
+    from _forked_ranks import run_forked, shared, shared_workspaces
+
+    from autosymm.backends import get_backend
+    from autosymm.backends.base import RunContext
+    from autosymm.configs import AllReduceConfig
+    from autosymm.problem import Problem
+
+    dtype, numel, calls = torch.float32, 700, 6
+    wss = shared_workspaces(world_size, all_reduce_bytes=1 << 14, moe_bytes=1 << 12, double_buffer_bytes=1 << 14)
+    gen = torch.Generator().manual_seed(3)
+    xs = [[shared(torch.randn(numel, generator=gen)) for _ in range(world_size)] for _ in range(calls)]
+    inputs = [[x.clone() for x in per_rank] for per_rank in xs]
+    problem = Problem.all_reduce(4 * numel, "fp32", world_size)
+
+    def body(rank: int) -> None:
+        ctx = RunContext(workspace=wss[rank])
+        launchers = [get_backend(f"triton_{name}").prepare(problem, AllReduceConfig(name, 128, 3, 2, double_buffer=True),
+                                                          ctx) for name in ("one_shot_push", "one_shot")]
+        for k in range(calls):
+            launchers[k % 2](xs[k][rank])
+
+    run_forked(world_size, body)
+    for k in range(calls):
+        acc = torch.zeros(numel)  # fp32 in order from +0.0, as the kernels add
+        for x in inputs[k]:
+            acc = acc + x
+        for rank in range(world_size):
+            assert torch.equal(xs[k][rank], acc), f"call {k} rank {rank}"
+    for ws in wss:
+        assert (epoch(ws), arrivals(ws)) == (calls, 0)
+        assert error_counts(ws)["all_reduce"] == 0
+        view = pads(ws.buffer)[:, [p for p in range(world_size) if p != ws.rank]]
+        assert int(view.count_nonzero()) == 0, f"rank {ws.rank}: unconsumed signals"

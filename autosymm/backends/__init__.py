@@ -32,6 +32,7 @@ _REGISTRY: dict[str, str] = {
     "triton_fused_one_shot": "autosymm.backends.triton_fused:triton_fused_one_shot",
     "triton_fused_one_shot_push": "autosymm.backends.triton_fused:triton_fused_one_shot_push",
     "triton_fused_two_shot": "autosymm.backends.triton_fused:triton_fused_two_shot",
+    "triton_fused_lamport": "autosymm.backends.triton_fused:triton_fused_lamport",
     "flashinfer_fused": "autosymm.backends.flashinfer_fused:flashinfer_fused",
     "nccl_reduce_scatter": "autosymm.backends.nccl_rs_ag:nccl_reduce_scatter",
     "nccl_all_gather": "autosymm.backends.nccl_rs_ag:nccl_all_gather",

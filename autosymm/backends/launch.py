@@ -183,6 +183,8 @@ class Algorithm:
     thread below which the all-reduce space keeps only the fewest warps of a BLOCK.
     ``batch_invariant``: its result element is the fp32 sum of ranks 0..W-1 in order, rounded
     once, whatever the call's size and config (Backend.batch_invariant; tests/test_batch_invariance).
+    ``lamport``: peers store into the workspace's Lamport region (no barrier; at most
+    autosymm.geometry.LAMPORT_SLOT_BYTES of x a call), not into the all-reduce region.
     """
 
     name: str
@@ -197,6 +199,7 @@ class Algorithm:
     multicast: bool = False
     min_thread_bytes: int = 8
     batch_invariant: bool = False
+    lamport: bool = False
 
     def share(self, count: int, world_size: int) -> int:
         """How many of ``count`` elements (or rows) one rank's programs reduce."""

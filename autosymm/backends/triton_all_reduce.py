@@ -51,7 +51,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               multicast=True, min_thread_bytes=16),
     # peers push into the Lamport region, not the all-reduce region: backend triton_lamport
     # (autosymm.backends.triton_lamport: its own launcher and size cap)
-    Algorithm("lamport", _lamport_all_reduce, lamport_stage_bytes, batch_invariant=True),
+    Algorithm("lamport", _lamport_all_reduce, lamport_stage_bytes, batch_invariant=True, lamport=True),
 )}
 
 

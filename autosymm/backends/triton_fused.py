@@ -37,12 +37,13 @@ from ..spec import ALL_REDUCE_RMSNORM
 from ..configs import FUSED_MAX_TILE_PER_THREAD, WARP_SIZE, FusedConfig, useful_counts
 from ..epilogue import DEFAULT, NVFP4_BLOCK, Epilogue
 from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, FUSED_COUNTS_OFFSET, FUSED_PARTIALS_OFFSET,
-                        FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_REGION, align, push_stage_bytes,
-                        rows_and_out_stage_bytes, tensor_stage_bytes)
+                        FUSED_SPLIT_MAX, FUSED_SPLIT_MAX_ROWS, FUSED_STASH_REGION, LAMPORT_REGION, LAMPORT_SLOT_BYTES,
+                        align, lamport_stage_bytes, push_stage_bytes, rows_and_out_stage_bytes, tensor_stage_bytes)
 from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, stage_limits
+from .triton_lamport import lamport_header, lamport_limits
 
 OP = ALL_REDUCE_RMSNORM.name
 
@@ -58,6 +59,10 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("one_shot_push", _one_shot_all_reduce_rmsnorm, push_stage_bytes, {"PUSH": True}, push=True,
               double_buffer=True, double_buffer_space_bytes=DOUBLE_BUFFER_HALF_BYTES, row_split=True),
     Algorithm("two_shot", _two_shot_all_reduce_rmsnorm, rows_and_out_stage_bytes, splits_by_rank=True),
+    # no barrier: the Lamport exchange (peers store x into this rank's Lamport region, at most
+    # LAMPORT_SLOT_BYTES a call; it shares the rotation with the Lamport all-reduce)
+    Algorithm("lamport", _one_shot_all_reduce_rmsnorm, lamport_stage_bytes, {"PUSH": True, "LAMPORT": True},
+              push=True, row_split=True, lamport=True),
 )}
 
 
@@ -96,7 +101,16 @@ class _FusedLauncher(RegionLauncher):
         self.hidden = problem.hidden
         self.epilogue = epilogue or epilogue_of(problem)
         self._rows_by_rank = self.record.splits_by_rank  # the two-shot: its stage holds the out rows too
+        self._lamport = self.record.lamport
+        if self._lamport:  # peers store into the Lamport region: the kernel's region_ptrs are its table
+            region = workspace.regions[LAMPORT_REGION]
+            self.region_ptrs = workspace.region_ptrs(LAMPORT_REGION)
+            self._region_addr = int(self.region_ptrs.data_ptr())
+            self._lamport_range = (int(workspace.buffer.data_ptr()) + region.offset,
+                                   int(workspace.buffer.data_ptr()) + region.offset + region.nbytes)
         self.row_split, self.split_rows, self._scratch = config.row_split, 0, split_scratch(workspace)
+        # the one-shot kernel's header_ptr: this rank's Lamport header (read by the Lamport variant only)
+        self._scratch += (lamport_header(workspace) if LAMPORT_REGION in workspace.regions else self._scratch[0],)
         if not self.record.row_split:  # the two-shot kernel takes no split-row scratch
             self._scratch = ()
         elif config.row_split > 1 and FUSED_STASH_REGION in workspace.regions:
@@ -249,6 +263,11 @@ class _FusedLauncher(RegionLauncher):
     def _stage(self, nbytes: int) -> tuple[int, int, tuple, bool]:
         """(stage start and end addresses, the kernel's integer arguments after eps, double-buffered?)
         of an ``nbytes`` tensor (per call: ``Workspace.empty`` may have grown since the last)."""
+        if self._lamport:  # the Lamport region: x within one slot, the kernel picks the buffer
+            if nbytes > LAMPORT_SLOT_BYTES:
+                raise BackendError(f"triton_fused_lamport serves at most {LAMPORT_SLOT_BYTES} bytes of x a call, "
+                                   f"not {nbytes}")
+            return (*self._lamport_range, (0, LAMPORT_SLOT_BYTES, 0), False)
         need = self.record.stage_bytes(nbytes, self.world_size)
         slot = align(nbytes)
         if need <= self.half_bytes:
@@ -278,7 +297,7 @@ class _FusedLauncher(RegionLauncher):
         elif phase:
             raise ValueError(f"the fused {self.algorithm} has no phases")
         else:
-            constexprs.update(SPLIT=split, DOUBLE_BUFFER=double)
+            constexprs.update(SPLIT=split, DOUBLE_BUFFER=double, LAMPORT=False)  # the record's flags may set it
         launcher = LeanLauncher(self.record.kernel, (cfg.num_blocks,), {**constexprs, **self.record.flags},
                                 num_warps=cfg.num_warps, num_stages=1)
         self._variants[key] = launcher
@@ -372,6 +391,8 @@ class TritonFused(Backend):
         self.needs = Needs(ops=(OP,), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
+        if self.record.lamport and (reason := lamport_limits(problem)):
+            return reason
         return stage_limits(self.record.stage_bytes(problem.nbytes, problem.world_size), problem, caps)
 
     def search_space(self, problem: Problem) -> list[FusedConfig]:
@@ -381,6 +402,8 @@ class TritonFused(Backend):
     def prepare(self, problem: Problem, config: Optional[FusedConfig], ctx: RunContext) -> _FusedLauncher:
         """A launcher for ``problem`` with ``config`` on ``ctx.workspace``."""
         ws = prepared_workspace(self, problem, config, FusedConfig, ctx)
+        if self.record.lamport and LAMPORT_REGION not in ws.regions:
+            raise BackendError(f"{self.name} needs the workspace's {LAMPORT_REGION!r} region; this one has none")
         if problem.op != OP:
             raise BackendError(f"{self.name} serves {OP}, not {problem.op}")
         if config.block_size < problem.hidden:
@@ -395,4 +418,5 @@ class TritonFused(Backend):
 triton_fused_one_shot = TritonFused(ALGORITHMS["one_shot"])
 triton_fused_one_shot_push = TritonFused(ALGORITHMS["one_shot_push"])
 triton_fused_two_shot = TritonFused(ALGORITHMS["two_shot"])
-BACKENDS = (triton_fused_one_shot, triton_fused_one_shot_push, triton_fused_two_shot)
+triton_fused_lamport = TritonFused(ALGORITHMS["lamport"])
+BACKENDS = (triton_fused_one_shot, triton_fused_one_shot_push, triton_fused_two_shot, triton_fused_lamport)

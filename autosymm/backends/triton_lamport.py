@@ -24,11 +24,18 @@ from typing import Callable, Optional
 import torch
 
 from ..configs import AllReduceConfig
-from ..geometry import LAMPORT_REGION, LAMPORT_SLOT_BYTES
+from ..geometry import LAMPORT_HEADER_BYTES, LAMPORT_REGION, LAMPORT_SLOT_BYTES
 from ..problem import Problem
 from .base import BackendError, Capabilities, RunContext
 from .launch import LeanLauncher, RegionLauncher, prepared_workspace
 from .triton_all_reduce import ALGORITHMS, TritonAllReduce
+
+
+def lamport_header(workspace) -> torch.Tensor:
+    """int32 view of this rank's Lamport header (autosymm.geometry.LAMPORT_HEADER_BYTES: the rotation
+    index, the arrival counter): the Lamport kernels' ``header_ptr``. A view, nothing allocated."""
+    region = workspace.regions[LAMPORT_REGION]
+    return workspace.buffer[region.offset:region.offset + LAMPORT_HEADER_BYTES].view(torch.int32)
 
 
 def lamport_limits(problem: Problem) -> Optional[str]:
@@ -48,6 +55,9 @@ class _LamportLauncher(RegionLauncher):
         self.lamport_end = self.lamport_start + region.nbytes
         self.region_ptrs = workspace.region_ptrs(LAMPORT_REGION)  # the kernel's region: the receive buffers
         self._region_addr = int(self.region_ptrs.data_ptr())
+        # this rank's header (the rotation index), an argument so the kernel reads it in one load
+        self.header = lamport_header(workspace)
+        self._header_addr = int(self.header.data_ptr())
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._vec = 16 // self.elem_bytes
         # variant key: (x_aligned, tail, phase)
@@ -60,10 +70,10 @@ class _LamportLauncher(RegionLauncher):
         key, addr, numel = plan
         direct = self._direct.get(key)
         if direct is not None:
-            direct(addr, self._region_addr, self._signal_addr, numel, LAMPORT_SLOT_BYTES)
+            direct(addr, self._region_addr, self._signal_addr, self._header_addr, numel, LAMPORT_SLOT_BYTES)
             return x
         launch = self._variants.get(key) or self._variant(*key)
-        launch(x, self.region_ptrs, self.signal_ptrs, numel, LAMPORT_SLOT_BYTES)
+        launch(x, self.region_ptrs, self.signal_ptrs, self.header, numel, LAMPORT_SLOT_BYTES)
         if launch.direct is not None:
             self._direct[key] = launch.direct
         return x
@@ -77,7 +87,8 @@ class _LamportLauncher(RegionLauncher):
         direct = None if plan is None else self._direct.get(plan[0])
         if direct is None:
             return None
-        return partial(direct, plan[1], self._region_addr, self._signal_addr, plan[2], LAMPORT_SLOT_BYTES)
+        return partial(direct, plan[1], self._region_addr, self._signal_addr, self._header_addr, plan[2],
+                       LAMPORT_SLOT_BYTES)
 
     def _plan(self, x: torch.Tensor, phase: int) -> Optional[tuple[tuple, int, int]]:
         """(variant key, x's address, numel) of a call, or None when there is nothing to launch."""

@@ -17,7 +17,7 @@ Design notes: docs/KERNELS.md#kernels-all-reduce
 import triton
 import triton.language as tl
 
-from .barrier import SLOTS_PER_PROGRAM, barrier
+from .barrier import SLOTS_PER_PROGRAM, barrier, barrier_and_publish, count_in
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,31 +149,16 @@ _EPOCH_SLOT: tl.constexpr = tl.constexpr(1)
 
 
 @triton.jit
-def _read_epoch(signal_ptrs, RANK: tl.constexpr):
-    """(address, value) of this rank's double-buffer epoch (see ``_one_shot_all_reduce``)."""
+def _epoch_stage(signal_ptrs, stage_offset, half_bytes, pid, n_programs, RANK: tl.constexpr):
+    """(arrival counter, epoch address, epoch, stage offset in half ``epoch & 1``) of a
+    double-buffered call; counts this program in once it has read the epoch (autosymm.kernels.
+    barrier.count_in: the grid's last program then stores ``epoch + 1`` with ``publish``)."""
     own_pad = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32))
     epoch_slot = own_pad + _EPOCH_SLOT * SLOTS_PER_PROGRAM + RANK
-    return epoch_slot, tl.load(epoch_slot)
-
-
-@triton.jit
-def _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK: tl.constexpr):
-    """(epoch address, epoch, stage offset in half ``epoch & 1``) of a double-buffered call."""
-    epoch_slot, epoch = _read_epoch(signal_ptrs, RANK)
-    return epoch_slot, epoch, stage_offset + (epoch & 1).to(tl.int64) * half_bytes
-
-
-@triton.jit
-def _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK: tl.constexpr):
-    """Count this program's arrival; the grid's last program resets the count and stores
-    ``epoch + 1`` (every program read ``epoch`` before its release arrival)."""
-    tl.debug_barrier()  # every thread of this program is past its epoch load and its reads
-    own_pad = tl.load(signal_ptrs + RANK).to(tl.pointer_type(tl.int32))
     arrival_slot = own_pad + _ARRIVAL_SLOT * SLOTS_PER_PROGRAM + RANK
-    arrived = tl.atomic_add(arrival_slot, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.atomic_xchg(arrival_slot, 0, sem="relaxed", scope="gpu")
-        tl.store(epoch_slot, epoch + 1)
+    epoch = tl.load(epoch_slot)
+    count_in(arrival_slot, pid, n_programs)
+    return arrival_slot, epoch_slot, epoch, stage_offset + (epoch & 1).to(tl.int64) * half_bytes
 
 
 @triton.jit(do_not_specialize=["numel", "stage_offset", "half_bytes"])
@@ -195,13 +180,14 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
     double-buffered calls since the pads were last reset, equal on every rank (every rank runs
     the same calls, and Workspace.reset_signals zeroes it on all ranks together), so all ranks
     use the same half and ``_sum_stages`` reads the peers' copy of the call. Every program reads
-    the epoch first; when done, it counts its arrival (``atom.add.acq_rel.gpu`` on self slot
-    ``[_ARRIVAL_SLOT][RANK]``, after a CTA barrier); the program that sees ``num_programs - 1``
-    earlier arrivals is the last, resets the counter to 0 and stores epoch + 1. Each program's
-    epoch load precedes its release arrival, which the last program's acquire synchronizes with,
-    so no program of this call reads the new epoch; the next call (stream order) reads it. The
-    grid plays no part: any grid advances the epoch by exactly one, and the counter is 0 again
-    after every call, so CUDA-graph replay needs no host reset.
+    the epoch first and counts in at once (``red.release.gpu`` on self slot
+    ``[_ARRIVAL_SLOT][RANK]``: autosymm.kernels.barrier.count_in); the grid's last program, between
+    its start barrier's signal and its wait, waits for the others' counts (acquire), zeroes the
+    counter and stores epoch + 1 (``publish``). Each program's epoch load precedes its release
+    count, which the last program's acquire synchronizes with, so no program of this call reads
+    the new epoch; the next call (stream order) reads it. The grid plays no part: any grid
+    advances the epoch by exactly one, and the counter is 0 again after every call, so CUDA-graph
+    replay needs no host reset; and nothing (no fence, no atomic) is left at the kernel's end.
 
     Why no end barrier is needed. Rank r overwrites half h of its stage in call m (copy-in,
     before its start barrier) and peer q read r's half h last in the double-buffered call k < m
@@ -229,7 +215,8 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
     numel = _whole_vectors(numel, TAIL)
     pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     if DOUBLE_BUFFER:
-        epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
+        arrival_slot, epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, pid,
+                                                                     n_programs, RANK)
     if not ZERO_COPY:
         stage = _stage_ptr(region_ptrs, RANK, stage_offset, ALIGNED, ELEM)
         for chunk in range(pid, n_chunks, n_programs):
@@ -238,7 +225,10 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
                 _copy(stage, x_ptr, offs, numel, False)
             else:
                 _copy(stage, x_ptr, offs, numel, True)
-    barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every stage holds its rank's input
+    if DOUBLE_BUFFER:  # every stage holds its rank's input; the last program advances the epoch
+        barrier_and_publish(signal_ptrs, pid, arrival_slot, epoch_slot, epoch + 1, n_programs, RANK, WORLD_SIZE)
+    else:
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every stage holds its rank's input
     for chunk in range(pid, n_chunks, n_programs):
         offs = chunk * BLOCK + lane
         full = chunk < n_full
@@ -252,9 +242,7 @@ def _one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, stage
             tl.store(x_ptr + offs, acc.to(ELEM))
         else:
             tl.store(x_ptr + offs, acc.to(ELEM), mask=offs < numel)
-    if DOUBLE_BUFFER:
-        _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK)  # no end barrier (see above)
-    elif not ZERO_COPY:
+    if not DOUBLE_BUFFER and not ZERO_COPY:  # double-buffered: no end barrier (see above)
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads our stage
 
 

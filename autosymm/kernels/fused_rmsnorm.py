@@ -17,9 +17,10 @@ Design notes: docs/KERNELS.md#kernels-fused-rmsnorm
 import triton
 import triton.language as tl
 
-from .all_reduce import _advance_epoch, _epoch_stage, _stage_ptr
-from .barrier import barrier
+from .all_reduce import _epoch_stage, _stage_ptr
+from .barrier import barrier, barrier_and_publish
 from .fused_epilogue import _normalise_and_store, _store_block_scales, _store_outputs, _tile
+from .lamport_all_reduce import lamport_buffer, lamport_count_in, lamport_offset, lamport_rotate, lamport_sum, push_wire
 from .push_all_reduce import _slot_ptr
 
 
@@ -32,24 +33,35 @@ def _copy_rows(dst, src, row0, row_end, col0, HIDDEN: tl.constexpr, BLOCK: tl.co
 
 @triton.jit
 def _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, row0, row_end, col0, RANK: tl.constexpr,
-               WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+               WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+               LAMPORT: tl.constexpr):
     """Store one row group of x (columns col0 .. col0 + BLOCK - 1) into this rank's slot of every
-    peer's stage (posted writes)."""
+    peer's stage (posted writes); LAMPORT: in wire form, into the Lamport buffer at ``stage_offset``
+    (the same slot layout, autosymm.kernels.lamport_all_reduce)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     offs, mask, cols = _tile(row0, row_end, col0, HIDDEN, BLOCK, ROWS)
     val = tl.load(x_ptr + offs, mask=mask)
-    for step in tl.static_range(1, WORLD_SIZE):
-        peer = (RANK + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
-        dst = _slot_ptr(region_ptrs, peer, RANK, stage_offset, slot_bytes, True, WORLD_SIZE, ELEM)
-        tl.store(dst + offs, val, mask=mask)
+    if LAMPORT:
+        push_wire(val, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, True)
+    else:
+        for step in tl.static_range(1, WORLD_SIZE):
+            peer = (RANK + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
+            dst = _slot_ptr(region_ptrs, peer, RANK, stage_offset, slot_bytes, True, WORLD_SIZE, ELEM)
+            tl.store(dst + offs, val, mask=mask)
 
 
 @triton.jit
-def _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK: tl.constexpr,
-               WORLD_SIZE: tl.constexpr, PUSH: tl.constexpr):
+def _sum_ranks(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK: tl.constexpr,
+               WORLD_SIZE: tl.constexpr, PUSH: tl.constexpr, LAMPORT: tl.constexpr):
     """fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order) of their x at ``offs``: from every
-    rank's stage, or (PUSH) from x itself and the peers' slots of this rank's stage."""
+    rank's stage, or (PUSH) from x itself and the peers' slots of this rank's stage, or (LAMPORT)
+    from x itself and the peers' wire words in this rank's Lamport buffer once they arrived (then
+    re-armed: autosymm.kernels.lamport_all_reduce.lamport_sum)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
+    if LAMPORT:
+        own = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        return lamport_sum(own, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE,
+                           True)
     acc = tl.zeros(offs.shape, tl.float32)
     for peer in tl.static_range(WORLD_SIZE):
         if PUSH:
@@ -73,17 +85,19 @@ def _scatter(region_ptrs, offset, offs, mask, val, RANK: tl.constexpr, WORLD_SIZ
 
 
 @triton.jit
-def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
-                out_offset, scales_offset, row0, row_end, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+                slot_bytes, out_offset, scales_offset, row0, row_end, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
                 HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PUSH: tl.constexpr,
-                SCATTER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr):
+                SCATTER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr,
+                LAMPORT: tl.constexpr):
     """For one row group: s = sum of x (+ the residual, then written back rounded once), and out
     (and scales) from the norm of the unrounded fp32 s (autosymm.kernels.fused_epilogue). SCATTER
     (two-shot): both also go to every peer's stage, the residual over the x rows just read there,
     out at ``out_offset`` and the scales (row-major) at ``scales_offset``."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     offs, mask, cols = _tile(row0, row_end, 0, HIDDEN, BLOCK, ROWS)
-    acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
+    acc = _sum_ranks(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH,
+                     LAMPORT)
     if HAS_RESIDUAL:
         acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         new_residual = acc.to(ELEM)
@@ -119,17 +133,19 @@ def _finish_row(w_ptr, out_ptr, scale_ptr, scales_ptr, partials_ptr, stash_ptr, 
 
 
 @triton.jit
-def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
-                counts_ptr, partials_ptr, stash_ptr, row, part, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
-                HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr):
+def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+                slot_bytes, counts_ptr, partials_ptr, stash_ptr, row, part, eps, RANK: tl.constexpr,
+                WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                PUSH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr,
+                LAMPORT: tl.constexpr):
     """One part (BLOCK / SPLIT columns) of a row shared by N_PARTS programs (see the one-shot
     kernel): reduce, store the residual part, then count in; the row's last program writes its out."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     CHUNK: tl.constexpr = BLOCK // SPLIT
     N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
     offs, mask, cols = _tile(row, row + 1, part * CHUNK, HIDDEN, CHUNK, 1)
-    acc = _sum_ranks(x_ptr, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH)
+    acc = _sum_ranks(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH,
+                     LAMPORT)
     if HAS_RESIDUAL:
         acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_ptr + offs, acc.to(ELEM), mask=mask)
@@ -146,17 +162,27 @@ def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_pt
 
 @triton.jit(do_not_specialize=["n_rows", "stage_offset", "slot_bytes", "half_bytes"])
 def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs,
-                                 counts_ptr, partials_ptr, stash_ptr, n_rows: tl.int32, eps, stage_offset: tl.int64,
+                                 counts_ptr, partials_ptr, stash_ptr, header_ptr, n_rows: tl.int32, eps,
+                                 stage_offset: tl.int64,
                                  slot_bytes: tl.int64, half_bytes: tl.int64, RANK: tl.constexpr,
                                  WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
                                  ROWS: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr,
                                  DOUBLE_BUFFER: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
-                                 GEMMA: tl.constexpr = False, QUANT: tl.constexpr = 0):
+                                 GEMMA: tl.constexpr = False, QUANT: tl.constexpr = 0,
+                                 LAMPORT: tl.constexpr = False):
     """One-shot, pull (every rank reads every stage) or PUSH (every rank writes its x into its
     slot, ``slot_bytes`` apart, of every peer's stage). DOUBLE_BUFFER: the stage alternates
     between the halves at ``stage_offset`` and ``stage_offset + half_bytes`` by the epoch of
     autosymm.kernels.all_reduce (shared with its double-buffered kernels) and there is no end
     barrier (the argument of ``_one_shot_all_reduce`` / ``_push_one_shot_all_reduce``).
+
+    LAMPORT (with PUSH): the Lamport one-shot's exchange (autosymm.kernels.lamport_all_reduce):
+    ``region_ptrs`` is the Lamport region's table, ``header_ptr`` this rank's header, ``slot_bytes``
+    its slot stride; x goes in wire form into this rank's slot of buffer k % 3 of every peer, no
+    barrier at all, each row group polls its peers' words until they arrived, sums them with its
+    own x and re-arms them; the grid's last program advances the rotation after its pushes. It
+    shares the rotation with the Lamport all-reduce (one sequence of Lamport calls per rank).
+    ``header_ptr`` is read only then (any valid pointer otherwise).
 
     SPLIT > 1 (ROWS == 1, n_rows <= autosymm.geometry.FUSED_SPLIT_MAX_ROWS, the stash holds
     n_rows x HIDDEN fp32): a row is cut in parts of CHUNK = BLOCK / SPLIT columns, N_PARTS of them
@@ -181,6 +207,7 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scal
     tl.static_assert(BLOCK >= HIDDEN, "a row group is held in registers: BLOCK >= HIDDEN")
     tl.static_assert(SPLIT == 1 or ROWS == 1, "rows are split only one row at a time")
     tl.static_assert(QUANT != 3 or (HIDDEN % 16 == 0 and BLOCK >= 16), "nvfp4 packs whole blocks of 16")
+    tl.static_assert(not LAMPORT or (PUSH and not DOUBLE_BUFFER), "the Lamport exchange pushes, into its own buffers")
     CHUNK: tl.constexpr = BLOCK // SPLIT
     N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
     pid = tl.program_id(0)
@@ -188,28 +215,37 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scal
     n_groups = tl.cdiv(n_rows, ROWS)
     n_items = n_groups * N_PARTS  # (row group, part) pairs; N_PARTS == 1 without SPLIT
     if DOUBLE_BUFFER:
-        epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
+        arrival_slot, epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, pid,
+                                                                     n_programs, RANK)
+    if LAMPORT:
+        buffer = lamport_buffer(header_ptr)
+        stage_offset = lamport_offset(buffer, slot_bytes, WORLD_SIZE)
+        lamport_count_in(header_ptr, pid, n_programs)
     if PUSH:
         for item in range(pid, n_items, n_programs):
             _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, (item // N_PARTS) * ROWS, n_rows,
-                       (item % N_PARTS) * CHUNK, RANK, WORLD_SIZE, HIDDEN, CHUNK, ROWS)
+                       (item % N_PARTS) * CHUNK, RANK, WORLD_SIZE, HIDDEN, CHUNK, ROWS, LAMPORT)
     else:
         stage = _stage_ptr(region_ptrs, RANK, stage_offset, True, x_ptr.dtype.element_ty)
         for item in range(pid, n_items, n_programs):
             _copy_rows(stage, x_ptr, (item // N_PARTS) * ROWS, n_rows, (item % N_PARTS) * CHUNK, HIDDEN, CHUNK, ROWS)
-    barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every rank's x is staged (pull: own stage; push: ours)
+    # every rank's x is staged (pull: own stage; push: ours): a barrier, or the Lamport words' own marks
+    if LAMPORT:
+        lamport_rotate(header_ptr, signal_ptrs, buffer, pid, n_programs, WORLD_SIZE)
+    elif DOUBLE_BUFFER:  # the last program advances the epoch between its signal and its wait
+        barrier_and_publish(signal_ptrs, pid, arrival_slot, epoch_slot, epoch + 1, n_programs, RANK, WORLD_SIZE)
+    else:
+        barrier(signal_ptrs, pid, RANK, WORLD_SIZE)
     for item in range(pid, n_items, n_programs):
         if SPLIT == 1:
-            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
-                        0, 0, item * ROWS, n_rows, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False,
-                        HAS_RESIDUAL, GEMMA, QUANT)
+            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+                        slot_bytes, 0, 0, item * ROWS, n_rows, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False,
+                        HAS_RESIDUAL, GEMMA, QUANT, LAMPORT)
         else:
-            _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, slot_bytes,
-                        counts_ptr, partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK, WORLD_SIZE,
-                        HIDDEN, BLOCK, SPLIT, PUSH, HAS_RESIDUAL, GEMMA, QUANT)
-    if DOUBLE_BUFFER:
-        _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK)
-    else:
+            _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+                        slot_bytes, counts_ptr, partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK,
+                        WORLD_SIZE, HIDDEN, BLOCK, SPLIT, PUSH, HAS_RESIDUAL, GEMMA, QUANT, LAMPORT)
+    if not DOUBLE_BUFFER and not LAMPORT:
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads our stage
 
 
@@ -269,9 +305,9 @@ def _two_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scal
     if PHASE == 0 or PHASE == 2:
         seg_end = tl.minimum(RANK * seg + seg, n_rows)
         for group in range(pid, seg_groups, n_programs):
-            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, stage_offset, 0,
-                        out_offset, scales_offset, RANK * seg + group * ROWS, seg_end, eps, RANK, WORLD_SIZE, HIDDEN,
-                        BLOCK, ROWS, False, True, HAS_RESIDUAL, GEMMA, QUANT)
+            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+                        0, out_offset, scales_offset, RANK * seg + group * ROWS, seg_end, eps, RANK, WORLD_SIZE,
+                        HIDDEN, BLOCK, ROWS, False, True, HAS_RESIDUAL, GEMMA, QUANT, False)
     if PHASE == 0 or PHASE == 3:
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every segment's rows are in every stage
         for s in tl.static_range(WORLD_SIZE):

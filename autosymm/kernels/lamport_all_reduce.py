@@ -3,13 +3,17 @@
 No barrier: the data carries its own arrival mark. Every rank stores its x (its *wire* form, the
 sign bit flipped, so the sentinel "not arrived" is the word 0) into its slot of buffer ``k % 3``
 of every peer's receive buffers (the workspace's Lamport region, autosymm.geometry); each rank
-spins with volatile loads on its own buffer until its chunk is there, sums in fp32 in the peer
-order 0..W-1 and rounds once (the other one-shots' bits), and re-arms call k - 1's buffer.
-Invariants: every rank runs the same sequence of Lamport calls since the last reset; three buffers
-because a peer may run one call ahead, never two; the rotation index k % 3 lives on the device
-(header word 0). Waits are bounded as autosymm.kernels.barrier's: after a timeout every result
-since the last clean ``Workspace.barrier_errors()`` is suspect, and ``Workspace.reset_signals()``
-must run on every rank before the next collective kernel.
+polls its own buffer with volatile loads, every peer's chunk in one pass, until the whole chunk is
+there, sums in fp32 in the peer order 0..W-1 and rounds once (the other one-shots' bits), and
+re-arms (zeroes) what it read at once. Invariants: every rank runs the same sequence of Lamport
+calls since the last reset; a peer runs at most one call ahead; the rotation index k % 3 lives
+on the device (header word 0), read by every program first and advanced by the grid's last
+program once all have read it (autosymm.kernels.barrier's ``count_in`` / ``publish``), so no
+atomic or fence remains at the kernel's end. Waits are bounded as autosymm.kernels.barrier's:
+after a timeout every result since the last clean ``Workspace.barrier_errors()`` is suspect, and
+``Workspace.reset_signals()`` must run on every rank before the next collective kernel.
+The fused all-reduce + RMSNorm's Lamport variant (autosymm.kernels.fused_rmsnorm) uses the same
+region, rotation and helpers: Lamport calls of both ops share one sequence.
 
 Design notes: docs/KERNELS.md#kernels-lamport-all-reduce
 """
@@ -19,20 +23,29 @@ import triton.language as tl
 
 from . import barrier as _barrier
 from .all_reduce import _chunks, _whole_vectors
+from .barrier import count_in, publish
 
 #: The header's words (int32 indices) and its size (bytes): autosymm.geometry.LAMPORT_HEADER_BYTES.
+#: Word 2 (the previous call's element count) is no longer used: every call re-arms what it read.
 _INDEX_WORD: tl.constexpr = tl.constexpr(0)
 _ARRIVAL_WORD: tl.constexpr = tl.constexpr(1)
-_COUNT_WORD: tl.constexpr = tl.constexpr(2)
 _HEADER_BYTES: tl.constexpr = tl.constexpr(256)
 
 
 @triton.jit
-def _buffer_ptr(region_ptrs, receiver, buffer, slot, slot_bytes, WORLD_SIZE: tl.constexpr, WIRE: tl.constexpr):
-    """Slot ``slot`` of receive buffer ``buffer`` (0..2) in ``receiver``'s Lamport region."""
-    offset = _HEADER_BYTES + (buffer.to(tl.int64) * (WORLD_SIZE - 1) + slot) * slot_bytes
+def lamport_offset(buffer, slot_bytes, WORLD_SIZE: tl.constexpr):
+    """Byte offset, in a Lamport region, of receive buffer ``buffer`` (0..2): its WORLD_SIZE - 1
+    slots follow, ``slot_bytes`` apart, sender s in slot ``(s - receiver - 1) mod WORLD_SIZE``:
+    the push one-shot's stage layout (autosymm.kernels.push_all_reduce._slot_ptr) at this offset."""
+    return _HEADER_BYTES + buffer.to(tl.int64) * (WORLD_SIZE - 1) * slot_bytes
+
+
+@triton.jit
+def _slot(region_ptrs, receiver, sender, offset, slot_bytes, WORLD_SIZE: tl.constexpr, WIRE: tl.constexpr):
+    """Sender ``sender``'s slot in ``receiver``'s buffer at ``offset``, as WIRE words."""
+    slot = (sender - receiver - 1 + WORLD_SIZE) % WORLD_SIZE
     # the region is 256-byte aligned and slot_bytes a multiple of 256: 16-byte vectors
-    return tl.multiple_of((tl.load(region_ptrs + receiver) + offset).to(tl.pointer_type(WIRE)), 16)
+    return tl.multiple_of((tl.load(region_ptrs + receiver) + offset + slot * slot_bytes).to(tl.pointer_type(WIRE)), 16)
 
 
 @triton.jit
@@ -50,137 +63,164 @@ def _from_wire(wire, ELEM: tl.constexpr):
 
 
 @triton.jit
-def _push(x_ptr, region_ptrs, buffer, slot_bytes, offs, end, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
-          MASKED: tl.constexpr):
-    """Store x[offs] (wire form) into this rank's slot of ``buffer`` of every peer."""
-    WIRE: tl.constexpr = tl.uint16 if x_ptr.dtype.element_ty.primitive_bitwidth == 16 else tl.uint32
-    if MASKED:
-        wire = _to_wire(tl.load(x_ptr + offs, mask=offs < end), WIRE)
-    else:
-        wire = _to_wire(tl.load(x_ptr + offs), WIRE)
+def push_wire(val, region_ptrs, offset, slot_bytes, offs, mask, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+              MASKED: tl.constexpr):
+    """Store ``val`` (this rank's elements at ``offs``, any shape) in wire form into this rank's slot
+    of the buffer at ``offset`` of every peer (posted writes; the data is its own flag)."""
+    WIRE: tl.constexpr = tl.uint16 if val.dtype.primitive_bitwidth == 16 else tl.uint32  # val's bits
+    wire = _to_wire(val, WIRE)
     for step in tl.static_range(1, WORLD_SIZE):
         peer = (RANK + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
-        dst = _buffer_ptr(region_ptrs, peer, buffer, WORLD_SIZE - step - 1, slot_bytes, WORLD_SIZE, WIRE) + offs
+        dst = _slot(region_ptrs, peer, RANK, offset, slot_bytes, WORLD_SIZE, WIRE) + offs
         if MASKED:
-            tl.store(dst, wire, mask=offs < end)
+            tl.store(dst, wire, mask=mask)
         else:
             tl.store(dst, wire)
 
 
 @triton.jit
-def _rearm(region_ptrs, buffer, slot_bytes, count, pid, n_programs, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
-           BLOCK: tl.constexpr, WIRE: tl.constexpr):
-    """Store the sentinel over the first ``count`` elements of every slot of our ``buffer``,
-    rounded up to whole 16-byte vectors (past ``count`` a slot holds the sentinel already)."""
-    VEC: tl.constexpr = 128 // WIRE.primitive_bitwidth
-    count = (count + VEC - 1) // VEC * VEC
-    lane = tl.arange(0, BLOCK)
-    zeros = tl.zeros((BLOCK,), WIRE)
-    for chunk in range(pid, tl.cdiv(count, BLOCK), n_programs):
-        offs = chunk * BLOCK + lane
-        for slot in tl.static_range(WORLD_SIZE - 1):
-            dst = _buffer_ptr(region_ptrs, RANK, buffer, slot, slot_bytes, WORLD_SIZE, WIRE) + offs
-            if (chunk + 1) * BLOCK <= count:
-                tl.store(dst, zeros)
+def _poll_sum(own, region_ptrs, offset, slot_bytes, offs, mask, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+              MASKED: tl.constexpr):
+    """(fp32 sum over ranks 0..W-1 in order of ``own`` and the peers' wire words at ``offs`` of this
+    rank's buffer, how many of those words are still the sentinel): one volatile load per peer,
+    all in flight together (never served from L1)."""
+    WIRE: tl.constexpr = tl.uint16 if own.dtype.primitive_bitwidth == 16 else tl.uint32  # own's bits
+    acc = tl.zeros(offs.shape, tl.float32)
+    missing = tl.zeros(offs.shape, tl.int32)
+    for peer in tl.static_range(WORLD_SIZE):
+        if peer == RANK:
+            acc += own.to(tl.float32)
+        else:
+            src = _slot(region_ptrs, RANK, peer, offset, slot_bytes, WORLD_SIZE, WIRE) + offs
+            if MASKED:
+                wire = tl.load(src, mask=mask, other=1, volatile=True)  # masked lanes never wait
             else:
-                tl.store(dst, zeros, mask=offs < count)
+                wire = tl.load(src, volatile=True)
+            missing += (wire == 0).to(tl.int32)
+            acc += _from_wire(wire, own.dtype).to(tl.float32)
+    return acc, tl.sum(missing, axis=None)  # over every axis (a 1-D chunk or a row tile)
 
 
 @triton.jit
-def _await(src, offs, end, errors, MASKED: tl.constexpr):
-    """The wire words at ``src + offs`` once none is the sentinel, or after MAX_POLLS polls that
-    found one (then counted in ``errors``; masked lanes never wait)."""
-    if MASKED:
-        wire = tl.load(src + offs, mask=offs < end, other=1, volatile=True)
-    else:
-        wire = tl.load(src + offs, volatile=True)
-    missing = tl.sum((wire == 0).to(tl.int32), axis=0)
-    if missing > 0:  # slow path only
+def lamport_sum(own, region_ptrs, signal_ptrs, offset, slot_bytes, offs, mask, RANK: tl.constexpr,
+                WORLD_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 sum over ranks 0..W-1 (fixed order) of ``own`` (this rank's elements at ``offs``) and
+    the peers' pushes of the same elements into this rank's buffer at ``offset``, once every one
+    has arrived (or after MAX_POLLS polls that found one missing: then counted in this rank's error
+    slot ``signal_ptrs[WORLD_SIZE]``, the missing words add -0.0, i.e. nothing); then re-arms
+    those words (stores the sentinel over what it read)."""
+    WIRE: tl.constexpr = tl.uint16 if own.dtype.primitive_bitwidth == 16 else tl.uint32  # own's bits
+    acc, missing = _poll_sum(own, region_ptrs, offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, MASKED)
+    if missing > 0:  # slow path only: a peer's chunk is not all there yet; poll every peer again
+        errors = tl.load(signal_ptrs + WORLD_SIZE).to(tl.pointer_type(tl.int32))
         # a channel that already timed out is stale until the host resets it: fail fast
-        failed = tl.atomic_add(errors, 0, sem="relaxed", scope="gpu")
+        failed = tl.load(errors, cache_modifier=".cv")  # a hint: fetched again, not served from L1
         polls = tl.where(failed == 0, 0, _barrier.MAX_POLLS)
         while (missing > 0) & (polls < _barrier.MAX_POLLS):
-            if MASKED:
-                wire = tl.load(src + offs, mask=offs < end, other=1, volatile=True)
-            else:
-                wire = tl.load(src + offs, volatile=True)
-            missing = tl.sum((wire == 0).to(tl.int32), axis=0)
+            acc, missing = _poll_sum(own, region_ptrs, offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, MASKED)
             polls += 1
         if missing > 0:
             tl.atomic_add(errors, 1, sem="relaxed", scope="gpu")
-    return wire
-
-
-@triton.jit
-def _reduce(x_ptr, region_ptrs, errors, buffer, slot_bytes, offs, end, RANK: tl.constexpr,
-            WORLD_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """x[offs] = fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order): our x, the peers' arrivals."""
-    ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    WIRE: tl.constexpr = tl.uint16 if ELEM.primitive_bitwidth == 16 else tl.uint32  # ELEM's bits
-    acc = tl.zeros(offs.shape, tl.float32)
+    # Re-arm at once. Who writes these words next: a peer's call k + 3 (the rotation), which it
+    # starts only after its call k + 2 saw this rank's call k + 2 pushes, made after this kernel
+    # (and these stores) completed; a peer one call ahead writes buffer k + 1, never this one.
+    zeros = tl.zeros(offs.shape, WIRE)
     for peer in tl.static_range(WORLD_SIZE):
-        if peer == RANK:
+        if peer != RANK:
+            dst = _slot(region_ptrs, RANK, peer, offset, slot_bytes, WORLD_SIZE, WIRE) + offs
             if MASKED:
-                val = tl.load(x_ptr + offs, mask=offs < end, other=0.0)
+                tl.store(dst, zeros, mask=mask)
             else:
-                val = tl.load(x_ptr + offs)
-        else:
-            slot = (peer - RANK - 1 + WORLD_SIZE) % WORLD_SIZE
-            src = _buffer_ptr(region_ptrs, RANK, buffer, slot, slot_bytes, WORLD_SIZE, WIRE)
-            val = _from_wire(_await(src, offs, end, errors, MASKED), ELEM)
-        acc += val.to(tl.float32)
-    if MASKED:
-        tl.store(x_ptr + offs, acc.to(ELEM), mask=offs < end)
-    else:
-        tl.store(x_ptr + offs, acc.to(ELEM))
+                tl.store(dst, zeros)
+    return acc
 
 
 @triton.jit
-def _advance(header, buffer, numel):
-    """Count this program's arrival; the grid's last program resets the count and stores the
-    next rotation index (mod 3) and this call's element count (every program read the old ones
-    first: its loads precede its acq_rel arrival, which the last program's arrival acquires)."""
-    tl.debug_barrier()  # every thread of this program is past its header loads
-    arrived = tl.atomic_add(header + _ARRIVAL_WORD, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.atomic_xchg(header + _ARRIVAL_WORD, 0, sem="relaxed", scope="gpu")
-        tl.store(header + _COUNT_WORD, numel)
-        tl.store(header + _INDEX_WORD, (buffer + 1) % 3)
+def lamport_buffer(header_ptr):
+    """This call's receive buffer, the rotation index k % 3 (header word 0; every program reads it
+    before it counts in: see :func:`lamport_rotate`)."""
+    return tl.load(header_ptr + _INDEX_WORD)
+
+
+@triton.jit
+def lamport_count_in(header_ptr, pid, n_programs):
+    """Count this program in once it has read the rotation index (autosymm.kernels.barrier.count_in)."""
+    count_in(header_ptr + _ARRIVAL_WORD, pid, n_programs)
+
+
+@triton.jit
+def lamport_rotate(header_ptr, signal_ptrs, buffer, pid, n_programs, WORLD_SIZE: tl.constexpr):
+    """The grid's last program stores the next rotation index once every program counted in
+    (autosymm.kernels.barrier.publish): the next Lamport call on this rank (stream order) uses the
+    next buffer, any grid advances it by exactly one, and a CUDA graph replays unchanged."""
+    publish(header_ptr + _ARRIVAL_WORD, header_ptr + _INDEX_WORD, (buffer + 1) % 3, pid, n_programs, signal_ptrs,
+            WORLD_SIZE)
+
+
+@triton.jit
+def _reduce_chunk(x_ptr, region_ptrs, signal_ptrs, offset, slot_bytes, offs, end, RANK: tl.constexpr,
+                  WORLD_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """x[offs] = the Lamport sum of this chunk, rounded once."""
+    mask = offs < end
+    if MASKED:
+        own = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    else:
+        own = tl.load(x_ptr + offs)
+    acc = lamport_sum(own, region_ptrs, signal_ptrs, offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, MASKED)
+    if MASKED:
+        tl.store(x_ptr + offs, acc.to(x_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(x_ptr + offs, acc.to(x_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _push_chunk(x_ptr, region_ptrs, offset, slot_bytes, offs, end, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                MASKED: tl.constexpr):
+    mask = offs < end
+    if MASKED:
+        val = tl.load(x_ptr + offs, mask=mask)
+    else:
+        val = tl.load(x_ptr + offs)
+    push_wire(val, region_ptrs, offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, MASKED)
 
 
 @triton.jit(do_not_specialize=["numel", "slot_bytes"])
-def _lamport_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, slot_bytes: tl.int64,
+def _lamport_all_reduce(x_ptr, region_ptrs, signal_ptrs, header_ptr, numel: tl.int32, slot_bytes: tl.int64,
                         RANK: tl.constexpr, WORLD_SIZE: tl.constexpr, BLOCK: tl.constexpr,
                         TAIL: tl.constexpr = 1, PHASE: tl.constexpr = 0):
     """x = sum over ranks of x, in place, without a barrier (see the module docstring).
 
-    ``region_ptrs[r]``: rank r's Lamport region; ``signal_ptrs[WORLD_SIZE]``: this rank's error
-    slot of the 'all_reduce' channel (the only entry used). ``slot_bytes``: the region's slot
-    stride (autosymm.geometry.LAMPORT_SLOT_BYTES, a multiple of 256, at least the bytes of x), the
-    same in every call: the re-arm finds the previous call's data with it. PHASE 0 runs
-    everything; 1 only the pushes, 2 the re-arm, the reads and the rotation (tests run phase 1 on every simulated rank, then phase 2).
+    ``region_ptrs[r]``: rank r's Lamport region; ``header_ptr``: this rank's (its header, passed as
+    an argument so the rotation index is one load away); ``signal_ptrs[WORLD_SIZE]``: this rank's
+    error slot of the 'all_reduce' channel (the only entry used, on slow paths). ``slot_bytes``:
+    the region's slot stride (autosymm.geometry.LAMPORT_SLOT_BYTES, a multiple of 256, at least
+    the bytes of x). PHASE 0 runs everything; 1 only the pushes, 2 the rotation and the reads
+    (tests run phase 1 on every simulated rank, then phase 2).
+
+    Order: read the index, count in (release: after that read), push every chunk, the last program
+    publishes the next index (its wait for the others' count overlaps the pushes' flight), then
+    poll, sum, store and re-arm each chunk. Nothing follows the last store.
     """
-    ELEM: tl.constexpr = x_ptr.dtype.element_ty
-    WIRE: tl.constexpr = tl.uint16 if ELEM.primitive_bitwidth == 16 else tl.uint32  # ELEM's bits
     numel = _whole_vectors(numel, TAIL)
     pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
-    header = tl.load(region_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    buffer = tl.load(header + _INDEX_WORD)  # the rotation index k % 3: this call's receive buffer
+    buffer = lamport_buffer(header_ptr)
+    offset = lamport_offset(buffer, slot_bytes, WORLD_SIZE)
+    if PHASE != 1:
+        lamport_count_in(header_ptr, pid, n_programs)
     if PHASE != 2:
         for chunk in range(pid, n_chunks, n_programs):
             offs = chunk * BLOCK + lane
             if chunk < n_full:
-                _push(x_ptr, region_ptrs, buffer, slot_bytes, offs, numel, RANK, WORLD_SIZE, False)
+                _push_chunk(x_ptr, region_ptrs, offset, slot_bytes, offs, numel, RANK, WORLD_SIZE, False)
             else:
-                _push(x_ptr, region_ptrs, buffer, slot_bytes, offs, numel, RANK, WORLD_SIZE, True)
+                _push_chunk(x_ptr, region_ptrs, offset, slot_bytes, offs, numel, RANK, WORLD_SIZE, True)
     if PHASE != 1:
-        previous = tl.load(header + _COUNT_WORD)
-        _rearm(region_ptrs, (buffer + 2) % 3, slot_bytes, previous, pid, n_programs, RANK, WORLD_SIZE, BLOCK, WIRE)
-        errors = tl.load(signal_ptrs + WORLD_SIZE).to(tl.pointer_type(tl.int32))
+        lamport_rotate(header_ptr, signal_ptrs, buffer, pid, n_programs, WORLD_SIZE)
         for chunk in range(pid, n_chunks, n_programs):
             offs = chunk * BLOCK + lane
             if chunk < n_full:
-                _reduce(x_ptr, region_ptrs, errors, buffer, slot_bytes, offs, numel, RANK, WORLD_SIZE, False)
+                _reduce_chunk(x_ptr, region_ptrs, signal_ptrs, offset, slot_bytes, offs, numel, RANK, WORLD_SIZE,
+                              False)
             else:
-                _reduce(x_ptr, region_ptrs, errors, buffer, slot_bytes, offs, numel, RANK, WORLD_SIZE, True)
-        _advance(header, buffer, numel)
+                _reduce_chunk(x_ptr, region_ptrs, signal_ptrs, offset, slot_bytes, offs, numel, RANK, WORLD_SIZE,
+                              True)

@@ -12,8 +12,8 @@ are those of autosymm.kernels.all_reduce (docs/KERNELS.md#kernels-all-reduce).
 import triton
 import triton.language as tl
 
-from .all_reduce import _advance_epoch, _chunks, _epoch_stage, _stage_ptr, _whole_vectors
-from .barrier import barrier, signal_peers, wait_peers
+from .all_reduce import _chunks, _epoch_stage, _stage_ptr, _whole_vectors
+from .barrier import barrier, publish, signal_peers, wait_peers
 
 
 @triton.jit
@@ -110,15 +110,18 @@ def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, 
     pushes, before any barrier, rely on the same of the kernel before it: every single-buffer
     kernel ends with a barrier after its last read of its stage (autosymm.kernels.all_reduce). DOUBLE_BUFFER (all
     slots fit in ``half_bytes``): the stage alternates between two halves by the device epoch
-    shared with the double-buffered pull one-shot (:func:`_read_epoch`, :func:`_advance_epoch`),
+    shared with the double-buffered pull one-shot (:func:`_epoch_stage`),
     and there is no end barrier: q pushes into rank r's half h in call m only after q's call
     m-1 (other parity) waited for r's signal of call m-1, which r sent after its call m-2
-    (the previous one of parity h, whose reads of half h it completed) returned.
+    (the previous one of parity h, whose reads of half h it completed) returned. Every program
+    counts in after reading the epoch; the grid's last program stores epoch + 1 after its last
+    signal, before its last wait (autosymm.kernels.barrier.publish): nothing at the kernel's end.
     """
     numel = _whole_vectors(numel, TAIL)
     pid, n_programs, n_chunks, n_full, lane = _chunks(numel, BLOCK)
     if DOUBLE_BUFFER:
-        epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, RANK)
+        arrival_slot, epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, pid,
+                                                                     n_programs, RANK)
     prev = -1
     for chunk in range(pid, n_chunks, n_programs):
         offs = chunk * BLOCK + lane
@@ -132,10 +135,10 @@ def _push_one_shot_all_reduce(x_ptr, region_ptrs, signal_ptrs, numel: tl.int32, 
         tl.debug_barrier()  # every thread's pushes of this chunk are issued before the release
         signal_peers(signal_ptrs, pid, RANK, WORLD_SIZE)  # its fence waits for them: little is left
         prev = chunk
+    if DOUBLE_BUFFER:  # the last program: while its last signal flies
+        publish(arrival_slot, epoch_slot, epoch + 1, pid, n_programs, signal_ptrs, WORLD_SIZE)
     if prev >= 0:
         _wait_and_reduce(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, prev, numel, n_full,
                          lane, pid, RANK, WORLD_SIZE, BLOCK, ALIGNED)
-    if DOUBLE_BUFFER:
-        _advance_epoch(signal_ptrs, epoch_slot, epoch, RANK)
-    else:
+    if not DOUBLE_BUFFER:
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # every peer is done reading its stage

@@ -11,7 +11,8 @@ work of one round on the current stream (copies in and out included). Three step
 1. **compile** every rank's kernels in threads (``autosymm.backends.launch.compile_only``: no
    launch). The rank is a constexpr of autosymm's kernels, so each rank is a kernel of its own.
 2. **load**: every rank's launches of round 0, one rank after another on one stream, with every
-   barrier slot ``[program][peer]`` pre-set to a large count, so no wait ever spins. This loads
+   barrier slot ``[program][peer]`` pre-set to a large count and every Lamport receive buffer
+   pre-filled with non-sentinel words, so no wait ever spins. This loads
    each kernel's module (a module load waits for the kernels running on the device: a rank
    that spins while a peer's module loads would wait for ever) and binds the lean launches,
    and it runs torch's own copy kernels once. Then the pads are zeroed (Workspace.reset_signals:
@@ -62,10 +63,16 @@ def _peer_columns(ws: Workspace) -> list[int]:
 
 
 def presatisfy(wss: Sequence[Workspace]) -> None:
-    """Every slot [program][peer] of every channel holds PRESET signals (self slots untouched)."""
+    """Every slot [program][peer] of every channel holds PRESET signals (self slots untouched), and
+    every Lamport receive buffer holds non-sentinel words (a Lamport wait finds its data at once)."""
+    from autosymm.geometry import LAMPORT_HEADER_BYTES, LAMPORT_REGION
+
     for ws in wss:
         for channel in SIGNAL_CHANNEL:
             pads(ws, channel)[:, _peer_columns(ws)] = PRESET
+        region = ws.regions.get(LAMPORT_REGION)
+        if region is not None:
+            ws.buffer[region.offset + LAMPORT_HEADER_BYTES:region.offset + region.nbytes].fill_(0x55)
 
 
 def compile_all(launch: Launch, world_size: int) -> None:

@@ -3,9 +3,11 @@ launches of one process (tests/gpu/_emulated.py), so kernel changes are checked 
 hardware whenever any GPU is lent.
 
 Families: the all-reduces (pull one-shot staged, zero-copy and double-buffered; push one-shot,
-single and double-buffered; two-shot staged and zero-copy; the Lamport one-shot), the fused
-all-reduce + RMSNorm (pull one-shot, double-buffered, push, two-shot by rows, split rows; and each
-epilogue variant: no residual, Gemma, fp8, fp8 per token, nvfp4), the MoE dp->ep and ep->dp
+single and double-buffered; two-shot staged and zero-copy; the Lamport one-shot; and the floor
+bench's small-message configs: one program, and one chunk a program over many), the fused
+all-reduce + RMSNorm (pull one-shot, double-buffered, push, two-shot by rows, split rows, the
+Lamport exchange; and each epilogue variant: no residual, Gemma, fp8, fp8 per token, nvfp4, on
+the Lamport exchange too), the MoE dp->ep and ep->dp
 conversions (fused and separate end barrier), the stream-ordered barrier, and, where their kernels
 are on the branch, the reduce-scatter and all-gather (push, pull; even and ragged). Three rounds each
 (the double buffer's halves alternate; the pads must balance). Sums are compared bit-exactly
@@ -28,7 +30,8 @@ BF16 = torch.bfloat16
 EPS = 1e-6
 
 
-def _all_reduce_case(world_size, algorithm, numel, dtype, *, double_buffer=False, zero_copy=False):
+def _all_reduce_case(world_size, algorithm, numel, dtype, *, double_buffer=False, zero_copy=False, block=1024,
+                     grid=4, warps=4):
     """(workspaces, launch, check) of one all-reduce algorithm: every rank reduces its input of
     each round (a fresh random tensor per rank and round) and keeps a copy of the result."""
     from autosymm.backends.triton_all_reduce import _AllReduceLauncher
@@ -36,7 +39,7 @@ def _all_reduce_case(world_size, algorithm, numel, dtype, *, double_buffer=False
     from autosymm.problem import Problem, dtype_name
 
     wss = workspaces(world_size)
-    config = AllReduceConfig(algorithm, 1024, 4, 4, double_buffer=double_buffer)
+    config = AllReduceConfig(algorithm, block, grid, warps, double_buffer=double_buffer)
     problem = Problem.all_reduce(numel * torch.empty((), dtype=dtype).element_size(), dtype_name(dtype), world_size)
     launchers = [_AllReduceLauncher(problem, config, ws) for ws in wss]
     xs = [ws.empty((numel,), dtype) if zero_copy else torch.empty(numel, dtype=dtype, device="cuda") for ws in wss]
@@ -75,6 +78,59 @@ def test_all_reduce_emulated(world_size, case):
     algorithm, double_buffer, zero_copy, numel = case
     wss, launch, check = _all_reduce_case(world_size, algorithm, numel, BF16, double_buffer=double_buffer,
                                           zero_copy=zero_copy)
+    run_ranks(wss, launch, ROUNDS)
+    check()
+
+
+#: The small-message configs the floor bench times (scripts/bench_emulated_floor.py): one program
+#: (the epoch / rotation published with no wait), one chunk a program over many programs (the
+#: grid's last one waits for the others' counts), at 8 KiB and 64 KiB of bf16.
+SMALL = [  # (algorithm, double_buffer, numel, block, grid, warps)
+    ("one_shot_push", True, 4096, 4096, 1, 16),
+    ("one_shot_push", True, 32768, 1024, 32, 4),
+    ("one_shot", True, 4096, 1024, 4, 4),
+    ("one_shot", False, 32768, 4096, 8, 16),
+    ("two_shot", False, 4096, 1024, 2, 4),
+    ("lamport", False, 4096, 4096, 1, 16),
+    ("lamport", False, 32768, 1024, 32, 4),
+]
+
+
+def _lamport_case(world_size, numel, block, grid, warps):
+    """(workspaces, launch, check) of the Lamport one-shot (its own launcher: the Lamport region)."""
+    from autosymm.backends.triton_lamport import _LamportLauncher
+    from autosymm.configs import AllReduceConfig
+    from autosymm.problem import Problem
+
+    wss = workspaces(world_size)
+    problem = Problem.all_reduce(2 * numel, "bf16", world_size)
+    launchers = [_LamportLauncher(problem, AllReduceConfig("lamport", block, grid, warps), ws) for ws in wss]
+    xs = [torch.empty(numel, dtype=BF16, device="cuda") for _ in wss]
+    inputs = [[random(numel, BF16, seed=100 * k + r) for r in range(world_size)] for k in range(ROUNDS)]
+    results = [[torch.empty(numel, dtype=BF16, device="cuda") for _ in range(ROUNDS)] for _ in wss]
+
+    def launch(rank, round_):
+        xs[rank].copy_(inputs[round_][rank])
+        launchers[rank](xs[rank])
+        results[rank][round_].copy_(xs[rank])
+
+    def check():
+        for round_ in range(ROUNDS):
+            for rank in range(world_size):
+                assert_bits(results[rank][round_], fp32_sum(inputs[round_]), f"lamport rank {rank} round {round_}")
+
+    return wss, launch, check
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: f"{c[0]}{'-double' if c[1] else ''}-{c[2]}-B{c[3]}g{c[4]}w{c[5]}")
+def test_small_all_reduce_configs_emulated(world_size, case):
+    algorithm, double_buffer, numel, block, grid, warps = case
+    if algorithm == "lamport":
+        wss, launch, check = _lamport_case(world_size, numel, block, grid, warps)
+    else:
+        wss, launch, check = _all_reduce_case(world_size, algorithm, numel, BF16, double_buffer=double_buffer,
+                                              block=block, grid=grid, warps=warps)
     run_ranks(wss, launch, ROUNDS)
     check()
 
@@ -135,6 +191,9 @@ FUSED = [  # (algorithm, double_buffer, row_split, rows_per_program, n_tokens, h
     ("one_shot_push", False, 1, 1, 7, 2048),
     ("two_shot", False, 1, 1, 9, 2048),
     ("one_shot", False, 4, 1, 3, 4096),
+    ("lamport", False, 1, 1, 7, 2048),
+    ("lamport", False, 1, 1, 1, 8192),
+    ("lamport", False, 4, 1, 3, 4096),
 ]
 
 
@@ -190,6 +249,9 @@ FUSED_EPILOGUES = [
     ("one_shot", False, 4, 1, 3, 7168, BF16, "rms_nvfp4"),
     ("two_shot", False, 1, 1, 9, 2048, torch.float16, "add_gemma_nvfp4"),
     ("one_shot", False, 8, 1, 1, 8192, torch.float16, "add_rms_nvfp4"),
+    ("lamport", False, 1, 1, 1, 8192, BF16, "add_rms_fp8"),
+    ("lamport", False, 1, 2, 5, 4096, torch.float16, "rms_fp8_per_token"),
+    ("lamport", False, 2, 1, 3, 7168, BF16, "add_gemma_nvfp4"),
 ]
 #: fp8's static scale and nvfp4's global scale of the cases.
 EPILOGUE_SCALE = {"fp8": 0.01, "nvfp4": 300.0}
