@@ -53,6 +53,19 @@ class AllReduceSpec(BytesKeyed):
 #: The all-reduce's and reduce-scatter's tuned domain: sums of the kernels' dtypes.
 SUMS = Domain(reduce_ops=("sum",))
 
-ALL_REDUCE = AllReduceSpec("all_reduce", fallback="nccl", fallback_order=("nccl",), points=TuningPoints(sizes=SIZES),
-                           config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
-                           invariant_fallback="nccl_ordered", domain=SUMS, local="autosymm.backends.local:identity")
+_BACKENDS = "autosymm.backends."
+ALL_REDUCE = AllReduceSpec(
+    "all_reduce", fallback="nccl", fallback_order=("nccl",), points=TuningPoints(sizes=SIZES),
+    config_type=AllReduceConfig, door="autosymm.collectives.all_reduce:DOOR",
+    backends={"nccl": _BACKENDS + "nccl_all_reduce:nccl", "nccl_symm": _BACKENDS + "nccl_symm:nccl_symm",
+              "torch_one_shot": _BACKENDS + "torch_symm:torch_one_shot",
+              "torch_two_shot": _BACKENDS + "torch_symm:torch_two_shot",
+              "triton_one_shot": _BACKENDS + "triton_all_reduce:triton_one_shot",
+              "triton_one_shot_push": _BACKENDS + "triton_all_reduce:triton_one_shot_push",
+              "triton_two_shot": _BACKENDS + "triton_all_reduce:triton_two_shot",
+              "triton_multimem": _BACKENDS + "triton_all_reduce:triton_multimem",
+              "triton_lamport": _BACKENDS + "triton_lamport:triton_lamport",
+              "nccl_ordered": _BACKENDS + "nccl_ordered:nccl_ordered"},
+    tuning="autosymm.tuning.ops.all_reduce:ALL_REDUCE", bench="autosymm.bench.run:ALL_REDUCE_BENCH",
+    lookups=Lookups(bf16_same_bytes=True), invariant_fallback="nccl_ordered", domain=SUMS,
+    local="autosymm.backends.local:identity")

@@ -132,10 +132,17 @@ class AllReduceRMSNormSpec(TokensKeyed):
         return "autosymm.Problem.all_reduce_rmsnorm(n_tokens_local, hidden, dtype, world_size, epilogue=...)"
 
 
-ALL_REDUCE_RMSNORM = AllReduceRMSNormSpec("all_reduce_rmsnorm", fallback="nccl_fused", fallback_order=("nccl_fused",),
-                                          shape=HIDDEN_SHAPE, config_type=FusedConfig,
-                                          other_config_types=(FlashInferFusedConfig,),
-                                          points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS,
-                                                              epilogues=(DEFAULT,)),
-                                          tuned_by_default=False, invariant_fallback="nccl_ordered_fused",
-                                          local="autosymm.epilogue:local_launcher")
+_BACKENDS = "autosymm.backends."
+ALL_REDUCE_RMSNORM = AllReduceRMSNormSpec(
+    "all_reduce_rmsnorm", fallback="nccl_fused", fallback_order=("nccl_fused",), shape=HIDDEN_SHAPE,
+    config_type=FusedConfig, other_config_types=(FlashInferFusedConfig,),
+    door="autosymm.collectives.all_reduce_rmsnorm:DOOR",
+    backends={"nccl_fused": _BACKENDS + "nccl_fused:nccl_fused",
+              "nccl_ordered_fused": _BACKENDS + "nccl_ordered:nccl_ordered_fused",
+              "triton_fused_one_shot": _BACKENDS + "triton_fused:triton_fused_one_shot",
+              "triton_fused_one_shot_push": _BACKENDS + "triton_fused:triton_fused_one_shot_push",
+              "triton_fused_two_shot": _BACKENDS + "triton_fused:triton_fused_two_shot",
+              "flashinfer_fused": _BACKENDS + "flashinfer_fused:flashinfer_fused"},
+    tuning="autosymm.tuning.ops.all_reduce_rmsnorm:ALL_REDUCE_RMSNORM", bench="autosymm.bench.fused:FUSED_BENCH",
+    points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS, epilogues=(DEFAULT,)),
+    tuned_by_default=False, invariant_fallback="nccl_ordered_fused", local="autosymm.epilogue:local_launcher")

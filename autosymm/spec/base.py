@@ -8,7 +8,7 @@ the records it is made of (:class:`BucketUnit`, :class:`ShapeKind`, :class:`Look
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 from ..problem import DTYPES, MoEShape, Problem, format_bytes, parse_bytes, spec_of
 
@@ -130,10 +130,15 @@ class PointRequest:
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: call keys lead with it
 class OpSpec:
-    """One collective's declarative half: ``name`` (the database's ``op`` column, ``Problem.op``);
-    ``unit`` (what its bucket counts, by subclass: :class:`BytesKeyed` the :data:`BYTES` of the full
-    tensor, :class:`TokensKeyed` the :data:`TOKENS` per rank);
+    """One collective's record, the one place that names everything of it: ``name`` (the database's
+    ``op`` column, ``Problem.op``); ``unit`` (what its bucket counts, by subclass: :class:`BytesKeyed`
+    the :data:`BYTES` of the full tensor, :class:`TokensKeyed` the :data:`TOKENS` per rank);
     ``shape`` (what its DB ``shape`` column holds: :data:`NO_SHAPE` or the op's kind);
+    ``door`` (the entry 'module:attribute' of its front door, an autosymm.runtime.entry.Door);
+    ``backends`` (name -> entry of every backend serving it, autosymm.backends: a backend serving
+    two ops is listed by both, with the same entry); ``tuning`` (the entry of its tuning side, an
+    autosymm.tuning.ops.base.TuningOp) and ``bench`` (the entry of how `autosymm bench` measures
+    it, an autosymm.bench.report.BenchOp; '' none);
     ``fallback`` (the backend that always serves it: the tuner's baseline, the dispatcher's last
     resort) and ``fallback_order`` (where no row serves, the first of these that can serve runs
     with its ``fallback_config``); ``config_type`` (the config class its database rows hold) and
@@ -153,6 +158,10 @@ class OpSpec:
     fallback_order: tuple[str, ...]
     points: TuningPoints
     config_type: type
+    door: str
+    backends: Mapping[str, str]
+    tuning: str
+    bench: str = ""
     lookups: Lookups = Lookups()
     other_config_types: tuple[type, ...] = ()
     shape: ShapeKind = NO_SHAPE
@@ -165,6 +174,15 @@ class OpSpec:
         if not self.fallback_order or self.fallback_order[-1] != self.fallback:
             raise ValueError(f"{self.name}: fallback_order {self.fallback_order} must end with the fallback "
                              f"{self.fallback!r} (the backend that always serves)")
+        unlisted = [name for name in (*self.fallback_order, self.invariant_fallback) if name and name not in self.backends]
+        if unlisted:
+            raise ValueError(f"{self.name}: fallback backend(s) {unlisted} are not among its backends "
+                             f"{tuple(self.backends)}")
+
+    @property
+    def config_types(self) -> tuple[type, ...]:
+        """Every config class the op's database rows may hold (``config_type`` first)."""
+        return (self.config_type, *self.other_config_types)
 
     def __reduce__(self):
         """Pickled by name (a Problem sent to a worker process keeps the registered spec)."""

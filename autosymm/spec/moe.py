@@ -70,8 +70,13 @@ class MoEConversionSpec(TokensKeyed):
 
 _POINTS = TuningPoints(moe_shapes=tuple(MODEL_SHAPES.values()), tokens=TOKENS)
 # No NCCL path is graph-capturable: where no row serves, the Triton conversion's default config first.
-_FALLBACKS = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig)
-DP_TO_EP = MoEConversionSpec("dp_to_ep", points=_POINTS, lookups=Lookups(nearest_shape=True), shape=MOE_SHAPE,
-                             to_experts=True, index_name="gate_indx", **_FALLBACKS)
-EP_TO_DP = MoEConversionSpec("ep_to_dp", points=_POINTS, lookups=Lookups(nearest_shape=True), shape=MOE_SHAPE,
-                             to_experts=False, index_name="topk_indx", **_FALLBACKS)
+_SHARED = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig,
+               backends={"triton_moe": "autosymm.backends.triton_moe:TRITON_MOE",
+                         "nccl_all_to_all": "autosymm.backends.nccl_all_to_all:NCCL_ALL_TO_ALL"},
+               bench="autosymm.bench.run:MOE_BENCH", points=_POINTS, lookups=Lookups(nearest_shape=True), shape=MOE_SHAPE)
+DP_TO_EP = MoEConversionSpec("dp_to_ep", door="autosymm.collectives.moe:DP_TO_EP_DOOR",
+                             tuning="autosymm.tuning.ops.moe:DP_TO_EP", to_experts=True, index_name="gate_indx",
+                             **_SHARED)
+EP_TO_DP = MoEConversionSpec("ep_to_dp", door="autosymm.collectives.moe:EP_TO_DP_DOOR",
+                             tuning="autosymm.tuning.ops.moe:EP_TO_DP", to_experts=False, index_name="topk_indx",
+                             **_SHARED)

@@ -123,7 +123,7 @@ def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[d
     why_not: dict[str, str] = {}
     for name in sorted(backends):
         backend = backends[name]
-        if problem.op not in backend.needs.ops:
+        if not backend.serves(problem.record):
             continue
         reason = backend.why_not(problem, caps, mode)
         if reason is not None:

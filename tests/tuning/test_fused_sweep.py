@@ -32,7 +32,10 @@ class _Composed(Backend):
     """A fused 'kernel' made of NCCL + torch; config FORGETS leaves the residual as it was."""
 
     name = "composed"
-    needs = Needs(ops=("all_reduce_rmsnorm",))
+    needs = Needs()
+
+    def serves(self, record):
+        return record.name == "all_reduce_rmsnorm"
 
     def search_space(self, problem):
         return [OK, FORGETS]

@@ -81,8 +81,11 @@ def test_a_skipped_item_says_so_with_each_backends_reason():
 
 class _FakeBackend(Backend):
     def __init__(self, name, ops, space, reason=None, graph_capturable=True):
-        self.name, self.space, self.reason = name, space, reason
-        self.needs = Needs(ops=ops, graph_capturable=graph_capturable)
+        self.name, self.ops, self.space, self.reason = name, ops, space, reason
+        self.needs = Needs(graph_capturable=graph_capturable)
+
+    def serves(self, record):
+        return record.name in self.ops
 
     def limits(self, problem, caps):
         return self.reason
