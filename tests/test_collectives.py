@@ -12,6 +12,7 @@ import torch
 from autosymm import spec
 from autosymm.collectives import doors
 from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, PointRequest
+from autosymm.spec.all_reduce_rmsnorm import HiddenShape
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
 
 
@@ -92,13 +93,15 @@ def test_tuning_points_are_data_beside_the_mapping_from_a_request():
     request = PointRequest(("bf16", "fp16"), 2)
     ar = ALL_REDUCE.problems(request)
     assert [p.nbytes for p in ar[:3]] == [4096, 6144, 8192] and len(ar) == 2 * 33 and ar[-1].dtype == "fp16"
-    moe = DP_TO_EP.problems(PointRequest(("bf16",), 2, tokens=(1, 4)))
+    moe = DP_TO_EP.problems(PointRequest(("bf16",), 2, sizes=(1, 4)))
     assert [(p.shape, p.n_tokens_local) for p in moe] == [(s, t) for s in MODEL_SHAPES.values() for t in (1, 4)]
-    fused = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, hidden=(8192,), tokens=(64, 4096)))
+    h8192 = (HiddenShape(8192),)
+    fused = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, sizes=(64, 4096), shapes=h8192))
     assert [p.n_tokens_local for p in fused] == [64, 128, 2048, 4096]  # its extra token counts inside the range
-    plain = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, hidden=(8192,), tokens=(64, 4096),
-                                                     extra_tokens=False))
+    plain = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, sizes=(64, 4096), shapes=h8192, extra_sizes=False))
     assert [p.n_tokens_local for p in plain] == [64, 4096]
+    assert [(p.hidden, p.n_tokens_local) for p in ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2))][:2] == \
+        [(4096, 1), (4096, 4)]  # its default shapes: the hidden sizes, default epilogue
 
 
 def test_every_registry_is_read_off_the_op_records():

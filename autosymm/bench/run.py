@@ -241,8 +241,7 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
     group = dist.group.WORLD
     device = comm_device(group)
     if world_size > 1 and device.type == "cuda":
-        problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens,
-                                  world_size)
+        problems = sweep_problems(options.ops, [options.dtype], world_size, _sweep_points(options))
         ar_bytes, moe_bytes = workspace_bytes(problems)
         ar_bytes = max(ar_bytes, _pool_bytes(options, world_size))
         get_workspace(group, device, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
@@ -253,6 +252,16 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
         pool = SymmetricPool(_pool_bytes(options, world_size), device, group.group_name)
     setup = Setup(group, group.group_name, device, DTYPES[options.dtype], pool=pool, workspace=state.workspace)
     return setup, state.caps
+
+
+def _sweep_points(options: BenchOptions) -> dict:
+    """The sweep options' values (autosymm.spec.OpSpec.sweep_options) of what bench measures."""
+    from ..spec import BYTES, TOKENS
+    from ..spec.moe import MOE_SHAPE
+
+    shapes, = MOE_SHAPE.sweep
+    return {BYTES.sweep.flag: options.sizes, TOKENS.sweep.flag: options.tokens,
+            shapes.flag: tuple(options.shapes.values())}
 
 
 def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[BenchResult]:

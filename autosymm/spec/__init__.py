@@ -18,9 +18,10 @@ from ..configs import AnyConfig
 from ..problem import register_specs, registered_specs, spec_of
 from .all_reduce import ALL_REDUCE
 from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
-from .base import (BYTES, NO_SHAPE, TOKENS, BucketUnit, BytesKeyed, CallKey, Domain, Lookups, OpSpec, PointRequest, ShapeKind,
-                   TokensKeyed, TuningPoints, call_key)
+from .base import (BytesKeyed, CallKey, Domain, Lookups, OpSpec, PointRequest, TokensKeyed, TuningPoints, call_key,
+                   with_extra_sizes)
 from .base import KEY_CAPTURING, KEY_DTYPE, KEY_EXTRA, KEY_SHAPE, KEY_SPEC, key_mode
+from .kinds import BYTES, TOKENS, BucketUnit, Option, OptionError, ShapeKind, Values
 from .moe import DP_TO_EP, EP_TO_DP
 from .reduce_scatter import ALL_GATHER, REDUCE_SCATTER
 
@@ -31,7 +32,8 @@ NOOP = "noop"
 def register(record: OpSpec) -> OpSpec:
     """Add ``record`` to the op registry (again: nothing changes) and return it. ValueError where it
     clashes with a registered op (another record of its name, a backend name listed with another
-    entry) or names what it cannot (a config type that is no AnyConfig, the reserved backend 'noop')."""
+    entry, an option flag of another record) or names what it cannot (a config type that is no
+    AnyConfig, the reserved backend 'noop')."""
     if not isinstance(record, OpSpec):
         raise ValueError(f"register: {record!r} is not an autosymm.spec.OpSpec")
     known = {spec.name: spec for spec in registered_specs()}
@@ -48,6 +50,12 @@ def register(record: OpSpec) -> OpSpec:
         if clash:
             raise ValueError(f"register: {record.name} lists backend(s) {clash} with other entries than "
                              f"{other.name} does ({[other.backends[name] for name in clash]})")
+        for mine, theirs in ((record.call_options, other.call_options), (record.sweep_options, other.sweep_options)):
+            flags = {option.flag: option for option in theirs}
+            clash = [option.flag for option in mine if flags.get(option.flag, option) is not option]
+            if clash:
+                raise ValueError(f"register: {record.name}'s option(s) {clash} are not {other.name}'s, whose "
+                                 "flags they take (ops sharing a flag share its Option record)")
     register_specs((record,))
     return record
 
@@ -76,6 +84,7 @@ def default_tuned() -> tuple[str, ...]:
 
 
 __all__ = ["ALL", "ALL_GATHER", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "BYTES", "BucketUnit", "BytesKeyed", "CallKey",
-           "DP_TO_EP", "Domain", "EP_TO_DP", "Lookups", "NOOP", "NO_SHAPE", "OpSpec", "PointRequest", "REDUCE_SCATTER",
-           "ShapeKind", "KEY_CAPTURING", "KEY_DTYPE", "KEY_EXTRA", "KEY_SHAPE", "KEY_SPEC", "TOKENS", "TokensKeyed",
-           "TuningPoints", "call_key", "key_mode", "default_tuned", "get", "names", "register", "registered"]
+           "DP_TO_EP", "Domain", "EP_TO_DP", "Lookups", "NOOP", "OpSpec", "Option", "OptionError", "PointRequest",
+           "REDUCE_SCATTER", "ShapeKind", "KEY_CAPTURING", "KEY_DTYPE", "KEY_EXTRA", "KEY_SHAPE", "KEY_SPEC", "TOKENS",
+           "TokensKeyed", "TuningPoints", "Values", "call_key", "key_mode", "default_tuned", "get", "names", "register",
+           "registered", "with_extra_sizes"]

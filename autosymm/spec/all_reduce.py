@@ -10,8 +10,9 @@ import torch
 
 from ..configs import AllReduceConfig
 from ..dist_compat import REDUCE_OP_NAMES
-from ..problem import DTYPE_NAMES, octave_points
+from ..problem import DTYPE_NAMES
 from .base import BytesKeyed, Domain, Lookups, TuningPoints
+from .kinds import SIZES
 
 #: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
 NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
@@ -20,11 +21,6 @@ NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
 UNREDUCIBLE = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                            "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
                         if hasattr(torch, name))
-
-#: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
-SIZES_SPEC = "4KiB:256MiB:2"
-SIZES = tuple(octave_points(4 << 10, 256 << 20, 2))
-
 
 #: The reductions whose result can depend on the order of the ranks' values (floating point).
 ORDERED_OPS = ("sum", "avg", "product")

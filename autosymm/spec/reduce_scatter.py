@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..configs import AllGatherConfig, ReduceScatterConfig
-from .all_reduce import SIZES, SUMS
+from .all_reduce import SUMS
 from .base import BytesKeyed, Domain, Lookups, TuningPoints
+from .kinds import SIZES
 
 
 @dataclass(frozen=True, eq=False)
