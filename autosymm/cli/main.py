@@ -16,7 +16,8 @@ from .. import __version__
 from .errors import OneLineErrorGroup
 from .. import spec
 from .options import RegistryCommand, call_options, parsed, sweep_options
-from .plans import Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table
+from .plans import (Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table,
+                    untuned_note)
 from ..problem import DTYPES, MODEL_SHAPES, MODES
 from ..bench.report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 from ..spec.kinds import parse_counts
@@ -48,28 +49,20 @@ def main() -> None:
 @main.command()
 @click.pass_context
 def run(ctx: click.Context) -> None:
-    """The main job: `tune` with the default sweep on a GPU node; elsewhere, show the dispatch
-    plan of every shipped database."""
+    """The main job: `tune` with the default sweep on a GPU node; elsewhere, say so in a screenful:
+    what this machine would run, what the shipped databases cover and what to do next."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
         ctx.invoke(tune)
         return
-    from ..db.store import shipped_db_paths
-
-    console = _console()
-    console.print("No CUDA GPU here: showing the dispatch plan of the shipped tuning databases.")
-    paths = shipped_db_paths()
-    if not paths:
-        console.print("No shipped tuning database found.")
-        return
     from ..db.read import open_sources
+    from ..db.store import shipped_db_paths
+    from ..hardware import fingerprint
+    from .overview import overview
 
-    for path in paths:
-        sources = open_sources(None, [path])
-        combos = sorted({(r.hardware, r.gpu, r.world_size, r.dtype) for s in sources for r in s.db.rows()})
-        for hardware, gpu, world_size, dtype in combos:
-            plan(console, Target(hardware, gpu, world_size, dtype), sources, spec.registered())
+    for line in overview(fingerprint(), _open(()), open_sources(None, shipped_db_paths())):
+        click.echo(line)
 
 
 # --------------------------------------------------------------------------------------- tune
@@ -287,7 +280,7 @@ class OpName(click.ParamType):
 @click.option("--op", type=OpName(), default=spec.ALL[0].name, show_default=True)
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True)
 @click.option("--world-size", type=click.IntRange(min=1), required=True)
-@click.option("--gpu", default=None, help='GPU name, e.g. "NVIDIA H200" (default: this machine\'s)')
+@click.option("--gpu", default=None, help='GPU name, e.g. "NVIDIA H200" (default: this machine\'s, tuned or not)')
 @click.option("--links", type=click.Choice(["nvlink", "pcie"]), default="nvlink", show_default=True)
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None, help="default: both")
 @click.option("--all", "all_sizes", is_flag=True, help="plan over all sizes (or token counts)")
@@ -307,7 +300,12 @@ def explain(**opts) -> None:
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
     problem = None if opts["all_sizes"] else explained_problem(record, values, opts[record.unit.option.dest], target)
     sources = _open(opts["db_paths"])
-    check_hardware(target, sources, "--gpu" if opts["gpu"] else "this machine's GPU")
+    if opts["gpu"]:
+        check_hardware(target, sources)
+    else:  # this machine, tuned or not: say which, and whether any row is for it
+        note = untuned_note(target, sources)
+        if note:
+            click.echo(note)
     if problem is None:
         plan(_console(), target, sources, [record], modes, values)
         return

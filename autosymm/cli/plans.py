@@ -1,5 +1,6 @@
 """Dispatch plans for the command line: the decision for a call, or over every default and tuned
-size, on a given machine without a GPU (`autosymm explain`, `autosymm run` without GPUs).
+size, on a given machine, this one or another, without a GPU (`autosymm explain`; the decisions
+`autosymm run` shows without a GPU: autosymm.cli.overview).
 
 What a plan says is what a call would do: a time is marked measured (the row's own, at the
 call's size, dtype, shape and mode) or modelled; a call no backend can serve in its mode (a
@@ -76,15 +77,24 @@ def _listing(sources) -> str:
                      for slug, (gpu, sizes) in sorted(tuned_hardware(sources).items())) or "none"
 
 
-def check_hardware(target: Target, sources, whose: str) -> None:
-    """A usage error (--gpu) when no row of ``sources`` is for ``target.hardware``, listing the
-    tuned hardware; ``whose``: how the GPU name was chosen, for the message."""
+def check_hardware(target: Target, sources) -> None:
+    """A usage error (--gpu) when no row of ``sources`` is for the GPU ``--gpu`` named
+    (``target.hardware``), listing the tuned hardware."""
     if target.hardware in tuned_hardware(sources):
         return
     where = ", ".join(source.label for source in sources) or "no tuning database found"
     raise click.BadParameter(
-        f"{whose} {target.gpu!r} (hardware {target.hardware}) matches no tuned hardware in {where}; "
+        f"--gpu {target.gpu!r} (hardware {target.hardware}) matches no tuned hardware in {where}; "
         f"tuned: {_listing(sources)} (on untuned hardware NCCL serves every call)", param_hint="--gpu")
+
+
+def untuned_note(target: Target, sources) -> Optional[str]:
+    """What `explain` says first when it answers for this machine and no row of ``sources`` is
+    for its hardware (None where one is)."""
+    if target.hardware in tuned_hardware(sources):
+        return None
+    return (f"This machine (GPU {target.gpu!r}, hardware {target.hardware}) is untuned: no tuning database row is "
+            f"for it, so each call takes its op's fallbacks. Tuned: {_listing(sources)}.")
 
 
 def selected_shapes(record: OpSpec, values: Values, candidates: Sequence) -> list:
