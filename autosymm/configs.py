@@ -393,7 +393,7 @@ def useful_counts(counts: tuple[int, ...], work_items: int) -> list[int]:
 
 # Row copies are bandwidth-bound: 1-2 warps cannot keep enough 16-byte stores in flight for rows
 # of thousands of elements, so the space starts at 4 warps; kept small so the default sweep
-# (4 shapes x 8 token counts x 2 ops, autosymm.spec.moe.TOKENS) fits in minutes.
+# (4 shapes x 8 token counts x 2 ops, autosymm.spec.kinds.TOKEN_COUNTS) fits in minutes.
 MOE_BLOCK_N = (256, 512, 1024, 2048, 4096)
 MOE_NUM_WARPS = (4, 8, 16)
 MOE_ROWS_PER_PROGRAM = (1, 2, 4)
