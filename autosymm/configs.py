@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 from .entries import load
 from .geometry import FUSED_SPLIT_MAX, MAX_PROGRAMS
+from .problem import registered_specs
 
 WARP_SIZE = 32
 
@@ -71,6 +72,12 @@ def _check_eager_launch(config) -> None:
         raise ValueError(f"eager_launch={config.eager_launch!r} must be one of {EAGER_LAUNCHES}")
 
 
+class AnyConfig:
+    """The base of every launch config (each a frozen dataclass): what a backend's search space
+    and a database row hold. Which config types an op's rows may hold is its spec's
+    (autosymm.spec.OpSpec.config_types); :func:`config_types` reads them off the op registry."""
+
+
 _FAMILIES: dict[str, Mapping[str, "Algorithm"]] = {}
 
 
@@ -114,7 +121,7 @@ def config_fields(config) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class AllReduceConfig:
+class AllReduceConfig(AnyConfig):
     """One launch of a Triton all-reduce kernel.
 
     ``block_size`` is the BLOCK width: elements one program handles per loop iteration
@@ -164,7 +171,7 @@ class AllReduceConfig:
 
 
 @dataclass(frozen=True)
-class MoEConfig:
+class MoEConfig(AnyConfig):
     """One launch of a MoE token conversion kernel (dp->ep or ep->dp).
 
     ``block_n`` is the BLOCK width along d_model (elements per inner iteration);
@@ -198,7 +205,7 @@ FUSED_MAX_TILE_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
-class FusedConfig:
+class FusedConfig(AnyConfig):
     """One launch of a fused all-reduce + residual add + RMSNorm kernel
     (autosymm.kernels.fused_rmsnorm).
 
@@ -264,7 +271,7 @@ class FusedConfig:
 
 
 @dataclass(frozen=True)
-class FlashInferFusedConfig:
+class FlashInferFusedConfig(AnyConfig):
     """One call of FlashInfer's fused all-reduce (autosymm.backends.flashinfer_fused): its
     ``use_oneshot`` flag (True: one-shot Lamport all-reduce; False: two-shot reduce-scatter +
     all-gather) and ``fp32_acc`` (accumulate the peers' sum in fp32)."""
@@ -280,8 +287,10 @@ class FlashInferFusedConfig:
 
 REDUCE_SCATTER_ALGORITHMS = ("pull", "push")
 ALL_GATHER_ALGORITHMS = ("push", "pull")
+
+
 @dataclass(frozen=True)
-class _LaunchConfig:
+class _LaunchConfig(AnyConfig):
     """One launch of a reduce-scatter or all-gather kernel: ``block_size`` units per program
     and chunk (a power of two, at least one per thread), ``num_blocks`` programs striding over
     the chunks of every segment, ``num_warps`` warps a program."""
@@ -326,15 +335,10 @@ class AllGatherConfig(_LaunchConfig):
     UNIT = "bytes"
 
 
-
-AnyConfig = AllReduceConfig | MoEConfig | FusedConfig | FlashInferFusedConfig | ReduceScatterConfig | AllGatherConfig
-_CONFIG_TYPES = {cls.__name__: cls for cls in (AllReduceConfig, MoEConfig, FusedConfig, FlashInferFusedConfig,
-                                               ReduceScatterConfig, AllGatherConfig)}
-
-
 def config_types() -> dict[str, type]:
-    """Every config class a database row may hold, by name."""
-    return dict(_CONFIG_TYPES)
+    """Every config class a database row may hold, by name: the config types of the registered ops
+    (autosymm.spec.OpSpec.config_types), in registry order."""
+    return {cls.__name__: cls for record in registered_specs() for cls in record.config_types}
 
 
 def config_to_json(config: AnyConfig | None) -> str:
@@ -389,7 +393,7 @@ def useful_counts(counts: tuple[int, ...], work_items: int) -> list[int]:
 
 # Row copies are bandwidth-bound: 1-2 warps cannot keep enough 16-byte stores in flight for rows
 # of thousands of elements, so the space starts at 4 warps; kept small so the default sweep
-# (4 shapes x 8 token counts x 2 ops, autosymm.spec.moe.TOKENS) fits in minutes.
+# (4 shapes x 8 token counts x 2 ops, autosymm.spec.kinds.TOKEN_COUNTS) fits in minutes.
 MOE_BLOCK_N = (256, 512, 1024, 2048, 4096)
 MOE_NUM_WARPS = (4, 8, 16)
 MOE_ROWS_PER_PROGRAM = (1, 2, 4)

@@ -97,14 +97,21 @@ MODEL_SHAPES: dict[str, MoEShape] = {
 }
 
 
-#: op name -> its spec (autosymm.spec.base.OpSpec), in registry order: filled by autosymm.spec's entry
-#: list when the package loads (the specs build Problems, so they import this module, not the reverse).
+#: op name -> its spec (autosymm.spec.base.OpSpec), in registry order: the op registry, filled by
+#: autosymm.spec.register (the shipped ops when the package loads; the specs build Problems, so they
+#: import this module, not the reverse). Every other registry (doors, backends, tuning modules,
+#: benches, config types) is read off the specs registered here.
 _SPECS: dict[str, Any] = {}
 
 
 def register_specs(specs) -> None:
-    """Register the op specs (autosymm.spec.ALL, once, at import)."""
+    """Register op specs (autosymm.spec.register: its checks first)."""
     _SPECS.update((spec.name, spec) for spec in specs)
+
+
+def registered_specs() -> tuple:
+    """Every registered op spec, in registry order."""
+    return tuple(_SPECS.values())
 
 
 def spec_of(op: str):

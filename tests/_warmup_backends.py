@@ -28,7 +28,7 @@ class SleepyAllReduce(Backend):
     launched, in order."""
 
     name, algorithm = "triton_one_shot", "one_shot"
-    needs = Needs(ops=("all_reduce",))
+    needs = Needs()
 
     def __init__(self, slow: float = 1.0, fail_on: int = 0, die_on: int = 0) -> None:
         self.slow, self.fail_on, self.die_on = slow, fail_on, die_on
@@ -62,7 +62,7 @@ def install(backend: Backend) -> Backend:
     """Make ``backend`` what the registry serves under its name in this process."""
     from autosymm import backends
 
-    backends._LOADED[backend.name] = backend
+    backends._LOADED[backends._entries()[backend.name]] = backend
     return backend
 
 

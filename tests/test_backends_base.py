@@ -24,9 +24,23 @@ def test_every_registered_backend_declares_needs_and_answers_why_not():
         for problem in problems:
             for mode in ("eager", "graph"):
                 reason = backend.why_not(problem, caps, mode)
-                assert (reason is None) == (problem.op in backend.needs.ops and not (
+                assert (reason is None) == (name in problem.record.backends and not (
                     mode == "graph" and not backend.needs.graph_capturable) and backend.limits(problem, caps) is None
                     and not backend.needs.multicast)
+
+
+def test_a_backend_serves_the_ops_whose_specs_list_it_and_their_entries_agree():
+    for name in backend_names():
+        entries = {record.backends[name] for record in spec.registered() if name in record.backends}
+        assert len(entries) == (name != "noop"), (name, entries)  # noop: every op's, listed by none
+    assert [record.name for record in spec.ALL if "triton_moe" in record.backends] == ["dp_to_ep", "ep_to_dp"]
+    assert get_backend("triton_moe").serves(spec.EP_TO_DP) and not get_backend("triton_moe").serves(spec.ALL_REDUCE)
+    clash = replace(spec.ALL_REDUCE, name="x", backends={**spec.ALL_REDUCE.backends, "triton_moe": "a.b:c"})
+    with pytest.raises(ValueError, match=r"x lists backend\(s\) \['triton_moe'\] with other entries than dp_to_ep"):
+        spec.register(clash)
+    with pytest.raises(ValueError, match="reserved"):
+        spec.register(replace(spec.ALL_REDUCE, name="x", backends={**spec.ALL_REDUCE.backends, "noop": "a.b:c"}))
+    assert "x" not in spec.names()
 
 
 def test_graph_mode_skips_backends_that_cannot_be_captured():
@@ -41,8 +55,11 @@ def test_graph_mode_skips_backends_that_cannot_be_captured():
 def test_declared_needs_are_checked_generically():
     class Demanding(Backend):
         name = "demanding"
-        needs = Needs(ops=("all_reduce",), dtypes=("bf16",), workspace_region="moe", intra_node=True,
-                      torch_symm_ops=True, multicast=True, min_compute_capability=(10, 0))
+        needs = Needs(dtypes=("bf16",), workspace_region="moe", intra_node=True, torch_symm_ops=True, multicast=True,
+                      min_compute_capability=(10, 0))
+
+        def serves(self, record):
+            return record.name == "all_reduce"
 
     backend, problem = Demanding(), Problem.all_reduce(4096)
     full = Capabilities(2, moe_bytes=1, has_multicast=True, torch_symm_ops=True, compute_capability=(10, 0))

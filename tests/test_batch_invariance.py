@@ -31,6 +31,7 @@ import os
 import pytest
 import torch
 
+from autosymm import spec
 from autosymm.backends import backend_names, get_backend, nccl_ordered
 from autosymm.configs import AllReduceConfig, FusedConfig
 
@@ -214,7 +215,7 @@ def test_the_backends_declared_batch_invariant_are_the_ones_shown_so():
     NCCL's all-reduce and reduce-scatter (ring order per chunk, a rounding per step at W > 2),
     torch's symm_mem ops (bf16 adds rounded per peer), nor the fused kernels (out's tree, above)."""
     invariant = {name for name in backend_names() if get_backend(name).batch_invariant}
-    gathers = {name for name in backend_names() if get_backend(name).needs.ops == ("all_gather",)}
+    gathers = set(spec.ALL_GATHER.backends)
     assert invariant == {"triton_one_shot", "triton_one_shot_push", "triton_two_shot", "triton_lamport",
                          "triton_reduce_scatter_pull", "triton_reduce_scatter_push", "nccl_ordered",
                          "nccl_ordered_fused", "nccl_ordered_reduce_scatter", "triton_moe",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from autosymm import spec
 from autosymm.db import open as db_open
 from autosymm.cli.main import main
 from autosymm.configs import AllReduceConfig, MoEConfig
@@ -161,13 +162,33 @@ def test_tune_and_bench_refuse_without_gpu(runner, tmp_path):
     assert result.exit_code != 0 and "needs CUDA GPUs" in result.output
 
 
-def test_run_without_gpu_shows_the_shipped_plan(runner, db_file, monkeypatch):
+def test_run_without_gpu_says_what_this_machine_runs_what_is_shipped_and_what_next(runner, db_file, monkeypatch):
     import autosymm.db.store as dbmod
 
     monkeypatch.setattr(dbmod, "shipped_db_paths", lambda: [db_file])
     result = runner.invoke(main, ["run"])
     assert result.exit_code == 0, result.output
-    assert "No CUDA GPU here" in result.output and "all_reduce plan" in result.output
+    lines = result.output.splitlines()
+    assert len(lines) <= 30 and max(map(len, lines)) <= 120, result.output
+    assert lines[0].startswith("autosymm run: no CUDA GPU here, so nothing was tuned")
+    assert "hardware cpu (untuned: every call takes its op's fallbacks)" in lines[1]
+    decided = {line.split()[0]: line for line in lines if line.startswith("  ") and not line.strip().startswith(
+        ("autosymm", HW))}
+    assert list(decided) == list(spec.names())  # one representative call per registered op, decided here
+    assert decided["all_reduce"].split()[-1] == "nccl" and "all_reduce 1MiB" in decided["all_reduce"]
+    assert decided["dp_to_ep"].endswith("triton_moe (its untuned default config)")  # the direct call's default
+    assert f"  {HW} (NVIDIA H200): world size 2; all_reduce, dp_to_ep; 5 rows" in lines
+    assert any(line.startswith('  autosymm explain --gpu "NVIDIA H200" --world-size 2 --all') for line in lines)
+    assert any(line.startswith("  autosymm explain --op all_reduce --bytes 1MiB --world-size 2") for line in lines)
+    assert any(line.startswith("  autosymm tune ") and "GPU node" in line for line in lines)
+
+
+def test_run_without_gpu_fits_a_screen_with_the_shipped_databases(runner):
+    result = runner.invoke(main, ["run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) <= 30 and max(map(len, lines)) <= 120, result.output
+    assert "nvidia-h200-nvlink (NVIDIA H200): world size 2" in result.output and "│" not in result.output
 
 
 def test_info(runner):
@@ -432,9 +453,16 @@ def test_explain_for_an_unknown_gpu_names_the_tuned_hardware(runner, db_file, gp
         assert f"tuned: --gpu 'NVIDIA H200' ({HW}, world size 2)" in line
 
 
-def test_explain_on_this_untuned_machine_says_so(runner, db_file):
-    line = one_line_error(runner.invoke(main, ["explain", "--world-size", "2", "--bytes", "1MiB", "--db", str(db_file)]), 2)
-    assert "this machine's GPU" in line and "matches no tuned hardware" in line and "'NVIDIA H200'" in line
+def test_explain_on_this_untuned_machine_answers_for_it_and_says_so(runner, db_file):
+    result = runner.invoke(main, ["explain", "--world-size", "2", "--bytes", "1MiB", "--db", str(db_file)])
+    assert result.exit_code == 0, result.output
+    note, *lines = result.output.splitlines()
+    assert note.startswith("This machine (GPU 'cpu', hardware cpu) is untuned") and "'NVIDIA H200'" in note
+    assert len(lines) == 2 and all("on cpu (cpu): nccl - no tuned row" in line for line in lines)
+    for args in (["--all"], ["--op", "dp_to_ep", "--shape", "deepseek-v3", "--tokens", "64", "--mode", "eager"]):
+        result = runner.invoke(main, ["explain", "--world-size", "2", "--db", str(db_file), *args])
+        assert result.exit_code == 0 and "is untuned" in result.output, result.output
+    assert "triton_moe [block_n=" in result.output and "untuned default config" in result.output
 
 
 @pytest.mark.parametrize("text, dtype, message", [
@@ -514,17 +542,18 @@ def _shipped_like_rows():
     return rows
 
 
-def test_run_shows_every_op_and_every_tuned_size(runner, tmp_path, monkeypatch):
+def test_a_shipped_plan_shows_every_op_and_every_tuned_size(runner, tmp_path, monkeypatch):
     import autosymm.db.store as dbmod
 
     path = tmp_path / "shipped.sqlite"
     TuningDB(path).record_many(_shipped_like_rows())
     monkeypatch.setattr(dbmod, "shipped_db_paths", lambda: [path])
-    result = runner.invoke(main, ["run"])
-    assert result.exit_code == 0, result.output
-    for op in ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm"):
-        assert f"{op} plan: 2x NVIDIA H200" in result.output, op
-    lines = result.output.splitlines()
+    output = ""
+    for op in ("all_reduce", "dp_to_ep", "ep_to_dp", "all_reduce_rmsnorm"):  # `run`'s next step, per op
+        result = runner.invoke(main, ["explain", "--gpu", "NVIDIA H200", "--world-size", "2", "--all", "--op", op])
+        assert result.exit_code == 0 and f"{op} plan: 2x NVIDIA H200" in result.output, result.output
+        output += result.output
+    lines = output.splitlines()
     for label in ("4KiB", "6KiB", "3MiB", "256MiB"):  # tuned 2^k and 1.5 x 2^k, and the defaults
         assert any(line.startswith(f"│ {label} ") for line in lines), label
     assert any("h2048 128 tok" in line and "triton_fused_one_shot_push" in line for line in lines)

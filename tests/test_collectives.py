@@ -3,14 +3,16 @@ order, declaring its problem, key, fallbacks, lookups, growth model, tuning poin
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from autosymm import spec
-from autosymm.collectives import DOORS
+from autosymm.collectives import doors
 from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, PointRequest
+from autosymm.spec.all_reduce_rmsnorm import HiddenShape
 from autosymm.problem import MODEL_SHAPES, MoEShape, Problem
 
 
@@ -26,8 +28,9 @@ def test_the_registry_holds_every_op_once_in_a_fixed_order():
 
 def test_a_record_checks_its_own_declarations():
     with pytest.raises(ValueError, match="must end with the fallback 'nccl'"):
-        type(ALL_REDUCE)("x", fallback="nccl", fallback_order=("nccl", "torch_one_shot"),
-                         points=ALL_REDUCE.points, config_type=None)
+        replace(ALL_REDUCE, name="x", fallback_order=("nccl", "torch_one_shot"))
+    with pytest.raises(ValueError, match=r"fallback backend\(s\) \['nccl_all_to_all'\] are not among its backends"):
+        replace(ALL_REDUCE, name="x", fallback="nccl_all_to_all", fallback_order=("nccl_all_to_all",))
 
 
 def test_records_key_problems_by_their_bucket_unit_and_shape():
@@ -51,6 +54,7 @@ def test_lookups_fallbacks_and_custom_ops_are_declared_per_op():
     assert DP_TO_EP.fallback_order == ("triton_moe", "nccl_all_to_all")  # no NCCL path is graph-capturable
     assert [r.one_rank_reason(False) != "" for r in spec.ALL] == [True, False, False, True, True, True]
     assert [r.one_rank_reason(True) != "" for r in spec.ALL] == [True, False, False, False, True, True]
+    DOORS = doors()
     assert [door.spec for door in DOORS] == list(spec.ALL)  # one door per spec, in registry order
     assert not DOORS[1].prepare_in_check and DOORS[0].prepare_in_check  # growing the MoE region is collective
     assert [r.config_type.__name__ for r in spec.ALL] == ["AllReduceConfig", "MoEConfig", "MoEConfig",
@@ -89,10 +93,31 @@ def test_tuning_points_are_data_beside_the_mapping_from_a_request():
     request = PointRequest(("bf16", "fp16"), 2)
     ar = ALL_REDUCE.problems(request)
     assert [p.nbytes for p in ar[:3]] == [4096, 6144, 8192] and len(ar) == 2 * 33 and ar[-1].dtype == "fp16"
-    moe = DP_TO_EP.problems(PointRequest(("bf16",), 2, tokens=(1, 4)))
+    moe = DP_TO_EP.problems(PointRequest(("bf16",), 2, sizes=(1, 4)))
     assert [(p.shape, p.n_tokens_local) for p in moe] == [(s, t) for s in MODEL_SHAPES.values() for t in (1, 4)]
-    fused = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, hidden=(8192,), tokens=(64, 4096)))
+    h8192 = (HiddenShape(8192),)
+    fused = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, sizes=(64, 4096), shapes=h8192))
     assert [p.n_tokens_local for p in fused] == [64, 128, 2048, 4096]  # its extra token counts inside the range
-    plain = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, hidden=(8192,), tokens=(64, 4096),
-                                                     extra_tokens=False))
+    plain = ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2, sizes=(64, 4096), shapes=h8192, extra_sizes=False))
     assert [p.n_tokens_local for p in plain] == [64, 4096]
+    assert [(p.hidden, p.n_tokens_local) for p in ALL_REDUCE_RMSNORM.problems(PointRequest(("bf16",), 2))][:2] == \
+        [(4096, 1), (4096, 4)]  # its default shapes: the hidden sizes, default epilogue
+
+
+def test_every_registry_is_read_off_the_op_records():
+    """An op's spec names its door, backends, config types, tuning module and bench; the doors, the
+    backends' registry, the tuning modules, the benches (with their baselines) and the config
+    types follow from the registered specs, in registry order."""
+    from autosymm.backends import backend_names, get_backend
+    from autosymm.bench.report import benches, others_of
+    from autosymm.configs import AnyConfig, config_types
+    from autosymm.tuning import ops as tuning_ops
+
+    assert [door.spec for door in doors()] == [tuning.record for tuning in tuning_ops.registered()] == list(spec.ALL)
+    listed = {name: entry for record in spec.ALL for name, entry in record.backends.items()}
+    assert backend_names() == [*listed, "noop"]  # noop serves every op's calls with nothing to exchange
+    assert all(get_backend(name).name == name for name in backend_names())
+    assert list(config_types().values()) == list(dict.fromkeys(c for record in spec.ALL for c in record.config_types))
+    assert all(issubclass(cls, AnyConfig) for cls in config_types().values())
+    assert list(benches()) == list(spec.ALL) and benches()[DP_TO_EP] is benches()[EP_TO_DP]
+    assert others_of("all_reduce")[0][0] == "nccl" and others_of("dp_to_ep") == (("nccl", "plain_all_to_all"),) * 2

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from autosymm.cli.main import main
 from autosymm.spec import ALL_REDUCE_RMSNORM, PointRequest
-from autosymm.spec.all_reduce_rmsnorm import split_key
+from autosymm.spec.all_reduce_rmsnorm import HiddenShape, split_key
 from autosymm.spec.all_reduce_rmsnorm import EPILOGUES, parse_epilogues
 from autosymm.db.store import Row, TuningDB
 from autosymm.epilogue import Epilogue
@@ -24,7 +24,8 @@ def test_the_shape_key_round_trips(epilogue):
     problem = Problem.all_reduce_rmsnorm(16, 4096, "bf16", 2, epilogue=epilogue)
     key = problem.shape_key
     assert key == ("h4096" if epilogue == Epilogue() else f"h4096_{epilogue.key}")
-    assert split_key(key) == (4096, epilogue) and ALL_REDUCE_RMSNORM.shape_of_key(key) == 4096
+    assert split_key(key) == (4096, epilogue) and ALL_REDUCE_RMSNORM.shape_of_key(key) == HiddenShape(4096, epilogue)
+    assert HiddenShape(4096, epilogue).key == key
     assert Problem.all_reduce_rmsnorm(16, 4096, "bf16", 2).shape_key == "h4096"  # the shipped rows' key
     assert Problem.all_reduce_rmsnorm(16, 4096, "bf16", 2) == Problem.all_reduce_rmsnorm(16, 4096, "bf16", 2, epilogue=Epilogue())
 
@@ -40,8 +41,10 @@ def test_problems_refuse_what_an_epilogue_cannot_serve():
         Problem.all_reduce_rmsnorm(4, 72, "bf16", 2, epilogue=Epilogue(quant="nvfp4"))
     with pytest.raises(ValueError, match="epilogue must be an autosymm.epilogue.Epilogue, got str"):
         Problem.all_reduce_rmsnorm(4, 64, "bf16", 2, epilogue="fp8")
-    request = PointRequest(("bf16",), 2, hidden=(72, 64), tokens=(4,), epilogues=(Epilogue(quant="nvfp4"),))
+    nvfp4 = Epilogue(quant="nvfp4")
+    request = PointRequest(("bf16",), 2, sizes=(4,), shapes=(HiddenShape(72, nvfp4), HiddenShape(64, nvfp4)))
     assert [p.hidden for p in ALL_REDUCE_RMSNORM.problems(request)] == [64]  # 72 cannot pack
+    assert "cannot serve hidden=72" in ALL_REDUCE_RMSNORM.no_calls(HiddenShape(72, nvfp4))
 
 
 def test_parse_epilogues_reads_keys_default_and_all():

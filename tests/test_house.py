@@ -143,7 +143,7 @@ def test_no_comparison_on_bucket_units_or_shape_kinds():
     none compares their names."""
     from autosymm import spec
 
-    words = {unit.name for unit in (spec.BYTES, spec.TOKENS)} | {s.shape.param for s in spec.ALL if s.shape}
+    words = {unit.name for unit in (spec.BYTES, spec.TOKENS)} | {s.shape.name for s in spec.ALL if s.shape}
     assert words == {"bytes", "tokens", "moe_shape", "hidden"}
     assert _comparisons_outside_the_specs(words) == []
 

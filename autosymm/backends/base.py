@@ -97,9 +97,9 @@ def ops_available() -> bool:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a backend declares it needs from a call and a group."""
+    """What a backend declares it needs from a call and a group (which ops it serves is the ops'
+    specs' to say: autosymm.spec.OpSpec.backends)."""
 
-    ops: tuple[str, ...]
     dtypes: Optional[tuple[str, ...]] = tuple(DTYPES)  # None: any dtype (NCCL's, a byte copy)
     reduce_ops: Optional[tuple[str, ...]] = ("sum",)  # of a reducing op (Problem.reduce_op); None: any
     graph_capturable: bool = True  # its launcher may be captured in a CUDA graph
@@ -149,12 +149,17 @@ class Backend:
         unless the backend knows better for this call: NCCL's max of any dtype is)."""
         return self.batch_invariant
 
+    def serves(self, record) -> bool:
+        """Whether this backend serves the op of ``record`` (an autosymm.spec.OpSpec): the op's
+        spec lists it."""
+        return self.name in record.backends
+
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         """None when this backend can serve ``problem`` on ``caps`` in ``mode``, else why not."""
         needs = self.needs
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
-        if problem.op not in needs.ops:
+        if not self.serves(problem.record):
             return f"does not serve {problem.op}"
         if needs.dtypes is not None and problem.dtype not in needs.dtypes:
             return f"dtype {problem.dtype} (supports {', '.join(needs.dtypes)})"

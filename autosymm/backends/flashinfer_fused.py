@@ -90,11 +90,10 @@ class FlashInferFused(Backend):
     weight and scale read only; the outputs new tensors)."""
 
     name = "flashinfer_fused"
-    needs = Needs(ops=("all_reduce_rmsnorm",), dtypes=("bf16", "fp16", "fp32"), intra_node=True,
-                  min_compute_capability=(9, 0))
+    needs = Needs(dtypes=("bf16", "fp16", "fp32"), intra_node=True, min_compute_capability=(9, 0))
 
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
-        if problem.op not in self.needs.ops:
+        if not self.serves(problem.record):
             return super().why_not(problem, caps, mode)
         _, missing = flashinfer_comm()
         if missing:

@@ -21,7 +21,7 @@ class Local(Backend):
 
     name = "noop"
     batch_invariant = True  # a rank alone computes the op's formula on its own data
-    needs = Needs(ops=(), dtypes=None)
+    needs = Needs(dtypes=None)
 
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         record = problem.record

@@ -14,7 +14,7 @@ class NcclAllReduce(Backend):
     """``dist.all_reduce(x, op, group=ctx.group)``: serves every all-reduce, no config."""
 
     name = "nccl"
-    needs = Needs(ops=("all_reduce",), dtypes=None, reduce_ops=None)
+    needs = Needs(dtypes=None, reduce_ops=None)
 
     def invariant_for(self, problem: Problem) -> bool:
         """Max, min, bitwise ops and integer sums are exact in any order; floating-point sums,

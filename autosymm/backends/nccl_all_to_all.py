@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..spec import DP_TO_EP, EP_TO_DP, get as collective
+from ..spec import get as collective
 from ..problem import Problem, next_pow2
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
 from .launch import LeanLauncher, interpreter_active
@@ -55,7 +55,7 @@ class NcclAllToAll(Backend):
     name = "nccl_all_to_all"
     batch_invariant = True  # rows are copied, never summed
     # split sizes go through the host (.tolist()): no CUDA-graph capture
-    needs = Needs(ops=(DP_TO_EP.name, EP_TO_DP.name), graph_capturable=False)
+    needs = Needs(graph_capturable=False)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         return shape_reason(problem)

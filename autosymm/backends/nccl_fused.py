@@ -19,7 +19,7 @@ class NcclFused(Backend):
     call, no config. x ends holding the sum (the Triton backends leave it unchanged)."""
 
     name = "nccl_fused"
-    needs = Needs(ops=("all_reduce_rmsnorm",))
+    needs = Needs()
 
     def formula(self, problem: Problem) -> str:
         """The default epilogue: the native chain (two roundings); the others: the reference

@@ -121,7 +121,7 @@ class NcclOrderedAllReduce(_Ordered):
     """All-gather + in-order reduction (fp32 from +0.0 for a sum, rounded once)."""
 
     name = "nccl_ordered"
-    needs = Needs(ops=("all_reduce",), dtypes=None, reduce_ops=ORDERED_OPS)
+    needs = Needs(dtypes=None, reduce_ops=ORDERED_OPS)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         return ordered_all_reduce_launcher(ctx.group, problem.world_size, problem.reduce_op)
@@ -131,7 +131,7 @@ class NcclOrderedReduceScatter(_Ordered):
     """All-to-all of the segments + in-order reduction."""
 
     name = "nccl_ordered_reduce_scatter"
-    needs = Needs(ops=("reduce_scatter",), dtypes=None, reduce_ops=ORDERED_OPS)
+    needs = Needs(dtypes=None, reduce_ops=ORDERED_OPS)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         import torch.distributed as dist
@@ -144,7 +144,7 @@ class NcclOrderedFused(Backend):
     """All-gather + fp32 in-order sum + residual, RMSNorm by the fixed tree: serves every call."""
 
     name = "nccl_ordered_fused"
-    needs = Needs(ops=("all_reduce_rmsnorm",))
+    needs = Needs()
     batch_invariant = True
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):

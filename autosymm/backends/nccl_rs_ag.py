@@ -50,7 +50,7 @@ class NcclReduceScatter(Backend):
     """Segment ``rank`` of the reduction over the group: serves every reduce-scatter, no config."""
 
     name = "nccl_reduce_scatter"
-    needs = Needs(ops=("reduce_scatter",), dtypes=None, reduce_ops=None)
+    needs = Needs(dtypes=None, reduce_ops=None)
 
     def invariant_for(self, problem: Problem) -> bool:
         """Exact reductions (max, min, bitwise, integer sums) are; floating-point sums are not."""
@@ -89,7 +89,7 @@ class NcclAllGather(Backend):
 
     name = "nccl_all_gather"
     batch_invariant = True  # rows are copied, never summed
-    needs = Needs(ops=("all_gather",), dtypes=None)
+    needs = Needs(dtypes=None)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         launcher = all_gather_launcher(ctx.group)

@@ -159,7 +159,7 @@ class NcclSymmAllReduce(Backend):
     """NCCL's all-reduce inside autosymm's workspace registered as a symmetric NCCL window."""
 
     name = "nccl_symm"
-    needs = Needs(ops=("all_reduce",), workspace_region=ALL_REDUCE_REGION, intra_node=True)
+    needs = Needs(workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         if problem.world_size < 2:

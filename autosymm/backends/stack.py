@@ -44,8 +44,7 @@ class StackBackend(Backend):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.needs = Needs(ops=("all_reduce", "all_reduce_rmsnorm", "reduce_scatter", "all_gather"), dtypes=None,
-                           intra_node=True)
+        self.needs = Needs(dtypes=None, intra_node=True)  # the ops whose specs list it (STACK_BACKENDS)
 
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         if caps.stack != self.name:

@@ -106,7 +106,7 @@ class _TorchLauncher:
 class TorchSymmAllReduce(Backend):
     """torch's ``one_shot`` or ``two_shot`` symmetric-memory all-reduce as a Backend."""
 
-    needs = Needs(ops=("all_reduce",), dtypes=SUPPORTED_DTYPES, intra_node=True, torch_symm_ops=True)
+    needs = Needs(dtypes=SUPPORTED_DTYPES, intra_node=True, torch_symm_ops=True)
 
     def __init__(self, algorithm: str) -> None:
         self.algorithm, self.record = algorithm, ALGORITHMS[algorithm]

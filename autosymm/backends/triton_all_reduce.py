@@ -277,7 +277,7 @@ class TritonAllReduce(Backend):
         self.name = f"triton_{record.name}"
         self.batch_invariant = record.batch_invariant
         # multimem instructions need sm_90
-        self.needs = Needs(ops=("all_reduce",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
+        self.needs = Needs(compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
                            intra_node=True, multicast=record.multicast,
                            min_compute_capability=(9, 0) if record.multicast else (0, 0))
 

@@ -388,7 +388,7 @@ class TritonFused(Backend):
         self.record, self.algorithm = record, record.name
         self.name = f"triton_fused_{record.name}"
         self.batch_invariant = record.batch_invariant
-        self.needs = Needs(ops=(OP,), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION, intra_node=True)
+        self.needs = Needs(compiles_kernels=True, workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
         if self.record.lamport and (reason := lamport_limits(problem)):

@@ -128,7 +128,7 @@ class TritonMoE(Backend):
 
     name = "triton_moe"
     batch_invariant = True  # rows are copied, never summed
-    needs = Needs(ops=(DP_TO_EP.name, EP_TO_DP.name), compiles_kernels=True, workspace_region=MOE_REGION, intra_node=True)
+    needs = Needs(compiles_kernels=True, workspace_region=MOE_REGION, intra_node=True)
 
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         """The contract of Backend.why_not, then room: the output must fit this op's buffer of

@@ -330,7 +330,7 @@ class TritonReduceScatter(Backend):
         self.algorithm = algorithm
         self.name = f"triton_reduce_scatter_{algorithm}"
         self.batch_invariant = True  # the fp32 sum of ranks 0..W-1 in order, rounded once, per element
-        self.needs = Needs(ops=("reduce_scatter",), compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
+        self.needs = Needs(compiles_kernels=True, workspace_region=ALL_REDUCE_REGION,
                            intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:
@@ -353,7 +353,7 @@ class TritonAllGather(Backend):
         self.algorithm = algorithm
         self.name = f"triton_all_gather_{algorithm}"
         self.batch_invariant = True  # rows are copied, never summed
-        self.needs = Needs(ops=("all_gather",), dtypes=None, compiles_kernels=True,  # bytes of any dtype
+        self.needs = Needs(dtypes=None, compiles_kernels=True,  # bytes of any dtype
                            workspace_region=ALL_REDUCE_REGION, intra_node=True)
 
     def limits(self, problem: Problem, caps: Capabilities) -> Optional[str]:

@@ -20,7 +20,7 @@ from ..spec import ALL_REDUCE_RMSNORM
 from ..spec.all_reduce_rmsnorm import HIDDEN
 from ..problem import DTYPE_NAMES, Problem
 from .baselines import Setup, agree, bench_plan, measure
-from .report import BenchRow, cells, compare
+from .report import FUSED_OTHERS, BenchOp, BenchRow, cells, compare
 
 FUSED_IMPLS = ("nccl_fused", "flashinfer_fused", "autosymm")
 #: How far a fused output may be from the NCCL composition's (x's dtype: 16-bit sums round).
@@ -111,3 +111,7 @@ def fused_table(result, op: str = ALL_REDUCE_RMSNORM.name):
         table.add_row(label, mode, *[f"{cell[i].us:.2f}" if i in cell and cell[i].us else "-" for i in FUSED_IMPLS],
                       chosen or "-", f"{ratio:.3f}" if ratio is not None else "-")
     return table
+
+
+#: How bench measures the fused op (its spec names it: OpSpec.bench).
+FUSED_BENCH = BenchOp(fused_rows, fused_table, (FUSED_OTHERS, FUSED_OTHERS))

@@ -14,9 +14,10 @@ from __future__ import annotations
 import csv
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
-from ..spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, REDUCE_SCATTER, get
+from ..entries import load
+from ..spec import ALL_REDUCE, get, registered
 from ..problem import format_bytes, parse_bytes, parse_size_range
 
 #: All-reduce implementations, in table order (see autosymm.bench.baselines).
@@ -86,16 +87,32 @@ SHARDED_COPY_OTHERS = ("nccl", "torch_low_contention_copy")
 #: The fused op's others: NCCL + rms_norm, FlashInfer's fused call.
 FUSED_OTHERS = ("nccl_fused", "flashinfer_fused")
 
-#: op spec -> (no-copy others, with-copy others) autosymm is compared with.
-OTHERS = {ALL_REDUCE: (NO_COPY_OTHERS, COPY_OTHERS), DP_TO_EP: (MOE_OTHERS, MOE_OTHERS),
-          EP_TO_DP: (MOE_OTHERS, MOE_OTHERS), ALL_REDUCE_RMSNORM: (FUSED_OTHERS, FUSED_OTHERS),
-          REDUCE_SCATTER: (SHARDED_NO_COPY_OTHERS, SHARDED_COPY_OTHERS),
-          ALL_GATHER: (SHARDED_NO_COPY_OTHERS, SHARDED_COPY_OTHERS)}
+def _no_pool(sizes: list[int], world_size: int) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class BenchOp:
+    """How `autosymm bench` measures an op (its spec names it: ``OpSpec.bench``): ``rows(options,
+    setup, caps)`` its rows (of every op of ``options.ops`` it measures: ops sharing one function
+    are measured by one call), ``table(result, op)`` the table it prints, ``others`` the (no-copy,
+    with-copy) implementations autosymm is compared with, ``pool_bytes(sizes, world_size)`` the
+    bytes of torch's symmetric pool (and zero-copy inputs) it needs."""
+
+    rows: Callable
+    table: Callable
+    others: tuple[tuple[str, ...], tuple[str, ...]]
+    pool_bytes: Callable[[list[int], int], int] = _no_pool
+
+
+def benches() -> dict:
+    """op spec -> its BenchOp, of every registered op that names one, in registry order."""
+    return {record: load(record.bench) for record in registered() if record.bench}
 
 
 def others_of(op: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(no-copy others, with-copy others) autosymm is compared with for ``op``."""
-    return OTHERS[get(op)]
+    return load(get(op).bench).others
 
 
 def best_of(times: dict[str, Optional[float]], impls: tuple[str, ...]) -> Optional[tuple[str, float]]:

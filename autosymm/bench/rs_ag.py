@@ -31,7 +31,7 @@ from ..problem import DTYPE_NAMES, Problem
 from ..spec import ALL_GATHER, REDUCE_SCATTER
 from ..tuning import ops as tuning_ops
 from .baselines import Impl, Setup, agree, bench_plan, check_output, measure, pool_bytes
-from .report import BenchRow, cells, compare, size_label
+from .report import SHARDED_COPY_OTHERS, SHARDED_NO_COPY_OTHERS, BenchOp, BenchRow, cells, compare, size_label
 
 SHARDED_IMPLS = ("nccl", "torch_low_contention", "torch_low_contention_copy", "torch_multimem", "autosymm",
                  "autosymm_zero_copy")
@@ -172,3 +172,7 @@ def sharded_table(result, op: str):
 def sharded_pool_bytes(sizes: list[int], world_size: int) -> int:
     """Bytes of torch's symmetric pool and the zero-copy tensors: every size's rotating full tensors."""
     return pool_bytes(sizes, world_size)
+
+
+#: How bench measures the reduce-scatter and the all-gather (their specs name it: OpSpec.bench).
+SHARDED_BENCH = BenchOp(sharded_rows, sharded_table, (SHARDED_NO_COPY_OTHERS, SHARDED_COPY_OTHERS), sharded_pool_bytes)

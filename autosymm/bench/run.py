@@ -25,20 +25,17 @@ directly on their buffers, not through autosymm's torch_symm backend launcher.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..problem import MoEShape, Problem
-from ..spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP, EP_TO_DP, REDUCE_SCATTER
-from ..tuning import ops as tuning_ops
 from .baselines import (Setup, SymmetricPool, agree, bench_plan, build, check_output, measure, nccl_symm_why_not,
                         pool_bytes, torch_ops_why_not, zero_copy_why_not)
-from .fused import fused_rows, fused_table
-from .report import (ALL_REDUCE_IMPLS, BenchResult, BenchRow, all_reduce_table, failures, losses, moe_link_gbps, moe_table,
-                     size_label, worst_ratios, write_bench_csv)
-from .rs_ag import sharded_pool_bytes, sharded_rows, sharded_table
+from .report import (ALL_REDUCE_IMPLS, COPY_OTHERS, MOE_OTHERS, NO_COPY_OTHERS, BenchOp, BenchResult, BenchRow,
+                     all_reduce_table, benches, failures, losses, moe_link_gbps, moe_table, size_label, worst_ratios,
+                     write_bench_csv)
 
 __all__ = ["BenchOptions", "BenchResult", "BenchRow", "bench_job", "moe_link_gbps", "print_bench", "write_bench_csv"]
 
@@ -212,7 +209,7 @@ def _moe_args(op, shape: MoEShape, tokens: int, setup: Setup, assignment) -> tup
 def moe_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
     """The MoE conversions' rows (of those in ``options.ops``): per shape, token count and op."""
     from ..routing import make_expt_assignment, make_expt_dict_uniform
-    from ..tuning.ops import DP_TO_EP, EP_TO_DP
+    from ..tuning.ops.moe import DP_TO_EP, EP_TO_DP
 
     world_size = dist.get_world_size(setup.group)
     rows = []
@@ -244,8 +241,7 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
     group = dist.group.WORLD
     device = comm_device(group)
     if world_size > 1 and device.type == "cuda":
-        problems = sweep_problems(options.ops, options.sizes, [options.dtype], options.shapes, options.tokens,
-                                  world_size)
+        problems = sweep_problems(options.ops, [options.dtype], world_size, _sweep_points(options))
         ar_bytes, moe_bytes = workspace_bytes(problems)
         ar_bytes = max(ar_bytes, _pool_bytes(options, world_size))
         get_workspace(group, device, all_reduce_bytes=ar_bytes, moe_bytes=moe_bytes)
@@ -256,6 +252,16 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
         pool = SymmetricPool(_pool_bytes(options, world_size), device, group.group_name)
     setup = Setup(group, group.group_name, device, DTYPES[options.dtype], pool=pool, workspace=state.workspace)
     return setup, state.caps
+
+
+def _sweep_points(options: BenchOptions) -> dict:
+    """The sweep options' values (autosymm.spec.OpSpec.sweep_options) of what bench measures."""
+    from ..spec import BYTES, TOKENS
+    from ..spec.moe import MOE_SHAPE
+
+    shapes, = MOE_SHAPE.sweep
+    return {BYTES.sweep.flag: options.sizes, TOKENS.sweep.flag: options.tokens,
+            shapes.flag: tuple(options.shapes.values())}
 
 
 def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[BenchResult]:
@@ -270,46 +276,28 @@ def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[Ben
     result = BenchResult(fingerprint().as_dict(), world_size, read_gbps, write_gbps,
                          comm_env=provenance()["comm_env"])
     # each op's bench function once (the MoE conversions share one), in registry order
-    for rows_of in dict.fromkeys(bench.rows for spec, bench in BENCHES.items() if spec.name in options.ops):
+    for rows_of in dict.fromkeys(bench.rows for spec, bench in benches().items() if spec.name in options.ops):
         result.rows += rows_of(options, setup, caps)
     return result if rank == 0 else None
 
 
 def _pool_bytes(options: BenchOptions, world_size: int) -> int:
     """Bytes of torch's symmetric pool (and zero-copy inputs) the benched ops need (0: none)."""
-    return max((bench.pool_bytes(options.sizes, world_size) for spec, bench in BENCHES.items()
+    return max((bench.pool_bytes(options.sizes, world_size) for spec, bench in benches().items()
                 if spec.name in options.ops), default=0)
 
 
-def _no_pool(sizes: list[int], world_size: int) -> int:
-    return 0
-
-
-@dataclass(frozen=True)
-class BenchOp:
-    """How `autosymm bench` measures an op: ``rows(options, setup, caps)`` its rows (of every op
-    of ``options.ops`` it measures: ops sharing one function are measured by one call),
-    ``table(result, op)`` the table it prints, ``pool_bytes(sizes, world_size)`` the bytes of
-    torch's symmetric pool (and zero-copy inputs) it needs."""
-
-    rows: Callable
-    table: Callable
-    pool_bytes: Callable[[list[int], int], int] = _no_pool
-
-
-#: op spec -> how bench measures it, in registry order (autosymm.spec.ALL).
-BENCHES = {ALL_REDUCE: BenchOp(all_reduce_rows, lambda result, op: all_reduce_table(result), pool_bytes),
-           DP_TO_EP: BenchOp(moe_rows, moe_table), EP_TO_DP: BenchOp(moe_rows, moe_table),
-           ALL_REDUCE_RMSNORM: BenchOp(fused_rows, fused_table),
-           REDUCE_SCATTER: BenchOp(sharded_rows, sharded_table, sharded_pool_bytes),
-           ALL_GATHER: BenchOp(sharded_rows, sharded_table, sharded_pool_bytes)}
+#: How bench measures the all-reduce and the MoE conversions (their specs name them: OpSpec.bench).
+ALL_REDUCE_BENCH = BenchOp(all_reduce_rows, lambda result, op: all_reduce_table(result), (NO_COPY_OTHERS, COPY_OTHERS),
+                           pool_bytes)
+MOE_BENCH = BenchOp(moe_rows, moe_table, (MOE_OTHERS, MOE_OTHERS))
 
 
 def print_bench(result: BenchResult, console) -> None:
     """The tables of ``result``, then where autosymm loses and what was not timed."""
     console.print(f"{result.hardware.get('topology')}: peer read {result.peer_read_gbps:.1f} GB/s, "
                   f"peer write {result.peer_write_gbps:.1f} GB/s; {result.comm_env or 'comm env not recorded'}")
-    for spec, bench in BENCHES.items():  # registry order: each measured op's table
+    for spec, bench in benches().items():  # registry order: each measured op's table
         table = bench.table(result, spec.name) if any(r.op == spec.name for r in result.rows) else None
         if table is not None:
             console.print(table)

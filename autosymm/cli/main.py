@@ -15,52 +15,20 @@ import click
 from .. import __version__
 from .errors import OneLineErrorGroup
 from .. import spec
-from .plans import (DEFAULT_TOKENS, Target, check_hardware, console as rich_console, explain_lines,
-                    explained_epilogue, explained_problem, plan, table)
-from ..spec.all_reduce import SIZES_SPEC
-from ..problem import DTYPES, MODEL_SHAPES, MODES, MoEShape, format_bytes, octave_points, parse_range, parse_size_range
+from .options import RegistryCommand, call_options, parsed, sweep_options
+from .plans import (Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table,
+                    untuned_note)
+from ..problem import DTYPES, MODEL_SHAPES, MODES
 from ..bench.report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
+from ..spec.kinds import parse_counts
+from ..spec.moe import parse_moe_shapes
 
-#: `autosymm tune --sizes` by default: the all-reduce spec's default points.
-TUNE_SIZES = SIZES_SPEC
 #: `autosymm tune --ops` (and `bench --ops`) by default: the ops tuned by default, registry order.
 DEFAULT_OPS = ",".join(spec.default_tuned())
 
 
 def _console():
     return rich_console()
-
-
-def _parse_shapes(text: str, option: str = "--shapes") -> dict[str, MoEShape]:
-    """'deepseek-v3,d5120_e160_k6' -> shapes: model names (any case) or any d{D}_e{E}_k{K} key;
-    a bad item is a usage error naming it and ``option``."""
-    out = {}
-    models = {name.lower(): shape for name, shape in MODEL_SHAPES.items()}
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        try:
-            out[item] = models[item.lower()] if item.lower() in models else MoEShape.from_key(item)
-        except ValueError as exc:
-            raise click.BadParameter(f"{item!r}: {exc} (model names: {', '.join(MODEL_SHAPES)})",
-                                     param_hint=option) from None
-    if not out:
-        raise click.BadParameter(f"no MoE shape in {text!r}", param_hint=option)
-    return out
-
-
-def _parse_tokens(text: str) -> list[int]:
-    """'1,3000,8192' -> those token counts per rank; '1:8192' -> every power of two from low to
-    high; '1:8192:2' -> two per octave (autosymm.problem.octave_points)."""
-    try:
-        if ":" in text:
-            tokens = octave_points(*parse_range(text))
-        else:
-            tokens = list(dict.fromkeys(int(t) for t in text.split(",") if t.strip()))
-    except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a token list like 1,4,3000 or a range like 1:8192 or 1:8192:2 "
-                                 f"({exc})", param_hint="--tokens") from None
-    if not tokens or min(tokens) < 1:
-        raise click.BadParameter(f"token counts must be >= 1, got {text!r}", param_hint="--tokens")
-    return tokens
 
 
 def _parsed(parse, text: str, option: str):
@@ -81,53 +49,38 @@ def main() -> None:
 @main.command()
 @click.pass_context
 def run(ctx: click.Context) -> None:
-    """The main job: `tune` with the default sweep on a GPU node; elsewhere, show the dispatch
-    plan of every shipped database."""
+    """The main job: `tune` with the default sweep on a GPU node; elsewhere, say so in a screenful:
+    what this machine would run, what the shipped databases cover and what to do next."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
         ctx.invoke(tune)
         return
-    from ..db.store import shipped_db_paths
-
-    console = _console()
-    console.print("No CUDA GPU here: showing the dispatch plan of the shipped tuning databases.")
-    paths = shipped_db_paths()
-    if not paths:
-        console.print("No shipped tuning database found.")
-        return
     from ..db.read import open_sources
+    from ..db.store import shipped_db_paths
+    from ..hardware import fingerprint
+    from .overview import overview
 
-    for path in paths:
-        sources = open_sources(None, [path])
-        combos = sorted({(r.hardware, r.gpu, r.world_size, r.dtype) for s in sources for r in s.db.rows()})
-        for hardware, gpu, world_size, dtype in combos:
-            plan(console, Target(hardware, gpu, world_size, dtype), sources, None, list(spec.names()))
+    for line in overview(fingerprint(), _open(()), open_sources(None, shipped_db_paths())):
+        click.echo(line)
 
 
 # --------------------------------------------------------------------------------------- tune
-@main.command()
+@main.command(cls=RegistryCommand, options_of=sweep_options)
 @click.option("--nproc", type=int, default=None, help="GPUs (worker processes); default: all local GPUs")
 @click.option("--ops", default=DEFAULT_OPS, show_default=True)
-@click.option("--sizes", default=TUNE_SIZES, show_default=True,
-              help="all-reduce sizes: a list of bytes, low:high (powers of two) or low:high:N (N per octave)")
 @click.option("--dtypes", default="bf16", show_default=True)
 @click.option("--modes", default="eager,graph", show_default=True)
-@click.option("--shapes", default=",".join(MODEL_SHAPES), show_default=True, help="MoE shapes: model names or d{D}_e{E}_k{K}")
-@click.option("--tokens", default=DEFAULT_TOKENS, show_default=True,
-              help="tokens per rank of the MoE conversions and the fused op: any list, low:high (powers of two) "
-                   "or low:high:N (N per octave)")
 @click.option("--strategy", type=click.Choice(["auto", "grid", "optuna"]), default="auto", show_default=True)
 @click.option("--trials", type=click.IntRange(min=1), default=None, help="Optuna trials per problem and backend (default: 30 % of the space, 16..24)")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None, help="database to write (default: the user DB)")
 @click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
 @click.option("--backends", "backend_list", default=None,
               help="only these backends, comma-separated (default: every registered one; NCCL is always timed)")
-@click.option("--epilogues", default="default", show_default=True,
-              help="all_reduce_rmsnorm's epilogues, by key (default, rms, add_rms_fp8, rms_nvfp4, add_gemma, "
-                   "add_rms_fp8_per_token, ...; 'all': every served one), each tuned under its own shape key")
 def tune(nproc, json_summary, **opts) -> None:
-    """Tune every applicable backend on the local GPUs and record the winners."""
+    """Tune every applicable backend on the local GPUs and record the winners.
+
+    Each op's sweep takes its options (sizes, shapes, tokens, ...: the ops' records)."""
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
@@ -150,24 +103,29 @@ def tune(nproc, json_summary, **opts) -> None:
 
 
 def _tune_options(opts: dict):
-    """autosymm.tuning.session.TuneOptions of `tune`'s options; bad values are usage errors."""
-    from ..spec.all_reduce_rmsnorm import parse_epilogues
+    """autosymm.tuning.session.TuneOptions of `tune`'s options (the ops' sweep options by their
+    names, as click gives them); bad values are usage errors."""
     from ..db.store import user_db_path
     from ..tuning.session import TuneOptions
 
     def items(name: str) -> list[str]:
         return [t.strip() for t in opts[name].split(",") if t.strip()]
 
+    points = parsed({**{option.dest: option.default for option in _sweep_defaults()}, **opts}, sweep_options)
     try:
         options = TuneOptions(
-            ops=items("ops"), sizes=parse_size_range(opts["sizes"]), dtypes=items("dtypes"), modes=items("modes"),
-            shapes=_parse_shapes(opts["shapes"]), tokens=_parse_tokens(opts["tokens"]),
-            strategy=opts["strategy"], trials=opts["trials"], db_path=str(opts["db_path"] or user_db_path()),
-            backends=_parse_backends(opts["backend_list"]), epilogues=list(parse_epilogues(opts["epilogues"])))
+            ops=items("ops"), dtypes=items("dtypes"), modes=items("modes"), points=points, strategy=opts["strategy"],
+            trials=opts["trials"], db_path=str(opts["db_path"] or user_db_path()),
+            backends=_parse_backends(opts["backend_list"]))
         options.settings()  # validates strategy, trials and modes before any worker starts
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     return options
+
+
+def _sweep_defaults():
+    """Every registered op's sweep option (their defaults fill in what a caller leaves out)."""
+    return [option for record in spec.registered() for option in record.sweep_options]
 
 
 def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
@@ -175,7 +133,6 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
     if not text:
         return None
     from ..backends import backend_names
-    from ..spec import ALL
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in backend_names()]
@@ -183,7 +140,7 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
         raise click.BadParameter(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(backend_names())}",
                                  param_hint="--backends")
     # the fallbacks are the baselines every row's speedup is measured against
-    return names + [n for n in dict.fromkeys(record.fallback for record in ALL) if n not in names]
+    return names + [n for n in dict.fromkeys(record.fallback for record in spec.registered()) if n not in names]
 
 
 def _print_summary(rows: list[dict]) -> None:
@@ -213,7 +170,8 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None
     from ..tuning.workers import run_workers
 
     options = BenchOptions(sizes=_parsed(parse_bench_sizes, sizes, "--sizes"), modes=[m.strip() for m in modes.split(",")],
-                           shapes=_parsed(_parse_shapes, shapes, "--shapes"), tokens=_parse_tokens(tokens),
+                           shapes=_parsed(parse_moe_shapes, shapes, "--shapes"),
+                           tokens=_parsed(parse_counts, tokens, "--tokens"),
                            ops=[o.strip() for o in ops.split(",") if o.strip()])
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm bench needs CUDA GPUs; none is visible here")
@@ -304,58 +262,64 @@ def _short_config(config_json: Optional[str]) -> str:
 
 
 # ------------------------------------------------------------------------------------ explain
-@main.command()
-@click.option("--op", type=click.Choice(list(spec.names())), default=spec.ALL[0].name, show_default=True)
-@click.option("--bytes", "nbytes", default=None, help="all-reduce size, e.g. 1MiB")
-@click.option("--hidden", type=click.IntRange(min=1), default=None,
-              help="all_reduce_rmsnorm: the hidden size (elements per row)")
+class OpName(click.ParamType):
+    """A registered op's name (the registry as it is when the command runs)."""
+
+    name = "op"
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return f"[{'|'.join(spec.names())}]"
+
+    def convert(self, value, param, ctx):
+        if value not in spec.names():
+            self.fail(f"{value!r} is not one of {', '.join(spec.names())}", param, ctx)
+        return value
+
+
+@main.command(cls=RegistryCommand, options_of=call_options)
+@click.option("--op", type=OpName(), default=spec.ALL[0].name, show_default=True)
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True)
 @click.option("--world-size", type=click.IntRange(min=1), required=True)
-@click.option("--gpu", default=None, help='GPU name, e.g. "NVIDIA H200" (default: this machine\'s)')
+@click.option("--gpu", default=None, help='GPU name, e.g. "NVIDIA H200" (default: this machine\'s, tuned or not)')
 @click.option("--links", type=click.Choice(["nvlink", "pcie"]), default="nvlink", show_default=True)
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None, help="default: both")
-@click.option("--shape", default=None, help="MoE shape: model name or d{D}_e{E}_k{K}")
-@click.option("--tokens", type=click.IntRange(min=1), default=None, help="MoE / all_reduce_rmsnorm tokens per rank")
-@click.option("--quant", type=click.Choice(["fp8", "fp8_per_token", "nvfp4"]), default=None,
-              help="all_reduce_rmsnorm: the output quantization (default: none, x's dtype)")
-@click.option("--gemma", is_flag=True, help="all_reduce_rmsnorm: the Gemma norm (weight applied as 1 + w)")
-@click.option("--no-residual", is_flag=True, help="all_reduce_rmsnorm: no residual add")
-@click.option("--epilogue", default=None, help="all_reduce_rmsnorm: the epilogue by key (e.g. add_rms_fp8, rms_nvfp4, "
-              "gemma; 'default'), instead of --quant/--gemma/--no-residual")
 @click.option("--all", "all_sizes", is_flag=True, help="plan over all sizes (or token counts)")
 @click.option("--db", "db_paths", multiple=True, type=click.Path(exists=True, dir_okay=False))
 def explain(**opts) -> None:
-    """Which backend and config would serve a call, and why (no GPU needed)."""
+    """Which backend and config would serve a call, and why (no GPU needed).
+
+    Each op takes its own options for the call's size and shape (the ops' records)."""
     from ..hardware import fingerprint, hardware_slug_for
 
+    record, values = spec.get(opts["op"]), parsed(opts, call_options)
+    _check_own_options(record, values)
     fp = fingerprint()
     gpu = opts["gpu"] or fp.gpu_name
     hardware = hardware_slug_for(gpu, opts["links"]) if gpu != fp.gpu_name else fp.hardware_slug
     target = Target(hardware, gpu, opts["world_size"], opts["dtype"])
-    op, shape = opts["op"], opts["shape"]
-    moe_shape = _parsed(_one_shape, shape, "--shape") if shape else None
-    record, given = spec.get(op), {"shape": moe_shape, "hidden": opts["hidden"]}
-    kind = record.shape
-    if kind and given[kind.option_dest] is None and not opts["all_sizes"]:
-        raise click.BadParameter(f"{op} needs {kind.option}", param_hint=kind.option)
     modes = [opts["mode"]] if opts["mode"] else list(MODES)
-    epilogue = explained_epilogue(opts, record)
-    problem = None if opts["all_sizes"] else explained_problem(record, opts, moe_shape, target, epilogue)
+    problem = None if opts["all_sizes"] else explained_problem(record, values, opts[record.unit.option.dest], target)
     sources = _open(opts["db_paths"])
-    check_hardware(target, sources, "--gpu" if opts["gpu"] else "this machine's GPU")
+    if opts["gpu"]:
+        check_hardware(target, sources)
+    else:  # this machine, tuned or not: say which, and whether any row is for it
+        note = untuned_note(target, sources)
+        if note:
+            click.echo(note)
     if problem is None:
-        plan(_console(), target, sources, moe_shape, [op], modes, hidden=opts["hidden"], epilogue=epilogue)
+        plan(_console(), target, sources, [record], modes, values)
         return
     for line in explain_lines(problem, modes, target, sources):
         click.echo(line)
 
 
-def _one_shape(text: str) -> MoEShape:
-    """The one MoE shape of ``text`` (a model name or d{D}_e{E}_k{K})."""
-    shapes = list(_parse_shapes(text, "--shape").values())
-    if len(shapes) != 1:
-        raise ValueError(f"{text!r} is not one MoE shape (a model name or a key like d7168_e256_k8)")
-    return shapes[0]
+def _check_own_options(record, values: dict) -> None:
+    """A usage error naming an option given that is another op's, not ``record``'s."""
+    own = {option.flag for option in record.call_options}
+    for flag in values:
+        if flag not in own:
+            takers = [r.name for r in spec.registered() if any(o.flag == flag for o in r.call_options)]
+            raise click.BadParameter(f"{'/'.join(takers)}'s, not {record.name}'s", param_hint=flag)
 
 
 def _open(db_paths):

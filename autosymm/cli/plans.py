@@ -1,5 +1,6 @@
 """Dispatch plans for the command line: the decision for a call, or over every default and tuned
-size, on a given machine without a GPU (`autosymm explain`, `autosymm run` without GPUs).
+size, on a given machine, this one or another, without a GPU (`autosymm explain`; the decisions
+`autosymm run` shows without a GPU: autosymm.cli.overview).
 
 What a plan says is what a call would do: a time is marked measured (the row's own, at the
 call's size, dtype, shape and mode) or modelled; a call no backend can serve in its mode (a
@@ -10,19 +11,13 @@ as raising, with the remedy, never as served by the backend that cannot take it.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import click
 
-from .. import spec, settings
-from ..spec import PointRequest
-from ..spec.moe import TOKENS
-from ..problem import MODES, Problem, format_bytes, parse_bytes, parse_size_range
-from ..settings import MAX_WORKSPACE_BYTES
-from ..units import MAX_SIZE
-
-DEFAULT_SIZES = "4KiB:256MiB"
-DEFAULT_TOKENS = ",".join(map(str, TOKENS))  # the MoE specs' default tuning points
+from .. import settings
+from ..spec import OpSpec, OptionError, PointRequest, Values
+from ..problem import MODES, Problem
 
 #: Width of a console that is not a terminal (a pipe, a file, a test): wide enough that no
 #: table is cut or wrapped. On a terminal, columns fold (never cut) to its width.
@@ -67,99 +62,74 @@ class Target(NamedTuple):
     dtype: str
 
 
-def check_hardware(target: Target, sources, whose: str) -> None:
-    """A usage error (--gpu) when no row of ``sources`` is for ``target.hardware``, listing the
-    tuned hardware; ``whose``: how the GPU name was chosen, for the message."""
+def tuned_hardware(sources) -> dict[str, tuple[str, set]]:
+    """hardware slug -> (GPU name, world sizes) of every row of ``sources``."""
     tuned: dict[str, tuple[str, set]] = {}
     for source in sources:
         for row in source.db.rows():
             tuned.setdefault(row.hardware, (row.gpu, set()))[1].add(row.world_size)
-    if target.hardware in tuned:
+    return tuned
+
+
+def _listing(sources) -> str:
+    """The tuned hardware of ``sources`` as `--gpu` options ('none' without any)."""
+    return "; ".join(f"--gpu {gpu!r} ({slug}, world size {', '.join(map(str, sorted(sizes)))})"
+                     for slug, (gpu, sizes) in sorted(tuned_hardware(sources).items())) or "none"
+
+
+def check_hardware(target: Target, sources) -> None:
+    """A usage error (--gpu) when no row of ``sources`` is for the GPU ``--gpu`` named
+    (``target.hardware``), listing the tuned hardware."""
+    if target.hardware in tuned_hardware(sources):
         return
-    listing = "; ".join(f"--gpu {gpu!r} ({slug}, world size {', '.join(map(str, sorted(sizes)))})"
-                        for slug, (gpu, sizes) in sorted(tuned.items()))
     where = ", ".join(source.label for source in sources) or "no tuning database found"
     raise click.BadParameter(
-        f"{whose} {target.gpu!r} (hardware {target.hardware}) matches no tuned hardware in {where}; "
-        f"tuned: {listing or 'none'} (on untuned hardware NCCL serves every call)", param_hint="--gpu")
+        f"--gpu {target.gpu!r} (hardware {target.hardware}) matches no tuned hardware in {where}; "
+        f"tuned: {_listing(sources)} (on untuned hardware NCCL serves every call)", param_hint="--gpu")
 
 
-def explained_epilogue(opts: dict, record):
-    """The fused op's epilogue of `explain`'s --epilogue, or of --quant/--gemma/--no-residual
-    (None: not the fused op, or the default); a usage error naming the option otherwise."""
-    from ..epilogue import DEFAULT, Epilogue
-    from ..spec.all_reduce_rmsnorm import parse_epilogues
+def untuned_note(target: Target, sources) -> Optional[str]:
+    """What `explain` says first when it answers for this machine and no row of ``sources`` is
+    for its hardware (None where one is)."""
+    if target.hardware in tuned_hardware(sources):
+        return None
+    return (f"This machine (GPU {target.gpu!r}, hardware {target.hardware}) is untuned: no tuning database row is "
+            f"for it, so each call takes its op's fallbacks. Tuned: {_listing(sources)}.")
 
-    flags = opts["quant"] is not None or opts["gemma"] or opts["no_residual"]
-    if (flags or opts["epilogue"]) and not record.shape.takes_epilogue:
-        raise click.BadParameter(f"--epilogue, --quant, --gemma and --no-residual are all_reduce_rmsnorm's, not "
-                                 f"{opts['op']}'s", param_hint="--op")
-    if opts["epilogue"] is None:
-        return Epilogue(residual=not opts["no_residual"], gemma=opts["gemma"], quant=opts["quant"]) if flags else None
-    if flags:
-        raise click.BadParameter("give --epilogue or --quant/--gemma/--no-residual, not both", param_hint="--epilogue")
+
+def selected_shapes(record: OpSpec, values: Values, candidates: Sequence) -> list:
+    """The shapes of ``record``'s kind option ``values`` ask for among ``candidates``; a usage
+    error naming the option whose values no call has."""
     try:
-        epilogues = parse_epilogues(opts["epilogue"])
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--epilogue") from None
-    if len(epilogues) != 1:
-        raise click.BadParameter(f"{opts['epilogue']!r} is not one epilogue", param_hint="--epilogue")
-    return None if epilogues[0] == DEFAULT else epilogues[0]
+        return record.shape.select(values, candidates)
+    except OptionError as exc:
+        raise click.BadParameter(str(exc), param_hint=exc.flag) from None
 
 
-def explained_problem(record, opts: dict, moe_shape, target: Target, epilogue=None) -> Problem:
-    """The Problem `explain` is asked about: one size in the op's unit (``--bytes`` or
-    ``--tokens``: ``record.unit.option``) with the op's shape (``moe_shape`` or ``--hidden``) and
-    the fused op's ``epilogue`` (None the default); sizes no call can have (or that exceed the
-    workspace's all-reduce region) are usage errors."""
-    unit = record.unit
-    request = PointRequest((target.dtype,), target.world_size, moe_shapes=(moe_shape,), hidden=(opts["hidden"],),
-                           extra_tokens=False, epilogues=None if epilogue is None else (epilogue,))
-    given = opts[unit.option_dest]
-    if given is None:
-        raise click.BadParameter(f"give {unit.option} or --all", param_hint=unit.option)
-    return _SIZE_READERS[unit](record, request, given, target, epilogue)
-
-
-def _bytes_problem(record, request: PointRequest, text: str, target: Target, epilogue) -> Problem:
+def explained_problem(record: OpSpec, values: Values, size_text: str, target: Target) -> Problem:
+    """The Problem `explain` is asked about: one size in the op's unit (its ``unit.option``, given
+    as ``size_text``) with the one shape its kind's options name; a size or shape no call can have
+    (or that the unit refuses: autosymm.spec.kinds.BucketUnit.refuse) is a usage error."""
+    unit, kind = record.unit, record.shape
+    size = unit.option.of(values)
+    if size is None:
+        raise click.BadParameter(f"give {unit.option.flag} or --all", param_hint=unit.option.flag)
+    shape = None
+    if kind:
+        if kind.option.of(values) is None:
+            raise click.BadParameter(f"{record.name} needs {kind.option.flag}", param_hint=kind.option.flag)
+        shape = selected_shapes(record, values, ())[0]
+        why = record.no_calls(shape)
+        if why:
+            raise click.BadParameter(why, param_hint=kind.option.flag)
     try:
-        size = parse_bytes(text)
+        problem = record.problem_at(target.dtype, target.world_size, size, shape)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--bytes") from None
-    return record.problems(replace(request, sizes=(_checked_bytes(text, size, target),)))[0]
-
-
-def _tokens_problem(record, request: PointRequest, tokens: int, target: Target, epilogue) -> Problem:
-    problems = record.problems(replace(request, tokens=(tokens,)))
-    if not problems:  # the epilogue cannot take this hidden size (NVFP4: a multiple of 16)
-        raise click.BadParameter(f"epilogue {epilogue.key!r} cannot serve hidden={request.hidden[0]} (NVFP4 packs "
-                                 "blocks of 16)", param_hint="--hidden")
-    problem = problems[0]
-    if problem.nbytes > MAX_SIZE:
-        raise click.BadParameter(f"{tokens} tokens per rank make {problem.nbytes} bytes, over 2^63 - 1",
-                                 param_hint="--tokens")
+        raise click.BadParameter(str(exc), param_hint=(kind or unit).option.flag) from None
+    why = unit.refuse(problem, size_text)
+    if why:
+        raise click.BadParameter(why, param_hint=unit.option.flag)
     return problem
-
-
-#: How `explain` reads one size, per bucket unit (autosymm.spec.BYTES / TOKENS).
-_SIZE_READERS = {spec.BYTES: _bytes_problem, spec.TOKENS: _tokens_problem}
-
-
-def _checked_bytes(text: str, size: int, target: Target) -> int:
-    """``size`` (read from ``text``) when an all-reduce tensor of ``target.dtype`` can have it
-    and it fits the all-reduce region; a usage error saying which limit it breaks otherwise."""
-    elem = Problem.all_reduce(0, target.dtype, target.world_size).elem_bytes
-    region = offline_caps(target).all_reduce_bytes
-    if size < elem or size % elem:
-        raise click.BadParameter(f"{text!r} ({size} B) is not a whole, non-zero number of {target.dtype} elements "
-                                 f"({elem} B each)", param_hint="--bytes")
-    if size > region:
-        raise click.BadParameter(
-            f"{text!r} ({format_bytes(size)}) is over the workspace's all-reduce region ({format_bytes(region)}: the "
-            f"default, or half of AUTOSYMM_WORKSPACE_BYTES, at most {format_bytes(MAX_WORKSPACE_BYTES // 2)}); "
-            f"no tuned kernel can take it (NCCL serves such a call)",
-            param_hint="--bytes")
-    return size
 
 
 def offline_caps(target: Target):
@@ -206,16 +176,16 @@ def explain_lines(problem: Problem, modes, target: Target, sources) -> list[str]
     return lines
 
 
-def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: Optional[int] = None,
-         epilogue=None) -> None:
-    """One table per op: the decision at every default and tuned size (or shape x token count)."""
+def plan(console, target: Target, sources, records: Sequence[OpSpec], modes=MODES,
+         values: Optional[Values] = None) -> None:
+    """One table per op of ``records``: the decision at every default and tuned size (and shape,
+    as its kind's option ``values`` select)."""
     from ..runtime.dispatch import decide
 
     hardware, gpu, world_size, dtype = target
     caps, deterministic = offline_caps(target), settings.deterministic()
-    for this_op in ops:
-        record = spec.get(this_op)
-        problems = _plan_problems(record, target, sources, moe_shape, hidden, epilogue)
+    for record in records:
+        problems = _plan_problems(record, target, sources, values or {})
         if not problems:
             continue
         body = []
@@ -227,7 +197,8 @@ def plan(console, target: Target, sources, moe_shape, ops, modes=MODES, hidden: 
         columns = [record.unit.column]
         for m in modes:
             columns += [f"{m} backend", f"{m} config", f"{m} us", f"{m} vs NCCL"]
-        console.print(table(f"{this_op} plan: {world_size}x {gpu} ({hardware}), {dtype}", columns, body, PLAN_CAPTION))
+        title = f"{record.name} plan: {world_size}x {gpu} ({hardware}), {dtype}"
+        console.print(table(title, columns, body, PLAN_CAPTION))
 
 
 def _plan_cells(decision, problem: Problem, caps, mode: str) -> list[str]:
@@ -241,25 +212,19 @@ def _plan_cells(decision, problem: Problem, caps, mode: str) -> list[str]:
             f"{decision.nccl_us / us:.2f}x" if decision.nccl_us and us else "-"]
 
 
-def _plan_problems(record, target: Target, sources, moe_shape, hidden: Optional[int],
-                   epilogue=None) -> list[tuple[str, Problem]]:
-    """(label, problem) of every default point of the op (``record``: its sizes; its shapes or
-    hidden sizes, tuned by default; the fused op's ``epilogue``, None the default) and every
-    point the sources tuned it at, 1.5 x 2^k too, for the target's hardware and world size."""
+def _plan_problems(record: OpSpec, target: Target, sources, values: Values) -> list[tuple[str, Problem]]:
+    """(label, problem) of every default point of the op (its ``points``) and every point the
+    sources tuned it at, for the target's hardware and world size; its shapes (of the default and
+    tuned ones) as its kind's option ``values`` select."""
     hardware, _, world_size, dtype = target
     rows = [row for source in sources
             for row in source.db.rows(hardware=hardware, world_size=world_size, op=record.name)]
-    points = {row.bucket for row in rows}
-    tuned = [record.shape_of_key(key) for key in sorted({row.shape for row in rows if row.shape})]
-    request = PointRequest((dtype,), world_size, sizes=sorted(points | set(parse_size_range(DEFAULT_SIZES))),
-                           tokens=sorted(points | set(TOKENS)), extra_tokens=False,
-                           epilogues=None if epilogue is None else (epilogue,))
-    kind = record.shape
-    if kind:
-        one = {"moe_shapes": moe_shape, "hidden": hidden}[kind.request_field]
-        default = getattr(record.points, kind.points_field)
-        request = replace(request, **{kind.request_field: [one] if one else
-                                      sorted(set(tuned) | set(default), key=kind.sort_key)})
+    sizes = sorted({row.bucket for row in rows} | set(record.points.sizes))
+    request = PointRequest((dtype,), world_size, sizes=sizes, extra_sizes=False)
+    if record.shape:
+        tuned = {record.shape_of_key(row.shape) for row in rows}
+        candidates = sorted(tuned | set(record.points.shapes), key=record.shape.sort_key)
+        request = replace(request, shapes=selected_shapes(record, values, candidates))
     return [(f"{record.point_label(p, ' ')}{record.unit.label_suffix}", p) for p in record.problems(request)]
 
 

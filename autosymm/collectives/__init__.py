@@ -1,15 +1,17 @@
 """The collectives' front doors, one module per op: its public function and hot path, its checks,
 its custom ops (and its replay, where it has one). Each builds on the runtime (autosymm.runtime)
-and its op's spec (autosymm.spec); :data:`DOORS` is the entry list autosymm.ops registers the
-custom ops of, in registry order.
+and its op's spec (autosymm.spec), which names its door (``OpSpec.door``): :func:`doors` is read
+off the registered specs, and autosymm.ops registers their custom ops.
 
 How to add a collective: ARCHITECTURE.md ("A new collective").
 """
 
 from __future__ import annotations
 
-from . import all_gather, all_reduce, all_reduce_rmsnorm, moe, reduce_scatter
+from .. import spec
+from ..entries import load
 
-#: Every op's door, in the specs' registry order (autosymm.spec.ALL).
-DOORS = (all_reduce.DOOR, moe.DP_TO_EP_DOOR, moe.EP_TO_DP_DOOR, all_reduce_rmsnorm.DOOR, reduce_scatter.DOOR,
-         all_gather.DOOR)
+
+def doors() -> tuple:
+    """Every registered op's door (an autosymm.runtime.entry.Door), in registry order."""
+    return tuple(load(record.door) for record in spec.registered())

@@ -301,12 +301,12 @@ def backend_fault(row: Row) -> Optional[str]:
     its op, or holding another algorithm's config; None when it is usable."""
     if row.backend not in backend_names():
         return f"unknown backend {row.backend!r} (known: {', '.join(backend_names())})"
+    if row.backend not in spec.get(row.op).backends:
+        return f"backend {row.backend} does not serve op {row.op!r}"
     try:
         backend = get_backend(row.backend)
     except Exception:  # registered, not importable here (a broken optional piece): only its name is checked
         return None
-    if row.op not in backend.needs.ops:
-        return f"backend {row.backend} does not serve op {row.op!r}"
     config = row.config_obj
     if config is None and backend.needs.compiles_kernels:
         return f"backend {row.backend} needs a launch config, the row holds none"

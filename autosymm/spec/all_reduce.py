@@ -10,8 +10,9 @@ import torch
 
 from ..configs import AllReduceConfig
 from ..dist_compat import REDUCE_OP_NAMES
-from ..problem import DTYPE_NAMES, octave_points
-from .base import BytesKeyed, Domain, Lookups, TuningPoints
+from ..problem import DTYPE_NAMES
+from .base import STACK_BACKENDS, BytesKeyed, Domain, Lookups, TuningPoints
+from .kinds import SIZES
 
 #: Reduce op name -> the dist.ReduceOp attribute NCCL runs it with (every op but a bf16/fp16/fp32 sum).
 NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
@@ -20,11 +21,6 @@ NCCL_OPS = {name: name.upper() for name in REDUCE_OP_NAMES}
 UNREDUCIBLE = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                            "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
                         if hasattr(torch, name))
-
-#: `autosymm tune --sizes` by default: 4 KiB..256 MiB, two points per octave (2^k, 1.5 * 2^k).
-SIZES_SPEC = "4KiB:256MiB:2"
-SIZES = tuple(octave_points(4 << 10, 256 << 20, 2))
-
 
 #: The reductions whose result can depend on the order of the ranks' values (floating point).
 ORDERED_OPS = ("sum", "avg", "product")
@@ -53,6 +49,19 @@ class AllReduceSpec(BytesKeyed):
 #: The all-reduce's and reduce-scatter's tuned domain: sums of the kernels' dtypes.
 SUMS = Domain(reduce_ops=("sum",))
 
-ALL_REDUCE = AllReduceSpec("all_reduce", fallback="nccl", fallback_order=("nccl",), points=TuningPoints(sizes=SIZES),
-                           config_type=AllReduceConfig, lookups=Lookups(bf16_same_bytes=True),
-                           invariant_fallback="nccl_ordered", domain=SUMS, local="autosymm.backends.local:identity")
+_BACKENDS = "autosymm.backends."
+ALL_REDUCE = AllReduceSpec(
+    "all_reduce", fallback="nccl", fallback_order=("nccl",), points=TuningPoints(sizes=SIZES),
+    config_type=AllReduceConfig, door="autosymm.collectives.all_reduce:DOOR",
+    backends={"nccl": _BACKENDS + "nccl_all_reduce:nccl", "nccl_symm": _BACKENDS + "nccl_symm:nccl_symm",
+              "torch_one_shot": _BACKENDS + "torch_symm:torch_one_shot",
+              "torch_two_shot": _BACKENDS + "torch_symm:torch_two_shot",
+              "triton_one_shot": _BACKENDS + "triton_all_reduce:triton_one_shot",
+              "triton_one_shot_push": _BACKENDS + "triton_all_reduce:triton_one_shot_push",
+              "triton_two_shot": _BACKENDS + "triton_all_reduce:triton_two_shot",
+              "triton_multimem": _BACKENDS + "triton_all_reduce:triton_multimem",
+              "triton_lamport": _BACKENDS + "triton_lamport:triton_lamport",
+              "nccl_ordered": _BACKENDS + "nccl_ordered:nccl_ordered", **STACK_BACKENDS},
+    tuning="autosymm.tuning.ops.all_reduce:ALL_REDUCE", bench="autosymm.bench.run:ALL_REDUCE_BENCH",
+    lookups=Lookups(bf16_same_bytes=True), invariant_fallback="nccl_ordered", domain=SUMS,
+    local="autosymm.backends.local:identity")

@@ -10,13 +10,14 @@ import re
 from dataclasses import dataclass
 
 from ..configs import FlashInferFusedConfig, FusedConfig
-from ..epilogue import DEFAULT, NATIVE_CHAIN, NVFP4_BLOCK, QUANTS, SINGLE_ROUNDING, Epilogue  # noqa: F401
+from ..epilogue import DEFAULT, NVFP4_BLOCK, QUANTS, SINGLE_ROUNDING, Epilogue
 from ..problem import DTYPES, Problem
-from .base import PointRequest, ShapeKind, TokensKeyed, TuningPoints
-from .moe import TOKENS
+from .base import STACK_BACKENDS, TokensKeyed, TuningPoints
+from .kinds import TOKEN_COUNTS, Option, OptionError, ShapeKind, Values, parse_count
 
 #: Hidden sizes of the default sweep (the hidden sizes of common tensor-parallel models), at
-#: :data:`TOKENS` and :data:`EXTRA_TOKENS`, eager and graph: 4 x 10 x 2 = 80 (problem, mode) pairs.
+#: autosymm.spec.kinds.TOKEN_COUNTS and :data:`EXTRA_TOKENS`, eager and graph: 4 x 10 x 2 = 80
+#: (problem, mode) pairs.
 HIDDEN = (4096, 5120, 7168, 8192)
 #: Token counts also tuned, inside the asked-for range: where the op's targets are stated (fused
 #: within 1 us of the all-reduce alone up to 128 tokens, 1.5x NCCL + rms_norm up to 2048), so the
@@ -33,13 +34,6 @@ EPILOGUES = tuple(Epilogue(residual=r, gemma=g, quant=q) for g, q in (
 SCALED_QUANTS = tuple(q for q in QUANTS if Epilogue(quant=q).needs_scale)
 #: Quant modes that return two tensors (the quantized output and its scales).
 TWO_OUTPUT_QUANTS = tuple(q for q in QUANTS if Epilogue(quant=q).has_scales)
-
-
-def with_extra_tokens(tokens, extra=EXTRA_TOKENS) -> list[int]:
-    """``tokens`` plus the ``extra`` counts within their range, sorted."""
-    if not tokens:
-        return []
-    return sorted(set(tokens) | {t for t in extra if min(tokens) <= t <= max(tokens)})
 
 
 def shape_key(hidden: int, epilogue: Epilogue) -> str:
@@ -86,10 +80,67 @@ def check_problem_epilogue(epilogue: Epilogue, hidden: int, op: str) -> None:
         raise ValueError(f"{op}: quant='nvfp4' needs hidden % {NVFP4_BLOCK} == 0, got hidden={hidden}")
 
 
+@dataclass(frozen=True)
+class HiddenShape:
+    """The fused op's shape: ``hidden`` (elements per row) and its ``epilogue``; ``key`` is the
+    database ``shape`` column (:func:`shape_key`)."""
+
+    hidden: int
+    epilogue: Epilogue = DEFAULT
+
+    @property
+    def key(self) -> str:
+        return shape_key(self.hidden, self.epilogue)
+
+    @classmethod
+    def from_key(cls, key: str) -> "HiddenShape":
+        """Inverse of :attr:`key`; a ValueError naming ``key`` for any other text."""
+        return cls(*split_key(key))
+
+
+HIDDEN_OPTION = Option("--hidden", "the hidden size (elements per row)", parse_count)
+QUANT_OPTION = Option("--quant", "the output quantization (default: none, x's dtype)", str, choices=QUANTS)
+GEMMA_OPTION = Option("--gemma", "the Gemma norm (weight applied as 1 + w)")
+NO_RESIDUAL_OPTION = Option("--no-residual", "no residual add")
+EPILOGUE_OPTION = Option("--epilogue", "the epilogue by key (e.g. add_rms_fp8, rms_nvfp4, gemma; 'default'), "
+                         "instead of --quant/--gemma/--no-residual", parse_epilogues)
+EPILOGUES_OPTION = Option("--epilogues", "epilogues by key (default, rms, add_rms_fp8, rms_nvfp4, add_gemma, "
+                          "add_rms_fp8_per_token, ...; 'all': every served one), each tuned under its own shape key",
+                          parse_epilogues, default="default")
+
+
+def asked_epilogues(values: Values) -> tuple[Epilogue, ...]:
+    """The epilogues option ``values`` ask for: `tune`'s ``--epilogues``, or `explain`'s
+    ``--epilogue`` or ``--quant``/``--gemma``/``--no-residual`` (the default where none is given).
+    OptionError naming the option whose values no call has."""
+    many = EPILOGUES_OPTION.of(values)
+    if many is not None:
+        return tuple(many)
+    quant, gemma = QUANT_OPTION.of(values), bool(GEMMA_OPTION.of(values))
+    no_residual = bool(NO_RESIDUAL_OPTION.of(values))
+    flags = quant is not None or gemma or no_residual
+    one = EPILOGUE_OPTION.of(values)
+    if one is None:
+        return (Epilogue(residual=not no_residual, gemma=gemma, quant=quant),)
+    if flags:
+        raise OptionError(EPILOGUE_OPTION.flag, "give --epilogue or --quant/--gemma/--no-residual, not both")
+    if len(one) != 1:
+        raise OptionError(EPILOGUE_OPTION.flag, f"{', '.join(e.key or 'default' for e in one)} is not one epilogue")
+    return tuple(one)
+
+
+def _pick(values: Values, candidates) -> list[HiddenShape]:
+    """The asked-for hidden size (else every candidate's) with each asked-for epilogue."""
+    hidden = HIDDEN_OPTION.of(values)
+    hiddens = [hidden] if hidden is not None else list(dict.fromkeys(shape.hidden for shape in candidates))
+    return [HiddenShape(h, e) for e in asked_epilogues(values) for h in hiddens]
+
+
 #: The hidden size (elements per row) and epilogue, the `shape` column of the fused op's rows.
-HIDDEN_SHAPE = ShapeKind("hidden", option="--hidden", option_dest="hidden", request_field="hidden",
-                         points_field="hidden", takes_epilogue=True, of_key=lambda key: split_key(key)[0],
-                         row_elements=int, sort_key=int)
+HIDDEN_SHAPE = ShapeKind("hidden", HIDDEN_OPTION, of_key=HiddenShape.from_key, row_elements=lambda shape: shape.hidden,
+                         sort_key=lambda shape: (shape.hidden, shape.epilogue.key),
+                         refine=(QUANT_OPTION, GEMMA_OPTION, NO_RESIDUAL_OPTION, EPILOGUE_OPTION),
+                         sweep=(EPILOGUES_OPTION,), pick=_pick)
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,19 +158,14 @@ class AllReduceRMSNormSpec(TokensKeyed):
     def shape_key(self, problem: Problem) -> str:
         return shape_key(problem.hidden, problem.epilogue or DEFAULT)
 
-    def problems(self, request: PointRequest) -> list[Problem]:
-        hidden = self.points.hidden if request.hidden is None else request.hidden
-        tokens = list(self.points.tokens if request.tokens is None else request.tokens)
-        if request.extra_tokens:
-            tokens = with_extra_tokens(tokens, self.points.extra_tokens)
-        epilogues = self.points.epilogues if request.epilogues is None else request.epilogues
-        return [Problem.all_reduce_rmsnorm(t, h, d, request.world_size, epilogue=e)
-                for d in request.dtypes for e in epilogues for h in hidden for t in tokens
-                if e.quant != "nvfp4" or h % NVFP4_BLOCK == 0]  # NVFP4 packs blocks of 16
+    def problem_at(self, dtype: str, world_size: int, size: int, shape=None) -> Problem:
+        return Problem.all_reduce_rmsnorm(size, shape.hidden, dtype, world_size, epilogue=shape.epilogue)
 
-    def problem_of_row(self, row) -> Problem:
-        hidden, epilogue = split_key(row.shape)
-        return Problem.all_reduce_rmsnorm(row.bucket, hidden, row.dtype, row.world_size, epilogue=epilogue)
+    def no_calls(self, shape: HiddenShape) -> str:
+        if shape.epilogue.quant == "nvfp4" and shape.hidden % NVFP4_BLOCK:
+            return (f"epilogue {shape.epilogue.key!r} cannot serve hidden={shape.hidden} (NVFP4 packs blocks of "
+                    f"{NVFP4_BLOCK})")
+        return ""
 
     def one_rank_reason(self, deterministic: bool) -> str:
         # deterministic: the ordered fallback, whose norm follows its fixed tree (torch's may not)
@@ -132,10 +178,20 @@ class AllReduceRMSNormSpec(TokensKeyed):
         return "autosymm.Problem.all_reduce_rmsnorm(n_tokens_local, hidden, dtype, world_size, epilogue=...)"
 
 
-ALL_REDUCE_RMSNORM = AllReduceRMSNormSpec("all_reduce_rmsnorm", fallback="nccl_fused", fallback_order=("nccl_fused",),
-                                          shape=HIDDEN_SHAPE, config_type=FusedConfig,
-                                          other_config_types=(FlashInferFusedConfig,),
-                                          points=TuningPoints(hidden=HIDDEN, tokens=TOKENS, extra_tokens=EXTRA_TOKENS,
-                                                              epilogues=(DEFAULT,)),
-                                          tuned_by_default=False, invariant_fallback="nccl_ordered_fused",
-                                          local="autosymm.epilogue:local_launcher", formula=SINGLE_ROUNDING)
+_BACKENDS = "autosymm.backends."
+ALL_REDUCE_RMSNORM = AllReduceRMSNormSpec(
+    "all_reduce_rmsnorm", fallback="nccl_fused", fallback_order=("nccl_fused",), shape=HIDDEN_SHAPE,
+    config_type=FusedConfig, other_config_types=(FlashInferFusedConfig,),
+    door="autosymm.collectives.all_reduce_rmsnorm:DOOR",
+    backends={"nccl_fused": _BACKENDS + "nccl_fused:nccl_fused",
+              "nccl_ordered_fused": _BACKENDS + "nccl_ordered:nccl_ordered_fused",
+              "triton_fused_one_shot": _BACKENDS + "triton_fused:triton_fused_one_shot",
+              "triton_fused_one_shot_push": _BACKENDS + "triton_fused:triton_fused_one_shot_push",
+              "triton_fused_two_shot": _BACKENDS + "triton_fused:triton_fused_two_shot",
+              "triton_fused_lamport": _BACKENDS + "triton_fused:triton_fused_lamport",
+              "flashinfer_fused": _BACKENDS + "flashinfer_fused:flashinfer_fused", **STACK_BACKENDS},
+    tuning="autosymm.tuning.ops.all_reduce_rmsnorm:ALL_REDUCE_RMSNORM", bench="autosymm.bench.fused:FUSED_BENCH",
+    points=TuningPoints(sizes=TOKEN_COUNTS, shapes=tuple(HiddenShape(hidden) for hidden in HIDDEN),
+                        extra_sizes=EXTRA_TOKENS),
+    tuned_by_default=False, invariant_fallback="nccl_ordered_fused", local="autosymm.epilogue:local_launcher",
+    formula=SINGLE_ROUNDING)

@@ -1,77 +1,18 @@
 """The declarative half of a collective (:class:`OpSpec`): how a call becomes a Problem and its
 database key, its fallbacks, lookups, growth model and default tuning points, as data. Beside it
-the records it is made of (:class:`BucketUnit`, :class:`ShapeKind`, :class:`Lookups`,
-:class:`TuningPoints`, :class:`PointRequest`) and the typed key of a prepared call
-(:class:`CallKey`). Nothing here runs a collective: the front doors (autosymm.collectives) do.
+the records it is made of (:class:`Lookups`, :class:`Domain`, :class:`TuningPoints`,
+:class:`PointRequest`; its bucket unit and shape kind: autosymm.spec.kinds) and the typed key of a
+prepared call (:class:`CallKey`). Nothing here runs a collective: the front doors
+(autosymm.collectives) do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
-from ..problem import DTYPES, MoEShape, Problem, format_bytes, parse_bytes, spec_of
-
-
-@dataclass(frozen=True)
-class BucketUnit:
-    """What an op's database bucket counts, and how the CLI, plans and bench name it: ``name``
-    (the unit), ``option`` (the `explain` option giving one size) and its ``option_dest``,
-    ``request_field`` (the :class:`PointRequest` field of sizes), ``column`` (a plan's first
-    column), ``label_suffix`` (after a plan's point label) and ``json_field`` (`db show --json`)."""
-
-    name: str
-    option: str
-    option_dest: str
-    request_field: str
-    column: str
-    label_suffix: str
-    json_field: str
-    parse: Callable[[Any], int]
-    text: Callable[[int], str]
-    cell: Callable[[int], str]
-
-
-def _bytes_text(bucket: int) -> str:
-    return format_bytes(bucket) if bucket % 1024 == 0 else f"{bucket} B"
-
-
-def _tokens_text(bucket: int) -> str:
-    return f"{bucket} tokens/rank"
-
-
-#: Bytes of the full (unsharded) tensor.
-BYTES = BucketUnit("bytes", "--bytes", "nbytes", "sizes", "size", "", "size_bytes", parse_bytes, _bytes_text,
-                   format_bytes)
-#: Tokens per rank (the op also has a shape: :class:`ShapeKind`).
-TOKENS = BucketUnit("tokens", "--tokens", "tokens", "tokens", "shape/tokens", " tok", "tokens_per_rank", int,
-                    _tokens_text, str)
-
-
-@dataclass(frozen=True)
-class ShapeKind:
-    """What an op's database ``shape`` column holds: ``param`` (its name: '' none, 'moe_shape',
-    'hidden'), ``option`` / ``option_dest`` (the `explain` option giving one), ``request_field``
-    and ``points_field`` (the :class:`PointRequest` / :class:`TuningPoints` field of shapes),
-    ``takes_epilogue`` (the fused op's epilogue options apply), ``of_key`` (a shape from its key),
-    ``row_elements`` (elements per token of a shape, bounding a row's bytes) and ``sort_key`` (the
-    order plans list shapes in)."""
-
-    param: str
-    option: str = ""
-    option_dest: str = ""
-    request_field: str = ""
-    points_field: str = ""
-    takes_epilogue: bool = False
-    of_key: Optional[Callable[[str], Any]] = None
-    row_elements: Optional[Callable[[Any], int]] = None
-    sort_key: Optional[Callable[[Any], Any]] = None
-
-    def __bool__(self) -> bool:
-        return bool(self.param)
-
-
-NO_SHAPE = ShapeKind("")
+from ..problem import DTYPES, Problem, format_bytes, spec_of
+from .kinds import BYTES, TOKENS, BucketUnit, Option, ShapeKind
 
 
 @dataclass(frozen=True)
@@ -83,6 +24,11 @@ class Lookups:
     other_mode: bool = True
     bf16_same_bytes: bool = False
     nearest_shape: bool = False
+
+
+#: The backends that are a serving stack's own path (autosymm.backends.stack), listed by every op
+#: a stack runs itself (the all-reduce, the fused all-reduce + RMSNorm, reduce-scatter, all-gather).
+STACK_BACKENDS = {"vllm": "autosymm.backends.stack:vllm", "sglang": "autosymm.backends.stack:sglang"}
 
 
 @dataclass(frozen=True)
@@ -100,40 +46,46 @@ class Domain:
 
 @dataclass(frozen=True)
 class TuningPoints:
-    """An op's default tuning points (``autosymm tune`` without options), as data: ``sizes``
-    (bytes), ``moe_shapes``, ``hidden`` sizes (elements per row), ``tokens`` per rank, and
-    ``extra_tokens`` also tuned where they lie inside the asked-for token range, and the fused
-    op's ``epilogues`` (autosymm.epilogue.Epilogue)."""
+    """An op's default points (``autosymm tune`` without options, plans), as data: ``sizes`` (in
+    its unit: bytes, tokens per rank), ``shapes`` (of its shape kind) and ``extra_sizes`` also
+    tuned where they lie inside the asked-for range of sizes."""
 
     sizes: tuple[int, ...] = ()
-    moe_shapes: tuple[MoEShape, ...] = ()
-    hidden: tuple[int, ...] = ()
-    tokens: tuple[int, ...] = ()
-    extra_tokens: tuple[int, ...] = ()
-    epilogues: tuple[Any, ...] = ()
+    shapes: tuple[Any, ...] = ()
+    extra_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class PointRequest:
-    """The points a tune, a plan or ``explain`` asks for; a field left None takes the op's
-    :class:`TuningPoints`. ``extra_tokens`` False: only the asked-for token counts (plans)."""
+    """The points a tune, a plan or ``explain`` asks of an op: ``sizes`` (in its unit) and
+    ``shapes`` (of its kind), each None for the op's :class:`TuningPoints`; ``extra_sizes`` False:
+    only the asked-for sizes (plans)."""
 
     dtypes: tuple[str, ...]
     world_size: int
     sizes: Optional[Sequence[int]] = None
-    moe_shapes: Optional[Sequence[MoEShape]] = None
-    hidden: Optional[Sequence[int]] = None
-    tokens: Optional[Sequence[int]] = None
-    extra_tokens: bool = True
-    epilogues: Optional[Sequence[Any]] = None
+    shapes: Optional[Sequence[Any]] = None
+    extra_sizes: bool = True
+
+
+def with_extra_sizes(sizes, extra) -> list[int]:
+    """``sizes`` plus the ``extra`` sizes within their range, sorted."""
+    if not sizes:
+        return []
+    return sorted(set(sizes) | {size for size in extra if min(sizes) <= size <= max(sizes)})
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: call keys lead with it
 class OpSpec:
-    """One collective's declarative half: ``name`` (the database's ``op`` column, ``Problem.op``);
-    ``unit`` (what its bucket counts, by subclass: :class:`BytesKeyed` the :data:`BYTES` of the full
-    tensor, :class:`TokensKeyed` the :data:`TOKENS` per rank);
-    ``shape`` (what its DB ``shape`` column holds: :data:`NO_SHAPE` or the op's kind);
+    """One collective's record, the one place that names everything of it: ``name`` (the database's
+    ``op`` column, ``Problem.op``); ``unit`` (what its bucket counts, by subclass: :class:`BytesKeyed`
+    the :data:`BYTES` of the full tensor, :class:`TokensKeyed` the :data:`TOKENS` per rank);
+    ``shape`` (what its DB ``shape`` column holds: None or the op's kind, autosymm.spec.kinds);
+    ``door`` (the entry 'module:attribute' of its front door, an autosymm.runtime.entry.Door);
+    ``backends`` (name -> entry of every backend serving it, autosymm.backends: a backend serving
+    two ops is listed by both, with the same entry); ``tuning`` (the entry of its tuning side, an
+    autosymm.tuning.ops.base.TuningOp) and ``bench`` (the entry of how `autosymm bench` measures
+    it, an autosymm.bench.report.BenchOp; '' none);
     ``fallback`` (the backend that always serves it: the tuner's baseline, the dispatcher's last
     resort) and ``fallback_order`` (where no row serves, the first of these that can serve runs
     with its ``fallback_config``); ``config_type`` (the config class its database rows hold) and
@@ -147,7 +99,7 @@ class OpSpec:
     'noop': ``local(problem) -> launcher``; '' where every call exchanges); ``formula`` (the
     numerics its backends compute unless one says otherwise, autosymm.backends.Backend.formula:
     'sum' in any rank order, 'copy', the fused op's 'single-rounding').
-    Subclasses (one module per op) give :meth:`check_problem` and :meth:`problems`."""
+    Subclasses (one module per op) give :meth:`check_problem` and :meth:`problem_at`."""
 
     unit: ClassVar[BucketUnit]
     name: str
@@ -155,9 +107,13 @@ class OpSpec:
     fallback_order: tuple[str, ...]
     points: TuningPoints
     config_type: type
+    door: str
+    backends: Mapping[str, str]
+    tuning: str
+    bench: str = ""
     lookups: Lookups = Lookups()
     other_config_types: tuple[type, ...] = ()
-    shape: ShapeKind = NO_SHAPE
+    shape: Optional[ShapeKind] = None
     tuned_by_default: bool = True
     invariant_fallback: str = ""
     domain: Domain = Domain()
@@ -168,6 +124,26 @@ class OpSpec:
         if not self.fallback_order or self.fallback_order[-1] != self.fallback:
             raise ValueError(f"{self.name}: fallback_order {self.fallback_order} must end with the fallback "
                              f"{self.fallback!r} (the backend that always serves)")
+        named = (*self.fallback_order, self.invariant_fallback)
+        unlisted = [name for name in named if name and name not in self.backends]
+        if unlisted:
+            raise ValueError(f"{self.name}: fallback backend(s) {unlisted} are not among its backends "
+                             f"{tuple(self.backends)}")
+
+    @property
+    def config_types(self) -> tuple[type, ...]:
+        """Every config class the op's database rows may hold (``config_type`` first)."""
+        return (self.config_type, *self.other_config_types)
+
+    @property
+    def call_options(self) -> tuple[Option, ...]:
+        """The options `autosymm explain` asks one call of this op with (its unit's, its shape's)."""
+        return (self.unit.option, *((self.shape.option, *self.shape.refine) if self.shape else ()))
+
+    @property
+    def sweep_options(self) -> tuple[Option, ...]:
+        """The options `autosymm tune` asks this op's sweep with (its unit's, its shape's)."""
+        return (self.unit.sweep, *(self.shape.sweep if self.shape else ()))
 
     def __reduce__(self):
         """Pickled by name (a Problem sent to a worker process keeps the registered spec)."""
@@ -235,9 +211,24 @@ class OpSpec:
         this op) on the critical path, before any per-config rounds (autosymm.runtime.neighbours)."""
         return problem.bucket / row.bucket
 
-    def problems(self, request: PointRequest) -> list[Problem]:
-        """The Problems of ``request`` (its fields, else :attr:`points`), dtype-major."""
+    def problem_at(self, dtype: str, world_size: int, size: int, shape: Any = None) -> Problem:
+        """The Problem of one point: ``size`` in the op's unit, ``shape`` of its kind (None without
+        one); a ValueError naming the rule where no call has it."""
         raise NotImplementedError(self.name)
+
+    def no_calls(self, shape: Any) -> str:
+        """Why no call has ``shape`` (sweeps and plans leave it out), or '' where calls have it."""
+        return ""
+
+    def problems(self, request: PointRequest) -> list[Problem]:
+        """The Problems of ``request`` (its fields, else :attr:`points`), dtype-major, then shape,
+        then size."""
+        sizes = list(self.points.sizes if request.sizes is None else request.sizes)
+        if request.extra_sizes:
+            sizes = with_extra_sizes(sizes, self.points.extra_sizes)
+        shapes = (self.points.shapes if request.shapes is None else request.shapes) if self.shape else (None,)
+        return [self.problem_at(dtype, request.world_size, size, shape) for dtype in request.dtypes
+                for shape in shapes if not self.no_calls(shape) for size in sizes]
 
     def problem_of_key(self, key: "CallKey", world_size: int) -> Problem:
         """The Problem of a call key (re-preparing cached launchers); ops that need it give it."""
@@ -247,7 +238,8 @@ class OpSpec:
         """The Problem whose database key is ``row``'s (a db.schema.Row of this op: its dtype,
         world_size, bucket and shape), built as a call's is, so the op's own rules apply; a
         ValueError naming the rule where no call can have that key."""
-        raise NotImplementedError(self.name)
+        return self.problem_at(row.dtype, row.world_size, row.bucket,
+                               self.shape_of_key(row.shape) if self.shape else None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -274,12 +266,8 @@ class BytesKeyed(OpSpec):
     def point_label(self, problem: Problem, sep: str = " t=") -> str:
         return format_bytes(problem.nbytes)
 
-    def problem_of_row(self, row) -> Problem:
-        return Problem(self.name, row.dtype, row.world_size, nbytes=row.bucket)
-
-    def problems(self, request: PointRequest) -> list[Problem]:
-        sizes = self.points.sizes if request.sizes is None else request.sizes
-        return [Problem(self.name, d, request.world_size, nbytes=n) for d in request.dtypes for n in sizes]
+    def problem_at(self, dtype: str, world_size: int, size: int, shape: Any = None) -> Problem:
+        return Problem(self.name, dtype, world_size, nbytes=size)
 
 
 @dataclass(frozen=True, eq=False)

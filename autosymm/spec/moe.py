@@ -9,17 +9,39 @@ from dataclasses import dataclass
 
 from ..configs import MoEConfig
 from ..problem import DTYPES, MODEL_SHAPES, MoEShape, Problem, dtype_name
-from .base import KEY_DTYPE, KEY_EXTRA, KEY_SHAPE, CallKey, Lookups, PointRequest, ShapeKind, TokensKeyed, TuningPoints
+from .base import KEY_DTYPE, KEY_EXTRA, KEY_SHAPE, CallKey, Lookups, TokensKeyed, TuningPoints
+from .kinds import TOKEN_COUNTS, Option, ShapeKind
 
-#: Tokens per rank of the default sweep: powers of four from 1 to 4096, and 8192. The dispatcher
-#: serves a count in between from its tuned neighbours, so the range 1..8192 is covered with 8
-#: points instead of 14 (a sweep of minutes, not tens).
-TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 
-#: A MoE layer's routing shape, the `shape` column of its rows (`explain --shape`).
-MOE_SHAPE = ShapeKind("moe_shape", option="--shape", option_dest="shape", request_field="moe_shapes",
-                      points_field="moe_shapes", of_key=MoEShape.from_key, row_elements=lambda shape: shape.d_model,
-                      sort_key=lambda shape: shape.key)
+def parse_moe_shapes(text: str) -> dict[str, MoEShape]:
+    """'deepseek-v3,d5120_e160_k6' -> {item: shape}: model names (any case, autosymm.problem.MODEL_SHAPES)
+    or any d{D}_e{E}_k{K} key; ValueError naming a bad item."""
+    out = {}
+    models = {name.lower(): shape for name, shape in MODEL_SHAPES.items()}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            out[item] = models[item.lower()] if item.lower() in models else MoEShape.from_key(item)
+        except ValueError as exc:
+            raise ValueError(f"{item!r}: {exc} (model names: {', '.join(MODEL_SHAPES)})") from None
+    if not out:
+        raise ValueError(f"no MoE shape in {text!r}")
+    return out
+
+
+def parse_moe_shape(text: str) -> MoEShape:
+    """The one MoE shape of ``text`` (a model name or d{D}_e{E}_k{K}); ValueError otherwise."""
+    shapes = list(parse_moe_shapes(text).values())
+    if len(shapes) != 1:
+        raise ValueError(f"{text!r} is not one MoE shape (a model name or a key like d7168_e256_k8)")
+    return shapes[0]
+
+
+#: A MoE layer's routing shape, the `shape` column of its rows (`explain --shape`, `tune --shapes`).
+MOE_SHAPE = ShapeKind(
+    "moe_shape", Option("--shape", "the MoE shape: a model name or d{D}_e{E}_k{K}", parse_moe_shape),
+    of_key=MoEShape.from_key, row_elements=lambda shape: shape.d_model, sort_key=lambda shape: shape.key,
+    sweep=(Option("--shapes", "MoE shapes: model names or d{D}_e{E}_k{K}",
+                  lambda text: tuple(parse_moe_shapes(text).values()), default=",".join(MODEL_SHAPES)),))
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,14 +69,8 @@ class MoEConversionSpec(TokensKeyed):
         """Rows of ``src``: the local tokens (dp -> ep), or every (token, k) pair (ep -> dp)."""
         return n_tokens_local if self.to_experts else n_pairs
 
-    def problems(self, request: PointRequest) -> list[Problem]:
-        shapes = self.points.moe_shapes if request.moe_shapes is None else request.moe_shapes
-        tokens = self.points.tokens if request.tokens is None else request.tokens
-        return [Problem.moe(self.name, shape, t, d, request.world_size)
-                for d in request.dtypes for shape in shapes for t in tokens]
-
-    def problem_of_row(self, row) -> Problem:
-        return Problem.moe(self.name, MoEShape.from_key(row.shape), row.bucket, row.dtype, row.world_size)
+    def problem_at(self, dtype: str, world_size: int, size: int, shape=None) -> Problem:
+        return Problem.moe(self.name, shape, size, dtype, world_size)
 
     def problem_hint(self) -> str:
         return f"autosymm.Problem.moe({self.name!r}, shape, n_tokens_local, dtype, world_size)"
@@ -68,11 +84,16 @@ class MoEConversionSpec(TokensKeyed):
                            dtype_name(key[KEY_DTYPE]), world_size)
 
 
-_POINTS = TuningPoints(moe_shapes=tuple(MODEL_SHAPES.values()), tokens=TOKENS)
+_POINTS = TuningPoints(sizes=TOKEN_COUNTS, shapes=tuple(MODEL_SHAPES.values()))
 # No NCCL path is graph-capturable: where no row serves, the Triton conversion's default config first.
-_FALLBACKS = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig,
-                  formula="copy")
-DP_TO_EP = MoEConversionSpec("dp_to_ep", points=_POINTS, lookups=Lookups(nearest_shape=True), shape=MOE_SHAPE,
-                             to_experts=True, index_name="gate_indx", **_FALLBACKS)
-EP_TO_DP = MoEConversionSpec("ep_to_dp", points=_POINTS, lookups=Lookups(nearest_shape=True), shape=MOE_SHAPE,
-                             to_experts=False, index_name="topk_indx", **_FALLBACKS)
+_SHARED = dict(fallback="nccl_all_to_all", fallback_order=("triton_moe", "nccl_all_to_all"), config_type=MoEConfig,
+               backends={"triton_moe": "autosymm.backends.triton_moe:TRITON_MOE",
+                         "nccl_all_to_all": "autosymm.backends.nccl_all_to_all:NCCL_ALL_TO_ALL"},
+               bench="autosymm.bench.run:MOE_BENCH", points=_POINTS, lookups=Lookups(nearest_shape=True),
+               shape=MOE_SHAPE, formula="copy")
+DP_TO_EP = MoEConversionSpec("dp_to_ep", door="autosymm.collectives.moe:DP_TO_EP_DOOR",
+                             tuning="autosymm.tuning.ops.moe:DP_TO_EP", to_experts=True, index_name="gate_indx",
+                             **_SHARED)
+EP_TO_DP = MoEConversionSpec("ep_to_dp", door="autosymm.collectives.moe:EP_TO_DP_DOOR",
+                             tuning="autosymm.tuning.ops.moe:EP_TO_DP", to_experts=False, index_name="topk_indx",
+                             **_SHARED)

@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import spec
-from ..spec import PointRequest
-from ..problem import MODES, MoEShape, Problem
+from ..spec import PointRequest, Values
+from ..problem import MODES, Problem
 from .evaluator import SweepEvaluator
 from .outcome import TuneOutcome
 from .precompile import precompile
@@ -31,20 +31,18 @@ from .tuner import SearchSettings, tune
 
 @dataclass
 class TuneOptions:
-    """What `autosymm tune` was asked for (the CLI's options)."""
+    """What `autosymm tune` was asked for (the CLI's options): ``points`` the parsed values of the
+    ops' sweep options, flag -> value (autosymm.spec.OpSpec.sweep_options: sizes, shapes, ...)."""
 
     ops: list[str]
-    sizes: list[int]
     dtypes: list[str]
     modes: list[str]
-    shapes: dict[str, MoEShape]
-    tokens: list[int]
+    points: Values = field(default_factory=dict)
     strategy: str = "auto"
     trials: Optional[int] = None
     db_path: str = ""  # "": a dry run, nothing written
     seed: int = 0
     backends: Optional[list[str]] = None  # None: every registered backend
-    epilogues: Optional[list] = None  # all_reduce_rmsnorm's (autosymm.epilogue.Epilogue); None: its default points
 
     def settings(self) -> TuneSettings:
         """The session settings of these options."""
@@ -54,19 +52,21 @@ class TuneOptions:
 
 def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
     """The sweep of ``options`` (see :func:`sweep_problems`)."""
-    return sweep_problems(options.ops, options.sizes, options.dtypes, options.shapes, options.tokens, world_size,
-                          options.epilogues)
+    return sweep_problems(options.ops, options.dtypes, world_size, options.points)
 
 
-def sweep_problems(ops: list[str], sizes: list[int], dtypes: list[str], shapes: dict[str, MoEShape],
-                   tokens: list[int], world_size: int, epilogues: Optional[list] = None) -> list[Problem]:
-    """The problems of the ops in ``ops``, in registry order (autosymm.spec.ALL), each op's
-    points of these: all-reduce sizes x dtypes, MoE shapes x token counts, the fused all-reduce +
-    RMSNorm at its hidden sizes x ``tokens`` (and its extra token counts inside their range) x
-    ``epilogues`` (None: its default points' epilogues)."""
-    request = PointRequest(tuple(dtypes), world_size, sizes=sizes, moe_shapes=tuple(shapes.values()), tokens=tokens,
-                           epilogues=None if epilogues is None else tuple(epilogues))
-    return [p for record in spec.ALL if record.name in ops for p in record.problems(request)]
+def sweep_problems(ops: Sequence[str], dtypes: Sequence[str], world_size: int, points: Values) -> list[Problem]:
+    """The problems of the ops in ``ops``, in registry order (autosymm.spec.registered), each op's
+    points as the values ``points`` of its sweep options ask (flag -> value; an option not given:
+    the op's default points): its unit's sizes (and its points' extra sizes inside their range)
+    x the shapes its shape kind selects, x ``dtypes``."""
+    problems = []
+    for record in spec.registered():
+        if record.name in ops:
+            shapes = record.shape.select(points, record.points.shapes) if record.shape else None
+            request = PointRequest(tuple(dtypes), world_size, sizes=record.unit.sweep.of(points), shapes=shapes)
+            problems += record.problems(request)
+    return problems
 
 
 def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:

@@ -8,11 +8,11 @@ under the problem's exact size (autosymm.problem).
 
 Default points: each op's spec declares them (autosymm.spec: ``points``). All-reduce at
 two points per octave, 2^k and 1.5 * 2^k bytes from 4 KiB to 256 MiB
-(autosymm.spec.all_reduce.SIZES, 33 sizes; `autosymm tune --sizes` default
-autosymm.spec.all_reduce.SIZES_SPEC): the dispatcher serves a call between tuned sizes
+(autosymm.spec.kinds.SIZES, 33 sizes; `autosymm tune --sizes` default
+autosymm.spec.kinds.SIZES_SPEC): the dispatcher serves a call between tuned sizes
 from its two neighbours (autosymm.runtime.dispatch), and at most 1.5x apart the neighbours' configs stay
 close to what a tune at the call's own size finds; at one point per octave the 4 MiB config
-served 3 MB 15 % slower than a 3 MB tune (2x H200). MoE at autosymm.spec.moe.TOKENS
+served 3 MB 15 % slower than a 3 MB tune (2x H200). MoE at autosymm.spec.kinds.TOKEN_COUNTS
 tokens per rank.
 
 Modes: ``eager`` and ``graph`` for every problem: all-reduce at
@@ -123,7 +123,7 @@ def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[d
     why_not: dict[str, str] = {}
     for name in sorted(backends):
         backend = backends[name]
-        if problem.op not in backend.needs.ops:
+        if not backend.serves(problem.record):
             continue
         reason = backend.why_not(problem, caps, mode)
         if reason is not None:

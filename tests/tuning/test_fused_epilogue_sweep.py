@@ -29,7 +29,10 @@ class _Shifted(Backend):
     """NCCL + the reference, then (per config) one fp8 value moved by 0, 2 or 1 code steps."""
 
     name = "shifted"
-    needs = Needs(ops=("all_reduce_rmsnorm",))
+    needs = Needs()
+
+    def serves(self, record):
+        return record.name == "all_reduce_rmsnorm"
 
     def search_space(self, problem):
         return [OK, TWO_STEPS, ONE_STEP]
@@ -86,10 +89,10 @@ def test_an_epilogue_sweep_validates_against_the_reference():
 
 
 def test_tune_epilogues_make_one_problem_per_epilogue_and_key():
-    problems = sweep_problems(["all_reduce_rmsnorm"], [4096], ["bf16"], {}, [16], 2,
-                              list(parse_epilogues("default,add_rms_fp8,rms_nvfp4")))
+    epilogues = parse_epilogues("default,add_rms_fp8,rms_nvfp4")
+    problems = sweep_problems(["all_reduce_rmsnorm"], ["bf16"], 2, {"--tokens": [16], "--epilogues": epilogues})
     keys = {p.shape_key for p in problems}
     assert {"h4096", "h4096_add_rms_fp8", "h4096_rms_nvfp4", "h7168_rms_nvfp4"} <= keys
-    every = sweep_problems(["all_reduce_rmsnorm"], [4096], ["bf16"], {}, [16], 2, list(parse_epilogues("all")))
+    every = sweep_problems(["all_reduce_rmsnorm"], ["bf16"], 2, {"--tokens": [16], "--epilogues": parse_epilogues("all")})
     assert {p.epilogue for p in every} == set(EPILOGUES)
-    assert {p.epilogue for p in sweep_problems(["all_reduce_rmsnorm"], [4096], ["bf16"], {}, [16], 2)} == {Epilogue()}
+    assert {p.epilogue for p in sweep_problems(["all_reduce_rmsnorm"], ["bf16"], 2, {"--tokens": [16]})} == {Epilogue()}

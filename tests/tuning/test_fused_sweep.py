@@ -16,8 +16,9 @@ from autosymm.backends.nccl_fused import nccl_fused
 from autosymm.configs import FusedConfig
 from autosymm.problem import MODEL_SHAPES, Problem
 from autosymm.tuning.session import sweep_problems, workspace_bytes
-from autosymm.spec.all_reduce_rmsnorm import HIDDEN as FUSED_HIDDEN, with_extra_tokens as fused_tokens
-from autosymm.spec.moe import TOKENS
+from autosymm.spec import with_extra_sizes
+from autosymm.spec.all_reduce_rmsnorm import EXTRA_TOKENS, HIDDEN as FUSED_HIDDEN
+from autosymm.spec.kinds import TOKEN_COUNTS as TOKENS
 from autosymm.tuning.sweep import TimingPlan
 
 MOE_TOKENS = list(TOKENS)
@@ -32,7 +33,10 @@ class _Composed(Backend):
     """A fused 'kernel' made of NCCL + torch; config FORGETS leaves the residual as it was."""
 
     name = "composed"
-    needs = Needs(ops=("all_reduce_rmsnorm",))
+    needs = Needs()
+
+    def serves(self, record):
+        return record.name == "all_reduce_rmsnorm"
 
     def search_space(self, problem):
         return [OK, FORGETS]
@@ -82,7 +86,7 @@ def test_a_fused_sweep_checks_residual_and_output():
 
 
 def test_ops_all_reduce_rmsnorm_sweeps_the_hidden_sizes_at_the_token_counts():
-    problems = sweep_problems(["all_reduce_rmsnorm"], [4096], ["bf16"], {}, [1, 64, 8192], 2)
+    problems = sweep_problems(["all_reduce_rmsnorm"], ["bf16"], 2, {"--tokens": [1, 64, 8192]})
     tokens = (1, 64, 128, 2048, 8192)  # and the fused targets' token counts inside the range
     assert [(p.hidden, p.n_tokens_local) for p in problems] == [(h, t) for h in FUSED_HIDDEN for t in tokens]
     assert {p.shape_key for p in problems} == {f"h{h}" for h in FUSED_HIDDEN}
@@ -90,8 +94,13 @@ def test_ops_all_reduce_rmsnorm_sweeps_the_hidden_sizes_at_the_token_counts():
     assert workspace_bytes(problems)[0] >= 2 * 8192 * 8192 * 2
 
 
+def fused_tokens(tokens):
+    return with_extra_sizes(tokens, EXTRA_TOKENS)
+
+
 def test_fused_tokens_add_the_targets_inside_the_range_only():
     assert fused_tokens(MOE_TOKENS) == [1, 4, 16, 64, 128, 256, 1024, 2048, 4096, 8192]
     assert fused_tokens([1, 4]) == [1, 4] and fused_tokens([4, 1, 256]) == [1, 4, 128, 256] and fused_tokens([]) == []
-    moe = sweep_problems(["dp_to_ep"], [4096], ["bf16"], {"s": MODEL_SHAPES[next(iter(MODEL_SHAPES))]}, MOE_TOKENS, 2)
+    moe = sweep_problems(["dp_to_ep"], ["bf16"], 2, {"--shapes": [next(iter(MODEL_SHAPES.values()))],
+                                                      "--tokens": MOE_TOKENS})
     assert [p.n_tokens_local for p in moe] == MOE_TOKENS, "the MoE sweep keeps its token counts"

@@ -32,7 +32,7 @@ class _FakeJit:
 
 
 class _CompilingBackend(Backend):
-    needs = Needs(ops=("all_reduce",), compiles_kernels=True)
+    needs = Needs(compiles_kernels=True)
 
     def __init__(self, fn, fail_on=()):
         self.fn, self.fail_on = fn, set(fail_on)
@@ -46,7 +46,7 @@ class _CompilingBackend(Backend):
 
 
 class _CollectiveBackend(Backend):
-    needs = Needs(ops=("all_reduce",))
+    needs = Needs()
 
     def prepare(self, problem, config, ctx):
         raise AssertionError("a backend without compiles_kernels must not be called: it may run collectives")

@@ -26,8 +26,8 @@ def test_settings_defaults_and_conversion():
     assert settings.timeout_s == measure_timeout_s() and settings.plan_for is timing_plan
     settings = TuneSettings(modes=["eager"], backends=["nccl"])
     assert settings.modes == ("eager",) and settings.backends == ("nccl",)
-    options = TuneOptions(ops=["all_reduce"], sizes=[4096], dtypes=["bf16"], modes=["eager", "graph"], shapes={},
-                          tokens=[], strategy="optuna", trials=7, seed=3, backends=[])
+    options = TuneOptions(ops=["all_reduce"], dtypes=["bf16"], modes=["eager", "graph"], points={"--sizes": [4096]},
+                          strategy="optuna", trials=7, seed=3, backends=[])
     assert options.settings() == TuneSettings(strategy="optuna", trials=7, seed=3, modes=("eager", "graph"))
 
 
@@ -48,7 +48,10 @@ class _OnlyRightAt(Backend):
     """A stand-in all-reduce (gloo) that is right only below ``max_nbytes``: above, every config
     (the baseline too) adds 1 to the result, so no candidate passes validation."""
 
-    needs = Needs(ops=("all_reduce",))
+    needs = Needs()
+
+    def serves(self, record):
+        return record.name == "all_reduce"
 
     def __init__(self, space, max_nbytes):
         self.space, self.max_nbytes = space, max_nbytes
@@ -95,8 +98,8 @@ def _session_ranks(rank, world_size, db_path, job_db_path):
         report["rows"] = sorted((r.backend, r.hardware) for r in TuningDB(db_path).rows())
     # `autosymm tune`'s worker body: 8 KiB tunes, 16 KiB fails everywhere (no candidate is right)
     session_module._load_backends = lambda names: (_backends(world_size, max_nbytes=8192), {})
-    options = TuneOptions(ops=["all_reduce"], sizes=[8192, 16384], dtypes=["fp32"], modes=["eager"], shapes={},
-                          tokens=[], strategy="grid", db_path=job_db_path)
+    options = TuneOptions(ops=["all_reduce"], dtypes=["fp32"], modes=["eager"], points={"--sizes": [8192, 16384]},
+                          strategy="grid", db_path=job_db_path)
     report["job"] = session_module.tune_job(rank, world_size, options)
     return report
 

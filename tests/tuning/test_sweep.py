@@ -15,8 +15,7 @@ from autosymm.problem import MODEL_SHAPES, MoEShape, Problem, parse_size_range
 from autosymm.tuning.outcome import TuneOutcome
 from autosymm import spec
 from autosymm.spec import PointRequest
-from autosymm.spec.all_reduce import SIZES as ALL_REDUCE_SIZES, SIZES_SPEC as ALL_REDUCE_SIZES_SPEC
-from autosymm.spec.moe import TOKENS as MOE_TOKENS
+from autosymm.spec.kinds import SIZES as ALL_REDUCE_SIZES, SIZES_SPEC as ALL_REDUCE_SIZES_SPEC, TOKEN_COUNTS as MOE_TOKENS
 from autosymm.tuning.session import TuneSession, TuneSettings, sweep_problems
 from autosymm.tuning.sweep import SweepItem, candidates_for, timing_plan, with_eager_launches
 
@@ -25,18 +24,20 @@ def test_default_sweep_and_modes():
     """The ops tuned by default at their records' default points, in both modes."""
     request = PointRequest(("bf16",), 8)
     problems = [p for name in spec.default_tuned() for p in spec.get(name).problems(request)]
-    assert problems == sweep_problems(list(spec.default_tuned()), list(ALL_REDUCE_SIZES), ["bf16"],
-                                      MODEL_SHAPES, list(MOE_TOKENS), 8), "`autosymm tune`'s defaults are the records'"
+    from autosymm.cli.main import _tune_options
+
+    options = _tune_options({"ops": ",".join(spec.default_tuned()), "dtypes": "bf16", "modes": "eager,graph",
+                             "strategy": "auto", "trials": None, "db_path": None, "backend_list": None})
+    assert problems == sweep_problems(options.ops, ["bf16"], 8, options.points), "`autosymm tune`'s defaults are the records'"
+    assert sweep_problems(options.ops, ["bf16"], 8, {}) == problems  # no option given: each op's points
     ar = [p for p in problems if p.op == "all_reduce"]
     powers = [4096 << i for i in range(17)]
     assert [p.nbytes for p in ar] == sorted(powers + [3 * p // 2 for p in powers[:-1]]) and ar[-1].nbytes == 256 << 20
     assert len({p.bucket for p in ar}) == len(ar) == 33  # each size its own rows
     moe = [p for p in problems if p.op != "all_reduce"]
     assert len(moe) == 4 * 2 * 8 and {p.n_tokens_local for p in moe} == {1, 4, 16, 64, 256, 1024, 4096, 8192}
-    from autosymm.cli.main import DEFAULT_TOKENS, TUNE_SIZES, _parse_tokens
-
-    assert _parse_tokens(DEFAULT_TOKENS) == list(MOE_TOKENS), "`autosymm tune`'s default is the default sweep's"
-    assert TUNE_SIZES == ALL_REDUCE_SIZES_SPEC and parse_size_range(TUNE_SIZES) == list(ALL_REDUCE_SIZES)
+    assert spec.TOKENS.sweep.parse(spec.TOKENS.sweep.default) == list(MOE_TOKENS), "`tune --tokens` by default"
+    assert spec.BYTES.sweep.default == ALL_REDUCE_SIZES_SPEC and parse_size_range(ALL_REDUCE_SIZES_SPEC) == list(ALL_REDUCE_SIZES)
     assert all(p.world_size == 8 and p.dtype == "bf16" for p in problems)
     # graph mode at every size and token count: decode and prefill batches alike
     session = object.__new__(TuneSession)
@@ -48,22 +49,21 @@ def test_default_sweep_and_modes():
 
 
 def test_any_shape_and_token_list_parse_for_tune():
-    import click
+    from autosymm.spec.kinds import parse_counts
+    from autosymm.spec.moe import parse_moe_shapes
 
-    from autosymm.cli.main import _parse_shapes, _parse_tokens
-
-    shapes = _parse_shapes("DeepSeek-V3, d5120_e160_k6,d4096_e8_k2")
+    shapes = parse_moe_shapes("DeepSeek-V3, d5120_e160_k6,d4096_e8_k2")
     assert shapes == {"DeepSeek-V3": MODEL_SHAPES["deepseek-v3"], "d5120_e160_k6": MoEShape(5120, 160, 6),
                       "d4096_e8_k2": MoEShape(4096, 8, 2)}
     for bad, match in (("d5120_e160", "not a MoE shape key"), ("d64_e4_k8", "top-k"), ("llama", "model names"),
                        (",", "no MoE shape")):
-        with pytest.raises(click.BadParameter, match=match):
-            _parse_shapes(bad)
-    assert _parse_tokens("3000,1,3000,700") == [3000, 1, 700]
-    assert _parse_tokens("1:16") == [1, 2, 4, 8, 16] and _parse_tokens("16:64:2") == [16, 24, 32, 48, 64]
+        with pytest.raises(ValueError, match=match):
+            parse_moe_shapes(bad)
+    assert parse_counts("3000,1,3000,700") == [3000, 1, 700]
+    assert parse_counts("1:16") == [1, 2, 4, 8, 16] and parse_counts("16:64:2") == [16, 24, 32, 48, 64]
     for bad in ("0,4", "a,b", "8:1", "1:8:3", ""):
-        with pytest.raises(click.BadParameter):
-            _parse_tokens(bad)
+        with pytest.raises(ValueError):
+            parse_counts(bad)
 
 
 def test_a_skipped_item_says_so_with_each_backends_reason():
@@ -81,8 +81,11 @@ def test_a_skipped_item_says_so_with_each_backends_reason():
 
 class _FakeBackend(Backend):
     def __init__(self, name, ops, space, reason=None, graph_capturable=True):
-        self.name, self.space, self.reason = name, space, reason
-        self.needs = Needs(ops=ops, graph_capturable=graph_capturable)
+        self.name, self.ops, self.space, self.reason = name, ops, space, reason
+        self.needs = Needs(graph_capturable=graph_capturable)
+
+    def serves(self, record):
+        return record.name in self.ops
 
     def limits(self, problem, caps):
         return self.reason
@@ -147,8 +150,8 @@ def _tune_graph_moe_where_nothing_can_capture(rank, world_size):
     backends = {"nccl_all_to_all": _FakeBackend("nccl_all_to_all", ("dp_to_ep",), [None], graph_capturable=False),
                 "triton_moe": _FakeBackend("triton_moe", ("dp_to_ep",), [None], reason="needs 9 bytes, has 0")}
     session_module._load_backends = lambda names: (backends, {})
-    options = TuneOptions(ops=["dp_to_ep"], sizes=[], dtypes=["bf16"], modes=["graph"],
-                          shapes={"d7168_e256_k8": MoEShape(7168, 256, 8)}, tokens=[3000], db_path="")
+    options = TuneOptions(ops=["dp_to_ep"], dtypes=["bf16"], modes=["graph"], db_path="",
+                          points={"--shapes": (MoEShape(7168, 256, 8),), "--tokens": [3000]})
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         result = session_module.tune_job(rank, world_size, options)

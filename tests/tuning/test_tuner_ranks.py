@@ -84,7 +84,7 @@ class RankEvaluate:
 class GlooAllReduce(Backend):
     """Stands in for NCCL (and, with ``wrong``/``broken`` configs, for the tuned kernels) on gloo."""
 
-    needs = Needs(ops=("all_reduce",))
+    needs = Needs()  # serves the all-reduce: its names are the spec's
 
     def __init__(self, name, space, wrong=(), broken=()):
         self.name, self.space, self.wrong, self.broken = name, space, set(wrong), set(broken)
@@ -113,7 +113,7 @@ class GatherMoE(Backend):
     """A correct (slow) MoE conversion through all_gather + autosymm.routing's references; ``wrong``
     configs drop one written row."""
 
-    needs = Needs(ops=("dp_to_ep", "ep_to_dp"))
+    needs = Needs()
     name = "triton_moe"
 
     def __init__(self, space, wrong=()):

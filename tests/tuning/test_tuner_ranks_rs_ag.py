@@ -41,7 +41,7 @@ class Standin(Backend):
 
     def __init__(self, name: str, op: str, space, wrong=(), broken=()):
         self.name, self.space, self.wrong, self.broken = name, space, set(wrong), set(broken)
-        self.needs = Needs(ops=(op,))
+        self.needs = Needs()
         self.op = op
 
     def search_space(self, problem):

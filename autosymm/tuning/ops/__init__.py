@@ -1,33 +1,30 @@
 """The tuning side of each op, one module per collective (autosymm.collectives has the runtime
-side): inputs, references, workspace needs, what `bench` measures. :data:`ALL` follows the
-runtime registry's order; :func:`get` finds an op's by name.
+side): inputs, references, workspace needs, what `bench` measures. An op's spec names its module
+(``OpSpec.tuning``, an entry): :func:`registered` follows the op registry's order; :func:`get`
+finds an op's by name.
 
 Adding a collective: ``tuning/ops/<op>.py`` with a :class:`~autosymm.tuning.ops.base.TuningOp`
 subclass (``allocate``, ``build_reference``, ``workspace_bytes``; ``validation_args`` /
-``timing_args`` / ``result`` where its launcher's call differs from ``(input, *extra)``) and one
-line in :data:`ALL`.
+``timing_args`` / ``result`` where its launcher's call differs from ``(input, *extra)``), named by
+its spec.
 """
 
 from __future__ import annotations
 
+from ... import spec
+from ...entries import load
 from ...problem import Problem
-from .all_gather import ALL_GATHER
-from .all_reduce import ALL_REDUCE
-from .all_reduce_rmsnorm import ALL_REDUCE_RMSNORM
 from .base import TuningOp
-from .moe import DP_TO_EP, EP_TO_DP
-from .reduce_scatter import REDUCE_SCATTER
 
-ALL: tuple[TuningOp, ...] = (ALL_REDUCE, DP_TO_EP, EP_TO_DP, ALL_REDUCE_RMSNORM, REDUCE_SCATTER, ALL_GATHER)
-_BY_NAME = {op.name: op for op in ALL}
+
+def registered() -> tuple[TuningOp, ...]:
+    """Every registered op's tuning side, in registry order."""
+    return tuple(load(record.tuning) for record in spec.registered())
 
 
 def get(name: str) -> TuningOp:
-    """The tuning side of op ``name``; ValueError naming the known ones otherwise."""
-    op = _BY_NAME.get(name)
-    if op is None:
-        raise ValueError(f"op={name!r} has no tuning module (known: {tuple(_BY_NAME)})")
-    return op
+    """The tuning side of op ``name``; ValueError naming the registered ops otherwise."""
+    return load(spec.get(name).tuning)
 
 
 def workspace_bytes(problems: list[Problem], at_least: tuple[int, int]) -> tuple[int, int]:
@@ -39,5 +36,4 @@ def workspace_bytes(problems: list[Problem], at_least: tuple[int, int]) -> tuple
     return ar, moe
 
 
-__all__ = ["ALL", "ALL_GATHER", "ALL_REDUCE", "ALL_REDUCE_RMSNORM", "DP_TO_EP", "EP_TO_DP", "REDUCE_SCATTER", "TuningOp", "get",
-           "workspace_bytes"]
+__all__ = ["TuningOp", "get", "registered", "workspace_bytes"]
