@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from autosymm.epilogue import NVFP4_BLOCK
 
 from . import vllm_fusion_quant as quant_fusion  # the quantized chains
+from .identity import code_identity
 from .vllm_ops import _overload, _val, vllm_all_reduce_rmsnorm
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -87,8 +88,19 @@ class VllmAllReduceRMSNormPass(CustomGraphPass):
             if node.op == "call_function" and node.target in norms:
                 self._try(graph, node, sum_op, norms[node.target], vllm_pass)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, quant_fusion.__file__))
+    def uuid(self) -> str:
+        """What vLLM and inductor key compiles by (autosymm.integrations.identity): this pass's
+        modules and the run-time ops it inserts."""
+        return code_identity(__name__, quant_fusion.__name__, "autosymm.integrations.vllm_ops")
+
+    def __deepcopy__(self, memo) -> "VllmAllReduceRMSNormPass":
+        # VllmBackend deep-copies the inductor config it compiles with (compilation/backends.py:893):
+        # the pass stays the one that counts (it holds no per-compile state)
+        return self
+
+    def __reduce__(self):
+        # a config pickled to vLLM's workers carries the worker's own process-wide pass
+        return _process_pass, ()
 
     def _try(self, graph: Graph, norm: Node, sum_op, with_residual: bool, vllm_pass) -> None:
         match = _match(norm, sum_op, with_residual)
@@ -297,5 +309,10 @@ def install(vllm_config) -> bool:
     return True
 
 
-#: The pass ``autosymm.vllm_fusion_pass`` runs (one per process, so its count covers every compile).
+#: The pass the plugin installs (one per process, so its count covers every compile).
 PASS = VllmAllReduceRMSNormPass()
+
+
+def _process_pass() -> VllmAllReduceRMSNormPass:
+    """:data:`PASS` (what an unpickled pass becomes)."""
+    return PASS
