@@ -51,8 +51,8 @@ def _config(rank, world_size, tp, compile_mode, flashinfer):
                 unchanged=again is installed, other_pre=installed not in (None, vllm_fusion.PASS))
 
 
-def _run(tp=2, compile_mode=None, flashinfer=True) -> dict:
-    (out,) = run_gloo(_config, 1, tp, compile_mode, flashinfer, deadline_s=240).values()
+def _run(tp=2, compile_mode=None, flashinfer=True, env=None) -> dict:
+    (out,) = run_gloo(_config, 1, tp, compile_mode, flashinfer, env={"all": env or {}}, deadline_s=240).values()
     return out
 
 
@@ -87,3 +87,11 @@ def test_inductor_runs_the_pre_pass_before_vllms_post_pass():
 
     source = inspect.getsource(post_grad.post_grad_passes)
     assert 0 < source.index("config.post_grad_custom_pre_pass") < source.index("config.post_grad_custom_post_pass")
+
+
+def test_batch_invariance_keeps_vllms_fusion_off_and_autosymms_pass_out():
+    """``VLLM_BATCH_INVARIANT=1``: vLLM turns its all-reduce + RMSNorm fusion off (config/vllm.py:184-186,
+    the fused path is not batch-invariant); autosymm's pass stays out too (vllm_fusion.opted_out)."""
+    out = _run(env={"VLLM_BATCH_INVARIANT": "1"})
+    assert not out["decided"] and not out["fuse_allreduce_rms"]
+    assert not out["installed"] and not out["other_pre"] and out["unchanged"]
