@@ -72,8 +72,10 @@ fi
 flock -u 9
 export AUTOSYMM_STACKS_CACHE="$CACHE"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# The versions and the files imported, as the tests import them (tests/stacks/stubs.py first).
-"$PYTHON" - <<'PY'
+# The versions and the files imported, as the tests import them (tests/stacks/stubs.py first);
+# printed before the tests and again as the closing lines.
+versions() {
+  "$PYTHON" - <<'PY'
 import sys
 sys.path[:0] = ["tests/stacks"]
 import stubs
@@ -82,5 +84,12 @@ import importlib.metadata as md, vllm, sglang
 for mod in (vllm, sglang):
     print(f"{mod.__name__} {md.version(mod.__name__)} from {mod.__file__}")
 print("stubbed (cannot load on a CPU):", ", ".join(sorted(stubs.STUBS)))
+print("stand-ins (listed in tests/stacks/stubs.py STAND_INS):", ", ".join(sorted(stubs.STAND_INS)))
 PY
-exec "$PYTHON" -m pytest -q tests/stacks/ "$@"
+}
+versions
+status=0
+"$PYTHON" -m pytest -q tests/stacks/ "$@" || status=$?
+echo "tests/stacks ran against (pytest status $status):"
+versions
+exit "$status"

@@ -12,7 +12,7 @@ import tempfile
 import traceback
 
 import torch
-from _adapter_decisions import adapter_decisions
+from _adapter_decisions import adapter_decisions, tuned
 from _gloo import run_with_deadline
 
 WORLD_SIZE = 2
@@ -42,7 +42,6 @@ def _target(rank, world_size, port, queue):
 
 def _custom_all_reduce(rank, world_size):
     import autosymm
-    from autosymm.runtime.dispatch import Decision
     from autosymm.integrations import AutosymmCustomAllReduce
 
     car = AutosymmCustomAllReduce(device="cpu")
@@ -63,7 +62,7 @@ def _custom_all_reduce(rank, world_size):
 
     def fake_explain(t, *, group=None, mode=None):
         asked.append((t.dtype, t.numel(), mode))
-        return Decision("triton_one_shot", None, "stub", mode=mode)
+        return tuned("triton_one_shot", mode)
 
     with adapter_decisions(fake_explain):
         car.autosymm._use.clear()
@@ -316,3 +315,21 @@ def test_adapters_on_two_gloo_ranks():
         assert reports[rank]["stacks"].startswith("nccl")  # gloo: the fallback, NCCL's stand-in
     assert sum(reports[rank]["moe"] for rank in range(WORLD_SIZE)) > 0
     assert sum(reports[rank]["moe_shapes"] for rank in range(WORLD_SIZE)) > 0
+
+
+def test_only_a_tuned_row_other_than_nccls_pre_empts_the_stack():
+    """The gate of every ``serves*``: a database row decided (``Decision.tuned``), for a backend
+    that is not NCCL's fallback or its batch-invariant fallback. An untuned default (the Triton
+    MoE conversion's 'untuned default config', a fallback_order's first backend) leaves the call
+    to the stack's own path."""
+    from autosymm.runtime.dispatch import Decision
+    from autosymm.integrations.serving import serves
+    from autosymm.spec import ALL_REDUCE, ALL_REDUCE_RMSNORM, DP_TO_EP
+
+    assert serves(tuned("triton_one_shot"), ALL_REDUCE)
+    assert not serves(tuned("nccl"), ALL_REDUCE)  # NCCL's row won: the stack's own path, not autosymm's NCCL
+    assert not serves(tuned("nccl_ordered"), ALL_REDUCE)  # autosymm's deterministic NCCL fallback
+    assert not serves(tuned("nccl_ordered_fused"), ALL_REDUCE_RMSNORM)
+    untuned = Decision("triton_moe", None, "no tuned row for this hardware/world size/shape; untuned default config")
+    assert not untuned.tuned and not serves(untuned, DP_TO_EP)
+    assert serves(tuned("triton_moe"), DP_TO_EP) and not serves(tuned("nccl_all_to_all"), DP_TO_EP)

@@ -254,4 +254,4 @@ def test_install_adds_the_pass_once(monkeypatch):
     monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", None)
     assert inductor_config.post_grad_custom_post_pass is None
     fresh = fusion_pass.install()
-    assert inductor_config.post_grad_custom_post_pass is fresh and isinstance(fresh.uuid(), bytes)
+    assert inductor_config.post_grad_custom_post_pass is fresh and isinstance(fresh.uuid(), str)

@@ -5,8 +5,11 @@ the agreement channel used inside a CUDA-graph capture; int64 ids beyond 32 bits
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from _adapter_decisions import adapter_decisions
 from _gloo import run_gloo
 
 N_TOKENS, D_MODEL, N_EXPERTS, K = 6, 32, 5, 2
@@ -110,6 +113,22 @@ def _titan_reference(rank, world_size, xs, scores, ids, padded, seq_len, sp_size
     return out
 
 
+@contextlib.contextmanager
+def _moe_calls(group):
+    """Within: the count of autosymm's MoE conversion calls on ``group`` (autosymm.api.stats)."""
+    from autosymm.api import stats
+
+    def total():
+        return sum(v["calls"] for v in stats(group).values())
+
+    before, box = total(), [0]
+    counter = type("Calls", (), {"__eq__": lambda self, n: box[0] == n, "__repr__": lambda self: str(box[0])})()
+    try:
+        yield counter
+    finally:
+        box[0] = total() - before
+
+
 def _titan_signature(rank, world_size):
     import inspect
 
@@ -123,13 +142,23 @@ def _titan_signature(rank, world_size):
     # (padded tokens, local sequence length, sp_size): none, padding rows, two SP ranks of 2 x 4
     for padded, seq_len, sp_size in ((N_TOKENS, N_TOKENS, 1), (8, 8, 1), (8, 4, 2)):
         titan = TitanTokenDispatcher(N_EXPERTS, sp_size=sp_size, sp_rank=rank % sp_size)
-        routed, per_expert, metadata = titan.dispatch(xs[rank], scores[rank], ids[rank], counts)
-        assert per_expert.shape == (len(titan.manager.local_experts),) and int(per_expert.sum()) == routed.shape[0]
-        expert_of = torch.repeat_interleave(torch.tensor(titan.manager.local_experts), per_expert)
-        out = titan.combine(routed * (expert_of + 1)[:, None], metadata, xs[rank],
-                            num_local_tokens_after_padding=padded, local_seq_len_after_padding=seq_len)
-        want = _titan_reference(rank, world_size, xs, scores, ids, padded, seq_len, sp_size, rank % sp_size)
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        got = []
+        # no tuned row (no database): torchtitan's own all-to-all; a tuned one: autosymm's conversions
+        for decisions in (contextlib.nullcontext(), adapter_decisions(backend="triton_moe")):
+            with decisions, _moe_calls(titan.manager.group) as conversions:
+                titan._decided.clear()
+                routed, per_expert, metadata = titan.dispatch(xs[rank], scores[rank], ids[rank], counts)
+                assert per_expert.shape == (len(titan.manager.local_experts),)
+                assert int(per_expert.sum()) == routed.shape[0]
+                expert_of = torch.repeat_interleave(torch.tensor(titan.manager.local_experts), per_expert)
+                out = titan.combine(routed * (expert_of + 1)[:, None], metadata, xs[rank],
+                                    num_local_tokens_after_padding=padded, local_seq_len_after_padding=seq_len)
+            want = _titan_reference(rank, world_size, xs, scores, ids, padded, seq_len, sp_size, rank % sp_size)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+            got.append((routed, per_expert, out, conversions))
+        (routed, per_expert, out, untuned), (routed2, per_expert2, out2, served) = got
+        assert untuned == 0 and served == 2  # autosymm's dp->ep and ep->dp ran only where a row decides
+        assert torch.equal(routed, routed2) and torch.equal(per_expert, per_expert2) and torch.equal(out, out2)
     with pytest.raises(TypeError):  # keyword-only, as torchtitan declares them
         titan.combine(routed, metadata, xs[rank], 8, 4)
     return True

@@ -6,7 +6,7 @@ where its decision is a tuned kernel, decisions cached per (op, dtype, bytes, mo
 from __future__ import annotations
 
 import torch
-from _adapter_decisions import adapter_decisions
+from _adapter_decisions import adapter_decisions, tuned
 from _gloo import run_gloo
 
 
@@ -26,7 +26,6 @@ class _Stack:
 def _adapter(rank, world_size):
     import torch.distributed as dist
 
-    from autosymm.runtime.dispatch import Decision
     from autosymm.integrations import AutosymmCustomAllReduce
 
     alone = AutosymmCustomAllReduce(device="cpu")
@@ -42,7 +41,7 @@ def _adapter(rank, world_size):
 
     def fake_explain(t=None, *, group=None, op="all_reduce", mode=None, problem=None):
         asked.append((op, problem.dtype, problem.nbytes, mode))
-        return Decision(f"triton_{op}_push", None, "stub", mode=mode)
+        return tuned(f"triton_{op}_push", mode)
 
     wrapped.autosymm._use.clear()  # the decisions above are cached per key
     with adapter_decisions(fake_explain):

@@ -61,3 +61,19 @@ def test_the_hook_vllm_resolves_is_a_top_level_attribute():
     import autosymm
 
     assert "vllm_fusion_pass" in __import__("autosymm").__dict__ and callable(autosymm.vllm_fusion_pass)
+
+
+def test_the_installed_pass_survives_vllms_deepcopy_and_pickling():
+    """VllmBackend deep-copies the inductor config (vLLM 0.33.0 compilation/backends.py:893) and
+    vLLM pickles configs to its workers: the pass stays the process's one (its counts are the
+    compiles'), and its uuid is the str vLLM's JSON config hash takes."""
+    import copy
+    import json
+    import pickle
+
+    from autosymm.integrations import vllm_fusion
+
+    config = {vllm_fusion.PRE_PASS_KEY: vllm_fusion.PASS}
+    assert copy.deepcopy(config)[vllm_fusion.PRE_PASS_KEY] is vllm_fusion.PASS
+    assert pickle.loads(pickle.dumps(config))[vllm_fusion.PRE_PASS_KEY] is vllm_fusion.PASS
+    assert json.loads(json.dumps({"pass": vllm_fusion.PASS.uuid()})) == {"pass": vllm_fusion.PASS.uuid()}

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 import autosymm.ops  # noqa: F401  (registers torch.ops.autosymm.*)
+
+from .identity import code_identity
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -227,8 +229,10 @@ class AllReduceRMSNormPass(CustomGraphPass):
             if node.graph is graph and not getattr(node, "_erased", False):
                 self._try_no_residual(graph, node)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+    def uuid(self) -> str:
+        """What inductor keys compiles by (autosymm.integrations.identity): this pass and the op it
+        inserts (its door and registration)."""
+        return code_identity(__name__, "autosymm.collectives.all_reduce_rmsnorm", "autosymm.ops")
 
     def _try(self, graph: Graph, add: Node) -> None:
         for side in (0, 1):

@@ -85,14 +85,22 @@ class AutosymmAll2AllManager:
         """Global ids of this rank's experts, in local-id order."""
         return torch.nonzero(self.assignment.expt_boolmask[self.rank].cpu()).flatten().tolist()
 
+    def agree_dispatch(self, hidden_states, topk_ids, topk_weights=None, *,
+                       caller_error: Optional[Exception] = None) -> None:
+        """The dispatch's checks (and ``caller_error``, an adapter's own) agreed by every rank
+        (collective): raises on every rank where one failed or the ranks' calls differ."""
+        error = caller_error or error_of(self._check_inputs, hidden_states, topk_ids, topk_weights)
+        self.agree("dispatch", error, (_dim(topk_ids, 0), _dim(topk_ids, 1), _dim(hidden_states, 1),
+                                       _dtype_code(hidden_states)))
+
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: Optional[torch.Tensor] = None, *,
-                 caller_error: Optional[Exception] = None) -> Dispatched:
+                 caller_error: Optional[Exception] = None, agreed: bool = False) -> Dispatched:
         """Send each local token's row to its top-k experts' ranks (see the module docstring).
-        ``caller_error``: what an adapter's own checks of the call raised, agreed like the manager's."""
-        error = caller_error or error_of(self._check_inputs, hidden_states, topk_ids, topk_weights)
-        self._agree("dispatch", error, (_dim(topk_ids, 0), _dim(topk_ids, 1), _dim(hidden_states, 1),
-                                        _dtype_code(hidden_states)))
+        ``caller_error``: what an adapter's own checks of the call raised, agreed like the manager's;
+        ``agreed``: the caller ran :meth:`agree_dispatch` for this call already."""
+        if not agreed:
+            self.agree_dispatch(hidden_states, topk_ids, topk_weights, caller_error=caller_error)
         hidden_states = hidden_states.contiguous()
         n_tokens_local, k = topk_ids.shape
         if topk_ids.dtype == torch.int64:  # an id outside int32 is dropped, never wrapped into range
@@ -118,7 +126,7 @@ class AutosymmAll2AllManager:
         """Return processed rows to their tokens' ranks; weighted sum per token when ``reduce``
         (``caller_error``: as :meth:`dispatch`)."""
         error = caller_error or error_of(self._check_output, expert_output, handle)
-        self._agree("combine", error, (_dim(expert_output, 0), -1, _dim(expert_output, 1), _dtype_code(expert_output)))
+        self.agree("combine", error, (_dim(expert_output, 0), -1, _dim(expert_output, 1), _dtype_code(expert_output)))
         rows = convert_ep_to_dp(expert_output.contiguous(), self.assignment, handle.expt_indx,
                                          handle.topk_indx, group=self.group)
         n_tokens_local, k = handle.valid.shape
@@ -142,7 +150,7 @@ class AutosymmAll2AllManager:
         gather(gathered, topk_ids, group=self.group)
         return gathered
 
-    def _agree(self, call: str, error: Optional[Exception], shape: tuple[int, ...]) -> None:
+    def agree(self, call: str, error: Optional[Exception], shape: tuple[int, ...]) -> None:
         """Every rank learns every rank's verdict and ``shape`` (tokens, top-k, d_model, dtype code)
         of this ``call`` before any collective of it; raises on every rank when one failed or the
         shapes differ (this rank's own ``error`` where it has one)."""

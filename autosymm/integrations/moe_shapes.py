@@ -19,6 +19,13 @@ topk_output) -> DispatchOutput`` hands its result to MoE runners chosen by the o
 (standard, DeepEP, ...); no runner reads autosymm's layout, so no SGLang shape is offered here
 (docs/INTEGRATIONS.md).
 
+Where no tuned row decides both conversions of a call for autosymm's conversion (the same
+decision on every rank, after they agree on the call), the dispatcher runs torchtitan's own
+collectives instead (:class:`TitanAllToAll`): ``all_to_all_single`` of the per-expert counts, then
+of the expert-sorted rows with the split sizes they give (one host sync, as torchtitan's), and the
+local permute to expert-major; its combine sends the rows back the same way. Both paths give the
+same rows, counts and combined output.
+
 Every rank must hold the same number of tokens (pad with ids -1); one dispatch, then its combine.
 """
 
@@ -29,7 +36,10 @@ from typing import Optional
 
 import torch
 
+import torch.distributed as dist
+
 from .moe_all2all import AutosymmAll2AllManager, DispatchHandle
+from . import serving  # its explain and gate: what every adapter asks
 
 
 @dataclass
@@ -52,6 +62,7 @@ class TitanTokenDispatcher:
         self._set_sp(sp_size, sp_rank)
 
     def _set_sp(self, sp_size: int, sp_rank: int) -> None:
+        self._decided: dict[tuple, bool] = {}
         if not (isinstance(sp_size, int) and isinstance(sp_rank, int) and 0 <= sp_rank < sp_size):
             raise ValueError(f"sp_size={sp_size!r}, sp_rank={sp_rank!r}: expected ints with 0 <= sp_rank < sp_size")
         self.sp_size, self.sp_rank = sp_size, sp_rank
@@ -79,7 +90,10 @@ class TitanTokenDispatcher:
             error = ValueError(f"dispatch: num_local_tokens_per_expert_E has shape "
                                f"{tuple(getattr(num_local_tokens_per_expert_E, 'shape', ()))}; expected "
                                f"({self.manager.n_experts},)")
-        out = self.manager.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK, caller_error=error)
+        self.manager.agree_dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK, caller_error=error)
+        if not self._tuned(x_TD, topk_expert_ids_TK.shape[1]):
+            return TitanAllToAll(self.manager).dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        out = self.manager.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK, agreed=True)
         rows = torch.nonzero(out.local_expert_ids >= 0).flatten()  # host sync, as torchtitan's splits
         metadata = TitanDispatchMetadata(out.handle, rows, out.hidden_states.shape[0])
         return out.hidden_states[rows], out.tokens_per_expert, metadata
@@ -98,16 +112,110 @@ class TitanTokenDispatcher:
                               or routed_output_RD.shape[0] != metadata.rows.numel()):
             error = ValueError(f"combine: routed_output_RD has shape {tuple(getattr(routed_output_RD, 'shape', ()))}; "
                                f"expected [R = {metadata.rows.numel()}, D]")
+        if isinstance(metadata, TitanAllToAllMetadata):
+            combined = TitanAllToAll(self.manager).combine(routed_output_RD, metadata, error).to(x_TD.dtype)
+            return self._placed(combined, n_tokens, padded, seq_len)
         if error is not None:
             return self.manager.combine(None, metadata.handle, caller_error=error)  # every rank learns of it
         full = routed_output_RD.new_zeros((metadata.n_rows, routed_output_RD.shape[1]))
         full.index_copy_(0, metadata.rows, routed_output_RD)
         combined = self.manager.combine(full, metadata.handle, reduce=True).to(x_TD.dtype)
+        return self._placed(combined, n_tokens, padded, seq_len)
+
+    def _tuned(self, x_TD: torch.Tensor, k: int) -> bool:
+        """Whether tuned rows decide both conversions of this (agreed) call for autosymm's
+        conversion, not NCCL (autosymm.integrations.serving.serves); asked once per call shape."""
+        from autosymm.problem import DTYPES, MoEShape, Problem, dtype_name
+        from autosymm.spec import DP_TO_EP, EP_TO_DP
+
+        key = (x_TD.shape[0], x_TD.shape[1], k, x_TD.dtype)
+        if key not in self._decided:
+            manager = self.manager
+            self._decided[key] = x_TD.dtype in DTYPES.values() and all(
+                serving.serves(serving.explain(group=manager.group, op=spec.name, mode="eager", problem=Problem.moe(
+                    spec.name, MoEShape(x_TD.shape[1], manager.n_experts, k), x_TD.shape[0], dtype_name(x_TD.dtype),
+                    manager.world_size)), spec)
+                for spec in (DP_TO_EP, EP_TO_DP))
+        return self._decided[key]
+
+    def _placed(self, combined: torch.Tensor, n_tokens: int, padded: int, seq_len: int) -> torch.Tensor:
+        """``combined`` [n_tokens, D] at torchtitan's sequence-parallel positions (module docstring)."""
         out = combined.new_zeros((padded * self.sp_size, combined.shape[1]))
         token = torch.arange(n_tokens, device=combined.device)
         if self.sp_size > 1:  # torchtitan's BaseEPTokenDispatcher._sp_global_token_indices
             token = (token // seq_len) * (seq_len * self.sp_size) + self.sp_rank * seq_len + token % seq_len
         return out.index_copy_(0, token, combined)
+
+
+@dataclass
+class TitanAllToAllMetadata:
+    """What :meth:`TitanAllToAll.combine` needs from its dispatch."""
+
+    order: torch.Tensor  #: int64 [P]: this rank's routed pairs (token * k + slot), in the order sent
+    send_splits: list[int]  #: rows sent to each rank
+    recv_splits: list[int]  #: rows received from each rank
+    to_expert_major: torch.Tensor  #: int64 [R]: the received row at each expert-major position
+    scores: torch.Tensor  #: [T, k] the router scores
+    rows: torch.Tensor  #: [R] placeholder of the routed rows' count (TitanTokenDispatcher.combine checks it)
+
+
+class TitanAllToAll:
+    """torchtitan's own token all-to-all (``AllToAllTokenDispatcher``: the counts, then the rows
+    by ``all_to_all_single``, then the local permute) over the manager's group and placement."""
+
+    def __init__(self, manager: AutosymmAll2AllManager) -> None:
+        self.manager = manager
+
+    def _expert_order(self) -> torch.Tensor:
+        """int64 [E]: the rank of each expert in (owner rank, local id) order: each rank's block contiguous."""
+        assignment = self.manager.assignment
+        owner = assignment.expt_owner.long().cpu()
+        local = assignment.expt_map.long().cpu().max(0).values
+        order = torch.argsort(owner * assignment.n_expts_tot + local, stable=True)
+        return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+
+    def dispatch(self, x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor):
+        """(routed_input_RD, num_tokens_per_local_expert_e, metadata) as the autosymm path's."""
+        manager = self.manager
+        group, world, n_experts = manager.group, manager.world_size, manager.n_experts
+        per_rank = list(manager.assignment.n_expts_per_shard)
+        n_local = per_rank[manager.rank]
+        flat = ids.reshape(-1).long()
+        valid = (flat >= 0) & (flat < n_experts)
+        rank_of = self._expert_order().to(x.device)
+        key = torch.where(valid, rank_of[flat.clamp(0, n_experts - 1)], n_experts)
+        order = torch.argsort(key, stable=True)[:int(valid.sum())]  # pairs by expert (owner-major), then pair
+        counts = torch.bincount(key[valid], minlength=n_experts)
+        received = counts.new_empty(world * n_local)
+        dist.all_to_all_single(received, counts, [n_local] * world, per_rank, group=group)
+        received = received.view(world, n_local)  # [source rank, local expert]
+        send_splits = [int(part.sum()) for part in torch.split(counts, per_rank)]  # host syncs, as torchtitan's
+        recv_splits = received.sum(1).tolist()
+        rows = x.new_empty((sum(recv_splits), x.shape[1]))
+        dist.all_to_all_single(rows, x[order // ids.shape[1]].contiguous(), recv_splits, send_splits, group=group)
+        expert_of_row = torch.cat([torch.repeat_interleave(torch.arange(n_local, device=x.device), received[r])
+                                   for r in range(world)])
+        source_of_row = torch.repeat_interleave(torch.arange(world, device=x.device), received.sum(1))
+        to_expert_major = torch.argsort(expert_of_row * world + source_of_row, stable=True)
+        metadata = TitanAllToAllMetadata(order, send_splits, recv_splits, to_expert_major, scores,
+                                         torch.empty(rows.shape[0], device=x.device))
+        return rows[to_expert_major], received.sum(0), metadata
+
+    def combine(self, routed_output: torch.Tensor, metadata: TitanAllToAllMetadata,
+                error: Exception | None) -> torch.Tensor:
+        """Each token's score-weighted sum of its pairs' expert outputs (fp32, one cast), the rows
+        sent back as they came; a bad call on one rank raises on every rank."""
+        manager = self.manager
+        width = routed_output.shape[1] if error is None else -1
+        manager.agree("combine", error, (-1, -1, width, 0))  # row counts differ by rank; the width does not
+        back = torch.empty_like(routed_output)
+        back[metadata.to_expert_major] = routed_output
+        pairs = routed_output.new_empty((sum(metadata.send_splits), routed_output.shape[1]))
+        dist.all_to_all_single(pairs, back, metadata.send_splits, metadata.recv_splits, group=manager.group)
+        n_tokens, k = metadata.scores.shape
+        out = torch.zeros((n_tokens * k, routed_output.shape[1]), dtype=torch.float32, device=routed_output.device)
+        out[metadata.order] = pairs.float()
+        return out.view(n_tokens, k, -1).mul_(metadata.scores.float().unsqueeze(-1)).sum(1)
 
 
 def _padding_error(n_tokens: int, padded, seq_len, sp_size: int) -> Optional[ValueError]:

@@ -5,8 +5,10 @@ stacks' own objects keep their ``all_reduce``, ``reduce_scatter``, ``all_gather`
 and ``disabled`` with their own signatures and meanings, so nothing here may be named into them.
 
 Each ``serves*`` answers whether autosymm's decision for a call (dtype, bytes, eager or graph
-mode; asked once per key, with the tuned databases) is something other than its NCCL fallback;
-the matching call runs whatever autosymm decides. ``stop()`` makes every ``serves*`` False.
+mode; asked once per key, with the tuned databases) is a tuned row's (``Decision.tuned``) whose
+backend is not NCCL's (the op's fallback, or its batch-invariant fallback): where no row decides,
+or NCCL's row won, the stack runs its own path, exactly what it would run without autosymm. The
+matching call runs whatever autosymm decides. ``stop()`` makes every ``serves*`` False.
 """
 
 from __future__ import annotations
@@ -101,18 +103,19 @@ class AutosymmServing:
                 and (self.max_size is None or nbytes < self.max_size))
 
     def _decides(self, key: tuple, record, problem: Optional[Problem], x=None) -> bool:
-        """True when autosymm's decision for ``key`` (cached) is not ``record``'s NCCL fallback."""
+        """True when a tuned row decides ``key`` (cached) for a backend other than ``record``'s NCCL
+        fallbacks (module docstring)."""
         use = self._use.get(key)
         if use is None:
             if problem is None:
                 decision = explain(x, group=self.group, mode=key[-1])
             else:
                 decision = explain(group=self.group, op=record.name, mode=key[-1], problem=problem)
-            use = self._use[key] = decision.backend != record.fallback
+            use = self._use[key] = serves(decision, record)
         return use
 
     def serves(self, x: torch.Tensor) -> bool:
-        """True when autosymm would sum ``x`` with something other than plain NCCL."""
+        """True when a tuned row decides the sum of ``x`` for something other than NCCL."""
         if not self._fits(x):
             return False
         return self._decides((x.dtype, x.numel(), self._mode()), ALL_REDUCE, None, x)
@@ -137,9 +140,9 @@ class AutosymmServing:
         return out
 
     def serves_fused(self, x: torch.Tensor, epilogue=None) -> bool:
-        """True when autosymm's decision for the fused all-reduce + RMSNorm of ``x`` [tokens,
-        hidden] with ``epilogue`` (autosymm.epilogue.Epilogue; None: the default) is not its NCCL
-        fallback."""
+        """True when a tuned row decides the fused all-reduce + RMSNorm of ``x`` [tokens, hidden]
+        with ``epilogue`` (autosymm.epilogue.Epilogue; None: the default) for something other
+        than NCCL."""
         if not self._fits(x) or x.dim() != 2:
             return False
         problem = Problem.all_reduce_rmsnorm(x.shape[0], x.shape[1], dtype_name(x.dtype), self.world_size,
@@ -156,8 +159,9 @@ class AutosymmServing:
         return out, residual_out
 
     def _serves_sharded(self, record, x: torch.Tensor, full_bytes: int) -> bool:
-        """True when autosymm's decision for ``record``'s call of a ``full_bytes`` full tensor is not
-        its NCCL fallback (a reduce-scatter sums bf16/fp16/fp32 only; an all-gather copies any dtype)."""
+        """True when a tuned row decides ``record``'s call of a ``full_bytes`` full tensor for
+        something other than NCCL (a reduce-scatter sums bf16/fp16/fp32 only; an all-gather copies
+        any dtype)."""
         if x.dim() == 0 or not self._fits(x, full_bytes, any_dtype=record is ALL_GATHER):
             return False
         dtype = dtype_name(x.dtype) if x.dtype in _SUPPORTED else "bf16"  # the all-gather's keying
@@ -165,12 +169,13 @@ class AutosymmServing:
         return self._decides((record.name, x.dtype, full_bytes, self._mode()), record, problem)
 
     def serves_all_gather(self, x: torch.Tensor) -> bool:
-        """True when autosymm's decision for the dim-0 all-gather of every rank's ``x`` is not NCCL."""
+        """True when a tuned row decides the dim-0 all-gather of every rank's ``x`` for something
+        other than NCCL."""
         return self._serves_sharded(ALL_GATHER, x, self.world_size * x.numel() * x.element_size())
 
     def serves_reduce_scatter(self, x: torch.Tensor) -> bool:
-        """True when ``x``'s dim 0 splits into world_size shards and autosymm's decision for their
-        reduce-scatter is not NCCL."""
+        """True when ``x``'s dim 0 splits into world_size shards and a tuned row decides their
+        reduce-scatter for something other than NCCL."""
         return (isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % self.world_size == 0
                 and self._serves_sharded(REDUCE_SCATTER, x, x.numel() * x.element_size()))
 
@@ -191,6 +196,13 @@ class AutosymmServing:
     def __repr__(self) -> str:
         return (f"AutosymmServing(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"max_size={self.max_size}, stopped={self.stopped})")
+
+
+def serves(decision, record) -> bool:
+    """Whether ``decision`` (autosymm.explain's, for an op of spec ``record``) pre-empts the stack's
+    own path: a database row decided it, for a backend other than NCCL's (``record.fallback`` or
+    ``record.invariant_fallback``). Untuned defaults never do."""
+    return decision.tuned and decision.backend not in (record.fallback, record.invariant_fallback)
 
 
 def as_device(device) -> torch.device:

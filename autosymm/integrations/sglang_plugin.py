@@ -10,13 +10,18 @@ hooks (``sglang.srt.plugins.hook_registry.HookRegistry``). Two AROUND hooks:
   all-reduce with autosymm first in its slot calls (:func:`build`): the object itself, of a
   generated subclass of its class (so ``isinstance(ca_comm, CustomAllReduceV2)`` holds and SGLang's
   own V2 fusions stay on, its methods unshadowed), or autosymm's standalone slot where SGLang's
-  is disabled or failed. autosymm serves where its decision is not NCCL, SGLang's own object where
-  that one accepts, else SGLang's next path (pynccl, NCCL).
+  is disabled or failed. autosymm serves where a tuned row decides the call for something other
+  than NCCL, SGLang's own object where that one accepts, else SGLang's next path (pynccl, NCCL).
 * :data:`FUSED` (``flashinfer_allreduce_residual_rmsnorm(input_tensor, residual, weight, eps,
   ..., use_attn_tp_group)`` -> ``(norm_out, residual_out)``, what SGLang's RMSNorm calls with
   ``--enable-flashinfer-allreduce-fusion``): autosymm's fused op where the group's slot holds an
-  autosymm adapter whose decision is not NCCL, else FlashInfer's (whose ``(None, None)`` sends
-  SGLang to its unfused path).
+  autosymm adapter and a tuned row decides the call, else FlashInfer's (whose ``(None, None)``
+  sends SGLang to its unfused path).
+
+SGLang's deterministic inference is its own: on CUDA it turns its custom all-reduce and its
+FlashInfer fusion off (arg_groups/attention_hook.py:599-614, :683), so neither hook is
+reached; where the slot is built under ``SGLANG_ENABLE_DETERMINISTIC_INFERENCE`` alone, autosymm
+reads only batch-invariant tuned rows and SGLang's own path serves the rest.
 
 ``SGLANG_PLUGINS`` (SGLang's allow-list) selects plugins by name. Nothing here imports SGLang
 until :func:`register` runs.
@@ -58,8 +63,8 @@ def build(stack_class, group, device):
     (:func:`~autosymm.integrations.custom_all_reduce.wrap`: that object itself, its class a
     subclass of ``stack_class``, where it is enabled, so SGLang's ``isinstance(ca_comm,
     CustomAllReduceV2)`` paths stay on); where it cannot be built (SGLang then warns and goes
-    without), autosymm's standalone slot. Under SGLang's deterministic inference autosymm serves
-    with its deterministic setting. Collective."""
+    without), autosymm's standalone slot. Under SGLang's deterministic inference autosymm reads
+    only batch-invariant tuned rows (its deterministic setting). Collective."""
     try:
         inner = stack_class(group=group, device=device)
     except Exception as exc:  # what SGLang's own construction does with it: warn, go on without
@@ -80,7 +85,7 @@ def _deterministic() -> Optional[bool]:
 def serve_fused(slot, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``(norm_out, residual_out)`` from autosymm where ``slot`` carries autosymm (``.autosymm``, in
-    place or standalone), is not disabled and autosymm's fused decision is not NCCL, else None."""
+    place or standalone), is not disabled and a tuned row decides the fused call, else None."""
     serving = getattr(slot, "autosymm", None)
     if (isinstance(serving, AutosymmServing) and not getattr(slot, "disabled", True)
             and residual.shape == x.shape and serving.serves_fused(x)):

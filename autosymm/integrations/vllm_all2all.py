@@ -6,8 +6,10 @@ autosymm serves under the default ``"allgather_reducescatter"``: the plugin's
 just built by :class:`AutosymmAgRsAll2AllManager`, its subclass. autosymm's dp->ep / ep->dp
 conversions (autosymm.integrations.moe_rows) serve the naive prepare/finalize's ``dispatch`` and
 the ``combine`` / ``combine_into_output`` after it where every condition holds (expert parallelism
-over this group with linear placement, the group's ranks, dtypes, room inside a capture), each the
-same on every rank; everything else is vLLM's ``AgRsAll2AllManager`` unchanged.
+over this group with linear placement, the group's ranks, dtypes, room inside a capture, and a
+tuned row deciding both conversions of the call for autosymm's Triton conversion), each the same
+on every rank; everything else, untuned calls included, is vLLM's ``AgRsAll2AllManager``
+unchanged (its all-gatherv and reduce-scatterv), exactly what vLLM runs without autosymm.
 
 Design notes: docs/INTEGRATIONS.md#integrations-vllm-all2all
 """
@@ -70,6 +72,7 @@ class Served:
         self.pending = threading.local()  # DBO runs each micro-batch on its own thread
         self.layout: Optional[tuple[Optional[int], str]] = None
         self.why_not = ""  #: why the last dispatch was vLLM's ('' when autosymm served it)
+        self.tuned: dict[tuple, bool] = {}  # a call's (experts, d, k, tokens, dtype, mode) -> tuned rows decide it
 
     def rows_for(self, n_experts: int):
         from .moe_rows import GatheredRows
@@ -101,6 +104,26 @@ def _capturable(rows, hidden: torch.Tensor, k: int, n_tokens: int) -> bool:
     return True
 
 
+def tuned(served: Served, n_experts: int, rows: torch.Tensor, k: int, n_tokens: int, mode: str) -> bool:
+    """Whether tuned rows decide both conversions of a call (``rows`` [tokens, d] as they travel,
+    ``n_tokens`` per rank after padding) for something other than NCCL (autosymm.integrations.serving.
+    serves), asked once per call shape. Collective the first time on the group (autosymm.explain)."""
+    from autosymm.problem import MoEShape, Problem, dtype_name
+    from autosymm.spec import DP_TO_EP, EP_TO_DP
+
+    from . import serving  # its explain and gate: what every adapter asks
+
+    key = (n_experts, rows.shape[1], k, n_tokens, rows.dtype, mode)
+    if key not in served.tuned:
+        shape = MoEShape(rows.shape[1], n_experts, k)
+        served.tuned[key] = all(
+            serving.serves(serving.explain(group=served.device_group, op=spec.name, mode=mode,
+                           problem=Problem.moe(spec.name, shape, n_tokens, dtype_name(rows.dtype), len(served.ranks))),
+                   spec)
+            for spec in (DP_TO_EP, EP_TO_DP))
+    return served.tuned[key]
+
+
 def why_not_dispatch(manager, dist_group, hidden_states, topk_ids, sizes) -> tuple[str, Optional[object]]:
     """('', GatheredRows) where autosymm serves this dispatch, else (why not, None); the same on every rank."""
     from .moe_rows import row_view
@@ -120,12 +143,15 @@ def why_not_dispatch(manager, dist_group, hidden_states, topk_ids, sizes) -> tup
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or topk_ids.dim() != 2 or \
             row_view(hidden_states.contiguous()) is None:
         return "hidden_states are not [tokens, d] rows autosymm moves", None
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    rows, n_tokens = row_view(hidden_states.contiguous()), max(max(sizes), 1)
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if capturing:
         if n_experts not in served.rows:  # setting up allocates and agrees: never inside a capture
             return "the first call on the group is inside a CUDA-graph capture", None
-        if not _capturable(served.rows[n_experts], row_view(hidden_states.contiguous()), topk_ids.shape[1],
-                           max(max(sizes), 1)):
+        if not _capturable(served.rows[n_experts], rows, topk_ids.shape[1], n_tokens):
             return "the Triton conversion cannot serve this call inside the capture", None
+    if not tuned(served, n_experts, rows, topk_ids.shape[1], n_tokens, "graph" if capturing else "eager"):
+        return "no tuned row decides this call for autosymm's conversion: vLLM's own collectives", None
     return "", served.rows_for(n_experts)
 
 

@@ -6,16 +6,17 @@ In vLLM's compiled graphs a tensor-parallel layer's output reaches
 None)``, ``w`` being the layer's weight or Gemma's ``weight.float() + 1.0`` (vLLM's pre-grad
 pass makes the layer's ``maybe_inplace`` call functional; model_executor/layers/layernorm.py:93,
 171), the norm's output possibly quantized to static FP8 or NVFP4 (autosymm.integrations.vllm_fusion_quant).
-:class:`VllmAllReduceRMSNormPass` replaces each of the 8 patterns of vLLM's ``AllReduceFusionPass``
-(compilation/passes/fusion/allreduce_rms_fusion.py:349-954): the 4 unquantized ones with
-``torch.ops.autosymm.vllm_all_reduce_rmsnorm``, the 4 quantized ones (RMSNorm, with and without
-the add, then FP8 or NVFP4; its Gemma patterns have no quant) with
-``torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant``. A quant chain autosymm cannot serve is left
-to vLLM's pass; a norm whose output reaches anything else fuses unquantized, as in vLLM's pass.
-:func:`install` (called by the plugin platform's ``check_and_update_config``) makes it inductor's
-post-grad pre pass, which runs before vLLM's pass manager. At run time the ops serve with
-autosymm's decision where it is not NCCL, else run what vLLM's default would have: FlashInfer's
-fused call where vLLM's pass would have fused the call, else vLLM's unfused ops.
+:class:`VllmAllReduceRMSNormPass` takes each of the 8 patterns of vLLM's ``AllReduceFusionPass``
+(compilation/passes/fusion/allreduce_rms_fusion.py:349-954; its Gemma patterns have no quant).
+Where vLLM's pass would fuse the chain now (its pass enabled, this compile range applicable, eps
+1e-5/1e-6, the model dtype), it writes vLLM's own FlashInfer replacement with autosymm's op in
+front (autosymm.integrations.vllm_flashinfer: vLLM's op on the same buffers unless a tuned row
+serves); a quant chain vLLM's pass would leave beside its fused pair stays too. Elsewhere it writes
+``torch.ops.autosymm.vllm_all_reduce_rmsnorm`` (or ``..._quant`` with the chain), whose fallback is
+vLLM's unfused ops. A quant chain autosymm cannot serve is left to vLLM's pass; a norm whose
+output reaches anything else fuses unquantized, as in vLLM's pass. :func:`install` (called by the
+plugin platform's ``check_and_update_config``) makes it inductor's post-grad pre pass, which runs
+before vLLM's pass manager, except where vLLM turns its own all-reduce fusion off as an opt-out.
 
 It rewrites [tokens, hidden] tensors of one dtype (bf16, fp16, fp32), ``x`` contiguous, a weight
 given, no ``variance_size``; with the add, only where the norm alone reads the sum.
@@ -29,13 +30,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from autosymm.epilogue import NVFP4_BLOCK
 
 from . import vllm_fusion_quant as quant_fusion  # the quantized chains
-from .vllm_ops import _overload, _val, vllm_all_reduce_rmsnorm
+from .identity import code_identity
+from . import vllm_flashinfer  # registers the run-time ops (with autosymm.integrations.vllm_ops)
+from .vllm_ops import _overload, _val
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FLOAT_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
@@ -57,14 +60,16 @@ def _args(node: Node, names: tuple[str, ...], defaults: dict) -> Optional[dict]:
 
 @dataclass
 class _Match:
-    """One all-reduce -> norm pair: the nodes, the fused op's arguments, and the norm's output
-    node ``y`` (None where the graph reads the add's output only)."""
+    """One all-reduce -> norm pair: the nodes, the fused op's arguments, the norm's output node
+    ``y`` (None where the graph reads the add's output only) and whether the graph reads the new
+    residual (with the add)."""
 
     norm: Node
     summed: Node
     args: tuple  # (x, residual, raw weight, eps, group_name): the fused ops' first 5 arguments
     gemma: bool
     y: Optional[Node]
+    residual_read: bool = True
 
 
 class VllmAllReduceRMSNormPass(CustomGraphPass):
@@ -87,8 +92,19 @@ class VllmAllReduceRMSNormPass(CustomGraphPass):
             if node.op == "call_function" and node.target in norms:
                 self._try(graph, node, sum_op, norms[node.target], vllm_pass)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, quant_fusion.__file__))
+    def uuid(self) -> str:
+        """What vLLM and inductor key compiles by (autosymm.integrations.identity): this pass's
+        modules and the run-time ops it inserts."""
+        return code_identity(__name__, quant_fusion.__name__, "autosymm.integrations.vllm_ops")
+
+    def __deepcopy__(self, memo) -> "VllmAllReduceRMSNormPass":
+        # VllmBackend deep-copies the inductor config it compiles with (compilation/backends.py:893):
+        # the pass stays the one that counts (it holds no per-compile state)
+        return self
+
+    def __reduce__(self):
+        # a config pickled to vLLM's workers carries the worker's own process-wide pass
+        return _process_pass, ()
 
     def _try(self, graph: Graph, norm: Node, sum_op, with_residual: bool, vllm_pass) -> None:
         match = _match(norm, sum_op, with_residual)
@@ -100,56 +116,89 @@ class VllmAllReduceRMSNormPass(CustomGraphPass):
             if not _quant_eligible(use, _val(x), graph, match.norm):
                 return  # left to vLLM's pass, whose quantized pattern may take it
             max_tokens = _vllm_fused_max_tokens(vllm_pass, _val(x), _val(weight), eps, use.form)
-            self._rewrite_quant(graph, match, use, max_tokens)
-            key = "_" + quant_fusion.FORMS[use.form]
+            if residual is not None and not match.residual_read:
+                # vLLM's quantized add patterns return the new residual; unread, only its pair
+                # pattern without it matches (allreduce_rms_fusion.py:476-482 vs 726, 922)
+                max_tokens = -abs(max_tokens)
+            if max_tokens < 0:  # vLLM's pass fuses the pair and leaves the quant: so does this one
+                use, max_tokens = None, -max_tokens
         else:
             max_tokens = _vllm_fused_max_tokens(vllm_pass, _val(x), _val(_norm_weight(match)), eps)
-            self._rewrite_plain(graph, match, max_tokens)
-            key = ""
+        if max_tokens > 0:
+            new = _flashinfer_form(graph, match, use, vllm_pass)
+        else:
+            new = _functional(graph, match, use)
+        _replace(graph, match, use, *new)
+        key = "" if use is None else "_" + quant_fusion.FORMS[use.form]
         self.rewrites += 1
         self.patterns[("add_" if residual is not None else "") + ("gemma" if match.gemma else "rms") + key] += 1
 
-    def _rewrite_plain(self, graph: Graph, match: _Match, max_tokens: int) -> None:
-        """The pair -> ``autosymm.vllm_all_reduce_rmsnorm`` (its items: the norm, the sum)."""
-        norm, summed = match.norm, match.summed
-        x = _val(match.args[0])
-        with graph.inserting_before(norm):
-            fused = graph.call_function(torch.ops.autosymm.vllm_all_reduce_rmsnorm.default,
-                                        match.args + (match.gemma, max_tokens))
-            fused.meta["val"] = (torch.empty_like(x), torch.empty_like(x))
-            if match.args[1] is not None:
-                norm.replace_all_uses_with(fused)  # users take items 0 (out) and 1 (the new residual) alike
-            else:
-                norm.replace_all_uses_with(_item(graph, fused, 0, norm.meta.get("val")))
-                summed.replace_all_uses_with(_item(graph, fused, 1, summed.meta.get("val")))
-        graph.erase_node(norm)
-        graph.erase_node(summed)
 
-    def _rewrite_quant(self, graph: Graph, match: _Match, use, max_tokens: int) -> None:
-        """The pair and its quant chain -> ``autosymm.vllm_all_reduce_rmsnorm_quant`` (its items:
-        the quantized output, the sum, NVFP4's block scales), where the chain's values were."""
-        norm, summed = match.norm, match.summed
-        x = _val(match.args[0])
-        quant_out, scales_out = use.outputs
-        sum_vals = summed.meta.get("val") if match.args[1] is None else norm.meta["val"][1]
-        with graph.inserting_before(norm):
-            fused = graph.call_function(torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant.default,
-                                        match.args + (use.form, use.scale, max_tokens))
-            fused.meta["val"] = quant_fusion.fake_outputs(x, use.form)
-            new_sum = _item(graph, fused, 1, sum_vals)
-            for old, index in ((quant_out, 0), (scales_out, 2)):
-                if old is not None:
-                    old.replace_all_uses_with(_item(graph, fused, index, old.meta.get("val")))
-        if match.args[1] is not None:
-            for item in [u for u in norm.users if u.target is operator.getitem and u.args[1] == 1]:
-                item.replace_all_uses_with(new_sum)
-        else:
-            summed.replace_all_uses_with(new_sum, delete_user_cb=lambda user: user is not norm)
-        for node in use.nodes + tuple(u for u in norm.users if u.target is operator.getitem) + (norm, summed):
-            if not node.users and node.op == "call_function":
-                graph.erase_node(node)
-        if not new_sum.users:
-            graph.erase_node(new_sum)
+def _functional(graph: Graph, match: _Match, use) -> tuple[Node, Node, Optional[Node]]:
+    """Where vLLM's pass would not fuse: ``autosymm.vllm_all_reduce_rmsnorm`` of the pair, or
+    ``autosymm.vllm_all_reduce_rmsnorm_quant`` of the pair and its quant chain; (its items: the
+    norm or quantized output, the sum, NVFP4's scales or None)."""
+    norm, summed = match.norm, match.summed
+    x = _val(match.args[0])
+    sum_val = summed.meta.get("val") if match.args[1] is None else norm.meta["val"][1]
+    with graph.inserting_before(norm):
+        if use is None:
+            fused = graph.call_function(torch.ops.autosymm.vllm_all_reduce_rmsnorm.default, match.args + (match.gemma,))
+            fused.meta["val"] = (torch.empty_like(x), torch.empty_like(x))
+            return _item(graph, fused, 0, fused.meta["val"][0]), _item(graph, fused, 1, sum_val), None
+        fused = graph.call_function(torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant.default,
+                                    match.args + (use.form, use.scale))
+        fused.meta["val"] = quant_fusion.fake_outputs(x, use.form)
+        scales_out = use.outputs[1]
+        scales = _item(graph, fused, 2, scales_out.meta.get("val")) if scales_out is not None else None
+        return _item(graph, fused, 0, fused.meta["val"][0]), _item(graph, fused, 1, sum_val), scales
+
+
+def _flashinfer_form(graph: Graph, match: _Match, use, vllm_pass) -> tuple[Node, Node, Optional[Node]]:
+    """Where vLLM's pass would fuse: its FlashInfer replacement with autosymm's op in front
+    (autosymm.integrations.vllm_flashinfer), on the same buffers."""
+    from vllm.compilation.passes.fusion import allreduce_rms_fusion as fusion
+
+    codes = fusion.flashinfer_comm.AllReduceFusionPattern
+    x, residual, weight, eps, group_name = match.args
+    params = vllm_pass.allreduce_params.get_trtllm_fused_allreduce_kwargs()
+    if use is None:
+        site = vllm_flashinfer.Site(x, residual, weight, eps, group_name, params, codes.kARResidualRMSNorm,
+                                    weight_bias=1.0 if match.gemma else 0.0)
+    else:
+        nvfp4 = quant_fusion.FORMS[use.form] == "nvfp4"
+        packed, scales = use.buffers
+        site = vllm_flashinfer.Site(
+            x, residual, weight, eps, group_name, params,
+            codes.kARResidualRMSNormFP4Quant if nvfp4 else codes.kARResidualRMSNormFP8Quant,
+            scale=use.scale, quant_out=packed, scale_out=scales)
+    return vllm_flashinfer.write(graph, match.norm, site)
+
+
+def _replace(graph: Graph, match: _Match, use, out: Node, new_sum: Node, scales: Optional[Node]) -> None:
+    """The graph reads ``out`` where it read the norm's output (or the quant chain's), ``new_sum``
+    where it read the sum (or residual + sum), ``scales`` where it read NVFP4's scales; the
+    replaced nodes no longer read go (a quant buffer the new call writes stays)."""
+    norm, summed = match.norm, match.summed
+    if use is not None:
+        for old, new in zip(use.outputs, (out, scales)):
+            if old is not None:
+                old.replace_all_uses_with(new)
+    items = tuple(u for u in norm.users if u.target is operator.getitem)
+    if match.args[1] is not None:  # fused_add_rms_norm's items: 0 the norm, 1 residual + sum
+        for item in items:
+            if item.args[1] == 1 or use is None:
+                item.replace_all_uses_with(new_sum if item.args[1] == 1 else out)
+    else:
+        if use is None:
+            norm.replace_all_uses_with(out)
+        summed.replace_all_uses_with(new_sum, delete_user_cb=lambda user: user is not norm)
+    for node in (use.nodes if use is not None else ()) + items + (norm, summed):
+        if not node.users and node.op == "call_function":
+            graph.erase_node(node)
+    for node in (out, new_sum, scales):
+        if node is not None and not node.users and node.target is operator.getitem:
+            graph.erase_node(node)
 
 
 def _item(graph: Graph, node: Node, index: int, val) -> Node:
@@ -188,10 +237,11 @@ def _match(norm: Node, sum_op, with_residual: bool) -> Optional[_Match]:
         if len(norm.users) != sum(u.target is operator.getitem for u in norm.users):
             return None  # the tuple itself is read: the plain rewrite's tuple stands in, a quant chain's would not
         y = outs[0] if len(outs) == 1 else None
+        residual_read = any(u.args[1] == 1 and u.users for u in norm.users)
     else:
-        y = norm
+        y, residual_read = norm, True
     return _Match(norm, summed, (sum_args["tensor"], residual, raw_weight, float(norm_args["epsilon"]),
-                                 sum_args["group_name"]), gemma_weight is not None, y)
+                                 sum_args["group_name"]), gemma_weight is not None, y, residual_read)
 
 
 def _quant_eligible(use, x, graph: Graph, norm: Node) -> bool:
@@ -281,13 +331,15 @@ PRE_PASS_KEY = "post_grad_custom_pre_pass"
 
 def install(vllm_config) -> bool:
     """Put :data:`PASS` in ``vllm_config``'s inductor config as the post-grad pre pass where vLLM
-    compiles (``CompilationMode.VLLM_COMPILE``) with TP > 1; True when it is there. vLLM's own
-    ``fuse_allreduce_rms`` stays as vLLM set it: its pass then finds only what autosymm left (the
-    quantized patterns) and keeps the FlashInfer workspace autosymm's run-time fallback calls."""
+    compiles (``CompilationMode.VLLM_COMPILE``) with TP > 1, unless vLLM turned its own all-reduce
+    fusion off as an opt-out (:func:`opted_out`); True when it is there. vLLM's own
+    ``fuse_allreduce_rms`` stays as vLLM set it: its pass keeps the FlashInfer workspace and its
+    replacement's parameters, which the FlashInfer form autosymm writes uses."""
     from vllm.config import CompilationMode
 
     compilation = vllm_config.compilation_config
-    if vllm_config.parallel_config.tensor_parallel_size <= 1 or compilation.mode != CompilationMode.VLLM_COMPILE:
+    if (vllm_config.parallel_config.tensor_parallel_size <= 1 or compilation.mode != CompilationMode.VLLM_COMPILE
+            or opted_out(vllm_config)):
         return False
     current = compilation.inductor_compile_config.get(PRE_PASS_KEY)
     passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
@@ -297,5 +349,29 @@ def install(vllm_config) -> bool:
     return True
 
 
-#: The pass ``autosymm.vllm_fusion_pass`` runs (one per process, so its count covers every compile).
+def opted_out(vllm_config) -> str:
+    """Why vLLM turned its all-reduce + RMSNorm fusion off as an opt-out, so autosymm's pass stays
+    out too ('' where it did not): ``VLLM_BATCH_INVARIANT=1`` (config/vllm.py:184-186, the fused
+    path is not batch-invariant), an optimization level below O2 (:260, :281), or
+    ``fuse_allreduce_rms=False`` where vLLM's own check would turn it on (the user's choice). Off
+    for want of FlashInfer or of sm90/sm100 (:193-202) is no opt-out: the pass serves there, its
+    fallback vLLM's unfused ops."""
+    import vllm.envs as envs
+    from vllm.config.vllm import OptimizationLevel, enable_allreduce_rms_fusion
+
+    if envs.VLLM_BATCH_INVARIANT:
+        return "VLLM_BATCH_INVARIANT=1"
+    if vllm_config.compilation_config.pass_config.fuse_allreduce_rms:
+        return ""
+    if vllm_config.optimization_level < OptimizationLevel.O2:
+        return f"optimization level {vllm_config.optimization_level.name}"
+    return "fuse_allreduce_rms=False" if enable_allreduce_rms_fusion(vllm_config) else ""
+
+
+#: The pass the plugin installs (one per process, so its count covers every compile).
 PASS = VllmAllReduceRMSNormPass()
+
+
+def _process_pass() -> VllmAllReduceRMSNormPass:
+    """:data:`PASS` (what an unpickled pass becomes)."""
+    return PASS

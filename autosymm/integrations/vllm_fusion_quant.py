@@ -17,8 +17,9 @@ RMSNorm with and without the residual add followed by
   Tensor(a!) output, Tensor(b!) output_scale) -> ()``).
 
 ``s`` is one float32 value. :func:`quant_use` finds the chain after a norm's output ``y``;
-autosymm.integrations.vllm_fusion's pass replaces the whole chain by
-``torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant``, the run-time op here.
+autosymm.integrations.vllm_fusion's pass replaces the whole chain by vLLM's FlashInfer
+replacement with autosymm's op in front (autosymm.integrations.vllm_flashinfer) where vLLM's pass
+would fuse it, else by ``torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant``, the run-time op here.
 """
 
 from __future__ import annotations
@@ -56,49 +57,36 @@ def _nvfp4_shapes(tokens, hidden: int) -> tuple[tuple, tuple]:
 
 @torch.library.custom_op("autosymm::vllm_all_reduce_rmsnorm_quant", mutates_args=())
 def vllm_all_reduce_rmsnorm_quant(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, group_name: str,
-                                  quant: str, scale: Tensor, flashinfer_max_tokens: int = 0
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
+                                  quant: str, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(quant(rmsnorm(s) * weight), s, scales)`` with ``s = residual + sum(x)`` (``sum(x)`` where
     ``residual`` is None) over vLLM's group ``group_name``, as new tensors. ``quant``: a form of
     :data:`FORMS`; "fp8*": e4m3 ``[tokens, hidden]`` with ``scale`` the static per-tensor scale,
     ``scales`` an empty float32 [0]; "nvfp4": packed uint8 ``[tokens, hidden / 2]`` with ``scale``
-    the global scale, ``scales`` vLLM's int32 swizzled block scales. autosymm's fused op where the
-    group's adapter serves this epilogue; else what vLLM's default runs: ``flashinfer_max_tokens``
-    > 0: vLLM's FlashInfer fused all-reduce + norm + quant up to that many tokens; < 0: FlashInfer's
-    fused all-reduce + norm up to ``-flashinfer_max_tokens`` tokens (vLLM's pass has the pattern
-    without its quant), then the graph's quant op; 0, or more tokens: vLLM's all-reduce, norm and
-    quant ops."""
+    the global scale, ``scales`` vLLM's int32 swizzled block scales. autosymm's fused op where a
+    tuned row serves this epilogue; else vLLM's all-reduce, norm and the graph's quant op."""
     coordinator = base.group_coordinator(group_name)
     adapter = getattr(coordinator.device_communicator, "autosymm", None)
     mode = FORMS[quant]
     if adapter is not None and adapter.serves_fused(x, epilogue=Epilogue(residual=True, quant=mode)):
         summed = residual.clone() if residual is not None else torch.zeros_like(x)
         got = all_reduce_rmsnorm(x, summed, weight, eps, group=adapter.group, quant=mode,
-                                          scale=scale.reshape(()))  # x unchanged on every epilogue path
+                                 scale=scale.reshape(()))  # x unchanged on every epilogue path
         if mode == "fp8":
             return got, summed, _no_scales(x)
         packed, block_scales = got
         return packed, summed, block_scales.view(torch.int32)
-    tokens = x.shape[0]
-    if 0 < tokens <= flashinfer_max_tokens:
-        return flashinfer_fused_quant(x, residual, weight, eps, coordinator.world_size, quant, scale,
-                                      flashinfer_max_tokens)
-    if 0 < tokens <= -flashinfer_max_tokens:
-        out, summed = base.flashinfer_fused(x, residual, weight, eps, coordinator.world_size, False,
-                                            -flashinfer_max_tokens)
+    summed = coordinator.all_reduce(x)
+    if residual is None:
+        out = torch.ops.vllm_ir.rms_norm.default(summed, weight, eps, None)
     else:
-        summed = coordinator.all_reduce(x)
-        if residual is None:
-            out = torch.ops.vllm_ir.rms_norm.default(summed, weight, eps, None)
-        else:
-            out, summed = torch.ops.vllm_ir.fused_add_rms_norm.default(summed, residual, weight, eps, None)
+        out, summed = torch.ops.vllm_ir.fused_add_rms_norm.default(summed, residual, weight, eps, None)
     quantized, scales = quantize(out, quant, scale)
     return quantized, summed, scales
 
 
 @vllm_all_reduce_rmsnorm_quant.register_fake
 def _fake(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, group_name: str, quant: str,
-          scale: Tensor, flashinfer_max_tokens: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+          scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return fake_outputs(x, quant)
 
 
@@ -133,44 +121,18 @@ def quantize(y: Tensor, quant: str, scale: Tensor) -> tuple[Tensor, Tensor]:
     return out, scales
 
 
-def flashinfer_fused_quant(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, world_size: int,
-                           quant: str, scale: Tensor, max_token_num: int) -> tuple[Tensor, Tensor, Tensor]:
-    """vLLM's FlashInfer replacement of the chain, called as vLLM's quantized patterns write it
-    (allreduce_rms_fusion.py:653-668 and 736-751 for FP8, 827-842 and 934-949 for NVFP4), on
-    copies and new buffers: ``(quant out, residual + sum, scales)``."""
-    from vllm.compilation.passes.fusion import allreduce_rms_fusion as fusion
-
-    patterns = fusion.flashinfer_comm.AllReduceFusionPattern
-    params = fusion.FlashInferFusedAllReduceParams(world_size=world_size, max_token_num=max_token_num)
-    allreduce_in = x.clone()
-    summed = residual.clone() if residual is not None else torch.zeros_like(x)
-    norm_out = None if residual is not None else torch.empty_like(x)
-    if FORMS[quant] == "nvfp4":
-        packed, scales = _nvfp4_shapes(x.shape[0], x.shape[1])
-        quant_out = x.new_empty(packed, dtype=torch.uint8)
-        scales = x.new_empty(scales, dtype=torch.int32)
-        scale_out, pattern = scales.view(_FP8), patterns.kARResidualRMSNormFP4Quant
-    else:
-        quant_out, scales = torch.empty_like(x, dtype=_FP8), _no_scales(x)
-        scale_out, pattern = None, patterns.kARResidualRMSNormFP8Quant
-    torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm.default(
-        allreduce_in=allreduce_in, residual=summed, norm_out=norm_out, quant_out=quant_out, scale_out=scale_out,
-        rms_gamma=weight, rms_eps=eps, pattern_code=pattern, scale_factor=scale,
-        **params.get_trtllm_fused_allreduce_kwargs())
-    # with a residual FlashInfer leaves residual + sum in residual; with norm_out given, the sum in allreduce_in
-    return quant_out, summed if residual is not None else allreduce_in, scales
-
-
 @dataclass(frozen=True)
 class QuantUse:
     """A quant chain reading a norm's output: its form, scale node, the nodes whose values the
-    fused op's items 0 and 2 replace (``outputs``; None where the graph reads none) and every
-    node of the chain, users first (``nodes``)."""
+    fused op's items 0 and 2 replace (``outputs``; None where the graph reads none), every node of
+    the chain, users first (``nodes``), and NVFP4's output buffers (``buffers``: packed, int32
+    scales; vLLM's FlashInfer replacement writes into them, allreduce_rms_fusion.py:827-842)."""
 
     form: str
     scale: Node
     outputs: tuple[Optional[Node], Optional[Node]]
     nodes: tuple[Node, ...]
+    buffers: tuple[Optional[Node], Optional[Node]] = (None, None)
 
 
 def quant_use(y: Node) -> Optional[QuantUse]:
@@ -183,7 +145,7 @@ def quant_use(y: Node) -> Optional[QuantUse]:
     (user,) = y.users
     if user.target in _NOOP_VIEWS and _same_shape(user, y):
         use = quant_use(user)
-        return None if use is None else QuantUse(use.form, use.scale, use.outputs, use.nodes + (user,))
+        return None if use is None else QuantUse(use.form, use.scale, use.outputs, use.nodes + (user,), use.buffers)
     return _af_quant(user, y) or _native_fp8(user, y)
 
 
@@ -210,7 +172,8 @@ def _af_quant(node: Node, y: Node) -> Optional[QuantUse]:
         return None  # a consumer of the node other than its items (or an item vLLM's pattern does not return)
     outputs = tuple(getitems.get(i) if i is not None else None for i in items)
     written = tuple(kwargs[b] for b in buffers if isinstance(kwargs.get(b), Node))
-    return QuantUse(form, scale, outputs, tuple(getitems.values()) + (node,) + written)
+    kept = (kwargs.get("output"), kwargs.get("output_scale")) if form == "nvfp4" else (None, None)
+    return QuantUse(form, scale, outputs, tuple(getitems.values()) + (node,) + written, kept)
 
 
 def _native_fp8(node: Node, y: Node) -> Optional[QuantUse]:

@@ -1,7 +1,9 @@
-"""The run-time ops the vLLM pass (autosymm.integrations.vllm_fusion) writes into vLLM's graphs:
-``torch.ops.autosymm.vllm_all_reduce_rmsnorm`` (the unquantized chains; the quantized op is
-autosymm.integrations.vllm_fusion_quant's) and what both ops share: vLLM's live group by name,
-FlashInfer's fused call as vLLM's pass writes it, and the graph helpers."""
+"""The run-time op the vLLM pass (autosymm.integrations.vllm_fusion) writes where vLLM's own pass
+would not fuse a chain (no FlashInfer, a compile range beyond its table):
+``torch.ops.autosymm.vllm_all_reduce_rmsnorm``, functional like the unfused ops it replaces (its
+quantized sibling is autosymm.integrations.vllm_fusion_quant's; where vLLM would fuse,
+autosymm.integrations.vllm_flashinfer's op), and what the ops share: vLLM's live group by name and
+the graph helpers."""
 
 from __future__ import annotations
 
@@ -28,12 +30,11 @@ def group_coordinator(name: str):
 
 @torch.library.custom_op("autosymm::vllm_all_reduce_rmsnorm", mutates_args=())
 def vllm_all_reduce_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, group_name: str,
-                            gemma: bool = False, flashinfer_max_tokens: int = 0) -> tuple[Tensor, Tensor]:
+                            gemma: bool = False) -> tuple[Tensor, Tensor]:
     """``(rmsnorm(s) * w, s)`` with ``s = residual + sum(x)`` (``sum(x)`` where ``residual`` is
     None) over vLLM's group ``group_name``, ``w = weight`` or Gemma's ``1 + weight`` (fp32), as new
-    tensors. autosymm's fused op where the group's adapter serves it; else what vLLM's default runs:
-    FlashInfer's fused call through vLLM's own op where vLLM's pass would have fused this call
-    (``x.shape[0] <= flashinfer_max_tokens``, 0: it would not), else vLLM's all-reduce and norm."""
+    tensors. autosymm's fused op where a tuned row serves it (the group adapter's ``serves_fused``);
+    else vLLM's all-reduce and norm ops, whose new tensors it returns as they are."""
     coordinator = group_coordinator(group_name)
     adapter = getattr(coordinator.device_communicator, "autosymm", None)
     # asked about the epilogue the call runs (the residual is always given: a zero one without)
@@ -41,8 +42,6 @@ def vllm_all_reduce_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tenso
         summed = residual.clone() if residual is not None else torch.zeros_like(x)
         out = all_reduce_rmsnorm(x.clone(), summed, weight, eps, group=adapter.group, gemma=gemma)
         return out, summed
-    if 0 < x.shape[0] <= flashinfer_max_tokens:
-        return flashinfer_fused(x, residual, weight, eps, coordinator.world_size, gemma, flashinfer_max_tokens)
     summed = coordinator.all_reduce(x)
     norm_weight = weight.float() + 1.0 if gemma else weight
     if residual is None:
@@ -52,30 +51,9 @@ def vllm_all_reduce_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tenso
 
 
 @vllm_all_reduce_rmsnorm.register_fake
-def _fake(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, group_name: str, gemma: bool = False,
-          flashinfer_max_tokens: int = 0) -> tuple[Tensor, Tensor]:
+def _fake(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, group_name: str,
+          gemma: bool = False) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
-
-
-def flashinfer_fused(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, world_size: int,
-                     gemma: bool, max_token_num: int) -> tuple[Tensor, Tensor]:
-    """vLLM's FlashInfer replacement of the pair, called as vLLM's pass writes it
-    (compilation/passes/fusion/allreduce_rms_fusion.py:379-400 without a residual, 445-462 with
-    one; Gemma: ``weight_bias=1.0``, 515-535): ``torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm``
-    on copies, with vLLM's ``FlashInferFusedAllReduceParams``. Returns ``(out, residual + sum)``."""
-    from vllm.compilation.passes.fusion import allreduce_rms_fusion as fusion
-
-    params = fusion.FlashInferFusedAllReduceParams(world_size=world_size, max_token_num=max_token_num)
-    allreduce_in = x.clone()
-    summed = residual.clone() if residual is not None else torch.zeros_like(x)
-    norm_out = None if residual is not None else torch.empty_like(x)
-    torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm.default(
-        allreduce_in=allreduce_in, residual=summed, norm_out=norm_out, quant_out=None, scale_out=None,
-        rms_gamma=weight, rms_eps=eps, pattern_code=fusion.flashinfer_comm.AllReduceFusionPattern.kARResidualRMSNorm,
-        weight_bias=1.0 if gemma else 0.0, **params.get_trtllm_fused_allreduce_kwargs())
-    if residual is not None:
-        return allreduce_in, summed  # FlashInfer writes the norm into allreduce_in, the sum into residual
-    return norm_out, allreduce_in  # with norm_out given, the sum goes to allreduce_in
 
 
 def _overload(namespace: str, name: str):

@@ -10,10 +10,12 @@ more than one rank (the groups vLLM gives its custom all-reduce):
   on the communicator's CPU group, device and device group: vLLM's ``CustomAllreduce`` itself with
   autosymm first in its slot calls, or a standalone slot over it where it is disabled; vLLM's graph
   capture enters its ``capture()``). Under ``--disable-custom-all-reduce`` (``ca_comm`` None)
-  autosymm stays out of the group entirely; under ``VLLM_BATCH_INVARIANT=1`` it serves with
-  autosymm's deterministic setting (batch-invariant backends only). ``destroy()`` stops it;
-* ``all_reduce(x)``: autosymm's sum where autosymm's decision is not NCCL, else vLLM's own chain
-  unchanged (NCCL symmetric memory, FlashInfer, custom all-reduce, symm_mem, pynccl);
+  autosymm stays out of the group entirely; under ``VLLM_BATCH_INVARIANT=1`` vLLM's own invariant
+  path serves (its custom all-reduce, pinned NCCL) unless a tuned batch-invariant autosymm row
+  decides (autosymm's deterministic setting: only such rows are read). ``destroy()`` stops it;
+* ``all_reduce(x)``: autosymm's sum where a tuned row decides it for something other than NCCL
+  (autosymm.integrations.serving), else vLLM's own chain unchanged (NCCL symmetric memory,
+  FlashInfer, custom all-reduce, symm_mem, pynccl);
 * ``all_gather(x, dim)`` / ``reduce_scatter(x, dim)`` (what ``GroupCoordinator.all_gather`` /
   ``reduce_scatter`` and their ``torch.ops.vllm`` ops reach: sequence parallelism's gather before
   the GEMM and scatter after it): at dim 0, autosymm's where its decision is not NCCL, else vLLM's
@@ -87,7 +89,7 @@ def elastic_ep() -> bool:
 
 def serve_first(adapter: Optional[AutosymmServing], x: torch.Tensor,
                 chain: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """autosymm's out-of-place sum of ``x`` where it serves, else ``chain(x)`` (vLLM's own)."""
+    """autosymm's out-of-place sum of ``x`` where a tuned row serves it, else ``chain(x)`` (vLLM's own)."""
     if adapter is not None and adapter.serves(x):
         return adapter.all_reduce(x)
     return chain(x)
@@ -165,8 +167,9 @@ def _platform_class():
 
         @classmethod
         def check_and_update_config(cls, vllm_config) -> None:
-            """vLLM's, then autosymm's fusion pass ahead of vLLM's (vllm_fusion.install); vLLM
-            calls this after its optimization-level defaults (config/vllm.py:1855, 2067)."""
+            """vLLM's, then autosymm's fusion pass ahead of vLLM's (vllm_fusion.install: not where
+            vLLM turned its own all-reduce fusion off as an opt-out); vLLM calls this after its
+            optimization-level defaults (config/vllm.py:1855, 2067)."""
             super().check_and_update_config(vllm_config)
             vllm_fusion.install(vllm_config)
 

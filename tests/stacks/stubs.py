@@ -22,6 +22,10 @@ STUBS: dict[str, str] = {
                                "imports it unconditionally; declares C_OPS' schemas",
     "vllm._moe_C_stable_libtorch": "vLLM's CUDA MoE kernels (.so); imported by the CUDA platform's "
                                    "import_kernels",
+    "vllm.vllm_flash_attn._vllm_fa2_C": "vLLM's FlashAttention-2 kernels (.so); on a CUDA platform "
+                                        "v1/attention/backends/fa_utils.py:22 imports vllm_flash_attn, which "
+                                        "needs one of its two extensions (vllm_flash_attn/__init__.py:33), and "
+                                        "vLLM's linear layers reach it through their imports",
 }
 
 #: The ``torch.ops._C`` operators vLLM's Python names at import time (pattern tables, matchers),
@@ -29,8 +33,9 @@ STUBS: dict[str, str] = {
 #: csrc/torch_bindings.cpp as the 0.33.0 wheel's ``vllm/_C_stable_libtorch.abi3.so`` carries them
 #: (test_stubs.py compares), a no-op fake (they write their ``Tensor!`` outputs; except
 #: :data:`VLLM_FAKES`) and a CPU kernel that refuses. NVFP4's ``scaled_fp4_quant`` is declared, as
-#: on the CUDA wheel (vLLM probes it with ``hasattr``: allreduce_rms_fusion.py:99); per-group FP8
-#: stays undeclared, as on a build without it.
+#: on the CUDA wheel (vLLM probes it with ``hasattr``: allreduce_rms_fusion.py:99), and so are the
+#: per-group FP8 kernels (probed the same way, rms_quant_fusion.py:163, :201; RMSNormQuantFusionPass
+#: asserts them with ``+quant_fp8`` on sm100, :818).
 C_OPS: dict[str, str] = {
     "rms_norm": "rms_norm(Tensor! result, Tensor input, Tensor? weight, float epsilon) -> ()",
     "fused_add_rms_norm": "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor? weight, float epsilon) -> ()",
@@ -47,31 +52,50 @@ C_OPS: dict[str, str] = {
                         "-> (Tensor, Tensor)",
     "scaled_fp4_quant.out": "scaled_fp4_quant.out(Tensor input, Tensor input_scale, bool is_sf_swizzled_layout, "
                             "*, Tensor(a!) output, Tensor(b!) output_scale) -> ()",
+    "per_token_group_fp8_quant": "per_token_group_fp8_quant(Tensor input, Tensor! output_q, Tensor! output_s, "
+                                 "int group_size, float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
+                                 "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()",
+    "rms_norm_per_block_quant": "rms_norm_per_block_quant(Tensor! result, Tensor input, Tensor weight, Tensor! scale, "
+                                "float epsilon, Tensor? scale_ub, Tensor!? residual, int group_size, "
+                                "bool is_scale_transposed) -> ()",
     "dynamic_scaled_fp8_quant": "dynamic_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale) -> ()",
     "dynamic_per_token_scaled_fp8_quant": "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, "
                                           "Tensor! scale, Tensor? scale_ub) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor! result, Tensor input) -> ()",
     "silu_and_mul_quant": "silu_and_mul_quant(Tensor! result, Tensor input, Tensor scale) -> ()",
+    # named unguarded on a CUDA platform (compilation/passes/fusion/act_quant_fusion.py:42-44)
+    "silu_and_mul_per_block_quant": "silu_and_mul_per_block_quant(Tensor! out, Tensor input, Tensor! scales, "
+                                    "int group_size, Tensor? scale_ub=None, bool is_scale_transposed=False) -> ()",
     "rotary_embedding": "rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, "
                         "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()",
     "fused_qk_norm_rope": "fused_qk_norm_rope(Tensor! qkv, int num_heads_q, int num_heads_k, int num_heads_v, "
                           "int head_dim, float eps, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, "
                           "bool is_neox, Tensor position_ids, int forced_token_heads_per_warp=-1) -> ()",
 }
+#: The ``torch.ops._C`` queries vLLM's Python asks at import on a CUDA platform (which kernels the
+#: build has: ``model_executor/layers/quantization/utils/w8a8_utils.py:41``, ``_custom_ops.py:750-781``),
+#: declared with the wheel's schemas (test_stubs.py compares) and answered False: no CUTLASS kernel
+#: exists here, so vLLM's layers take their other paths, as on a build without them.
+C_QUERIES: dict[str, str] = {
+    "cutlass_scaled_mm_supports_fp8": "cutlass_scaled_mm_supports_fp8(int cuda_device_capability) -> bool",
+    "cutlass_scaled_mm_supports_block_fp8": "cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool",
+    "cutlass_scaled_mm_supports_fp4": "cutlass_scaled_mm_supports_fp4(int cuda_device_capability) -> bool",
+}
 _C_LIB: list = []  # the torch.library holding C_OPS, alive for the process
 
 #: module / op / class name -> the recorded fake that stands in for it, and why the real one cannot serve.
 STAND_INS: dict[str, str] = {
-    "torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm": (
-        "tests/stacks/test_vllm_fusion_runtime.py: vLLM registers it only where flashinfer.comm imports "
-        "(compilation/passes/fusion/allreduce_rms_fusion.py:100-230; FlashInfer needs CUDA); a fake with its "
-        "schema and mutated arguments records each call and writes vLLM's unfused all-reduce + norm, and "
-        "the module's flashinfer_comm holds only AllReduceFusionPattern.kARResidualRMSNorm"),
-    "AllReduceFusionPass (its __init__)": (
-        "tests/stacks/test_vllm_fusion_runtime.py: vLLM's class, left as its __init__ leaves it on sm90 "
-        "(enabled, bf16, max_token_num from the size table, no patterns): the real __init__ builds a "
-        "FlashInfer workspace on CUDA"),
+    "flashinfer": (
+        "tests/stacks/stand_ins/flashinfer (test_vllm_compile.py): FlashInfer needs CUDA. Put on sys.path by the "
+        "ranks that compile through vLLM (use_flashinfer_stand_in), so vLLM's own fusion module registers its "
+        "real flashinfer_trtllm_fused_allreduce_norm op (compilation/passes/fusion/allreduce_rms_fusion.py:"
+        "100-320) and its AllReduceFusionPass builds its real workspace and patterns"),
+    "flashinfer.comm": (
+        "the stand-in's allreduce_fusion records each call and writes what vLLM's unfused ops compute for it "
+        "(its all-reduce, vllm_ir.fused_add_rms_norm, QuantFP8's static FP8, autosymm.epilogue.nvfp4_quantize "
+        "for NVFP4); its workspaces have no multicast, so vLLM's 'auto' backend takes 'trtllm'"),
 }
+STAND_IN_DIR = Path(__file__).resolve().parent / "stand_ins"
 
 
 def cache_dir() -> Path:
@@ -125,6 +149,9 @@ def _declare_c_ops() -> None:
         lib.impl(name, _refuse(name), "CPU")
         if name not in VLLM_FAKES:
             torch.library.register_fake(f"_C::{name}", lambda *args, **kwargs: None, lib=lib)
+    for name, schema in C_QUERIES.items():
+        lib.define(schema)
+        lib.impl(name, lambda *args: False, "CompositeExplicitAutograd")
 
 
 def _refuse(name: str):
@@ -146,6 +173,12 @@ def use_real_sources() -> None:
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
     install()
+
+
+def use_flashinfer_stand_in() -> None:
+    """Make the ``flashinfer`` stand-in (:data:`STAND_INS`) importable, before vLLM looks for it."""
+    if str(STAND_IN_DIR) not in sys.path:
+        sys.path.insert(0, str(STAND_IN_DIR))
 
 
 def require_real_sources() -> None:

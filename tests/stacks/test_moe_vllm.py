@@ -98,3 +98,36 @@ def test_dispatch_stays_vllms_where_autosymm_cannot_serve():
                                          [4, 4])[0] == "no MoE layer registered"
     odd = torch.zeros(4, 15, dtype=torch.uint8)  # 1-byte rows of odd length: not moved as 2-byte words
     assert "rows autosymm moves" in vllm_all2all.why_not_dispatch(manager(), dp, odd, ids, [4, 4])[0]
+
+
+def _gate(rank, world_size):
+    """why_not_dispatch on a gloo group: untuned (no database) and with a tuned row stubbed."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from _adapter_decisions import adapter_decisions
+
+    group = dist.new_group(list(range(world_size)), backend="gloo")
+    served = vllm_all2all.Served(group, list(range(world_size)))
+    served.layout = (8, "")
+    manager = SimpleNamespace(autosymm=served, vllm_config=None)
+    dp = SimpleNamespace(ranks=list(range(world_size)), unique_name="dp:0")
+    x, ids = torch.randn(4, 16), torch.zeros(4, 2, dtype=torch.int32)
+    why, rows = vllm_all2all.why_not_dispatch(manager, dp, x, ids, [4, 4])
+    with adapter_decisions(backend="triton_moe"):
+        served.tuned.clear()
+        why_tuned, rows_tuned = vllm_all2all.why_not_dispatch(manager, dp, x, ids, [4, 4])
+    return why, rows is None, why_tuned, type(rows_tuned).__name__
+
+
+def test_untuned_dispatch_is_vllms_own_and_a_tuned_row_is_autosymms(tmp_path):
+    """No row decides (gloo, no database): vLLM's AgRsAll2AllManager collectives serve, not
+    autosymm's untuned Triton conversion; a tuned row for both conversions: autosymm's."""
+    from _gloo import run_gloo
+
+    env = {"all": {"AUTOSYMM_DB": str(tmp_path / "none.sqlite")}}
+    out = run_gloo(_gate, 2, env=env, deadline_s=180)
+    want = ("no tuned row decides this call for autosymm's conversion: vLLM's own collectives", True, "",
+            "GatheredRows")
+    assert out == {0: want, 1: want}

@@ -246,3 +246,29 @@ def test_every_v2_isinstance_check_is_gated_by_what_the_slot_keeps():
         window = "\n".join(lines[line - 1:line + 12])
         read = set(re.findall(r"\b(?:comm|tp_comm)\.(\w+)", window))
         assert read and not read & autosymm_names, (path, read)
+
+
+def test_sglangs_deterministic_inference_is_its_own_path():
+    """SGLang's deterministic inference on CUDA turns off what autosymm's hooks sit in: its
+    FlashInfer all-reduce fusion backend (arg_groups/overrides.py:1062) and, at TP > 1, its custom
+    all-reduce (arg_groups/attention_hook.py:683), so neither hook is reached and SGLang's own
+    path serves; with the environment variable alone the slot reads only batch-invariant rows."""
+    import types
+    from pathlib import Path
+
+    import sglang
+    from sglang.srt.arg_groups import overrides
+
+    from autosymm.integrations import sglang_plugin
+
+    view = types.SimpleNamespace(enable_deterministic_inference=True, flashinfer_allreduce_fusion_backend="auto")
+    assert overrides._deterministic_allreduce_fusion_disable(view) == {"flashinfer_allreduce_fusion_backend": None}
+    # attention_hook imports torchvision (not here): its text, the CUDA branch at TP > 1
+    source = (Path(sglang.__file__).parent / "srt" / "arg_groups" / "attention_hook.py").read_text()
+    handler = source[source.index("def handle_deterministic_inference"):]
+    assert "disable_custom_all_reduce=True" in handler and "_deterministic_allreduce_fusion_disable" in handler
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.override(True):
+        assert sglang_plugin._deterministic() is True
+    assert sglang_plugin._deterministic() is None

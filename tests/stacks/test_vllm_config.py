@@ -45,18 +45,20 @@ def _config(rank, world_size, tp, compile_mode, flashinfer):
     platform.check_and_update_config(config)  # vLLM calls it again on a config it has built: no second pass
     again = compilation.inductor_compile_config.get(vllm_fusion.PRE_PASS_KEY)
     assert platform.pass_key == "post_grad_custom_post_pass" != vllm_fusion.PRE_PASS_KEY  # vLLM's pass manager's hook
-    return dict(mode=compilation.mode.name, level=int(config.optimization_level), decided=enable_allreduce_rms_fusion(config),
+    hashed = compilation.compute_hash()  # what vLLM's compile and its worker's start-up plan key by (JSON)
+    return dict(hash=hashed, mode=compilation.mode.name, level=int(config.optimization_level), decided=enable_allreduce_rms_fusion(config),
                 fuse_allreduce_rms=compilation.pass_config.fuse_allreduce_rms, installed=installed is vllm_fusion.PASS,
                 unchanged=again is installed, other_pre=installed not in (None, vllm_fusion.PASS))
 
 
-def _run(tp=2, compile_mode=None, flashinfer=True) -> dict:
-    (out,) = run_gloo(_config, 1, tp, compile_mode, flashinfer, deadline_s=240).values()
+def _run(tp=2, compile_mode=None, flashinfer=True, env=None) -> dict:
+    (out,) = run_gloo(_config, 1, tp, compile_mode, flashinfer, env={"all": env or {}}, deadline_s=240).values()
     return out
 
 
 def test_defaults_at_tp2_on_sm90_fuse_and_install_autosymms_pass_once():
     out = _run()
+    assert isinstance(out["hash"], str) and out["hash"] == _run()["hash"]  # the same in another process
     assert out["mode"] == "VLLM_COMPILE" and out["level"] == 2  # vLLM's defaults
     assert out["decided"] and out["fuse_allreduce_rms"]  # vLLM's own AllReduceFusionPass is on
     assert out["installed"] and out["unchanged"] and not out["other_pre"]
@@ -85,3 +87,11 @@ def test_inductor_runs_the_pre_pass_before_vllms_post_pass():
 
     source = inspect.getsource(post_grad.post_grad_passes)
     assert 0 < source.index("config.post_grad_custom_pre_pass") < source.index("config.post_grad_custom_post_pass")
+
+
+def test_batch_invariance_keeps_vllms_fusion_off_and_autosymms_pass_out():
+    """``VLLM_BATCH_INVARIANT=1``: vLLM turns its all-reduce + RMSNorm fusion off (config/vllm.py:184-186,
+    the fused path is not batch-invariant); autosymm's pass stays out too (vllm_fusion.opted_out)."""
+    out = _run(env={"VLLM_BATCH_INVARIANT": "1"})
+    assert not out["decided"] and not out["fuse_allreduce_rms"]
+    assert not out["installed"] and not out["other_pre"] and out["unchanged"]

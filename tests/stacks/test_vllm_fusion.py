@@ -142,8 +142,8 @@ def test_the_four_unquantized_patterns_are_rewritten(layer_cls, with_residual):
     targets = _targets(gm)
     assert torch.ops.vllm.all_reduce.default not in targets and norm_op not in targets
     (fused,) = [n for n in gm.graph.nodes if n.target is FUSED]
-    x, residual, weight, eps, group, gemma, max_tokens = fused.args
-    assert (eps, group, gemma, max_tokens) == (EPS, "tp:0", layer_cls is GemmaRMSNorm, 0)
+    x, residual, weight, eps, group, gemma = fused.args  # no vLLM pass compiling: the functional op
+    assert (eps, group, gemma) == (EPS, "tp:0", layer_cls is GemmaRMSNorm)
     assert (residual is not None) == with_residual
     assert weight.meta["val"].dtype == torch.bfloat16  # Gemma's raw weight, not w.float() + 1
     assert torch.ops.aten.add.Tensor not in targets or not with_residual  # Gemma's w + 1 is dead
@@ -166,9 +166,9 @@ def test_the_four_quantized_patterns_are_rewritten(quant, with_residual):
     assert not {torch.ops.vllm.all_reduce.default, torch.ops.vllm_ir.fused_add_rms_norm.default,
                 torch.ops.vllm_ir.rms_norm.default, torch.ops.aten.empty.memory_format} & set(targets)
     (fused,) = [n for n in gm.graph.nodes if n.target is FUSED_QUANT]
-    x, residual, weight, eps, group, form, scale, max_tokens = fused.args
+    x, residual, weight, eps, group, form, scale = fused.args
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    assert (eps, group, form, max_tokens) == (EPS, "tp:0", quant, 0)
+    assert (eps, group, form) == (EPS, "tp:0", quant)
     assert {x, weight, scale} <= set(placeholders) and (residual is not None) == with_residual
     assert scale.meta["val"].dtype == torch.float32 and weight.meta["val"].shape == (HIDDEN,)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -231,8 +231,12 @@ def test_vllms_own_decision_for_a_quant_chain():
 
 
 def test_the_plugin_hook_puts_the_pass_before_vllms_pass_manager():
+    from vllm.config.vllm import OptimizationLevel
+
+    compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    compilation.pass_config.fuse_allreduce_rms = True
     config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=2),
-                                   compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE))
+                                   compilation_config=compilation, optimization_level=OptimizationLevel.O2)
     assert vllm_fusion.install(config)
     assert config.compilation_config.inductor_compile_config[vllm_fusion.PRE_PASS_KEY] is vllm_fusion.PASS
     assert vllm_fusion.install(config)  # once only
