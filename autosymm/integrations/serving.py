@@ -4,29 +4,38 @@ The slot objects (:mod:`autosymm.integrations.custom_all_reduce`) hold one as ``
 stacks' own objects keep their ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``max_size``
 and ``disabled`` with their own signatures and meanings, so nothing here may be named into them.
 
-Each ``serves*`` answers whether autosymm's decision for a call (dtype, bytes, eager or graph
-mode; asked once per key, with the tuned databases) is a tuned row's (``Decision.tuned``) whose
-backend is not NCCL's (the op's fallback, or its batch-invariant fallback): where no row decides,
-or NCCL's row won, the stack runs its own path, exactly what it would run without autosymm. The
-matching call runs whatever autosymm decides. ``stop()`` makes every ``serves*`` False.
+Each ``serves*`` answers whether autosymm's decision for a call is a tuned row's
+(``Decision.tuned``) whose backend is neither NCCL's (the op's fallback, or its batch-invariant
+fallback) nor the stack's own path (autosymm.backends.stack: the dispatcher keeps it unless a row
+measured autosymm faster by the margin): where no row decides, or NCCL's or the stack's won, the
+stack runs its own path, exactly what it would run without autosymm. The decision is the
+runtime's prepared call, under the door's own call key (autosymm.spec.call_key, the mode the
+stack's capture context says) and in the group's cache: its first use is agreed with every rank
+and, inside warm-up tuning (autosymm.runtime.warmup), tunes the key. The matching call runs
+whatever autosymm decides. ``stop()`` makes every ``serves*`` False.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from autosymm.api import explain, init
-from autosymm.collectives.all_gather import all_gather_into_tensor
-from autosymm.collectives.all_reduce import all_reduce
-from autosymm.collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
-from autosymm.collectives.reduce_scatter import reduce_scatter_tensor
-from autosymm.spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, REDUCE_SCATTER
+from autosymm import settings
+from autosymm.api import init
+from autosymm.backends import STACK_PATHS
+from autosymm.collectives.all_gather import DOOR as ALL_GATHER_DOOR, all_gather_into_tensor
+from autosymm.collectives.all_reduce import DOOR as ALL_REDUCE_DOOR, all_reduce
+from autosymm.collectives.all_reduce_rmsnorm import DOOR as ALL_REDUCE_RMSNORM_DOOR, all_reduce_rmsnorm
+from autosymm.collectives.reduce_scatter import DOOR as REDUCE_SCATTER_DOOR, reduce_scatter_tensor
 from autosymm.dist_compat import group_device, group_over
-from autosymm.problem import DTYPES, Problem, dtype_name
+from autosymm.epilogue import DEFAULT
+from autosymm.problem import DTYPES
+from autosymm.runtime.entry import prepare_call
+from autosymm.runtime.group import state_of
+from autosymm.spec import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_RMSNORM, REDUCE_SCATTER, call_key
 
 from .groups import serving_backend
 
@@ -69,9 +78,19 @@ class AutosymmServing:
         self.rank = dist.get_rank(self.group)
         self.stopped = False
         self._capturing = False
-        self._use: dict[tuple, bool] = {}
         # collective: workspace rendezvous and DB agreement, outside any capture
         init(self.group, deterministic=deterministic)
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Within: every ``serves*`` is False (the stack's own path, timed as a warm-up candidate,
+        must not ask autosymm again)."""
+        previous = self.stopped
+        self.stopped = True
+        try:
+            yield
+        finally:
+            self.stopped = previous
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -86,7 +105,6 @@ class AutosymmServing:
     def stop(self) -> None:
         """Serve nothing from now on (every ``serves*`` is False)."""
         self.stopped = True
-        self._use.clear()
 
     def _mode(self) -> str:
         if self._capturing:
@@ -102,23 +120,21 @@ class AutosymmServing:
                 and x.is_contiguous() and x.numel() > 0
                 and (self.max_size is None or nbytes < self.max_size))
 
-    def _decides(self, key: tuple, record, problem: Optional[Problem], x=None) -> bool:
-        """True when a tuned row decides ``key`` (cached) for a backend other than ``record``'s NCCL
-        fallbacks (module docstring)."""
-        use = self._use.get(key)
-        if use is None:
-            if problem is None:
-                decision = explain(x, group=self.group, mode=key[-1])
-            else:
-                decision = explain(group=self.group, op=record.name, mode=key[-1], problem=problem)
-            use = self._use[key] = serves(decision, record)
-        return use
+    def _decision(self, door, key: tuple, make_args):
+        """The runtime's prepared call of ``key`` on the group (``make_args()``: a call's arguments,
+        built on a miss only: its first use is checked and agreed with every rank), its Decision."""
+        state = state_of(self.group)
+        entry = state.cache.get(key)
+        if entry is None:
+            entry = prepare_call(state, door, key, make_args())
+        return entry.decision
 
     def serves(self, x: torch.Tensor) -> bool:
         """True when a tuned row decides the sum of ``x`` for something other than NCCL."""
         if not self._fits(x):
             return False
-        return self._decides((x.dtype, x.numel(), self._mode()), ALL_REDUCE, None, x)
+        key = call_key(ALL_REDUCE, x.dtype, x.numel(), x.device, self._mode() == "graph", "sum")
+        return serves(self._decision(ALL_REDUCE_DOOR, key, lambda: (x, "sum")), ALL_REDUCE)
 
     def all_reduce(self, x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The sum of ``x`` over the group in ``out`` (a new tensor by default); ``x`` unchanged.
@@ -139,16 +155,24 @@ class AutosymmServing:
             raise bad_out
         return out
 
-    def serves_fused(self, x: torch.Tensor, epilogue=None) -> bool:
+    def serves_fused(self, x: torch.Tensor, epilogue=None, first_use: Optional[Callable[[], None]] = None) -> bool:
         """True when a tuned row decides the fused all-reduce + RMSNorm of ``x`` [tokens, hidden]
         with ``epilogue`` (autosymm.epilogue.Epilogue; None: the default) for something other
-        than NCCL."""
+        than NCCL. ``first_use()``: run before the key's first decision (the stack's word on how
+        it runs this call, for the warm-up's stack path: autosymm.integrations.vllm_warmup)."""
         if not self._fits(x) or x.dim() != 2:
             return False
-        problem = Problem.all_reduce_rmsnorm(x.shape[0], x.shape[1], dtype_name(x.dtype), self.world_size,
-                                             epilogue=epilogue)
-        return self._decides(("all_reduce_rmsnorm", x.dtype, tuple(x.shape), epilogue, self._mode()),
-                             ALL_REDUCE_RMSNORM, problem)
+        epilogue = DEFAULT if epilogue is None else epilogue
+        key = call_key(ALL_REDUCE_RMSNORM, x.dtype, x.shape, x.device, self._mode() == "graph", epilogue)
+
+        def call():  # a call of this key (its tensors' shapes, dtype and device: the checks read only those)
+            if first_use is not None:
+                first_use()
+            residual = torch.zeros_like(x) if epilogue.residual else None
+            scale = x.new_ones((), dtype=torch.float32) if epilogue.needs_scale else None
+            return x, residual, x.new_ones(x.shape[1]), scale, 1e-6, epilogue.gemma, epilogue.quant
+
+        return serves(self._decision(ALL_REDUCE_RMSNORM_DOOR, key, call), ALL_REDUCE_RMSNORM)
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,26 +182,25 @@ class AutosymmServing:
         out = all_reduce_rmsnorm(x, residual_out, weight, eps, group=self.group)
         return out, residual_out
 
-    def _serves_sharded(self, record, x: torch.Tensor, full_bytes: int) -> bool:
-        """True when a tuned row decides ``record``'s call of a ``full_bytes`` full tensor for
-        something other than NCCL (a reduce-scatter sums bf16/fp16/fp32 only; an all-gather copies
-        any dtype)."""
-        if x.dim() == 0 or not self._fits(x, full_bytes, any_dtype=record is ALL_GATHER):
-            return False
-        dtype = dtype_name(x.dtype) if x.dtype in _SUPPORTED else "bf16"  # the all-gather's keying
-        problem = Problem(record.name, dtype, self.world_size, nbytes=full_bytes)
-        return self._decides((record.name, x.dtype, full_bytes, self._mode()), record, problem)
-
     def serves_all_gather(self, x: torch.Tensor) -> bool:
         """True when a tuned row decides the dim-0 all-gather of every rank's ``x`` for something
-        other than NCCL."""
-        return self._serves_sharded(ALL_GATHER, x, self.world_size * x.numel() * x.element_size())
+        other than NCCL (any dtype: an all-gather copies bytes)."""
+        if x.dim() == 0 or not self._fits(x, self.world_size * x.numel() * x.element_size(), any_dtype=True):
+            return False
+        full = (self.world_size * x.shape[0], *x.shape[1:])
+        key = call_key(ALL_GATHER, x.dtype, x.shape, x.device, self._mode() == "graph", (torch.Size(full), None))
+        return serves(self._decision(ALL_GATHER_DOOR, key, lambda: (x.new_empty(full), x, None)), ALL_GATHER)
 
     def serves_reduce_scatter(self, x: torch.Tensor) -> bool:
         """True when ``x``'s dim 0 splits into world_size shards and a tuned row decides their
-        reduce-scatter for something other than NCCL."""
-        return (isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % self.world_size == 0
-                and self._serves_sharded(REDUCE_SCATTER, x, x.numel() * x.element_size()))
+        reduce-scatter (a sum) for something other than NCCL."""
+        if not (isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % self.world_size == 0) or \
+                not self._fits(x):
+            return False
+        shard = torch.Size((x.shape[0] // self.world_size, *x.shape[1:]))
+        key = call_key(REDUCE_SCATTER, x.dtype, x.shape, x.device, self._mode() == "graph", (shard, "sum", None))
+        return serves(self._decision(REDUCE_SCATTER_DOOR, key, lambda: (x.new_empty(shard), x, "sum", None)),
+                      REDUCE_SCATTER)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` along dim 0 in rank order, a new [world_size * n, ...] tensor, through
@@ -199,10 +222,23 @@ class AutosymmServing:
 
 
 def serves(decision, record) -> bool:
-    """Whether ``decision`` (autosymm.explain's, for an op of spec ``record``) pre-empts the stack's
-    own path: a database row decided it, for a backend other than NCCL's (``record.fallback`` or
-    ``record.invariant_fallback``). Untuned defaults never do."""
-    return decision.tuned and decision.backend not in (record.fallback, record.invariant_fallback)
+    """Whether ``decision`` (for an op of spec ``record``) pre-empts the stack's own path: a
+    database row decided it, for a backend other than NCCL's (``record.fallback`` or
+    ``record.invariant_fallback``) and the stack's own (autosymm.backends.stack). Untuned
+    defaults never do."""
+    return (decision.tuned and decision.backend not in (record.fallback, record.invariant_fallback)
+            and decision.backend not in STACK_PATHS)
+
+
+def stack_warmup():
+    """The plugins' warm-up tuning: ``autosymm.autotune`` with ``AUTOSYMM_STACK_AUTOTUNE``'s budget
+    (default 30 s), or nothing where it is off. Every rank of a stack enters it alike."""
+    budget = settings.get_or_default("AUTOSYMM_STACK_AUTOTUNE")[0]
+    if not budget:
+        return contextlib.nullcontext()
+    from autosymm.tuning.warmup import autotune  # the tuning side loads only where a stack's warm-up runs
+
+    return autotune(budget)
 
 
 def as_device(device) -> torch.device:

@@ -34,9 +34,13 @@ import logging
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+from autosymm.backends.stack import StackPath
+from autosymm.runtime.group import state_of
 
 from .custom_all_reduce import wrap
-from .serving import AutosymmServing
+from .serving import AutosymmServing, stack_warmup
 
 log = logging.getLogger("autosymm")
 
@@ -44,12 +48,45 @@ CA_DISPATCH = "sglang.srt.distributed.device_communicators.custom_all_reduce.dis
 FUSED = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
 
 
+#: SGLang's model runner's CUDA-graph set-up: its warm-up runs and capture at every batch size
+#: (srt/model_executor/model_runner.py:1170), which warm-up tuning wraps.
+WARMUP = "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs"
+
+
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: register the two hooks (see the module docstring)."""
+    """The ``sglang.srt.plugins`` entry point: register the three hooks (see the module docstring)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(CA_DISPATCH, dispatch_custom_allreduce, HookType.AROUND)
     HookRegistry.register(FUSED, fused_allreduce_residual_rmsnorm, HookType.AROUND)
+    HookRegistry.register(WARMUP, tuned_warmup, HookType.AROUND)
+
+
+def tuned_warmup(original, *args, **kwargs):
+    """AROUND SGLang's CUDA-graph set-up: inside ``autosymm.autotune`` with
+    ``AUTOSYMM_STACK_AUTOTUNE``'s budget (off: none), so the keys its warm-up calls are tuned."""
+    with stack_warmup():
+        return original(*args, **kwargs)
+
+
+def stack_path(slot) -> StackPath:
+    """SGLang's own all-reduce on ``slot``'s group without autosymm: its custom all-reduce where it
+    takes the call, else the group's NCCL sum (SGLang's pynccl / torch fallback)."""
+    serving = slot.autosymm
+
+    def all_reduce(problem):
+        def launcher(x: torch.Tensor) -> torch.Tensor:
+            with serving.bypassed():
+                own = slot.custom_all_reduce(x) if slot.should_custom_ar(x) else None
+            if own is None:
+                dist.all_reduce(x, group=serving.group)
+                return x
+            return x.copy_(own)
+        return launcher
+
+    return StackPath("sglang", {"all_reduce": all_reduce},
+                     why_not=lambda problem, mode: "SGLang's custom all-reduce captures only inside SGLang's own "
+                                                   "graph capture" if mode == "graph" else None)
 
 
 def dispatch_custom_allreduce(original, *args, **kwargs):
@@ -71,7 +108,9 @@ def build(stack_class, group, device):
         log.warning("autosymm: SGLang's custom all-reduce %s failed (%s); autosymm serves alone",
                     getattr(stack_class, "__name__", stack_class), exc)
         inner = None
-    return wrap(inner, group=group, device=device, deterministic=_deterministic())
+    slot = wrap(inner, group=group, device=device, deterministic=_deterministic())
+    state_of(slot.autosymm.group).attach_stack(stack_path(slot))  # SGLang's own path: the default to beat
+    return slot
 
 
 def _deterministic() -> Optional[bool]:

@@ -23,6 +23,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from autosymm.api import explain
+from autosymm.problem import MoEShape, Problem, dtype_name
+from autosymm.spec import DP_TO_EP, EP_TO_DP
+
+from . import serving
+
 MANAGER_QUALNAME = "autosymm.integrations.vllm_all2all.AutosymmAgRsAll2AllManager"
 
 
@@ -108,16 +114,11 @@ def tuned(served: Served, n_experts: int, rows: torch.Tensor, k: int, n_tokens: 
     """Whether tuned rows decide both conversions of a call (``rows`` [tokens, d] as they travel,
     ``n_tokens`` per rank after padding) for something other than NCCL (autosymm.integrations.serving.
     serves), asked once per call shape. Collective the first time on the group (autosymm.explain)."""
-    from autosymm.problem import MoEShape, Problem, dtype_name
-    from autosymm.spec import DP_TO_EP, EP_TO_DP
-
-    from . import serving  # its explain and gate: what every adapter asks
-
     key = (n_experts, rows.shape[1], k, n_tokens, rows.dtype, mode)
     if key not in served.tuned:
         shape = MoEShape(rows.shape[1], n_experts, k)
         served.tuned[key] = all(
-            serving.serves(serving.explain(group=served.device_group, op=spec.name, mode=mode,
+            serving.serves(explain(group=served.device_group, op=spec.name, mode=mode,
                            problem=Problem.moe(spec.name, shape, n_tokens, dtype_name(rows.dtype), len(served.ranks))),
                    spec)
             for spec in (DP_TO_EP, EP_TO_DP))

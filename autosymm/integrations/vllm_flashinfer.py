@@ -31,6 +31,7 @@ from autosymm.collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
 from autosymm.epilogue import Epilogue
 
 from .vllm_ops import group_coordinator
+from .vllm_warmup import record_form
 
 _AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized
 #: The op's mutated arguments in schema order: auto_functionalized's items 1..5.
@@ -44,6 +45,9 @@ SCHEMA = ("vllm_fused_allreduce_norm(Tensor(a!) allreduce_in, Tensor(b!) residua
 #: One call's arguments, by the schema's names and defaults.
 Call = namedtuple("Call", [arg.split("=")[0].split()[-1] for arg in SCHEMA[SCHEMA.index("(") + 1:SCHEMA.index(") ->")]
                            .split(", ")], defaults=(None, None, None, None, 0.0))
+#: vLLM's op's arguments that are its call's parameters, not its buffers (a warm-up stack path
+#: replays the call with them: autosymm.integrations.vllm_warmup).
+PARAMS = ("world_size", "launch_with_pdl", "fp32_acc", "max_token_num", "pattern_code", "weight_bias")
 _LIB = torch.library.Library("autosymm", "FRAGMENT")
 _LIB.define(SCHEMA)
 
@@ -57,10 +61,12 @@ def vllm_fused_allreduce_norm(*args, **kwargs) -> None:
     coordinator = group_coordinator(call.group_name)
     adapter = getattr(coordinator.device_communicator, "autosymm", None)
     quant = _quant_of(call.pattern_code)
-    if quant is not False and adapter is not None and adapter.serves_fused(
-            call.allreduce_in, epilogue=Epilogue(residual=True, gemma=call.weight_bias == 1.0, quant=quant)):
-        _autosymm(adapter, call, quant)
-        return
+    if quant is not False and adapter is not None:
+        epilogue = Epilogue(residual=True, gemma=call.weight_bias == 1.0, quant=quant)
+        if adapter.serves_fused(call.allreduce_in, epilogue, lambda: record_form(
+                call.allreduce_in, epilogue, "flashinfer", {name: getattr(call, name) for name in PARAMS})):
+            _autosymm(adapter, call, quant)
+            return
     vllm_args = call._asdict()
     del vllm_args["group_name"]
     torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm.default(**vllm_args)

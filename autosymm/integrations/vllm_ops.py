@@ -16,6 +16,8 @@ from torch.fx import Node
 from autosymm.collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
 from autosymm.epilogue import Epilogue
 
+from .vllm_warmup import record_form
+
 
 def group_coordinator(name: str):
     """vLLM's live ``GroupCoordinator`` called ``name`` (its ``unique_name``, e.g. 'tp:0')."""
@@ -38,7 +40,8 @@ def vllm_all_reduce_rmsnorm(x: Tensor, residual: Optional[Tensor], weight: Tenso
     coordinator = group_coordinator(group_name)
     adapter = getattr(coordinator.device_communicator, "autosymm", None)
     # asked about the epilogue the call runs (the residual is always given: a zero one without)
-    if adapter is not None and adapter.serves_fused(x, epilogue=Epilogue(residual=True, gemma=gemma)):
+    epilogue = Epilogue(residual=True, gemma=gemma)
+    if adapter is not None and adapter.serves_fused(x, epilogue, lambda: record_form(x, epilogue, "unfused")):
         summed = residual.clone() if residual is not None else torch.zeros_like(x)
         out = all_reduce_rmsnorm(x.clone(), summed, weight, eps, group=adapter.group, gemma=gemma)
         return out, summed

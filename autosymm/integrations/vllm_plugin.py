@@ -39,13 +39,18 @@ from typing import Callable, Optional
 
 import torch
 
+from autosymm.runtime.group import state_of
+
 from . import vllm_fusion  # registers torch.ops.autosymm.vllm_all_reduce_rmsnorm in every vLLM process
+from . import vllm_warmup
 from .custom_all_reduce import wrap
 from .serving import AutosymmServing
 from .vllm_all2all import install as install_all2all
 
 PLATFORM_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaPlatform"
 COMMUNICATOR_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmCudaCommunicator"
+WORKER_QUALNAME = "autosymm.integrations.vllm_plugin.AutosymmWorker"
+VLLM_WORKER = "vllm.v1.worker.gpu_worker.Worker"  # what vLLM's CUDA platform names (platforms/cuda.py:330-331)
 
 
 def platform_plugin() -> Optional[str]:
@@ -130,6 +135,8 @@ def _communicator_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.autosymm = attach(self, deterministic=batch_invariant())
+            if self.autosymm is not None:  # vLLM's own path: the default to beat (autosymm.backends.stack)
+                state_of(self.autosymm.group).attach_stack(vllm_warmup.stack_path(self, self.autosymm))
             install_all2all(self)  # MoE: autosymm's subclass of vLLM's default all2all manager
 
         def destroy(self):
@@ -172,6 +179,9 @@ def _platform_class():
             optimization-level defaults (config/vllm.py:1855, 2067)."""
             super().check_and_update_config(vllm_config)
             vllm_fusion.install(vllm_config)
+            parallel = vllm_config.parallel_config
+            if parallel.worker_cls == VLLM_WORKER:  # vLLM's own, as it chose it: its warm-up tunes autosymm's keys
+                parallel.worker_cls = WORKER_QUALNAME
 
     AutosymmCudaPlatform.__module__ = __name__
     AutosymmCudaPlatform.__qualname__ = "AutosymmCudaPlatform"
@@ -184,4 +194,6 @@ def __getattr__(name: str):
         return _platform_class()
     if name == "AutosymmCudaCommunicator":
         return _communicator_class()
+    if name == "AutosymmWorker":
+        return vllm_warmup.worker_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
