@@ -1,5 +1,6 @@
-"""The decisions the integrations' adapters see, stubbed: ``autosymm.explain`` (which an adapter
-asks once per call key) replaced as on a tuned GPU node, then restored."""
+"""The decisions the integrations' adapters see, stubbed: ``AutosymmServing._decision`` (the
+runtime's prepared call of a key, which every ``serves*`` asks) answered as on a tuned GPU node,
+then restored. The calls an adapter then makes run what the runtime decides for them."""
 
 from __future__ import annotations
 
@@ -17,15 +18,25 @@ def tuned(backend: str, mode: str = "eager"):
 
 
 @contextmanager
-def adapter_decisions(explain=None, backend: str = "triton_one_shot"):
-    """Within: the adapters' ``autosymm.explain`` is ``explain``, or a stub where a tuned row decides
-    ``backend`` (not NCCL) for every call. Adapters cache decisions per key: clear
-    ``slot.autosymm._use`` inside."""
-    from autosymm.integrations import serving as module
+def adapter_decisions(decide=None, backend: str = "triton_one_shot"):
+    """Within: an adapter's decision for a call is ``decide(op, key, mode)`` (the op's name, the
+    runtime's call key, or None for the MoE adapters' question before a call is built; 'eager' |
+    'graph'), or a stub where a tuned row decides ``backend`` (not NCCL) for every call; asked at
+    every call (nothing cached)."""
+    from autosymm.integrations import serving
+    from autosymm.spec import key_mode
 
-    real = module.explain
-    module.explain = explain or (lambda *a, **k: tuned(backend, k.get("mode") or "eager"))
+    real = serving.AutosymmServing._decision, serving.explained
+
+    def stub(self, door, key, make_args):
+        mode = key_mode(key)
+        return decide(door.name, key, mode) if decide is not None else tuned(backend, mode)
+
+    def explained(group, record, problem, mode):  # the MoE adapters' question, before a call is built
+        return decide(record.name, None, mode) if decide is not None else tuned(backend, mode)
+
+    serving.AutosymmServing._decision, serving.explained = stub, explained
     try:
         yield
     finally:
-        module.explain = real
+        serving.AutosymmServing._decision, serving.explained = real

@@ -13,6 +13,8 @@ import traceback
 
 import torch
 from _adapter_decisions import adapter_decisions, tuned
+
+from autosymm.spec import KEY_DTYPE, KEY_EXTRA, KEY_SHAPE
 from _gloo import run_with_deadline
 
 WORLD_SIZE = 2
@@ -56,22 +58,22 @@ def _custom_all_reduce(rank, world_size):
     assert not car.should_custom_ar(torch.ones(8, dtype=torch.int32))  # no tuned kernel for int32
     assert not car.should_custom_ar(torch.ones(8, 8)[:, :4])  # not contiguous
 
-    # A decision other than NCCL (as on a tuned GPU node) opens the gate; explain runs once per
-    # (dtype, numel, mode) and capture() asks for the graph-mode rows.
-    asked = []
+    # A decision other than NCCL (as on a tuned GPU node) opens the gate; the adapter asks under
+    # the door's own call key (dtype, numel, the reduce op), and capture() for the graph-mode rows.
+    asked = set()
 
-    def fake_explain(t, *, group=None, mode=None):
-        asked.append((t.dtype, t.numel(), mode))
+    def fake_decide(op, key, mode):
+        asked.add((op, key[KEY_DTYPE], key[KEY_SHAPE], key[KEY_EXTRA], mode))
         return tuned("triton_one_shot", mode)
 
-    with adapter_decisions(fake_explain):
-        car.autosymm._use.clear()
+    with adapter_decisions(fake_decide):
         for _ in range(3):
             out = car.custom_all_reduce(x)
             assert out is not None and out is not x and torch.equal(out, summed) and torch.equal(x, before)
         with car.capture():
             assert car.should_custom_ar(x)
-        assert asked == [(torch.bfloat16, 1000, "eager"), (torch.bfloat16, 1000, "graph")]
+        assert asked == {("all_reduce", torch.bfloat16, 1000, "sum", "eager"),
+                         ("all_reduce", torch.bfloat16, 1000, "sum", "graph")}
     car.close()
     assert car.disabled and car.custom_all_reduce(x) is None
     return autosymm.stats()
@@ -251,7 +253,6 @@ def _fused_convention(rank, world_size):
     kept = residual.clone()
     assert car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6) is None
     with adapter_decisions(backend="triton_fused"):
-        car.autosymm._use.clear()  # decisions are cached per key: forget the gloo one
         out, residual_out = car.fused_allreduce_rmsnorm(xs[rank].clone(), residual, weight, 1e-6)
     want_residual = residual + xs.sum(0)
     torch.testing.assert_close(residual_out, want_residual)

@@ -106,7 +106,6 @@ def _in_place(rank, world_size):
     assert slot.should_custom_ar(eight) and not slot.should_custom_ar(other)  # gloo: autosymm's is NCCL
     assert torch.equal(slot.custom_all_reduce(input=eight), torch.full((8,), -1.0))
     with adapter_decisions():
-        slot.autosymm._use.clear()
         assert slot.should_custom_ar(other)
         assert torch.equal(slot.custom_all_reduce(other), torch.full((16,), 3.0))  # autosymm's sum
         with slot.capture():

@@ -153,7 +153,6 @@ def _vllm(rank, world_size, cpu_group):
     out = vllm_plugin.serve_first(adapter, x, lambda t: chain.append(t) or t)
     assert out is x and chain == [x]  # gloo: autosymm's decision is the fallback, vLLM's chain runs
     with adapter_decisions():
-        adapter._use.clear()
         out = vllm_plugin.serve_first(adapter, x, lambda t: pytest.fail("vLLM's chain ran"))
     want = x.clone()
     dist.all_reduce(want)
@@ -166,7 +165,6 @@ def _vllm(rank, world_size, cpu_group):
     gathered = torch.empty(world_size * 3, 2)
     dist.all_gather_into_tensor(gathered, rows)
     with adapter_decisions():
-        adapter._use.clear()
         assert torch.equal(vllm_plugin.gather_first(adapter, rows, 0, vllm_own), gathered)
         assert torch.equal(vllm_plugin.gather_first(adapter, rows[:, 0], -1, vllm_own), gathered[:, 0])  # 1-D
         shard = vllm_plugin.scatter_first(adapter, gathered, 0, vllm_own)
@@ -229,7 +227,6 @@ def _sglang(rank, world_size, cpu_group):
     assert hook(original, xs[rank].clone(), residual, weight, 1e-6, max_token_num=2048) == (None, None)
     assert flashinfer == [{"max_token_num": 2048}]  # gloo: FlashInfer's path is asked, unchanged
     with adapter_decisions():
-        adapter.autosymm._use.clear()
         out, residual_out = hook(original, xs[rank].clone(), residual, weight, 1e-6, use_attn_tp_group=False)
     assert len(flashinfer) == 1
     torch.testing.assert_close(residual_out, residual + xs.sum(0))
@@ -243,7 +240,7 @@ def test_plugin_hooks_on_two_gloo_ranks():
 
 
 def test_sglang_register_names_its_hook_targets(monkeypatch):
-    """register() hands SGLang's HookRegistry two AROUND hooks on SGLang 0.5.23's targets (a
+    """register() hands SGLang's HookRegistry three AROUND hooks on SGLang 0.5.23's targets (a
     recording registry stands in for SGLang's, whose package needs its GPU dependencies)."""
     from autosymm.integrations import sglang_plugin
 
@@ -259,4 +256,5 @@ def test_sglang_register_names_its_hook_targets(monkeypatch):
         ("sglang.srt.distributed.device_communicators.custom_all_reduce.dispatch_custom_allreduce",
          sglang_plugin.dispatch_custom_allreduce, "around"),
         ("sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm",
-         sglang_plugin.fused_allreduce_residual_rmsnorm, "around")]
+         sglang_plugin.fused_allreduce_residual_rmsnorm, "around"),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs", sglang_plugin.tuned_warmup, "around")]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 from _adapter_decisions import adapter_decisions, tuned
+
+from autosymm.spec import KEY_DTYPE, KEY_SHAPE
 from _gloo import run_gloo
 
 
@@ -39,12 +41,12 @@ def _adapter(rank, world_size):
 
     asked = []
 
-    def fake_explain(t=None, *, group=None, op="all_reduce", mode=None, problem=None):
-        asked.append((op, problem.dtype, problem.nbytes, mode))
+    def fake_decide(op, key, mode):
+        if (op, key[KEY_DTYPE], tuple(key[KEY_SHAPE]), mode) not in asked:
+            asked.append((op, key[KEY_DTYPE], tuple(key[KEY_SHAPE]), mode))
         return tuned(f"triton_{op}_push", mode)
 
-    wrapped.autosymm._use.clear()  # the decisions above are cached per key
-    with adapter_decisions(fake_explain):
+    with adapter_decisions(fake_decide):
         for _ in range(2):
             gathered, shard = wrapped.custom_all_gather(x), wrapped.custom_reduce_scatter(x)
         ints = wrapped.custom_all_gather(torch.arange(3, dtype=torch.int32) + rank)
@@ -54,8 +56,8 @@ def _adapter(rank, world_size):
     dist.reduce_scatter_tensor(want_shard, x)
     assert torch.equal(gathered, want_gather) and torch.equal(shard, want_shard)
     assert ints.tolist() == [0, 1, 2, 1, 2, 3] and torch.equal(odd, torch.full((1, 2), -2.0))
-    assert asked == [("all_gather", "fp32", 96, "eager"), ("reduce_scatter", "fp32", 48, "eager"),
-                     ("all_gather", "bf16", 24, "eager")]
+    assert asked == [("all_gather", torch.float32, (4, 3), "eager"), ("reduce_scatter", torch.float32, (4, 3), "eager"),
+                     ("all_gather", torch.int32, (3,), "eager")]  # keyed as the doors key them
     return True
 
 

@@ -31,7 +31,7 @@ Launchers (what ``prepare`` returns, by op; the front doors, autosymm.collective
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -55,6 +55,8 @@ class Capabilities:
     compute_capability: tuple[int, int] = (0, 0)
     moe_max_bytes: int = 0  # MoE region (bytes) an eager call may grow the workspace to (<= moe_bytes: none)
     stack: str = ""  # the serving stack whose own path this group's runs hold ('vllm', 'sglang'; '': none)
+    #: that path (autosymm.backends.stack.StackPath): which calls it can run here
+    stack_path: Any = field(default=None, compare=False)
 
     @classmethod
     def of(cls, world_size: int, *, workspace=None, region_bytes: Optional[tuple[int, int]] = None,

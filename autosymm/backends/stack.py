@@ -49,7 +49,8 @@ class StackBackend(Backend):
     def why_not(self, problem: Problem, caps: Capabilities, mode: str = "eager") -> Optional[str]:
         if caps.stack != self.name:
             return f"no {self.name} path on this group"
-        return super().why_not(problem, caps, mode)
+        reason = caps.stack_path.reason(problem, mode) if isinstance(caps.stack_path, StackPath) else None
+        return reason or super().why_not(problem, caps, mode)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         path = ctx.stack

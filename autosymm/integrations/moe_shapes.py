@@ -39,8 +39,6 @@ import torch
 import torch.distributed as dist
 
 from .moe_all2all import AutosymmAll2AllManager, DispatchHandle
-from autosymm.api import explain
-
 from . import serving  # its gate: what every adapter asks
 
 
@@ -134,9 +132,9 @@ class TitanTokenDispatcher:
         if key not in self._decided:
             manager = self.manager
             self._decided[key] = x_TD.dtype in DTYPES.values() and all(
-                serving.serves(explain(group=manager.group, op=spec.name, mode="eager", problem=Problem.moe(
+                serving.serves(serving.explained(manager.group, spec, Problem.moe(
                     spec.name, MoEShape(x_TD.shape[1], manager.n_experts, k), x_TD.shape[0], dtype_name(x_TD.dtype),
-                    manager.world_size)), spec)
+                    manager.world_size), "eager"), spec)
                 for spec in (DP_TO_EP, EP_TO_DP))
         return self._decided[key]
 

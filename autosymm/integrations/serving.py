@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from autosymm import settings
-from autosymm.api import init
+from autosymm.api import explain, init
 from autosymm.backends import STACK_PATHS
 from autosymm.collectives.all_gather import DOOR as ALL_GATHER_DOOR, all_gather_into_tensor
 from autosymm.collectives.all_reduce import DOOR as ALL_REDUCE_DOOR, all_reduce
@@ -228,6 +228,12 @@ def serves(decision, record) -> bool:
     defaults never do."""
     return (decision.tuned and decision.backend not in (record.fallback, record.invariant_fallback)
             and decision.backend not in STACK_PATHS)
+
+
+def explained(group, record, problem, mode: str):
+    """autosymm's decision for ``problem`` (of spec ``record``) on ``group`` in ``mode``, without
+    preparing a call (autosymm.explain): what the MoE adapters ask before they build one."""
+    return explain(group=group, op=record.name, mode=mode, problem=problem)
 
 
 def stack_warmup():

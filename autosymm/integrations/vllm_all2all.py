@@ -23,7 +23,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from autosymm.api import explain
 from autosymm.problem import MoEShape, Problem, dtype_name
 from autosymm.spec import DP_TO_EP, EP_TO_DP
 
@@ -118,9 +117,8 @@ def tuned(served: Served, n_experts: int, rows: torch.Tensor, k: int, n_tokens: 
     if key not in served.tuned:
         shape = MoEShape(rows.shape[1], n_experts, k)
         served.tuned[key] = all(
-            serving.serves(explain(group=served.device_group, op=spec.name, mode=mode,
-                           problem=Problem.moe(spec.name, shape, n_tokens, dtype_name(rows.dtype), len(served.ranks))),
-                   spec)
+            serving.serves(serving.explained(served.device_group, spec, Problem.moe(
+                spec.name, shape, n_tokens, dtype_name(rows.dtype), len(served.ranks)), mode), spec)
             for spec in (DP_TO_EP, EP_TO_DP))
     return served.tuned[key]
 

@@ -236,8 +236,11 @@ def _stack_rule(problem: Problem, mode: str, caps: Capabilities, decision: Decis
     margin (AUTOSYMM_STACK_MARGIN), so timing jitter never displaces it; an untuned call, or one
     no row timed against the stack, is the stack's."""
     stack = caps.stack
-    if decision.backend == stack or not decision.exchanges or get_backend(stack).why_not(problem, caps, mode):
+    if decision.backend == stack or not decision.exchanges:
         return decision
+    why = get_backend(stack).why_not(problem, caps, mode)
+    if why:  # the stack's path cannot run (or be timed) here: NCCL is the bar, and the reason says so
+        return replace(decision, reason=f"{decision.reason}; {stack}'s own path not a candidate here: {why}")
     stack_row = next((c for c in ranked if c.row.backend == stack), None)
     own = (f"{stack}'s own path" if stack_row is None else
            f"{stack}'s own path ({stack_row.modelled_us:.2f} us)")

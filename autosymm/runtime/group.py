@@ -166,7 +166,7 @@ class GroupState:
         the stack's CPU group, when it is not the group the calls run on) carries the warm-up
         tuner's protocol. Calls are decided again."""
         self.ctx.stack = path
-        self.caps = replace(self.caps, stack=path.name)
+        self.caps = replace(self.caps, stack=path.name, stack_path=path)
         if control_group is not None and control_group is not self.group:
             self.control_group = control_group
         self.cache.clear()

@@ -153,13 +153,11 @@ def _serving(slot, v2, launches, rank):
     odd = torch.full((5,), float(rank + 1))  # 20 bytes: V2 declines (not a multiple of 16), autosymm's is NCCL
     assert not slot.should_custom_ar(odd)
     with adapter_decisions():
-        slot.autosymm._use.clear()
         assert slot.should_custom_ar(odd)
         assert torch.equal(slot.custom_all_reduce(odd), torch.full((5,), 3.0))  # autosymm's sum
         with slot.capture():
             assert slot.autosymm._mode() == "graph" and slot._graph_mode_allowed  # both captures entered
     assert slot._capture_started and not slot._graph_mode_allowed
-    slot.autosymm._use.clear()
     slot.override_algo = AllReduceAlgo.ONE_SHOT_PUSH  # V2 accepts what fits its workspace
     x = torch.ones(64)
     assert slot.should_custom_ar(x) and torch.equal(slot.custom_all_reduce(input=x), -x)  # V2's own launch
@@ -208,7 +206,6 @@ def _declines(rank, world_size):
     x = torch.full((64,), float(rank + 1))
     assert not slot.should_custom_ar(x) and slot.custom_all_reduce(x) is None  # gloo: SGLang's NCCL path
     with adapter_decisions():
-        slot.autosymm._use.clear()
         assert torch.equal(slot.custom_all_reduce(x), torch.full((64,), 3.0))
     alone = sglang_plugin.build(_Broken, cpu_group, CPU)
     assert isinstance(alone, AutosymmCustomAllReduce) and alone.fallback is None

@@ -322,7 +322,6 @@ def _copies_per_call(adapter) -> dict:
     real = flashinfer.comm.allreduce_fusion
     flashinfer.comm.allreduce_fusion = lambda **kw: seen.append((kw["input"], kw["residual_in"], kw["norm_out"])) or \
         real(**kw)
-    adapter._use.clear()
     gen = torch.Generator().manual_seed(5)
     x, residual, weight = (torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16() for _ in range(3))
     params = dict(world_size=2, launch_with_pdl=True, fp32_acc=True, max_token_num=64,
@@ -395,7 +394,6 @@ def _compile_and_run(rank, world_size, tmp: str, block: str, plugin: bool) -> di
         flashinfer.comm.CALLS.clear()
         before = vllm_fusion.PASS.rewrites
         if adapter is not None:
-            adapter._use.clear()
         if decisions is None:
             got = _forward(model, config)
         else:

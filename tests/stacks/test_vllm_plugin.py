@@ -122,7 +122,6 @@ def _communicator(rank, world_size):
     want = torch.full_like(x, float(sum(range(1, world_size + 1))))
     assert torch.equal(comm.all_reduce(x), want)  # gloo: autosymm's decision is NCCL, vLLM's chain sums
     with adapter_decisions():
-        serving._use.clear()
         assert serving.serves(x) and torch.equal(comm.all_reduce(x), want)  # autosymm's sum
         comm.destroy()
         assert serving.stopped and comm.autosymm is None and comm.ca_comm is None
