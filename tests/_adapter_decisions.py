@@ -22,11 +22,15 @@ def adapter_decisions(decide=None, backend: str = "triton_one_shot"):
     """Within: an adapter's decision for a call is ``decide(op, key, mode)`` (the op's name, the
     runtime's call key, or None for the MoE adapters' question before a call is built; 'eager' |
     'graph'), or a stub where a tuned row decides ``backend`` (not NCCL) for every call; asked at
-    every call (nothing cached)."""
+    every call (nothing cached). The calls then made are decided as on that node: by autosymm's
+    own rows and fallbacks, the stack's path not standing in for them (dispatch's stack rule off),
+    nothing left to tune at a first use (no warm-up tuner on); the calls prepared before are
+    prepared again, within and after (every rank enters and leaves at the same point)."""
     from autosymm.integrations import serving
+    from autosymm.runtime import dispatch, group, warmup
     from autosymm.spec import key_mode
 
-    real = serving.AutosymmServing._decision, serving.explained
+    real = serving.AutosymmServing._decision, serving.explained, dispatch._stack_rule
 
     def stub(self, door, key, make_args):
         mode = key_mode(key)
@@ -35,8 +39,20 @@ def adapter_decisions(decide=None, backend: str = "triton_one_shot"):
     def explained(group, record, problem, mode):  # the MoE adapters' question, before a call is built
         return decide(record.name, None, mode) if decide is not None else tuned(backend, mode)
 
-    serving.AutosymmServing._decision, serving.explained = stub, explained
+    def own(problem, mode, caps, decision, ranked):  # the call the adapter hands autosymm: autosymm's own decision
+        return decision
+
+    serving.AutosymmServing._decision, serving.explained, dispatch._stack_rule = stub, explained, own
+    tuners, warmup.TUNERS[:] = list(warmup.TUNERS), []
+    _prepare_again(group)
     try:
         yield
     finally:
-        serving.AutosymmServing._decision, serving.explained = real
+        serving.AutosymmServing._decision, serving.explained, dispatch._stack_rule = real
+        warmup.TUNERS[:] = tuners
+        _prepare_again(group)
+
+
+def _prepare_again(group) -> None:
+    for state in set(group.STATES.values()):
+        state.cache.clear()

@@ -117,7 +117,13 @@ def _flashinfer_launcher(problem: Problem, params: dict):
     the norm into x, the new residual into ``residual`` (vLLM's form with a residual)."""
     op = torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm.default
 
-    def launcher(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    def launcher(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6, *,
+                 scale: Optional[torch.Tensor] = None):
+        if residual is None:  # vLLM's form without a residual: a zero one, the norm into its own buffer
+            out = torch.empty_like(x)
+            op(allreduce_in=x, residual=torch.zeros_like(x), rms_gamma=weight, rms_eps=eps, norm_out=out,
+               quant_out=None, scale_out=None, scale_factor=None, **params)
+            return out
         op(allreduce_in=x, residual=residual, rms_gamma=weight, rms_eps=eps, norm_out=None, quant_out=None,
            scale_out=None, scale_factor=None, **params)
         return x
@@ -130,9 +136,12 @@ def _unfused_launcher(problem: Problem, vllm_all_reduce: Callable):
     runs them where its pass does not fuse."""
     gemma = (problem.epilogue or DEFAULT).gemma
 
-    def launcher(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    def launcher(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6, *,
+                 scale: Optional[torch.Tensor] = None):
         summed = vllm_all_reduce(x)
         norm_weight = weight.float() + 1.0 if gemma else weight
+        if residual is None:
+            return torch.ops.vllm_ir.rms_norm.default(summed, norm_weight, eps, None)
         out, new_residual = torch.ops.vllm_ir.fused_add_rms_norm.default(summed, residual, norm_weight, eps, None)
         residual.copy_(new_residual)
         return out

@@ -36,11 +36,12 @@ class Tuned:
 
 
 class WarmupTuner(Protocol):
-    """What the tuning side registers: ``modes`` (those it tunes), ``tunes(problem)`` (this op, by
-    the tuner's settings) and ``tune(state, problem, why)`` (collective over the group's ranks,
-    in lock-step; never raises: a failure is a Tuned without rows saying why)."""
+    """What the tuning side registers: ``modes_for(state)`` (the modes it tunes on a group),
+    ``tunes(problem)`` (this op, by the tuner's settings) and ``tune(state, problem, why)``
+    (collective over the group's ranks, in lock-step; never raises: a failure is a Tuned without
+    rows saying why)."""
 
-    modes: Sequence[str]
+    def modes_for(self, state: Any) -> Sequence[str]: ...
 
     def tunes(self, problem: Problem) -> bool: ...
 
@@ -98,7 +99,7 @@ def tune_first_call(state: Any, problem: Problem, every_rank_wants: bool) -> boo
     if not every_rank_wants:
         return False
     tuner = active_tuner()
-    why = missing(state, problem, tuner.modes)
+    why = missing(state, problem, tuner.modes_for(state))
     if not why:
         return False
     tuned = tuner.tune(state, problem, why)

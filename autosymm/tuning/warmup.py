@@ -123,9 +123,9 @@ class WarmupTuner:
         self.spent_s = 0.0
         self.reports: list[KeyReport] = []
 
-    @property
-    def modes(self) -> tuple[str, ...]:
-        return self.settings.modes
+    def modes_for(self, state) -> tuple[str, ...]:
+        """The modes tuned on ``state``'s group: the settings' (a CPU group has no CUDA graphs: eager)."""
+        return tuple(m for m in self.settings.modes if m == "eager" or state.device.type == "cuda")
 
     def tunes(self, problem: Problem) -> bool:
         return self.settings.ops is None or problem.op in self.settings.ops
@@ -133,7 +133,7 @@ class WarmupTuner:
     def tune(self, state, problem: Problem, why: str) -> runtime_warmup.Tuned:
         """One key on every rank of ``state``'s group, in lock-step; never raises."""
         settings = self.settings
-        near = nearby_tuned(state, problem, settings.modes, settings.spacing)
+        near = nearby_tuned(state, problem, self.modes_for(state), settings.spacing)
         if near:
             return runtime_warmup.Tuned(note=f"not tuned: {near}")
         left = settings.budget_s - self.spent_s
@@ -164,8 +164,9 @@ class WarmupTuner:
 
     def _tune(self, state, problem: Problem, key_s: float) -> tuple[list[Row], list[SweepItem]]:
         settings = self.settings
-        search = TuneSettings(strategy="auto", trials=settings.trials, modes=settings.modes, plan_for=warmup_plan,
-                              deadline_s=key_s / len(settings.modes), clock=settings.clock, agree_s=agree_timeout_s(),
+        modes = self.modes_for(state)
+        search = TuneSettings(strategy="auto", trials=settings.trials, modes=modes, plan_for=warmup_plan,
+                              deadline_s=key_s / len(modes), clock=settings.clock, agree_s=agree_timeout_s(),
                               timeout_s=max(10.0, 5 * key_s), prepare_timeout_s=max(60.0, 30 * key_s))
         backends = self._backends
         if backends is None:

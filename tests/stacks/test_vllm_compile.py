@@ -393,7 +393,6 @@ def _compile_and_run(rank, world_size, tmp: str, block: str, plugin: bool) -> di
     def run(name, model, decisions=None):
         flashinfer.comm.CALLS.clear()
         before = vllm_fusion.PASS.rewrites
-        if adapter is not None:
         if decisions is None:
             got = _forward(model, config)
         else:
