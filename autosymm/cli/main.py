@@ -14,6 +14,7 @@ import click
 
 from .. import __version__
 from .errors import OneLineErrorGroup
+from .model import keys_line, model_calls, model_nproc, model_options, summary_table
 from .. import spec
 from .options import RegistryCommand, call_options, parsed, sweep_options
 from .plans import (Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table,
@@ -77,25 +78,33 @@ def run(ctx: click.Context) -> None:
 @click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
 @click.option("--backends", "backend_list", default=None,
               help="only these backends, comma-separated (default: every registered one; NCCL is always timed)")
+@model_options
 def tune(nproc, json_summary, **opts) -> None:
     """Tune every applicable backend on the local GPUs and record the winners.
 
-    Each op's sweep takes its options (sizes, shapes, tokens, ...: the ops' records)."""
+    Each op's sweep takes its options (sizes, shapes, tokens, ...: the ops' records); --model
+    CONFIG --tp N tunes exactly the keys that model calls instead. The summary gives each winner's
+    margin over NCCL (and over a serving stack's own path where one was timed)."""
     import torch
 
+    calls = model_calls(click.get_current_context(), opts)
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
     from ..settings import TUNING_MAX_POLLS, export
     from ..tuning.session import tune_job
-    from ..tuning.workers import run_workers
+    from ..tuning.workers import run_workers, torchrun_world_size
 
     options = _tune_options(opts)
+    if calls is not None:
+        nproc = model_nproc(calls, nproc, torch.cuda.device_count(), torchrun_world_size())
+        options.model = calls
+        click.echo(keys_line(calls))
     # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
     export({"AUTOSYMM_BARRIER_MAX_POLLS": str(TUNING_MAX_POLLS)}, overwrite=False)
     result = run_workers(tune_job, nproc, options)
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return
-    _print_summary(result.rows)
+    _console().print(summary_table(result.rows))
     if json_summary:
         Path(json_summary).write_text(json.dumps(result.rows, indent=1))
     if result.failures:
@@ -141,14 +150,6 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
                                  param_hint="--backends")
     # the fallbacks are the baselines every row's speedup is measured against
     return names + [n for n in dict.fromkeys(record.fallback for record in spec.registered()) if n not in names]
-
-
-def _print_summary(rows: list[dict]) -> None:
-    columns = ["op", "size/shape", "mode", "winner", "config", "us", "NCCL us", "speedup"]
-    body = [[r["op"], r["label"], r["mode"], r["backend"], r["config"], f"{r['us']:.2f}",
-             f"{r['nccl_us']:.2f}" if r.get("nccl_us") else "-",
-             f"{r['speedup']:.2f}x" if r.get("speedup") else "-"] for r in rows]
-    _console().print(table("autosymm tune: winners", columns, body))
 
 
 # -------------------------------------------------------------------------------------- bench

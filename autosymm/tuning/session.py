@@ -20,6 +20,7 @@ from .. import spec
 from ..spec import PointRequest, Values
 from ..problem import MODES, Problem
 from .evaluator import SweepEvaluator
+from .model_calls import ModelCalls
 from .outcome import TuneOutcome
 from .precompile import precompile
 from .rank_comm import RankComm
@@ -32,7 +33,9 @@ from .tuner import SearchSettings, tune
 @dataclass
 class TuneOptions:
     """What `autosymm tune` was asked for (the CLI's options): ``points`` the parsed values of the
-    ops' sweep options, flag -> value (autosymm.spec.OpSpec.sweep_options: sizes, shapes, ...)."""
+    ops' sweep options, flag -> value (autosymm.spec.OpSpec.sweep_options: sizes, shapes, ...);
+    ``model`` (`--model`): the keys a model calls (autosymm.tuning.model_calls.ModelCalls) instead
+    of ``ops`` x ``dtypes`` x ``points``."""
 
     ops: list[str]
     dtypes: list[str]
@@ -43,6 +46,7 @@ class TuneOptions:
     db_path: str = ""  # "": a dry run, nothing written
     seed: int = 0
     backends: Optional[list[str]] = None  # None: every registered backend
+    model: Optional[ModelCalls] = None
 
     def settings(self) -> TuneSettings:
         """The session settings of these options."""
@@ -51,7 +55,10 @@ class TuneOptions:
 
 
 def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
-    """The sweep of ``options`` (see :func:`sweep_problems`)."""
+    """The sweep of ``options`` (see :func:`sweep_problems`), or the keys of its model (every op
+    the model calls, no others: autosymm.tuning.model_calls)."""
+    if options.model is not None:
+        return options.model.problems(world_size)
     return sweep_problems(options.ops, options.dtypes, world_size, options.points)
 
 
@@ -301,7 +308,7 @@ def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[TuneR
     finish()
     if rank != 0:
         return None
-    result = TuneResult(rows=[s for s in (item.summary() for item in items) if s],
+    result = TuneResult(rows=[s for s in (item.summary(session.caps.stack) for item in items) if s],
                         failures=[f for f in (item.failure() for item in items) if f])
     print(f"autosymm tune: {len(items)} (problem, mode) pairs in {time.time() - started:.1f} s on {world_size} "
           f"GPU(s); {sum(i.rows_written for i in items)} rows written to {options.db_path or 'no database'}")
