@@ -15,6 +15,7 @@ import click
 from .. import __version__
 from .errors import OneLineErrorGroup
 from .model import keys_line, model_calls, model_nproc, model_options, summary_table
+from .regret import check_regret_options, regret_options, run_regret
 from .. import spec
 from .options import RegistryCommand, call_options, parsed, sweep_options
 from .plans import (Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table,
@@ -163,10 +164,18 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
 @click.option("--ops", default=DEFAULT_OPS, show_default=True)
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="write all measurements as CSV")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="draw latency/bandwidth vs size (PNG)")
-def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None:
-    """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins."""
+@regret_options
+def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, **opts) -> None:
+    """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins; with --regret,
+    the database's regret between tuned points, winner flips and replay fidelity."""
     import torch
 
+    ctx = click.get_current_context()
+    check_regret_options(ctx, opts)
+    if opts["regret"]:
+        run_regret(ctx, dict(ctx.params), _console())
+        return
+    plot_path = opts["plot_path"]
     from ..bench.run import BenchOptions, bench_job, print_bench, write_bench_csv
     from ..tuning.workers import run_workers
 

@@ -55,8 +55,26 @@ class ShardedTuning(TuningOp):
     def timing_args(self, data) -> list[tuple]:
         return [(out, inp, data.counts) for out, inp in zip(data.outputs, data.timing)]
 
+    def public_call(self, data):
+        """The op's public pair: the even form (``counts`` None), else its per-rank-sizes form."""
+        even, per_rank = self.public_functions()
+
+        def call(output, input, counts=None):
+            return even(output, input) if counts is None else per_rank(output, input, counts)
+
+        return call
+
+    def public_functions(self):
+        """(the public function of equal shards, the one of per-rank sizes)."""
+        raise NotImplementedError(self.name)
+
 
 class ReduceScatterTuning(ShardedTuning):
+    def public_functions(self):
+        from ...collectives.reduce_scatter import reduce_scatter_tensor, reduce_scatterv
+
+        return reduce_scatter_tensor, reduce_scatterv
+
     def build_reference(self, data) -> None:
         from ...backends.nccl_rs_ag import reduce_scatter_launcher
         import torch.distributed as dist
