@@ -56,11 +56,15 @@ class ShardedTuning(TuningOp):
         return [(out, inp, data.counts) for out, inp in zip(data.outputs, data.timing)]
 
     def public_call(self, data):
-        """The op's public pair: the even form (``counts`` None), else its per-rank-sizes form."""
+        """The op's public pair: the even form (``counts`` None; a drop-in for torch's, it returns
+        None), else its per-rank-sizes form; either way the output, as a launcher returns it."""
         even, per_rank = self.public_functions()
 
         def call(output, input, counts=None):
-            return even(output, input) if counts is None else per_rank(output, input, counts)
+            if counts is None:
+                even(output, input)
+                return output
+            return per_rank(output, input, counts)
 
         return call
 
