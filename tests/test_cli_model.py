@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from autosymm.cli.main import main
 from autosymm.epilogue import Epilogue
@@ -57,12 +56,6 @@ def _summary_row(**extra) -> dict:
            "config": "{}", "us": 8.0, "nccl_us": 20.0, "speedup": 2.5, "nccl_margin": 1.5, "stack": None,
            "stack_us": None, "stack_margin": None}
     return {**row, **extra}
-
-
-@pytest.fixture
-def runner(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "user.sqlite"))
-    return CliRunner()
 
 
 def test_the_workers_get_exactly_the_keys_the_model_calls(runner, config, gpus):

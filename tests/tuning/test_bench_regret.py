@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 from _gloo import run_gloo
-from click.testing import CliRunner
 
 from autosymm import spec
 from autosymm.bench import regret as regret_module
@@ -230,12 +229,6 @@ def test_every_graph_row_is_replayed_through_the_public_call(stand_in_result):
 
 
 # ------------------------------------------------------------------------------ the CLI
-
-
-@pytest.fixture
-def runner(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "user.sqlite"))
-    return CliRunner()
 
 
 @pytest.fixture
