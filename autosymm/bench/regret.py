@@ -68,8 +68,10 @@ def tuned_families(sources, hardware: str, world_size: int, ops=None) -> dict[tu
     return {key: sorted(buckets) for key, buckets in sorted(families.items())}
 
 
-def regret_points(families: dict, world_size: int, asked: Values, limit: Optional[int] = None) -> list[Problem]:
-    """The problems regret is measured at (see the module docstring, step 1), registry order."""
+def regret_points(families: dict, world_size: int, asked: Values, limit: Optional[int] = None,
+                  max_bytes: Optional[int] = None) -> list[Problem]:
+    """The problems regret is measured at (see the module docstring, step 1), registry order;
+    ``max_bytes``: only calls of at most that many bytes (None: any)."""
     by_op: dict[str, list[Problem]] = {}
     for (op, dtype, shape_key), buckets in families.items():
         record = spec.get(op)
@@ -80,9 +82,13 @@ def regret_points(families: dict, world_size: int, asked: Values, limit: Optiona
             sizes = [s for s in middles + odd if s not in buckets]
         shape = record.shape_of_key(shape_key) if record.shape else None
         made = (_callable(record, dtype, world_size, size, shape) for size in sorted(set(sizes)))
-        by_op.setdefault(op, []).extend(dict.fromkeys(p for p in made if p is not None))
+        by_op.setdefault(op, []).extend(dict.fromkeys(p for p in made if p is not None and _fits(p, max_bytes)))
     order = spec.names()
     return [p for op in sorted(by_op, key=order.index) for p in spread(by_op[op], limit)]
+
+
+def _fits(problem: Problem, max_bytes: Optional[int]) -> bool:
+    return max_bytes is None or problem.nbytes <= max_bytes
 
 
 def _callable(record, dtype: str, world_size: int, size: int, shape) -> Optional[Problem]:
@@ -107,15 +113,17 @@ def spread(items: list, limit: Optional[int]) -> list:
     return [items[round(i * (len(items) - 1) / (limit - 1))] for i in range(limit)]
 
 
-def replay_keys(sources, hardware: str, world_size: int, ops, limit: Optional[int]) -> list:
-    """(problem, winner row) of the databases' graph-mode keys for ``hardware`` at ``world_size``,
-    at most ``limit`` per op, registry order."""
+def replay_keys(sources, hardware: str, world_size: int, ops, limit: Optional[int],
+                max_bytes: Optional[int] = None) -> list:
+    """(problem, winner row) of the databases' graph-mode keys for ``hardware`` at ``world_size``
+    (calls of at most ``max_bytes``; None: any), at most ``limit`` per op, registry order."""
     from ..db.read import winners
 
     by_op: dict[str, list] = {}
     for _, row in winners(sources, hardware=hardware, world_size=world_size, mode="graph"):
-        if ops is None or row.op in ops:
-            by_op.setdefault(row.op, []).append((spec.get(row.op).problem_of_row(row), row))
+        problem = spec.get(row.op).problem_of_row(row)
+        if (ops is None or row.op in ops) and _fits(problem, max_bytes):
+            by_op.setdefault(row.op, []).append((problem, row))
     order = spec.names()
     return [key for op in sorted(by_op, key=order.index) for key in spread(by_op[op], limit)]
 
@@ -167,9 +175,7 @@ def _stand_in_rig(options: RegretOptions, world_size: int) -> tuple[Rig, list[Pr
 
     sources = open_sources(user_db_path(), shipped_db_paths())
     hardware = min((row.hardware for _, row in winners(sources, world_size=world_size)), default="none")
-    points, keys = _plan(options, sources, hardware, world_size)
-    points = [p for p in points if p.nbytes <= STAND_IN_MAX_BYTES]
-    keys = [(p, row) for p, row in keys if p.nbytes <= STAND_IN_MAX_BYTES]
+    points, keys = _plan(options, sources, hardware, world_size, STAND_IN_MAX_BYTES)
     session = TuneSession(TuneSettings(modes=tuple(options.modes)), stand_in_backends(), group=dist.group.WORLD,
                           hardware=hardware)
     session.caps = caps = stand_in_caps(world_size)
@@ -184,10 +190,12 @@ def _stand_in_rig(options: RegretOptions, world_size: int) -> tuple[Rig, list[Pr
     return rig, points, keys
 
 
-def _plan(options: RegretOptions, sources, hardware: str, world_size: int) -> tuple[list[Problem], list]:
+def _plan(options: RegretOptions, sources, hardware: str, world_size: int, max_bytes: Optional[int] = None
+          ) -> tuple[list[Problem], list]:
+    """(the points, the replayed keys) of ``options`` in ``sources``."""
     families = tuned_families(sources, hardware, world_size, options.ops)
-    return (regret_points(families, world_size, options.points, options.limit),
-            replay_keys(sources, hardware, world_size, options.ops, options.limit))
+    return (regret_points(families, world_size, options.points, options.limit, max_bytes),
+            replay_keys(sources, hardware, world_size, options.ops, options.limit, max_bytes))
 
 
 def regret_job(rank: int, world_size: int, options: RegretOptions) -> Optional[RegretResult]:

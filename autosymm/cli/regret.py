@@ -11,6 +11,7 @@ import click
 from click.core import ParameterSource
 
 from .. import spec
+from ..problem import MODES
 
 #: `bench`'s options that only go with --regret, and those that do not (their click names).
 REGRET_ONLY = ("db_path", "rounds", "limit", "replay_calls", "cpu", "json_summary")
@@ -67,7 +68,7 @@ def regret_options_of(ctx: click.Context, opts: dict):
 
     modes = tuple(m.strip() for m in opts["modes"].split(",") if m.strip())
     ops = [o.strip() for o in opts["ops"].split(",") if o.strip()] if _given(ctx, "ops") else None
-    unknown = [m for m in modes if m not in ("eager", "graph")] + [o for o in ops or () if o not in spec.names()]
+    unknown = [m for m in modes if m not in MODES] + [o for o in ops or () if o not in spec.names()]
     if unknown or not modes:
         raise click.BadParameter(f"unknown mode(s) or op(s): {', '.join(unknown) or 'none given'}")
     points = {}

@@ -66,6 +66,12 @@ def test_asked_sizes_replace_an_units_points_and_the_limit_spreads_them(db_path)
     assert [(p.op, p.bucket) for p in points] == [
         ("all_reduce", 6144), ("all_reduce", 6146), ("all_reduce", 12288),
         ("all_reduce_rmsnorm", 3), ("all_reduce_rmsnorm", 7), ("all_reduce_rmsnorm", 11)]
+    small = regret_points(families, 2, {}, limit=2, max_bytes=16384)  # the limit spreads what fits
+    assert [(p.op, p.bucket) for p in small] == [("all_reduce", 6144), ("all_reduce", 12288),
+                                                 ("all_reduce_rmsnorm", 2)]  # 10 tokens x h4096: 80 KiB
+    keys = replay_keys(open_sources(None, [db_path]), HW, 2, None, 2, max_bytes=16384)
+    assert [(p.op, p.bucket) for p, _ in keys] == [("all_reduce", 4096), ("all_reduce", 16384),
+                                                   ("all_reduce_rmsnorm", 1)]
     assert spread(list(range(10)), 4) == [0, 3, 6, 9] and spread([1, 2], 5) == [1, 2] and spread([1, 2, 3], 1) == [1]
     assert spread([1, 2], None) == [1, 2]
 
