@@ -217,3 +217,16 @@ def test_the_summary_gives_the_stack_margin_where_rows_have_one(monkeypatch):
     console.print(summary_table([_summary_row(stack="vllm", stack_us=10.0, stack_margin=0.25), _summary_row()]))
     text = console.export_text()
     assert "margin vs stack" in text and "10.00 (vllm)" in text and "+25.0%" in text
+
+
+def test_a_registered_ops_own_sweep_option_clashes_with_model_too(runner, config, gpus, monkeypatch):
+    """The clashing options are read off the registry: a toy op's --widths is one (tests/toy_op)."""
+    import autosymm.problem as problem_module
+    from autosymm import spec
+    from toy_op.spec import TOY
+
+    monkeypatch.setattr(problem_module, "_SPECS", dict(problem_module._SPECS))
+    spec.register(TOY)
+    handed = gpus(2)
+    line = one_line_usage_error(runner.invoke(main, ["tune", "--model", str(config), "--tp", "2", "--widths", "8"]))
+    assert "--widths cannot be given with it" in line and not handed
