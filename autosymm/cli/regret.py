@@ -25,7 +25,8 @@ def regret_options(command):
     options = [
         click.option("--regret", is_flag=True,
                      help="measure the database's regret between tuned points, the winner-flip rate of two tunes "
-                          "and replay fidelity (default ops: every op the databases hold rows of here)"),
+                          "and replay fidelity (default ops: every op the databases hold rows of here; points: "
+                          "between the tuned ones, or --sizes / --tokens given, at the databases' shapes)"),
         click.option("--db", "db_path", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="with --regret: the database under test, read first (as AUTOSYMM_DB; then the shipped ones)"),
         click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
