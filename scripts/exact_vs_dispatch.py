@@ -9,7 +9,10 @@ that are not powers of two, two of them odd element counts of bf16) and mode (gr
    then the shipped ones, as `autosymm.all_reduce` reads them);
 3. time both picks the same way in the same process: the tuner's evaluator and timing plan
    (inputs checked against NCCL, then CUDA events around eager calls or replays of a graph),
-   ``--rounds`` times alternating, median of each.
+   ``--rounds`` times alternating, median of each (TuneSession.time_candidates).
+
+`autosymm bench --regret` measures the same for every op, at the sizes between a database's
+tuned points, with the winner-flip rate and replay fidelity (docs/BENCHMARKS.md).
 
 Prints one row per (size, mode) with both picks, their times and dispatch / exact (the target:
 <= 1.03), then the largest ratio. About 2-3 minutes on 2x H200.
@@ -21,40 +24,12 @@ Prints one row per (size, mode) with both picks, their times and dispatch / exac
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 
 #: 6 KiB + 2 B (3073 bf16 elements), 100 KB, 800 KB, 3 MB, 5 MB, 12 MiB + 6 B (6291459 elements).
 DEFAULT_SIZES = "6146,100000,800000,3000000,5000000,12582918"
 TARGET = 1.03
-
-
-def _retime(session, problem, mode: str, picks: dict, rounds: int) -> dict:
-    """{label: median us} of each pick (a Candidate) timed ``rounds`` times through the tuner's
-    evaluator; identical picks are timed once and share the time."""
-    from autosymm.tuning.evaluator import SweepEvaluator
-    from autosymm.tuning.reference import ProblemData
-
-    plan = session.settings.plan_for(problem, mode)
-    data = ProblemData(problem, session.group, session.device, session.rank, plan.n_inputs)
-    data.allocate()
-    data.build_reference()
-    evaluator = SweepEvaluator(problem, mode, session.backends, data, session.ctx, plan,
-                               control_group=session.control_group)
-    configs: dict[str, list] = {}
-    for pick in picks.values():
-        configs.setdefault(pick.backend, [])
-        if pick.config not in configs[pick.backend]:
-            configs[pick.backend].append(pick.config)
-    samples: dict = {pick: [] for pick in picks.values()}
-    for _ in range(rounds):
-        outcome = session.search(problem, configs, evaluator)
-        for result in outcome.results:
-            if result.candidate in samples:
-                samples[result.candidate].append(result.score)
-    return {label: statistics.median(samples[pick]) if samples[pick] else float("inf")
-            for label, pick in picks.items()}
 
 
 def _job(rank: int, world_size: int, sizes: list[int], modes: list[str], db_paths: list[str], rounds: int):
@@ -80,7 +55,8 @@ def _job(rank: int, world_size: int, sizes: list[int], modes: list[str], db_path
                 continue
             decision = decide(item.problem, item.mode, session.caps, sources, session.hardware_slug)
             picks = {"exact": item.outcome.best.candidate, "dispatch": Candidate(decision.backend, decision.config)}
-            times = _retime(session, item.problem, item.mode, picks, rounds)
+            timed = session.time_candidates(item.problem, item.mode, list(picks.values()), rounds)
+            times = {label: timed[pick] for label, pick in picks.items()}
             row = (item.problem.nbytes, item.mode, picks["exact"].describe(), times["exact"],
                    picks["dispatch"].describe(), times["dispatch"], decision.reason)
             report.append(row)

@@ -92,3 +92,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if GPU_TESTS in Path(str(item.fspath)).resolve().parents:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def runner(tmp_path, monkeypatch):
+    """click's CliRunner, the user database (AUTOSYMM_DB) in the test's own folder: a command run
+    here never reads or writes the machine's."""
+    from click.testing import CliRunner
+
+    monkeypatch.setenv("AUTOSYMM_DB", str(tmp_path / "user.sqlite"))
+    return CliRunner()

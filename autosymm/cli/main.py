@@ -14,6 +14,8 @@ import click
 
 from .. import __version__
 from .errors import OneLineErrorGroup
+from .model import keys_line, model_calls, model_nproc, model_options, summary_table
+from .regret import check_regret_options, regret_options, run_regret
 from .. import spec
 from .options import RegistryCommand, call_options, parsed, sweep_options
 from .plans import (Target, check_hardware, console as rich_console, explain_lines, explained_problem, plan, table,
@@ -77,25 +79,33 @@ def run(ctx: click.Context) -> None:
 @click.option("--json-summary", type=click.Path(dir_okay=False), default=None, help="also write the summary rows as JSON")
 @click.option("--backends", "backend_list", default=None,
               help="only these backends, comma-separated (default: every registered one; NCCL is always timed)")
+@model_options
 def tune(nproc, json_summary, **opts) -> None:
     """Tune every applicable backend on the local GPUs and record the winners.
 
-    Each op's sweep takes its options (sizes, shapes, tokens, ...: the ops' records)."""
+    Each op's sweep takes its options (sizes, shapes, tokens, ...: the ops' records); --model
+    CONFIG --tp N tunes exactly the keys that model calls instead. The summary gives each winner's
+    margin over NCCL (and over a serving stack's own path where one was timed)."""
     import torch
 
+    calls = model_calls(click.get_current_context(), opts)
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
     from ..settings import TUNING_MAX_POLLS, export
     from ..tuning.session import tune_job
-    from ..tuning.workers import run_workers
+    from ..tuning.workers import run_workers, torchrun_world_size
 
     options = _tune_options(opts)
+    if calls is not None:
+        nproc = model_nproc(calls, nproc, torch.cuda.device_count(), torchrun_world_size())
+        options.model = calls
+        click.echo(keys_line(calls))
     # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
     export({"AUTOSYMM_BARRIER_MAX_POLLS": str(TUNING_MAX_POLLS)}, overwrite=False)
     result = run_workers(tune_job, nproc, options)
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return
-    _print_summary(result.rows)
+    _console().print(summary_table(result.rows))
     if json_summary:
         Path(json_summary).write_text(json.dumps(result.rows, indent=1))
     if result.failures:
@@ -143,14 +153,6 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
     return names + [n for n in dict.fromkeys(record.fallback for record in spec.registered()) if n not in names]
 
 
-def _print_summary(rows: list[dict]) -> None:
-    columns = ["op", "size/shape", "mode", "winner", "config", "us", "NCCL us", "speedup"]
-    body = [[r["op"], r["label"], r["mode"], r["backend"], r["config"], f"{r['us']:.2f}",
-             f"{r['nccl_us']:.2f}" if r.get("nccl_us") else "-",
-             f"{r['speedup']:.2f}x" if r.get("speedup") else "-"] for r in rows]
-    _console().print(table("autosymm tune: winners", columns, body))
-
-
 # -------------------------------------------------------------------------------------- bench
 @main.command()
 @click.option("--nproc", type=int, default=None, help="GPUs (worker processes); default: all local GPUs")
@@ -162,10 +164,18 @@ def _print_summary(rows: list[dict]) -> None:
 @click.option("--ops", default=DEFAULT_OPS, show_default=True)
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="write all measurements as CSV")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="draw latency/bandwidth vs size (PNG)")
-def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, plot_path) -> None:
-    """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins."""
+@regret_options
+def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, **opts) -> None:
+    """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins; with --regret,
+    the database's regret between tuned points, winner flips and replay fidelity."""
     import torch
 
+    ctx = click.get_current_context()
+    check_regret_options(ctx, opts)
+    if opts["regret"]:
+        run_regret(ctx, dict(ctx.params), _console())
+        return
+    plot_path = opts["plot_path"]
     from ..bench.run import BenchOptions, bench_job, print_bench, write_bench_csv
     from ..tuning.workers import run_workers
 

@@ -56,6 +56,12 @@ class SweepEvaluator:
         return launcher
 
     def measure(self, launcher):
+        """Validate ``launcher`` (:meth:`validate`), then time it (:meth:`time`)."""
+        self.validate(launcher)
+        return self.time(launcher)
+
+    def validate(self, launcher) -> None:
+        """One call on the validation input, checked against the reference (ValueError if wrong)."""
         ws = self.ctx.workspace
         try:
             args = self.data.validation_args()
@@ -69,6 +75,9 @@ class SweepEvaluator:
                 torch.cuda.synchronize(self.data.device)
         self._check_barriers("validation")
         check_output(out, self.data.expected, self.data.mask, exact=self.data.exact)
+
+    def time(self, launcher):
+        """The Timing of ``launcher`` in this evaluator's mode, by its plan (this rank's)."""
         plan = self.plan
         if self.mode == "graph":
             timing = time_graph(launcher, self.data.timing_args(), warmup=plan.warmup, repeats=plan.repeats,

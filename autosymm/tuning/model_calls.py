@@ -35,9 +35,34 @@ def default_capture_sizes(max_num_seqs: int = 256, max_size: int = 512) -> list[
     """vLLM 0.33's default CUDA-graph capture sizes (config/vllm.py ``_set_cudagraph_sizes``):
     1, 2, 4, multiples of 8 below 256, multiples of 16 from 256, up to ``min(2 * max_num_seqs,
     max_size)`` tokens (512 on Hopper)."""
-    top = min(2 * max_num_seqs, max_size)
-    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, min(top + 1, 256), 8))
-    return sizes + list(range(256, top + 1, 16))
+    return stack_capture_sizes(1, min(2 * max_num_seqs, max_size))
+
+
+def stack_capture_sizes(low: int, high: int) -> list[int]:
+    """The token counts from ``low`` to ``high`` (inclusive) that vLLM's rule captures: 1, 2, 4,
+    multiples of 8 below 256, multiples of 16 from 256."""
+    sizes = [s for s in (1, 2, 4) if s <= high] + list(range(8, min(high + 1, 256), 8))
+    return [s for s in sizes + list(range(256, high + 1, 16)) if s >= low]
+
+
+def parse_capture_sizes(text: str) -> list[int]:
+    """``--capture-sizes``: '1,2,4,3000' -> those token counts (sorted, each once); 'low:high' ->
+    the stack's capture sizes in that range (:func:`stack_capture_sizes`). ValueError naming
+    ``text`` otherwise."""
+    try:
+        if ":" in text:
+            low, high = (int(part) for part in text.split(":"))
+            if not 1 <= low <= high:
+                raise ValueError("low:high needs 1 <= low <= high")
+            sizes = stack_capture_sizes(low, high)
+        else:
+            sizes = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError as exc:
+        raise ValueError(f"{text!r} is not a token list like 1,2,4,8 or a range low:high like 1:512 ({exc})") \
+            from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"{text!r} holds no token count >= 1 (a list like 1,2,4,8 or a range like 1:512)")
+    return sizes
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,34 @@ def model_problems(shape: ModelShape, tp: int, capture_sizes: Sequence[int], seq
             out += [Problem.moe(op, shape.moe, tokens, shape.dtype, tp) for op in ("dp_to_ep", "ep_to_dp")]
     order = spec.names()
     return sorted(dict.fromkeys(out), key=lambda p: (order.index(p.op), p.bucket))
+
+
+@dataclass(frozen=True)
+class ModelCalls:
+    """What ``autosymm tune --model`` asks for: the model's :class:`ModelShape`, the TP world size
+    ``tp`` it runs at, the token counts ``capture_sizes`` of its forwards and whether sequence
+    parallelism splits its sums (``sequence_parallel``). Plain data: it travels to the workers."""
+
+    shape: ModelShape
+    tp: int
+    capture_sizes: tuple[int, ...]
+    sequence_parallel: bool = False
+
+    def problems(self, world_size: int) -> list[Problem]:
+        """The keys the model calls (:func:`model_problems`); ValueError unless ``world_size`` is
+        the TP size the model runs at."""
+        if world_size != self.tp:
+            raise ValueError(f"{self.shape.name} runs at TP {self.tp}: its keys are for {self.tp} ranks, "
+                             f"not {world_size}")
+        return model_problems(self.shape, self.tp, self.capture_sizes, self.sequence_parallel)
+
+    def describe(self) -> str:
+        """'llama-8b (hidden 4096, bf16) at TP 2, 51 token counts 1..512'."""
+        sizes = self.capture_sizes
+        moe = f", MoE {self.shape.moe.key}" if self.shape.moe is not None else ""
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        return (f"{self.shape.name} (hidden {self.shape.hidden}, {self.shape.dtype}{moe}) at TP {self.tp}{sp}, "
+                f"{len(sizes)} token count(s) {min(sizes)}..{max(sizes)}")
 
 
 def _first(config: dict, names: Sequence[str], what: str, default: Optional[int] = None) -> int:

@@ -10,6 +10,9 @@ backends and a short timing plan.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -20,6 +23,8 @@ from .. import spec
 from ..spec import PointRequest, Values
 from ..problem import MODES, Problem
 from .evaluator import SweepEvaluator
+from .model_calls import ModelCalls
+from .outcome import Candidate
 from .outcome import TuneOutcome
 from .precompile import precompile
 from .rank_comm import RankComm
@@ -32,7 +37,9 @@ from .tuner import SearchSettings, tune
 @dataclass
 class TuneOptions:
     """What `autosymm tune` was asked for (the CLI's options): ``points`` the parsed values of the
-    ops' sweep options, flag -> value (autosymm.spec.OpSpec.sweep_options: sizes, shapes, ...)."""
+    ops' sweep options, flag -> value (autosymm.spec.OpSpec.sweep_options: sizes, shapes, ...);
+    ``model`` (`--model`): the keys a model calls (autosymm.tuning.model_calls.ModelCalls) instead
+    of ``ops`` x ``dtypes`` x ``points``."""
 
     ops: list[str]
     dtypes: list[str]
@@ -43,6 +50,7 @@ class TuneOptions:
     db_path: str = ""  # "": a dry run, nothing written
     seed: int = 0
     backends: Optional[list[str]] = None  # None: every registered backend
+    model: Optional[ModelCalls] = None
 
     def settings(self) -> TuneSettings:
         """The session settings of these options."""
@@ -51,7 +59,10 @@ class TuneOptions:
 
 
 def problems_for(options: TuneOptions, world_size: int) -> list[Problem]:
-    """The sweep of ``options`` (see :func:`sweep_problems`)."""
+    """The sweep of ``options`` (see :func:`sweep_problems`), or the keys of its model (every op
+    the model calls, no others: autosymm.tuning.model_calls)."""
+    if options.model is not None:
+        return options.model.problems(world_size)
     return sweep_problems(options.ops, options.dtypes, world_size, options.points)
 
 
@@ -135,6 +146,9 @@ class TuneSession:
         #: ``screen(problem, mode, candidates) -> (kept, {backend: why refused})``: which of the
         #: eligible candidates compete (warm-up tuning's numerics rule); None: all of them
         self.screen: Optional[Callable[[Problem, str, dict], tuple[dict, dict]]] = None
+        #: what measures a (problem, mode)'s candidates: the evaluator's class (or a factory of
+        #: its arguments; autosymm.bench.stand_in: stand-in timings on the CPU)
+        self.evaluator_type: Callable[..., SweepEvaluator] = SweepEvaluator
 
     @classmethod
     def open(cls, settings: TuneSettings, problems: Sequence[Problem], *, group=None, db_path: Optional[str] = None,
@@ -217,6 +231,21 @@ class TuneSession:
             why_not.update(refused)
         if not any(name != problem.record.fallback for name in candidates):
             return SweepItem(problem, mode, "skipped", "no backend but the fallback serves it", unsupported=why_not)
+        evaluator, failure = self.evaluator(problem, mode)
+        if evaluator is None:
+            return SweepItem(problem, mode, "failed", failure, unsupported=why_not)
+        if compile_ahead:
+            precompile(problem, candidates, self.backends, self.ctx, evaluator.data.validation_args(), self.device)
+        outcome = self.search(problem, candidates, evaluator)
+        if outcome.aborted:
+            return SweepItem(problem, mode, "aborted", outcome.aborted, outcome, unsupported=why_not)
+        if outcome.best is None:
+            return SweepItem(problem, mode, "failed", "no candidate passed validation", outcome, unsupported=why_not)
+        return SweepItem(problem, mode, "tuned", "", outcome, unsupported=why_not)
+
+    def evaluator(self, problem: Problem, mode: str) -> tuple[Optional[SweepEvaluator], str]:
+        """(the evaluator of ``problem`` in ``mode``: its inputs and reference built, '') on every
+        rank, or (None, why) on every rank when some rank could not allocate them. Collective."""
         plan = self.settings.plan_for(problem, mode)
         data = ProblemData(problem, self.group, self.device, self.rank, plan.n_inputs)
         failure = ""
@@ -225,18 +254,33 @@ class TuneSession:
         except Exception as exc:  # e.g. out of memory on one rank: agree before any collective
             failure = f"{type(exc).__name__}: {exc}"
         if RankComm(self.control_group, self.settings.agree_s).agree(failed=bool(failure)).failed:
-            return SweepItem(problem, mode, "failed", "inputs could not be built on some rank "
-                             f"({failure or 'see others'})", unsupported=why_not)
+            return None, f"inputs could not be built on some rank ({failure or 'see others'})"
         data.build_reference()
-        if compile_ahead:
-            precompile(problem, candidates, self.backends, self.ctx, data.validation_args(), self.device)
-        evaluator = SweepEvaluator(problem, mode, self.backends, data, self.ctx, plan, control_group=self.control_group)
-        outcome = self.search(problem, candidates, evaluator)
-        if outcome.aborted:
-            return SweepItem(problem, mode, "aborted", outcome.aborted, outcome, unsupported=why_not)
-        if outcome.best is None:
-            return SweepItem(problem, mode, "failed", "no candidate passed validation", outcome, unsupported=why_not)
-        return SweepItem(problem, mode, "tuned", "", outcome, unsupported=why_not)
+        return self.evaluator_type(problem, mode, self.backends, data, self.ctx, plan,
+                                   control_group=self.control_group), ""
+
+    def time_candidates(self, problem: Problem, mode: str, candidates: Sequence[Candidate], rounds: int = 3
+                        ) -> dict[Candidate, float]:
+        """Median us per call of each of ``candidates`` in ``mode``, timed the tuner's way (each
+        validated, then this session's timing plan, MAX over ranks) ``rounds`` times, interleaved:
+        every round times each candidate once, in one order, so drift between rounds does not
+        favour one. +inf for a candidate that fails (or whose backend this session lacks).
+        Collective."""
+        samples: dict[Candidate, list[float]] = {c: [] for c in candidates}
+        evaluator, _ = self.evaluator(problem, mode)
+        if evaluator is None:
+            return {c: math.inf for c in candidates}
+        configs: dict[str, list] = {}
+        for candidate in samples:
+            configs.setdefault(candidate.backend, []).append(candidate.config)
+        grid = dataclasses.replace(self.settings, strategy="grid", deadline_s=None)
+        for _ in range(rounds):
+            outcome = tune(problem, configs, evaluator, grid, group=self.control_group,
+                           baseline_backend=problem.record.fallback)
+            for result in outcome.results:
+                if result.candidate in samples:
+                    samples[result.candidate].append(result.score)
+        return {c: statistics.median(times) if times else math.inf for c, times in samples.items()}
 
     def search(self, problem: Problem, candidates: dict[str, list], evaluator) -> TuneOutcome:
         """The search of one problem's ``candidates`` (autosymm.tuning.tuner.tune) with these
@@ -301,7 +345,7 @@ def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[TuneR
     finish()
     if rank != 0:
         return None
-    result = TuneResult(rows=[s for s in (item.summary() for item in items) if s],
+    result = TuneResult(rows=[s for s in (item.summary(session.caps.stack) for item in items) if s],
                         failures=[f for f in (item.failure() for item in items) if f])
     print(f"autosymm tune: {len(items)} (problem, mode) pairs in {time.time() - started:.1f} s on {world_size} "
           f"GPU(s); {sum(i.rows_written for i in items)} rows written to {options.db_path or 'no database'}")

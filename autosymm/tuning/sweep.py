@@ -102,18 +102,31 @@ class SweepItem:
         why = "; ".join(f"{name}: {reason}" for name, reason in sorted(self.unsupported.items()))
         return f"{self.problem.describe()} [{self.mode}]: skipped, {self.reason}" + (f" ({why})" if why else "")
 
-    def summary(self) -> Optional[dict]:
-        """The CLI's summary row of the winner (None when nothing won)."""
+    def summary(self, stack: str = "") -> Optional[dict]:
+        """The CLI's summary row of the winner (None when nothing won): its time, NCCL's and, where
+        ``stack`` names a serving stack's path timed beside them (autosymm.backends.stack), that
+        path's; each margin is the other's time over the winner's, minus 1 (0.25: the winner is
+        25 % faster; None: not timed)."""
         if self.outcome is None or self.outcome.best is None:
             return None
         best, base = self.outcome.best, self.outcome.baseline
         p = self.problem
         nccl_us = base.score if base is not None and base.ok else None
+        stack_us = next((r.score for r in self.outcome.results if stack and r.ok and r.candidate.backend == stack),
+                        None)
         label = p.record.point_label(p)
         return {"op": p.op, "label": label, "mode": self.mode, "backend": best.candidate.backend,
                 "config": config_to_json(best.candidate.config), "us": best.score, "nccl_us": nccl_us,
                 "speedup": (nccl_us / best.score) if nccl_us else None, "world_size": p.world_size,
-                "bucket": p.bucket, "dtype": p.dtype}
+                "bucket": p.bucket, "dtype": p.dtype, "nccl_margin": margin(nccl_us, best.score),
+                "stack": stack or None, "stack_us": stack_us, "stack_margin": margin(stack_us, best.score)}
+
+
+def margin(other_us: Optional[float], winner_us: float) -> Optional[float]:
+    """How much slower ``other_us`` is than ``winner_us``: other / winner - 1 (None: not timed)."""
+    if not other_us or not winner_us > 0 or not math.isfinite(other_us):
+        return None
+    return other_us / winner_us - 1.0
 
 
 def candidates_for(problem: Problem, mode: str, backends: dict, caps) -> tuple[dict[str, list], dict[str, str]]:

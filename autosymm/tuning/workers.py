@@ -29,22 +29,31 @@ def under_torchrun() -> bool:
     return all(settings.raw(name) is not None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def _init(rank: int, world_size: int, local_rank: int) -> None:
+def torchrun_world_size() -> int | None:
+    """The world size of the torchrun launch this process is a worker of (None: not under torchrun)."""
+    return int(settings.raw("WORLD_SIZE")) if under_torchrun() else None
+
+
+def _init(rank: int, world_size: int, local_rank: int, cpu: bool = False) -> None:
     import torch.distributed as dist
 
+    if cpu:  # gloo ranks on the CPU (the --cpu smoke paths)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        return
     torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=rank, world_size=world_size,
                                 device_id=torch.device("cuda", local_rank))
 
 
-def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, cpu: bool = False) -> None:
     settings.export(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)))
     import torch.distributed as dist
 
     try:
-        _init(rank, world_size, rank)
+        _init(rank, world_size, rank, cpu)
         value = fn(rank, world_size, *args)
         if rank == 0:
             results.put(("ok", value))
@@ -59,25 +68,29 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
             dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, nproc: int | None, *args: Any) -> Any:
+def run_workers(fn: Callable, nproc: int | None, *args: Any, cpu: bool = False) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` local GPUs; rank 0's result is returned.
+    ``cpu``: on ``nproc`` CPU processes joined by gloo instead (smoke runs of the plumbing).
 
     ``fn`` must be importable (module level) since workers are spawned.
     """
     if under_torchrun():
         rank, world_size = int(settings.raw("RANK")), int(settings.raw("WORLD_SIZE"))
-        _init(rank, world_size, int(settings.raw("LOCAL_RANK")))
+        _init(rank, world_size, int(settings.raw("LOCAL_RANK")), cpu)
         return fn(rank, world_size, *args)
     available = torch.cuda.device_count()
     nproc = nproc or available
-    if nproc < 1 or nproc > available:
+    if cpu:
+        if not nproc or nproc < 1:
+            raise RuntimeError(f"{nproc} CPU worker(s) asked for; at least 1")
+    elif nproc < 1 or nproc > available:
         raise RuntimeError(f"--nproc {nproc} asked for, {available} CUDA GPUs visible")
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     try:
-        mp.start_processes(_spawned, args=(nproc, free_port(), fn, args, results), nprocs=nproc, join=True,
+        mp.start_processes(_spawned, args=(nproc, free_port(), fn, args, results, cpu), nprocs=nproc, join=True,
                            start_method="spawn")
     except Exception as exc:
         errors = []

@@ -6,7 +6,8 @@ import pytest
 
 from autosymm.epilogue import DEFAULT, Epilogue
 from autosymm.problem import MoEShape
-from autosymm.tuning.model_calls import ModelShape, default_capture_sizes, model_problems
+from autosymm.tuning.model_calls import (ModelCalls, ModelShape, default_capture_sizes, model_problems,
+                                         parse_capture_sizes, stack_capture_sizes)
 
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "torch_dtype": "bfloat16", "num_hidden_layers": 32}
 QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 2048, "torch_dtype": "bfloat16", "num_experts": 128,
@@ -65,3 +66,22 @@ def test_a_model_folder_and_bad_configs(tmp_path):
         ModelShape.from_file(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="tp=1"):
         model_problems(ModelShape.from_config(LLAMA_8B), 1, [1])
+
+
+def test_capture_sizes_a_list_or_the_stacks_own_in_a_range():
+    assert parse_capture_sizes("8,1,3000,8") == [1, 8, 3000]
+    assert parse_capture_sizes("1:512") == default_capture_sizes() == stack_capture_sizes(1, 512)
+    assert parse_capture_sizes("250:300") == [256, 272, 288] and stack_capture_sizes(3, 9) == [4, 8]
+    assert parse_capture_sizes("1:1024")[-3:] == [992, 1008, 1024]
+    for bad in ("", "0", "a", "8:4", "0:4", "1:2:3", ","):
+        with pytest.raises(ValueError, match="token"):
+            parse_capture_sizes(bad)
+
+
+def test_model_calls_are_keyed_at_the_tp_they_run_at():
+    calls = ModelCalls(ModelShape.from_config(QWEN3_MOE, "qwen3-moe"), 4, (1, 16), sequence_parallel=True)
+    assert calls.problems(4) == model_problems(calls.shape, 4, [1, 16], sequence_parallel=True)
+    assert calls.describe() == ("qwen3-moe (hidden 2048, bf16, MoE d2048_e128_k8) at TP 4, sequence parallel, "
+                                "2 token count(s) 1..16")
+    with pytest.raises(ValueError, match="runs at TP 4: its keys are for 4 ranks, not 2"):
+        calls.problems(2)

@@ -4,12 +4,15 @@ sweep's rows in it, and `tune`'s result with the failed items."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from _gloo import run_gloo
 
 from autosymm.backends.base import Backend, Needs
 from autosymm.backends.triton_all_reduce import all_reduce_space
 from autosymm.problem import Problem
+from autosymm.tuning.outcome import Candidate
 from autosymm.tuning.session import TuneOptions, TuneSettings
 from autosymm.tuning.sweep import TimingPlan, measure_timeout_s, timing_plan
 
@@ -101,6 +104,10 @@ def _session_ranks(rank, world_size, db_path, job_db_path):
     options = TuneOptions(ops=["all_reduce"], dtypes=["fp32"], modes=["eager"], points={"--sizes": [8192, 16384]},
                           strategy="grid", db_path=job_db_path)
     report["job"] = session_module.tune_job(rank, world_size, options)
+    # two picks re-timed interleaved through the same evaluator; a backend the session lacks fails
+    space = sorted(session.backends["triton_one_shot"].space, key=str)
+    picks = [Candidate("triton_one_shot", space[0]), Candidate("nccl"), Candidate("triton_one_shot_push", space[0])]
+    report["timed"] = session.time_candidates(Problem.all_reduce(4096, "fp32", world_size), "eager", picks, rounds=2)
     return report
 
 
@@ -118,5 +125,7 @@ def test_a_session_opened_over_gloo_sweeps_and_rank_0_alone_writes(tmp_path):
     assert r0["rows"] == [("nccl", "cpu"), ("triton_one_shot", "cpu")]  # upserted: one row per backend and key
     job = r0["job"]
     assert r1["job"] is None, "only rank 0 returns the result"
+    timed = list(r0["timed"].values())
+    assert timed[0] > 0 and timed[1] > 0 and math.isinf(timed[2]) and r0["timed"] == r1["timed"]  # MAX over ranks
     assert [(row["label"], row["mode"]) for row in job.rows] == [("8KiB", "eager")]
     assert job.failures == ["all_reduce fp32 ws=2 16KiB [eager]: failed no candidate passed validation"]

@@ -140,6 +140,31 @@ def test_an_item_reports_a_failed_or_aborted_search_and_a_failed_database_write(
     assert SweepItem(problem, "eager", "skipped", "no backend but the fallback serves it").failure() is None
 
 
+def test_a_summary_gives_the_winners_margins_over_nccl_and_the_stacks_path():
+    from autosymm.configs import AllReduceConfig
+    from autosymm.tuning.outcome import Candidate, TrialResult
+    from autosymm.tuning.sweep import margin
+    from autosymm.tuning.timing import Timing
+
+    problem = Problem.all_reduce(8192, "bf16", 2)
+
+    def result(backend, us, config=None):
+        timing = Timing(us, us, us, 5) if us else Timing.failed()
+        return TrialResult(Candidate(backend, config), timing, None if us else "failed")
+
+    best = result("triton_one_shot", 8.0, AllReduceConfig("one_shot", 2048, 4, 8))
+    nccl, vllm = result("nccl", 20.0), result("vllm", 10.0)
+    item = SweepItem(problem, "eager", "tuned", "", TuneOutcome(problem, best, [best, vllm, nccl], nccl))
+    summary = item.summary("vllm")
+    assert summary["nccl_margin"] == pytest.approx(1.5) and summary["speedup"] == pytest.approx(2.5)
+    assert (summary["stack"], summary["stack_us"], summary["stack_margin"]) == ("vllm", 10.0, pytest.approx(0.25))
+    plain = item.summary()  # `autosymm tune`: no stack's path on the group
+    assert (plain["stack"], plain["stack_us"], plain["stack_margin"]) == (None, None, None)
+    untimed = SweepItem(problem, "eager", "tuned", "", TuneOutcome(problem, best, [best, result("vllm", None)], None))
+    assert untimed.summary("vllm")["nccl_margin"] is None and untimed.summary("vllm")["stack_us"] is None
+    assert margin(None, 8.0) is None and margin(float("inf"), 8.0) is None and margin(8.0, 8.0) == 0.0
+
+
 def _tune_graph_moe_where_nothing_can_capture(rank, world_size):
     import contextlib
     import io

@@ -52,3 +52,40 @@ def test_inputs_have_the_shapes_the_launchers_take(problem):
     else:
         rows = 3 if problem.record.to_experts else 3 * 2 * 2
         assert tuple(x.shape) == (rows, 16) and tuple(args[2].shape) == (6, 2)
+
+
+def _public_calls(rank, world_size):
+    """Each op's public call (TuningOp.public_call) on the op's validation input, checked against
+    the reference as the tuner checks a candidate; gloo serves (the dispatcher's fallbacks)."""
+    import torch.distributed as dist
+
+    from autosymm.epilogue import Epilogue
+    from autosymm.tuning.reference import check_output
+
+    shape = MoEShape(16, 4, 2)
+    problems = [Problem.all_reduce(256, "bf16", 2), Problem.all_reduce_rmsnorm(3, 64, "fp16", 2),
+                Problem.all_reduce_rmsnorm(3, 64, "bf16", 2, epilogue=Epilogue(residual=False, gemma=True)),
+                Problem.moe("dp_to_ep", shape, 3, "bf16", 2), Problem.moe("ep_to_dp", shape, 3, "bf16", 2),
+                Problem("reduce_scatter", "bf16", 2, nbytes=256), Problem("reduce_scatter", "fp32", 2, nbytes=12),
+                Problem("all_gather", "bf16", 2, nbytes=256), Problem("all_gather", "fp32", 2, nbytes=12)]
+    checked = []
+    for problem in problems:
+        data = ProblemData(problem, dist.group.WORLD, torch.device("cpu"), rank, n_inputs=2)
+        data.allocate()
+        data.build_reference()
+        call = data.op.public_call(data)
+        args = data.validation_args()
+        check_output(data.result(call(*args), args), data.expected, data.mask, exact=data.exact)
+        for timing in data.timing_args():  # the timing inputs go through it too
+            call(*timing)
+        checked.append(problem.describe())
+    return checked
+
+
+def test_every_ops_public_call_takes_its_launchers_arguments():
+    from _gloo import run_gloo
+
+    checked = run_gloo(_public_calls, 2)
+    assert checked[0] == checked[1] and len(checked[0]) == 9
+    assert {tuning_ops.get(name).public_call.__func__ is not tuning_ops.TuningOp.public_call
+            for name in spec.names()} == {True}  # every shipped op has one

@@ -15,6 +15,11 @@ class AllGatherTuning(ShardedTuning):
     exact = True  # pure copies: compared bit for bit
     full_input = False
 
+    def public_functions(self):
+        from ...collectives.all_gather import all_gather_into_tensor, all_gatherv
+
+        return all_gather_into_tensor, all_gatherv
+
     def build_reference(self, data) -> None:
         from ...backends.nccl_rs_ag import all_gather_launcher
 

@@ -88,6 +88,20 @@ class FusedTuning(TuningOp):
 
         return call
 
+    def public_call(self, data):
+        """autosymm.all_reduce_rmsnorm with the problem's epilogue (its keywords)."""
+        from ...collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
+
+        epilogue = _epilogue(data.problem)
+        if epilogue == DEFAULT:
+            return all_reduce_rmsnorm
+
+        def call(x, residual, weight, eps, scale):
+            return all_reduce_rmsnorm(x, residual, weight, eps, gemma=epilogue.gemma, quant=epilogue.quant,
+                                      scale=scale)
+
+        return call
+
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
         from ...backends import triton_fused
 

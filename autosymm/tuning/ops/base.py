@@ -5,7 +5,7 @@ the tensors and delegates here; one module per op, registered in autosymm.tuning
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,6 +52,13 @@ class TuningOp:
         """What validation and timing call with their positional arguments: ``launcher`` itself,
         or an op's adapter of it (the fused op's epilogues pass ``scale`` by keyword)."""
         return launcher
+
+    def public_call(self, data) -> Optional[Callable]:
+        """What a user calls for this op: its public function (through the dispatcher), taking
+        the launcher's positional arguments (:meth:`validation_args`, :meth:`timing_args`) and
+        returning what the launcher returns; None where the op has none (`autosymm bench
+        --regret` captures it as a user's CUDA graph would)."""
+        return None
 
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
         """(all-reduce, MoE) region bytes ``problem`` needs (0: none of that region)."""

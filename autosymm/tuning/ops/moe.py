@@ -64,6 +64,9 @@ class MoETuning(TuningOp):
         """autosymm's public function of this conversion."""
         return convert_dp_to_ep if self.record.to_experts else convert_ep_to_dp
 
+    def public_call(self, data):
+        return self.autosymm_call()  # (src, assignment, expt_indx, indx): the launcher's arguments
+
     def bench_indx(self, gate_indx: torch.Tensor, topk_indx: torch.Tensor) -> torch.Tensor:
         """The index argument of this direction (gate_indx dp->ep, topk_indx ep->dp)."""
         return gate_indx if self.record.to_experts else topk_indx

@@ -55,8 +55,30 @@ class ShardedTuning(TuningOp):
     def timing_args(self, data) -> list[tuple]:
         return [(out, inp, data.counts) for out, inp in zip(data.outputs, data.timing)]
 
+    def public_call(self, data):
+        """The op's public pair: the even form (``counts`` None; a drop-in for torch's, it returns
+        None), else its per-rank-sizes form; either way the output, as a launcher returns it."""
+        even, per_rank = self.public_functions()
+
+        def call(output, input, counts=None):
+            if counts is None:
+                even(output, input)
+                return output
+            return per_rank(output, input, counts)
+
+        return call
+
+    def public_functions(self):
+        """(the public function of equal shards, the one of per-rank sizes)."""
+        raise NotImplementedError(self.name)
+
 
 class ReduceScatterTuning(ShardedTuning):
+    def public_functions(self):
+        from ...collectives.reduce_scatter import reduce_scatter_tensor, reduce_scatterv
+
+        return reduce_scatter_tensor, reduce_scatterv
+
     def build_reference(self, data) -> None:
         from ...backends.nccl_rs_ag import reduce_scatter_launcher
         import torch.distributed as dist
