@@ -91,10 +91,10 @@ def stats(group=None) -> dict[str, dict[str, int]]:
     else:
         states = [STATES[group]] if group in STATES else []
     for state in {id(state): state for state in states}.values():  # a state may sit under two names
-        for entry in state.cache.values():
-            agg = out.setdefault(entry.decision.backend, {"calls": 0, "bytes": 0})
-            agg["calls"] += entry.calls
-            agg["bytes"] += entry.calls * entry.bytes_per_call
+        for backend, counts in state.counts().items():
+            agg = out.setdefault(backend, {"calls": 0, "bytes": 0})
+            agg["calls"] += counts["calls"]
+            agg["bytes"] += counts["bytes"]
     return out
 
 
