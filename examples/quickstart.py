@@ -80,6 +80,20 @@ def main() -> None:
     assert torch.equal(gathered, torch.cat(shards))
     say("reduce_scatter_tensor, all_gather_into_tensor: equal to torch.distributed's")
 
+    # 4. MoE: tokens to the ranks owning their experts (dp -> ep) and back (ep -> dp)
+    n_experts, k, n_tokens_local, d_model = 8, 2, 16, 64
+    assignment = autosymm.make_expt_assignment(world, n_experts, autosymm.make_expt_dict_uniform(world, n_experts),
+                                               device)
+    router = torch.Generator().manual_seed(0)  # every rank holds every token's top-k expert ids
+    expt_indx = torch.stack([torch.randperm(n_experts, generator=router)[:k]
+                             for _ in range(world * n_tokens_local)]).int().to(device)
+    gate_indx, topk_indx = autosymm.route(expt_indx)
+    x_local = torch.randn(n_tokens_local, d_model, device=device, dtype=torch.bfloat16)
+    on_experts = autosymm.convert_dp_to_ep(x_local, assignment, expt_indx, gate_indx)  # rows of this rank's experts
+    back = autosymm.convert_ep_to_dp(on_experts, assignment, expt_indx, topk_indx)  # [n_tokens_local * k, d_model]
+    assert torch.equal(back.view(n_tokens_local, k, d_model), x_local[:, None].expand(-1, k, -1))
+    say("convert_dp_to_ep, convert_ep_to_dp: every token's k rows back")
+
     say(f"calls per backend (rank 0): {autosymm.stats()}")
     dist.destroy_process_group()
 
