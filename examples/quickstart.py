@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import autosymm
+from autosymm.routing import random_expt_indx
 
 
 def main() -> None:
@@ -84,9 +85,8 @@ def main() -> None:
     n_experts, k, n_tokens_local, d_model = 8, 2, 16, 64
     assignment = autosymm.make_expt_assignment(world, n_experts, autosymm.make_expt_dict_uniform(world, n_experts),
                                                device)
-    router = torch.Generator().manual_seed(0)  # every rank holds every token's top-k expert ids
-    expt_indx = torch.stack([torch.randperm(n_experts, generator=router)[:k]
-                             for _ in range(world * n_tokens_local)]).int().to(device)
+    # every rank holds every token's top-k expert ids (the same seed: the same ids on every rank)
+    expt_indx = random_expt_indx(world * n_tokens_local, n_experts, k, seed=0, device=device)
     gate_indx, topk_indx = autosymm.route(expt_indx)
     x_local = torch.randn(n_tokens_local, d_model, device=device, dtype=torch.bfloat16)
     on_experts = autosymm.convert_dp_to_ep(x_local, assignment, expt_indx, gate_indx)  # rows of this rank's experts
