@@ -1,14 +1,16 @@
-"""SGLang plugin: autosymm first in the custom-all-reduce slot and the fused all-reduce + RMSNorm
-(checked against SGLang 0.5.23).
+"""SGLang plugin: autosymm first in the custom-all-reduce slot and the fused all-reduce + RMSNorm,
+and warm-up tuning at SGLang's CUDA-graph set-up (checked against SGLang 0.5.23).
 
 Installing autosymm declares the ``sglang.srt.plugins`` entry point ``autosymm`` -> :func:`register`,
-which SGLang's ``load_plugins()`` runs in every process. Two AROUND hooks: :data:`CA_DISPATCH`
+which SGLang's ``load_plugins()`` runs in every process. Three AROUND hooks: :data:`CA_DISPATCH`
 (``dispatch_custom_allreduce``) builds SGLang's own custom all-reduce with autosymm first in its
 slot calls (of a generated subclass of its class, so ``isinstance`` checks and SGLang's V2 fusions
 hold), or autosymm's standalone slot where SGLang's is disabled or failed; :data:`FUSED`
 (``flashinfer_allreduce_residual_rmsnorm``) runs autosymm's fused op where the group's slot holds
-an autosymm adapter and a tuned row decides the call, else FlashInfer's. ``SGLANG_PLUGINS``
-selects plugins; nothing here imports SGLang until :func:`register` runs.
+an autosymm adapter and a tuned row decides the call, else FlashInfer's; :data:`WARMUP`
+(``ModelRunner.init_cuda_graphs``) runs SGLang's warm-up inside ``autosymm.autotune`` with
+``AUTOSYMM_STACK_AUTOTUNE``'s budget. ``SGLANG_PLUGINS`` selects plugins; nothing here imports
+SGLang until :func:`register` runs.
 
 Design notes: docs/INTEGRATIONS.md#integrations-sglang-plugin
 """

@@ -5,10 +5,11 @@ Installing autosymm declares the ``vllm.platform_plugins`` entry point ``autosym
 would activate: vLLM's platform whose communicator (:class:`AutosymmCudaCommunicator`) puts, on
 each ``tp`` group of more than one rank, autosymm in vLLM's own ``ca_comm`` slot and first in
 ``all_reduce`` and the dim-0 ``all_gather`` / ``reduce_scatter`` where a tuned row decides the call
-for something other than NCCL; else vLLM's own chain runs unchanged. It stays out under
-``--disable-custom-all-reduce`` and ``--enable-elastic-ep``; under ``VLLM_BATCH_INVARIANT=1`` only
-batch-invariant tuned rows serve. ``VLLM_PLUGINS`` selects plugins; nothing here imports vLLM
-until vLLM asks for a class.
+for something other than NCCL; else vLLM's own chain runs unchanged (it is also the stack path
+warm-up tuning times, autosymm.integrations.vllm_warmup, whose ``AutosymmWorker`` the platform names
+as vLLM's worker). It stays out under ``--disable-custom-all-reduce`` and ``--enable-elastic-ep``;
+under ``VLLM_BATCH_INVARIANT=1`` only batch-invariant tuned rows serve. ``VLLM_PLUGINS`` selects
+plugins; nothing here imports vLLM until vLLM asks for a class.
 
 Design notes: docs/INTEGRATIONS.md#integrations-vllm-plugin
 """
