@@ -137,9 +137,6 @@ def test_the_one_rank_launcher_computes_the_tables_formula(key):
         assert not epilogue.residual or _equal(residual, want.residual)
 
 
-@pytest.mark.xfail(strict=True, reason="the one-rank default path (backend noop, autosymm.epilogue.local_launcher) runs "
-                   "the native chain, but Backend.formula of noop answers the op's 'single-rounding' "
-                   "(docs/EPILOGUE.md's table says so); remove this mark when the code names it")
 def test_the_one_rank_default_path_names_the_native_chain():
     assert get_backend("noop").formula(_problem(1, DEFAULT)) == NATIVE_CHAIN
 
