@@ -107,6 +107,15 @@ def _check_algorithm(config) -> "Algorithm":
     return record
 
 
+def _check_spin(config, record: "Algorithm") -> None:
+    """``spin`` (the Lamport wait's per-thread spin, autosymm.kernels.lamport_all_reduce) is a
+    bool, and True only for an algorithm over the Lamport region."""
+    if not isinstance(config.spin, bool):
+        raise ValueError(f"spin={config.spin!r} must be a bool")
+    if config.spin and not record.lamport:
+        raise ValueError(f"spin=True is only for the Lamport algorithm, not {config.algorithm!r}")
+
+
 def config_fields(config) -> dict[str, Any]:
     """The fields that describe ``config``, in order: fields added after configs were first
     stored (metadata ``json_omit_default``) only when they differ from their default, so
@@ -134,6 +143,8 @@ class AllReduceConfig(AnyConfig):
     False, so rows written before the field existed read back, and serialise, unchanged.
     ``eager_launch`` (:data:`EAGER_LAUNCHES`, eager rows): how an eager call launches; absent from
     the JSON at its default 'replay', as are graph rows' (where it means nothing).
+    ``spin`` (Lamport only): at world size 2 on a GPU, each thread re-polls only its own missing
+    words (the kernel's SPIN); elsewhere it changes nothing. Absent from the JSON when False.
     """
 
     algorithm: str
@@ -142,11 +153,12 @@ class AllReduceConfig(AnyConfig):
     num_warps: int
     double_buffer: bool = field(default=False, metadata={"json_omit_default": True})
     eager_launch: str = field(default="replay", metadata={"json_omit_default": True})
+    spin: bool = field(default=False, metadata={"json_omit_default": True})
     #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
     FAMILY: ClassVar[str] = "autosymm.backends.triton_all_reduce:ALGORITHMS"  # an entry (autosymm.entries)
 
     def __post_init__(self) -> None:
-        _check_algorithm(self)
+        _check_spin(self, _check_algorithm(self))
         _check_eager_launch(self)
         _check_ints(self, "block_size", "num_blocks", "num_warps")
         _check_num_warps(self.num_warps)
@@ -218,7 +230,7 @@ class FusedConfig(AnyConfig):
     programs sharing a row, each holding
     ``block_size / row_split`` columns, the row's last one normalising it; calls of more than
     :data:`autosymm.geometry.FUSED_SPLIT_MAX_ROWS` rows run with whole rows instead.
-    ``eager_launch``: as AllReduceConfig's.
+    ``eager_launch``, ``spin`` (Lamport): as AllReduceConfig's.
     """
 
     algorithm: str
@@ -229,11 +241,13 @@ class FusedConfig(AnyConfig):
     double_buffer: bool = False
     row_split: int = field(default=1, metadata={"json_omit_default": True})
     eager_launch: str = field(default="replay", metadata={"json_omit_default": True})
+    spin: bool = field(default=False, metadata={"json_omit_default": True})
     #: The module whose ``ALGORITHMS`` names the algorithms (not a field).
     FAMILY: ClassVar[str] = "autosymm.backends.triton_fused:ALGORITHMS"  # an entry (autosymm.entries)
 
     def __post_init__(self) -> None:
         record = _check_algorithm(self)
+        _check_spin(self, record)
         _check_eager_launch(self)
         _check_ints(self, "block_size", "num_warps", "num_blocks", "rows_per_program", "row_split")
         _check_num_warps(self.num_warps)

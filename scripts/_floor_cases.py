@@ -39,10 +39,12 @@ class Case:
     double_buffer: bool = False
     rows: int = 1
     dtype: str = "bf16"
+    spin: bool = False  # the Lamport wait's per-thread spin (configs' ``spin``; world size 2)
+    split: int = 1  # fused: programs sharing a row (FusedConfig.row_split)
 
     @property
     def family(self) -> str:
-        db = "+db" if self.double_buffer else ""
+        db = ("+db" if self.double_buffer else "") + ("+spin" if self.spin else "")
         if self.op == "all_reduce_rmsnorm":
             return f"fused_{self.algorithm}{db}" + (f"[{self.epilogue}]" if self.epilogue else "")
         return f"{self.op.replace('all_reduce', 'ar').replace('reduce_scatter', 'rs').replace('all_gather', 'ag')}:" \
@@ -57,7 +59,8 @@ class Case:
     @property
     def config_text(self) -> str:
         rows = f" r{self.rows}" if self.rows > 1 else ""
-        return f"B{self.block} g{self.grid} w{self.warps}{rows}"
+        split = f" s{self.split}" if self.split > 1 else ""
+        return f"B{self.block} g{self.grid} w{self.warps}{rows}{split}"
 
     @property
     def key(self) -> str:
@@ -76,12 +79,13 @@ class Case:
     def config(self):
         from autosymm import configs
 
+        spin = {"spin": True} if self.spin else {}  # a base tree without the field refuses only these
         if self.op == "all_reduce":
             return configs.AllReduceConfig(self.algorithm, self.block, self.grid, self.warps,
-                                           double_buffer=self.double_buffer)
+                                           double_buffer=self.double_buffer, **spin)
         if self.op == "all_reduce_rmsnorm":
             return configs.FusedConfig(self.algorithm, self.block, self.warps, self.grid, self.rows,
-                                       double_buffer=self.double_buffer)
+                                       double_buffer=self.double_buffer, row_split=self.split, **spin)
         kind = configs.ReduceScatterConfig if self.op == "reduce_scatter" else configs.AllGatherConfig
         return kind(self.algorithm, self.block, self.grid, self.warps)
 
@@ -121,7 +125,7 @@ def sized_configs(nbytes: int, elem_bytes: int = 2, quick: bool = False) -> list
 
 def default_cases(sizes=SIZES, families: Optional[set] = None, quick: bool = False) -> list[Case]:
     """Every family at ``sizes``: all-reduce (pull one-shot single and double buffer, push one-shot
-    single and double buffer, two-shot, Lamport), the fused all-reduce + RMSNorm at 1 and 8 tokens
+    single and double buffer, two-shot, Lamport with and without its per-thread spin), the fused all-reduce + RMSNorm at 1 and 8 tokens
     of hidden 4096 and 8192 with the default and the static-FP8 epilogue (push and pull one-shots
     double-buffered, two-shot at 8 tokens, Lamport where the tree has it), reduce-scatter (pull,
     push) and all-gather (push, pull). ``quick``: fewer configs (:func:`sized_configs`; reduce-scatter
@@ -144,6 +148,8 @@ def default_cases(sizes=SIZES, families: Optional[set] = None, quick: bool = Fal
                 if db and algorithm == "one_shot" and nbytes > (1 << 20):
                     continue
                 add(Case("all_reduce", name, algorithm, block, grid, warps, nbytes, double_buffer=db))
+                if algorithm == "lamport":
+                    add(Case("all_reduce", name, algorithm, block, grid, warps, nbytes, spin=True))
             # two-shot: a program per chunk of a rank's segment
             seg = max(1, nbytes // 2 // 2)
             add(Case("all_reduce", "triton_two_shot", "two_shot", block, max(1, min(grid, math.ceil(seg / block))),
@@ -166,9 +172,19 @@ def default_cases(sizes=SIZES, families: Optional[set] = None, quick: bool = Fal
                                                 ("triton_fused_lamport", "lamport", False)):
                         add(Case("all_reduce_rmsnorm", name, algorithm, block, tokens, warps, tokens, hidden, epilogue,
                                  double_buffer=db))
+                        if algorithm == "lamport":
+                            add(Case("all_reduce_rmsnorm", name, algorithm, block, tokens, warps, tokens, hidden,
+                                     epilogue, spin=True))
                     if tokens > 1:
                         add(Case("all_reduce_rmsnorm", "triton_fused_two_shot", "two_shot", block, tokens, warps,
                                  tokens, hidden, epilogue))
+                if tokens == 1:  # split rows (1024 columns a program, 4 warps: 16 bytes a thread), Lamport and push
+                    split = block // 1024
+                    for name, algorithm, db, spin in (("triton_fused_one_shot_push", "one_shot_push", True, False),
+                                                      ("triton_fused_lamport", "lamport", False, False),
+                                                      ("triton_fused_lamport", "lamport", False, True)):
+                        add(Case("all_reduce_rmsnorm", name, algorithm, block, split, 4, tokens, hidden, epilogue,
+                                 double_buffer=db, spin=spin, split=split))
     return cases
 
 
@@ -181,6 +197,7 @@ def smoke_cases() -> list[Case]:
            Case("all_reduce", "triton_one_shot_push", "one_shot_push", 256, 2, 2, SMOKE_BYTES, double_buffer=True),
            Case("all_reduce", "triton_two_shot", "two_shot", 256, 2, 2, SMOKE_BYTES),
            Case("all_reduce", "triton_lamport", "lamport", 256, 2, 2, SMOKE_BYTES),
+           Case("all_reduce", "triton_lamport", "lamport", 256, 2, 2, SMOKE_BYTES, spin=True),
            Case("reduce_scatter", "triton_reduce_scatter_pull", "pull", 256, 2, 2, SMOKE_BYTES),
            Case("reduce_scatter", "triton_reduce_scatter_push", "push", 256, 2, 2, SMOKE_BYTES),
            Case("all_gather", "triton_all_gather_push", "push", 512, 2, 2, SMOKE_BYTES),
@@ -201,7 +218,7 @@ def available(case: Case) -> Optional[str]:
         return f"no backend {case.backend} in this tree"
     try:
         case.config()
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:  # TypeError: a field the tree's config lacks (spin)
         return f"config refused: {exc}"
     return None
 

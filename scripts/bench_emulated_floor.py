@@ -408,6 +408,9 @@ def summarise(files: dict, md_path: Path) -> int:
              "|---|---|---|---|---|---|---|---|"]
     for (w, key), by_tree in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         cells = []
+        if "+spin" in key and not by_tree.get("base"):  # a base without the spin: its plain case (marked *)
+            plain = rows.get((w, key.replace("+spin", "")), {}).get("base", [])
+            by_tree = {**by_tree, "base": [dict(r, us=r["us"], starred=True) for r in plain if "us" in r]}
         for name in ("base", "new"):
             ok = [r for r in by_tree.get(name, []) if "us" in r]
             err = [r for r in by_tree.get(name, []) if "error" in r]
@@ -422,9 +425,10 @@ def summarise(files: dict, md_path: Path) -> int:
         def fmt(v):
             return f"{v:.2f}" if isinstance(v, float) else v
 
-        lines.append(f"| {w} | {key} | {fmt(cells[0][0])} | {fmt(cells[0][1])} | {fmt(cells[1][0])} | "
+        star = "*" if any(r.get("starred") for r in by_tree.get("base", [])) else ""
+        lines.append(f"| {w} | {key} | {fmt(cells[0][0])}{star} | {fmt(cells[0][1])}{star} | {fmt(cells[1][0])} | "
                      f"{fmt(cells[1][1])} | {delta} | {space} |")
-    text = "\n".join(lines)
+    text = "\n".join(lines + ["", "\\* base: the same case without ``+spin`` (the base tree has no spin)"])
     print(text)
     md_path.write_text(text + "\n")
     for name, path in files.items():

@@ -58,7 +58,12 @@ def cases(world_size: int) -> list[tuple[str, str, dict, int]]:
          dict(fused, PUSH=True, DOUBLE_BUFFER=False, QUANT=0, LAMPORT=True), 16),
         (f"fused lamport fp8 1x8192 W{w} w16", "fused_rmsnorm:_one_shot_all_reduce_rmsnorm",
          dict(fused, PUSH=True, DOUBLE_BUFFER=False, QUANT=1, LAMPORT=True), 16),
-    ]
+    ] + ([] if w != 2 else [  # the Lamport wait's per-thread spin (world size 2; SPIN = spin_pack's)
+        (f"lamport+spin W{w} B1024 w4", "lamport_all_reduce:_lamport_all_reduce",
+         dict(common, BLOCK=1024, TAIL=8, PHASE=0, SPIN=8), 4),
+        (f"fused lamport+spin 1x8192 W{w} w16", "fused_rmsnorm:_one_shot_all_reduce_rmsnorm",
+         dict(fused, PUSH=True, DOUBLE_BUFFER=False, QUANT=0, LAMPORT=True, SPIN=8), 16),
+    ])
 
 
 def census(fn, constexprs: dict, warps: int) -> dict:

@@ -203,3 +203,39 @@ def test_split_launcher_replays_and_takes_whole_rows_beyond_its_scratch():
             check(residual, launcher(x, residual, weight, 1e-6), [x], residual_in, weight, 1e-6)
             assert int(split_scratch(ws)[0].count_nonzero()) == 0
         assert sorted({key[2] for key in launcher._variants}) == [1, 4], "split at 3 rows, whole rows beyond"
+
+
+def test_lamport_spin_config_space_and_constexpr(monkeypatch):
+    """FusedConfig.spin: the Lamport algorithm's alone; its space at world size 2 gets every config
+    again with it (after the plain ones); the launcher's SPIN is spin_pack of a thread's share of
+    the tile on a GPU at world size 2 (0 under the interpreter: the CTA-uniform wait)."""
+    import dataclasses
+
+    import autosymm.backends.launch as launch
+    import autosymm.backends.triton_fused as module
+
+    with pytest.raises(ValueError, match="spin=True is only for the Lamport"):
+        FusedConfig("one_shot_push", 8192, 8, 1, spin=True)
+    spin = FusedConfig("lamport", 8192, 16, 1, spin=True)
+    assert config_from_json(config_to_json(spin)) == spin
+    space = fused_space("lamport", 1, 8192, 2, 2)
+    plain = [c for c in space if not c.spin]
+    assert space == plain + [dataclasses.replace(c, spin=True) for c in plain]
+    assert not any(c.spin for c in fused_space("lamport", 1, 8192, 4, 2))
+    assert not any(c.spin for c in fused_space("one_shot_push", 1, 8192, 2, 2))
+    recorded = []
+
+    class FakeLean:
+        def __init__(self, fn, grid, constexprs, **options):
+            recorded.append(constexprs)
+
+    monkeypatch.setattr(module, "LeanLauncher", FakeLean)
+    wss = simulated_workspaces(2, all_reduce_bytes=1 << 16, moe_bytes=256)
+    problem = Problem.all_reduce_rmsnorm(1, 8192, "bf16", 2)
+    for config, interpreted, want in [(spin, False, 8), (spin, True, 0),  # 8192 / 512 threads: 16 a thread
+                                      (dataclasses.replace(spin, num_warps=4, row_split=8), False, 8),
+                                      (dataclasses.replace(spin, spin=False), False, 0)]:
+        monkeypatch.setattr(launch, "interpreter_active", lambda: interpreted)
+        launcher = get_backend("triton_fused_lamport").prepare(problem, config, RunContext(workspace=wss[0]))
+        launcher._variant((False, 0, config.row_split, True, True, True, True, True, True))
+        assert recorded[-1]["SPIN"] == want and recorded[-1]["LAMPORT"] is True  # the record's flags

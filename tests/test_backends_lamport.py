@@ -1,6 +1,8 @@
 """Backend ``triton_lamport``: its record, eligibility, search space, config checks, the Lamport
 region, and its launches (recorded, and a bound launch with int addresses)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,6 +65,13 @@ def test_config_checks_and_json():
         AllReduceConfig("lamport", 2048, 8, 8, double_buffer=True)
     with pytest.raises(ValueError, match="num_blocks"):
         AllReduceConfig("lamport", 2048, 0, 8)
+    spin = AllReduceConfig("lamport", 2048, 8, 8, spin=True)
+    assert config_from_json(config_to_json(spin)) == spin and '"spin": true' in config_to_json(spin)
+    assert "spin" not in config_to_json(config)  # absent at its default: older rows read as before
+    with pytest.raises(ValueError, match="spin=True is only for the Lamport"):
+        AllReduceConfig("one_shot_push", 2048, 8, 8, spin=True)
+    with pytest.raises(ValueError, match="must be a bool"):
+        AllReduceConfig("lamport", 2048, 8, 8, spin=1)
 
 
 @pytest.mark.parametrize("problem, caps, reason", [
@@ -87,6 +96,56 @@ def test_search_space(nbytes, dtype, world_size):
     space = triton_lamport.search_space(Problem.all_reduce(nbytes, dtype, world_size))
     assert space and len(space) == len(set(space))
     assert all(c.algorithm == "lamport" and not c.double_buffer for c in space)
+    # world size 2: every config again with the per-thread spin, after the CTA-uniform ones
+    plain = [c for c in space if not c.spin]
+    assert space[:len(plain)] == plain
+    twins = [dataclasses.replace(c, spin=True) for c in plain] if world_size == 2 else []
+    assert [c for c in space if c.spin] == twins
+
+
+@pytest.mark.parametrize("world_size, interpreted, want", [(2, False, 8), (2, True, 0), (4, False, 0)])
+def test_spin_constexpr(recorded_launches, monkeypatch, world_size, interpreted, want):
+    """SPIN is spin_pack of a thread's elements with a spin config at world size 2 on a GPU; 0 (the
+    CTA-uniform wait) under the interpreter and at other world sizes; 0 without spin."""
+    import autosymm.backends.launch as launch
+
+    monkeypatch.setattr(launch, "interpreter_active", lambda: interpreted)
+    _, launcher = _launcher(world_size=world_size, config=AllReduceConfig("lamport", 1024, 4, 4, spin=True))
+    launcher(torch.zeros(1024, dtype=torch.bfloat16))
+    assert recorded_launches[-1][1]["SPIN"] == want  # 1024 bf16 over 128 threads: 8 a thread, 16 bytes
+    _, launcher = _launcher(world_size=world_size)
+    launcher(torch.zeros(1024, dtype=torch.bfloat16))
+    assert recorded_launches[-1][1]["SPIN"] == 0
+
+
+@pytest.mark.parametrize("elems, elem_bytes, want", [(8, 2, 8), (16, 2, 8), (4, 2, 4), (2, 2, 2), (1, 2, 1), (6, 2, 2),
+                                                     (8, 4, 4), (2, 4, 2), (3, 4, 1), (0, 2, 1), (64, 4, 4)])
+def test_spin_pack(elems, elem_bytes, want):
+    from autosymm.kernels.lamport_all_reduce import spin_pack
+
+    assert spin_pack(elems, elem_bytes) == want
+
+
+@pytest.mark.parametrize("pack, bits", [(1, 16), (8, 16), (4, 32)])
+def test_spin_asm_structure(pack, bits):
+    """The spin's PTX: one block (registers and labels scoped, so a kernel holds many), the fast
+    path one branch past the loop, each word re-polled alone (volatile, predicated on still being
+    the sentinel), the loop bounded by the limit operand (already reached when the error count
+    is non-zero), a give-up counted once per instance; operands numbered as _spin passes them."""
+    import re
+
+    from autosymm.kernels.lamport_all_reduce import _spin_asm
+
+    asm = _spin_asm(pack, bits)
+    lines = asm.splitlines()
+    assert lines[0] == "{" and lines[-1] == "}" and asm.count("{") == 1
+    assert lines.index("@!%lw_m bra LW_DONE;") < lines.index("LW_POLL:") < lines.index("LW_DONE:")
+    reloads = re.findall(rf"@%lw_q ld\.volatile\.global\.u{bits} \$(\d+), \[\$(\d+)\];", asm)
+    assert [(int(o), int(a)) for o, a in reloads] == [(i, 2 * pack + i) for i in range(pack)]
+    assert f"setp.ne.u32 %lw_q, ${3 * pack}, 0;" in asm and f"selp.u32 %lw_n, ${4 * pack}, 0, %lw_q;" in asm
+    assert f"setp.ge.u32 %lw_q, %lw_n, ${4 * pack};" in asm
+    assert lines[-2] == f"@%lw_m red.global.gpu.relaxed.add.u32 [${5 * pack}], 1;"
+    assert "bar." not in asm and "fence" not in asm  # nothing CTA-wide, no fence
 
 
 def test_region_is_reserved_and_sized_for_every_world_size():
@@ -104,7 +163,7 @@ def test_launches_and_binds(recorded_launches):
     launcher(x)
     (kind0, constexprs, grid, slow), (kind1, _, _, direct) = recorded_launches
     assert (kind0, kind1) == ("slow", "direct") and grid == (4,)
-    assert constexprs == dict(RANK=1, WORLD_SIZE=4, BLOCK=1024, TAIL=1, PHASE=0)
+    assert constexprs == dict(RANK=1, WORLD_SIZE=4, BLOCK=1024, TAIL=1, PHASE=0, SPIN=0)
     assert slow[0] is x and slow[1] is launcher.region_ptrs and slow[2] is launcher.signal_ptrs
     assert slow[3] is launcher.header and direct[3] == launcher.header.data_ptr()  # this rank's header
     assert slow[4:] == direct[4:] == (1001, LAMPORT_SLOT_BYTES)  # the same slot stride every call

@@ -44,7 +44,16 @@ CASES = [
     ("lamport", "bf16", 8, 4096, 4096, 8, 2, False, True, 1, ""),
     ("lamport", "bf16", 4, 8192, 8192, 4, 1, False, True, 4, ""),
     ("lamport", "fp16", 2, 8192, 8192, 16, 1, False, True, 1, "add_rms_fp8"),
+    # the Lamport wait's per-thread spin (world size 2, SPINS): whole rows, split rows, a hidden
+    # shorter than BLOCK (masked columns), fp32 words
+    ("lamport", "bf16", 2, 8192, 8192, 16, 1, False, True, 1, ""),
+    ("lamport", "bf16", 2, 8192, 8192, 4, 1, False, True, 4, ""),
+    ("lamport", "fp16", 2, 4096, 4096, 8, 2, False, True, 1, "add_rms_fp8"),
+    ("lamport", "fp32", 2, 5120, 8192, 4, 1, False, False, 8, ""),
 ]
+#: The SPIN constexpr of the cases that spin (autosymm.kernels.lamport_all_reduce.spin_pack of a
+#: thread's elements), by case index.
+SPINS = {22: 8, 23: 8, 24: 8, 25: 4}
 #: Pointer types of the out / scales arguments by quant (the launcher passes out for unused ones).
 OUT_TYPES = {None: (None, None), "fp8": ("*fp8e4nv", "*fp8e4nv"), "fp8_per_token": ("*fp8e4nv", "*fp32"),
              "nvfp4": ("*u8", "*fp8e4nv")}
@@ -74,7 +83,8 @@ def _compile_cases(indices: list[int]) -> dict:
             fn = _one_shot_all_reduce_rmsnorm
             signature.update(counts_ptr="*i32", partials_ptr="*fp32", stash_ptr="*fp32", header_ptr="*i32",
                              slot_bytes="i64", half_bytes="i64")
-            constexprs.update(SPLIT=split, PUSH=kernel != "one_shot", DOUBLE_BUFFER=double, LAMPORT=kernel == "lamport")
+            constexprs.update(SPLIT=split, PUSH=kernel != "one_shot", DOUBLE_BUFFER=double, LAMPORT=kernel == "lamport",
+                              SPIN=SPINS.get(i, 0))
         constexprs.update(HAS_RESIDUAL=epilogue.residual, GEMMA=epilogue.gemma, QUANT=epilogue.quant_code)
         # the signature's order is the kernel's: its pointers are 0..5, region and signal 6, 7, the
         # scratch and the Lamport header 8..11
@@ -84,7 +94,8 @@ def _compile_cases(indices: list[int]) -> dict:
         ptx = compile_ptx(fn, signature, constexprs, aligned_args, warps)
         out[i] = ptx_features(ptx)
         out[i].update(count_ins=len(re.findall(r"(?:red|atom)\.global\.gpu\.release\.add", ptx)),
-                      volatile_v4=len(re.findall(r"ld\.volatile\.global\.v4\.b32", ptx)))
+                      volatile_v4=len(re.findall(r"ld\.volatile\.global\.v4\.b32", ptx)),
+                      spin_loops=len(re.findall(r"^LW_POLL:", ptx, re.M)))
     return out
 
 
@@ -93,12 +104,13 @@ def features():
     return compile_in_subprocesses("test_compile_fused_rmsnorm", len(CASES))
 
 
-def _case_id(c) -> str:
+def _case_id(i: int) -> str:
+    c, spin = CASES[i], SPINS.get(i, 0)
     return "-".join(map(str, c[:7])) + ("-db" if c[7] else "") + (f"-split{c[9]}" if c[9] > 1 else "") + \
-        (f"-{c[10]}" if c[10] else "")
+        (f"-{c[10]}" if c[10] else "") + (f"-spin{spin}" if spin else "")
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(i) for i in range(len(CASES))])
 def test_compiles_for_sm90(features, case):
     kernel, dtype, world_size, hidden, block, warps, rows, double, aligned, split, key = CASES[case]
     got = features[case]
@@ -108,7 +120,11 @@ def test_compiles_for_sm90(features, case):
     # every wait is bounded: a give-up add per barrier; per Lamport poll site (one per row path)
     # and the rotation's or the epoch's wait for the grid (publish)
     rotation = kernel == "lamport" or double
-    assert got["poll_limit"] and got["error_adds"] == n_barriers + (kernel == "lamport") + rotation, got
+    # the spin: a give-up add per instance (SPIN words of a thread's tile each), none per CTA
+    instances = rows * block // split // (warps * 32) // SPINS[case] if case in SPINS else 0
+    assert got["spin_loops"] == instances, got
+    waits = instances or (kernel == "lamport")
+    assert got["poll_limit"] and got["error_adds"] == n_barriers + waits + rotation, got
     # the rotation or the epoch: one early gpu-scope release count (no acq_rel arrival, no exchange
     # at the end); a split row's arrival and reset
     assert got["count_ins"] == rotation, got
@@ -122,7 +138,8 @@ def test_compiles_for_sm90(features, case):
         assert got["v4_stores"] >= 1
 
 
-@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[10]], ids=[_case_id(c) for c in CASES if c[10]])
+@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[10]],
+                         ids=[_case_id(i) for i, c in enumerate(CASES) if c[10]])
 def test_epilogue_variants_compile_their_quantization(features, case):
     from autosymm.epilogue import Epilogue
 

@@ -155,11 +155,15 @@ def test_moe_space():
 
 def test_iter_space_fields():
     fields = dict(iter_space_fields(all_reduce_space("two_shot", 1 << 20, 2, 2)))
-    assert set(fields) == {"algorithm", "block_size", "num_blocks", "num_warps", "double_buffer", "eager_launch"}
+    assert set(fields) == {"algorithm", "block_size", "num_blocks", "num_warps", "double_buffer", "eager_launch",
+                           "spin"}
+    assert fields["spin"] == [False]  # the Lamport spin: its record's space at world size 2 alone
     assert fields["algorithm"] == ["two_shot"] and fields["double_buffer"] == [False]
     assert fields["eager_launch"] == ["replay"]  # the eager twins are the sweep's (with_eager_launches)
     assert fields["num_warps"] == sorted(fields["num_warps"])
     assert dict(iter_space_fields(all_reduce_space("one_shot", 8192, 2, 2)))["double_buffer"] == [False, True]
+    assert dict(iter_space_fields(all_reduce_space("lamport", 8192, 2, 2)))["spin"] == [False, True]
+    assert dict(iter_space_fields(all_reduce_space("lamport", 8192, 4, 2)))["spin"] == [False]
 
 
 @pytest.mark.parametrize("config", [AllReduceConfig("one_shot", 1024, 4, 4), FusedConfig("one_shot", 8192, 8, 4)])

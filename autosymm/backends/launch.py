@@ -13,6 +13,7 @@ Design notes: docs/BACKENDS.md#backends-launch
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +45,18 @@ def interpreter_active() -> bool:
     from triton import knobs
 
     return knobs.runtime.interpret
+
+
+def spin_constexpr(config: Any, world_size: int, tile_elems: int, threads: int, elem_bytes: int) -> int:
+    """The SPIN constexpr of a Lamport kernel (autosymm.kernels.lamport_all_reduce.spin_pack): the
+    words a thread waits on together in its per-thread spin when ``config.spin`` asks for it at
+    world size 2 on a GPU (the inline PTX handles one peer); 0 (the CTA-uniform wait, today's path)
+    otherwise, always under the interpreter. ``tile_elems``: the elements of a program's tile."""
+    if not getattr(config, "spin", False) or world_size != 2 or interpreter_active():
+        return 0
+    from ..kernels.lamport_all_reduce import spin_pack
+
+    return spin_pack(max(1, tile_elems // threads), elem_bytes)
 
 
 def _stream_source() -> tuple[Callable[[int], int], int]:
@@ -187,6 +200,15 @@ class Algorithm:
     def share(self, count: int, world_size: int) -> int:
         """How many of ``count`` elements (or rows) one rank's programs reduce."""
         return -(-count // world_size) if self.splits_by_rank else count
+
+
+def with_spin(space: list, record: Algorithm, world_size: int) -> list:
+    """``space``, and for a Lamport record at world size 2 every config again with ``spin=True``
+    (appended: the first configs, and the fallback, keep the CTA-uniform wait): the per-thread
+    spin handles one peer (autosymm.kernels.lamport_all_reduce)."""
+    if not record.lamport or world_size != 2:
+        return space
+    return space + [dataclasses.replace(config, spin=True) for config in space]
 
 
 def stage_limits(need: int, problem: Problem, caps: Capabilities) -> Optional[str]:

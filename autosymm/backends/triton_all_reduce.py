@@ -30,7 +30,7 @@ from ..kernels.lamport_all_reduce import _lamport_all_reduce
 from ..kernels.push_all_reduce import _push_one_shot_all_reduce
 from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
-from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, stage_limits
+from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, stage_limits, with_spin
 
 #: Largest all-reduce (bytes) for which the pull one-shot's space offers ``double_buffer``: beyond
 #: it a call reads megabytes over NVLink and the end barrier (about a microsecond) is noise.
@@ -242,7 +242,7 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
     as it was (it is largest there: most grids are useful).
     """
     record = ALGORITHMS[algorithm]
-    per_program = record.share(numel, world_size)
+    per_program = record.share(numel, world_size)  # Lamport at world size 2: also spin (with_spin)
     space: list[AllReduceConfig] = []
     for block_size in ALL_REDUCE_BLOCK_SIZES:
         # a BLOCK more than twice the data is only masking; keep the smallest such BLOCK.
@@ -261,7 +261,8 @@ def all_reduce_space(algorithm: str, numel: int, world_size: int, elem_bytes: in
                 space.append(AllReduceConfig(algorithm, block_size, num_blocks, num_warps))
     if record.double_buffer and record.stage_bytes(numel * elem_bytes, world_size) <= record.double_buffer_space_bytes:
         space += [dataclasses.replace(config, double_buffer=True) for config in space]
-    return space
+    return with_spin(space, record, world_size)
+
 
 
 def largest_stage_bytes(nbytes: int, world_size: int) -> int:

@@ -30,7 +30,8 @@ from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, FUSED_COUNT
 from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
-from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, stage_limits
+from .launch import (MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, spin_constexpr,
+                     stage_limits, with_spin)
 from .triton_lamport import lamport_header, lamport_limits
 
 OP = ALL_REDUCE_RMSNORM.name
@@ -285,7 +286,10 @@ class _FusedLauncher(RegionLauncher):
         elif phase:
             raise ValueError(f"the fused {self.algorithm} has no phases")
         else:
-            constexprs.update(SPLIT=split, DOUBLE_BUFFER=double, LAMPORT=False)  # the record's flags may set it
+            spin = spin_constexpr(cfg, self.world_size, cfg.rows_per_program * cfg.block_size // split,
+                                  cfg.num_warps * WARP_SIZE, self.elem_bytes)
+            # LAMPORT: the record's flags may set it
+            constexprs.update(SPLIT=split, DOUBLE_BUFFER=double, LAMPORT=False, SPIN=spin)
         launcher = LeanLauncher(self.record.kernel, (cfg.num_blocks,), {**constexprs, **self.record.flags},
                                 num_warps=cfg.num_warps, num_stages=1)
         self._variants[key] = launcher
@@ -348,7 +352,7 @@ def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, ele
         space += [dataclasses.replace(config, double_buffer=True) for config in space]
     if record.row_split:  # latency-bound: double-buffered only, where it fits
         space += [dataclasses.replace(c, double_buffer=double) for c in _split_space(algorithm, rows, hidden, elem_bytes)]
-    return space
+    return with_spin(space, record, world_size)
 
 
 def _split_space(algorithm: str, rows: int, hidden: int, elem_bytes: int) -> list[FusedConfig]:

@@ -23,7 +23,7 @@ from ..configs import AllReduceConfig
 from ..geometry import LAMPORT_HEADER_BYTES, LAMPORT_REGION, LAMPORT_SLOT_BYTES
 from ..problem import Problem
 from .base import BackendError, Capabilities, RunContext
-from .launch import LeanLauncher, RegionLauncher, prepared_workspace
+from .launch import LeanLauncher, RegionLauncher, prepared_workspace, spin_constexpr
 from .triton_all_reduce import ALGORITHMS, TritonAllReduce
 
 
@@ -105,8 +105,10 @@ class _LamportLauncher(RegionLauncher):
         return (addr % 16 == 0, tail, phase), addr, numel
 
     def _variant(self, x_aligned: bool, tail: int, phase: int) -> LeanLauncher:
-        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, BLOCK=self.config.block_size, TAIL=tail,
-                          PHASE=phase)
+        cfg = self.config
+        spin = spin_constexpr(cfg, self.world_size, cfg.block_size, cfg.threads, self.elem_bytes)
+        constexprs = dict(RANK=self.rank, WORLD_SIZE=self.world_size, BLOCK=cfg.block_size, TAIL=tail, PHASE=phase,
+                          SPIN=spin)
         launcher = LeanLauncher(self.record.kernel, (self.config.num_blocks,), constexprs,
                                 num_warps=self.config.num_warps, num_stages=1)
         self._variants[(x_aligned, tail, phase)] = launcher

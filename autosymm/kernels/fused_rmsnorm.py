@@ -20,7 +20,8 @@ import triton.language as tl
 from .all_reduce import _epoch_stage, _stage_ptr
 from .barrier import barrier, barrier_and_publish
 from .fused_epilogue import _normalise_and_store, _store_block_scales, _store_outputs, _tile
-from .lamport_all_reduce import lamport_buffer, lamport_count_in, lamport_offset, lamport_rotate, lamport_sum, push_wire
+from .lamport_all_reduce import (lamport_bases, lamport_buffer, lamport_count_in, lamport_error_slot, lamport_offset,
+                                 lamport_rotate, lamport_sum, push_wire)
 from .push_all_reduce import _slot_ptr
 
 
@@ -32,17 +33,17 @@ def _copy_rows(dst, src, row0, row_end, col0, HIDDEN: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, row0, row_end, col0, RANK: tl.constexpr,
+def _push_rows(x_ptr, region_ptrs, lam, stage_offset, slot_bytes, row0, row_end, col0, RANK: tl.constexpr,
                WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                LAMPORT: tl.constexpr):
     """Store one row group of x (columns col0 .. col0 + BLOCK - 1) into this rank's slot of every
     peer's stage (posted writes); LAMPORT: in wire form, into the Lamport buffer at ``stage_offset``
-    (the same slot layout, autosymm.kernels.lamport_all_reduce)."""
+    (the same slot layout, autosymm.kernels.lamport_all_reduce; ``lam[0]`` the regions' bases)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     offs, mask, cols = _tile(row0, row_end, col0, HIDDEN, BLOCK, ROWS)
     val = tl.load(x_ptr + offs, mask=mask)
     if LAMPORT:
-        push_wire(val, region_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, True)
+        push_wire(val, lam[0], stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, True)
     else:
         for step in tl.static_range(1, WORLD_SIZE):
             peer = (RANK + step) % WORLD_SIZE  # staggered: every rank writes to a different peer first
@@ -51,17 +52,18 @@ def _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, row0, row_end, col0
 
 
 @triton.jit
-def _sum_ranks(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK: tl.constexpr,
-               WORLD_SIZE: tl.constexpr, PUSH: tl.constexpr, LAMPORT: tl.constexpr):
+def _sum_ranks(x_ptr, region_ptrs, lam, stage_offset, slot_bytes, offs, mask, RANK: tl.constexpr,
+               WORLD_SIZE: tl.constexpr, PUSH: tl.constexpr, LAMPORT: tl.constexpr, SPIN: tl.constexpr):
     """fp32 sum over ranks 0..WORLD_SIZE-1 (fixed order) of their x at ``offs``: from every
     rank's stage, or (PUSH) from x itself and the peers' slots of this rank's stage, or (LAMPORT)
     from x itself and the peers' wire words in this rank's Lamport buffer once they arrived (then
-    re-armed: autosymm.kernels.lamport_all_reduce.lamport_sum)."""
+    re-armed: autosymm.kernels.lamport_all_reduce.lamport_sum; ``lam``: the regions' bases, the
+    error slot and its count, SPIN its per-thread spin)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     if LAMPORT:
         own = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        return lamport_sum(own, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE,
-                           True)
+        return lamport_sum(own, lam[0], lam[1], lam[2], stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE,
+                           True, SPIN)
     acc = tl.zeros(offs.shape, tl.float32)
     for peer in tl.static_range(WORLD_SIZE):
         if PUSH:
@@ -85,19 +87,20 @@ def _scatter(region_ptrs, offset, offs, mask, val, RANK: tl.constexpr, WORLD_SIZ
 
 
 @triton.jit
-def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+def _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, lam, stage_offset,
                 slot_bytes, out_offset, scales_offset, row0, row_end, eps, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr,
                 HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PUSH: tl.constexpr,
                 SCATTER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr,
-                LAMPORT: tl.constexpr):
+                LAMPORT: tl.constexpr, SPIN: tl.constexpr = 0):
     """For one row group: s = sum of x (+ the residual, then written back rounded once), and out
     (and scales) from the norm of the unrounded fp32 s (autosymm.kernels.fused_epilogue). SCATTER
     (two-shot): both also go to every peer's stage, the residual over the x rows just read there,
-    out at ``out_offset`` and the scales (row-major) at ``scales_offset``."""
+    out at ``out_offset`` and the scales (row-major) at ``scales_offset``. ``lam``, SPIN: the
+    Lamport exchange's (:func:`_sum_ranks`; unused otherwise)."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     offs, mask, cols = _tile(row0, row_end, 0, HIDDEN, BLOCK, ROWS)
-    acc = _sum_ranks(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH,
-                     LAMPORT)
+    acc = _sum_ranks(x_ptr, region_ptrs, lam, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH,
+                     LAMPORT, SPIN)
     if HAS_RESIDUAL:
         acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         new_residual = acc.to(ELEM)
@@ -133,19 +136,19 @@ def _finish_row(w_ptr, out_ptr, scale_ptr, scales_ptr, partials_ptr, stash_ptr, 
 
 
 @triton.jit
-def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+def _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, lam, stage_offset,
                 slot_bytes, counts_ptr, partials_ptr, stash_ptr, row, part, eps, RANK: tl.constexpr,
                 WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
                 PUSH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, QUANT: tl.constexpr,
-                LAMPORT: tl.constexpr):
+                LAMPORT: tl.constexpr, SPIN: tl.constexpr):
     """One part (BLOCK / SPLIT columns) of a row shared by N_PARTS programs (see the one-shot
     kernel): reduce, store the residual part, then count in; the row's last program writes its out."""
     ELEM: tl.constexpr = x_ptr.dtype.element_ty
     CHUNK: tl.constexpr = BLOCK // SPLIT
     N_PARTS: tl.constexpr = (HIDDEN + CHUNK - 1) // CHUNK
     offs, mask, cols = _tile(row, row + 1, part * CHUNK, HIDDEN, CHUNK, 1)
-    acc = _sum_ranks(x_ptr, region_ptrs, signal_ptrs, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH,
-                     LAMPORT)
+    acc = _sum_ranks(x_ptr, region_ptrs, lam, stage_offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, PUSH,
+                     LAMPORT, SPIN)
     if HAS_RESIDUAL:
         acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_ptr + offs, acc.to(ELEM), mask=mask)
@@ -169,7 +172,7 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scal
                                  ROWS: tl.constexpr, SPLIT: tl.constexpr, PUSH: tl.constexpr,
                                  DOUBLE_BUFFER: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
                                  GEMMA: tl.constexpr = False, QUANT: tl.constexpr = 0,
-                                 LAMPORT: tl.constexpr = False):
+                                 LAMPORT: tl.constexpr = False, SPIN: tl.constexpr = 0):
     """One-shot, pull (every rank reads every stage) or PUSH (every rank writes its x into its
     slot, ``slot_bytes`` apart, of every peer's stage). DOUBLE_BUFFER: the stage alternates
     between the halves at ``stage_offset`` and ``stage_offset + half_bytes`` by the epoch of
@@ -182,7 +185,9 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scal
     barrier at all, each row group polls its peers' words until they arrived, sums them with its
     own x and re-arms them; the grid's last program advances the rotation after its pushes. It
     shares the rotation with the Lamport all-reduce (one sequence of Lamport calls per rank).
-    ``header_ptr`` is read only then (any valid pointer otherwise).
+    ``header_ptr`` is read only then (any valid pointer otherwise). SPIN (world size 2, GPUs): the
+    words a thread waits on together in the Lamport wait's per-thread spin (lamport_sum), 0 for the
+    CTA-uniform wait.
 
     SPLIT > 1 (ROWS == 1, n_rows <= autosymm.geometry.FUSED_SPLIT_MAX_ROWS, the stash holds
     n_rows x HIDDEN fp32): a row is cut in parts of CHUNK = BLOCK / SPLIT columns, N_PARTS of them
@@ -217,13 +222,18 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scal
     if DOUBLE_BUFFER:
         arrival_slot, epoch_slot, epoch, stage_offset = _epoch_stage(signal_ptrs, stage_offset, half_bytes, pid,
                                                                      n_programs, RANK)
-    if LAMPORT:
+    if LAMPORT:  # the W bases and the error count in flight together, before the header's load
+        bases = lamport_bases(region_ptrs, WORLD_SIZE)
+        errors, failed = lamport_error_slot(signal_ptrs, WORLD_SIZE)
+        lam = (bases, errors, failed)
         buffer = lamport_buffer(header_ptr)
         stage_offset = lamport_offset(buffer, slot_bytes, WORLD_SIZE)
         lamport_count_in(header_ptr, pid, n_programs)
+    else:
+        lam = signal_ptrs  # unused: the stage and the barriers'
     if PUSH:
         for item in range(pid, n_items, n_programs):
-            _push_rows(x_ptr, region_ptrs, stage_offset, slot_bytes, (item // N_PARTS) * ROWS, n_rows,
+            _push_rows(x_ptr, region_ptrs, lam, stage_offset, slot_bytes, (item // N_PARTS) * ROWS, n_rows,
                        (item % N_PARTS) * CHUNK, RANK, WORLD_SIZE, HIDDEN, CHUNK, ROWS, LAMPORT)
     else:
         stage = _stage_ptr(region_ptrs, RANK, stage_offset, True, x_ptr.dtype.element_ty)
@@ -238,13 +248,13 @@ def _one_shot_all_reduce_rmsnorm(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scal
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)
     for item in range(pid, n_items, n_programs):
         if SPLIT == 1:
-            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+            _fused_rows(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, lam, stage_offset,
                         slot_bytes, 0, 0, item * ROWS, n_rows, eps, RANK, WORLD_SIZE, HIDDEN, BLOCK, ROWS, PUSH, False,
-                        HAS_RESIDUAL, GEMMA, QUANT, LAMPORT)
+                        HAS_RESIDUAL, GEMMA, QUANT, LAMPORT, SPIN)
         else:
-            _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, signal_ptrs, stage_offset,
+            _split_part(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, scales_ptr, region_ptrs, lam, stage_offset,
                         slot_bytes, counts_ptr, partials_ptr, stash_ptr, item // N_PARTS, item % N_PARTS, eps, RANK,
-                        WORLD_SIZE, HIDDEN, BLOCK, SPLIT, PUSH, HAS_RESIDUAL, GEMMA, QUANT, LAMPORT)
+                        WORLD_SIZE, HIDDEN, BLOCK, SPLIT, PUSH, HAS_RESIDUAL, GEMMA, QUANT, LAMPORT, SPIN)
     if not DOUBLE_BUFFER and not LAMPORT:
         barrier(signal_ptrs, pid, RANK, WORLD_SIZE)  # no peer still reads our stage
 

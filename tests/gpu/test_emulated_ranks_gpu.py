@@ -96,15 +96,17 @@ SMALL = [  # (algorithm, double_buffer, numel, block, grid, warps)
 ]
 
 
-def _lamport_case(world_size, numel, block, grid, warps):
-    """(workspaces, launch, check) of the Lamport one-shot (its own launcher: the Lamport region)."""
+def _lamport_case(world_size, numel, block, grid, warps, spin=False):
+    """(workspaces, launch, check) of the Lamport one-shot (its own launcher: the Lamport region);
+    ``spin``: the config's per-thread spin (world size 2)."""
     from autosymm.backends.triton_lamport import _LamportLauncher
     from autosymm.configs import AllReduceConfig
     from autosymm.problem import Problem
 
     wss = workspaces(world_size)
     problem = Problem.all_reduce(2 * numel, "bf16", world_size)
-    launchers = [_LamportLauncher(problem, AllReduceConfig("lamport", block, grid, warps), ws) for ws in wss]
+    config = AllReduceConfig("lamport", block, grid, warps, spin=spin)
+    launchers = [_LamportLauncher(problem, config, ws) for ws in wss]
     xs = [torch.empty(numel, dtype=BF16, device="cuda") for _ in wss]
     inputs = [[random(numel, BF16, seed=100 * k + r) for r in range(world_size)] for k in range(ROUNDS)]
     results = [[torch.empty(numel, dtype=BF16, device="cuda") for _ in range(ROUNDS)] for _ in wss]
@@ -135,6 +137,19 @@ def test_small_all_reduce_configs_emulated(world_size, case):
     check()
 
 
+#: The Lamport wait's per-thread spin (AllReduceConfig.spin; world size 2 only): the floor bench's
+#: 2, 8 and 64 KiB configs, SPIN 8, 8 and 4 (8 / 16 / 8 elements a thread).
+SPIN = [(1024, 1024, 1, 4), (4096, 4096, 1, 16), (32768, 1024, 32, 4), (32768, 2048, 16, 8)]
+
+
+@pytest.mark.parametrize("case", SPIN, ids=lambda c: f"{c[0]}-B{c[1]}g{c[2]}w{c[3]}")
+def test_lamport_spin_emulated(case):
+    numel, block, grid, warps = case
+    wss, launch, check = _lamport_case(2, numel, block, grid, warps, spin=True)
+    run_ranks(wss, launch, ROUNDS)
+    check()
+
+
 def test_all_reduce_fp32_emulated():
     wss, launch, check = _all_reduce_case(4, "one_shot", 9_999, torch.float32)
     run_ranks(wss, launch, ROUNDS)
@@ -147,13 +162,15 @@ def test_all_reduce_fp32_emulated():
 LAMPORT_COUNTS = [(40_003, 777, 131_071, 1, 20_001), (40_000, 8, 131_072, 1024, 16)]
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size, spin", [(w, False) for w in WORLD_SIZES] + [(2, True)],
+                         ids=[f"{w}" for w in WORLD_SIZES] + ["2-spin"])
 @pytest.mark.parametrize("counts", LAMPORT_COUNTS, ids=["ragged", "whole_vectors"])
-def test_lamport_all_reduce_emulated(world_size, counts):
+def test_lamport_all_reduce_emulated(world_size, spin, counts):
     """The Lamport one-shot (no barrier: peers spin on their receive buffers until the data is
     there), -0.0 inputs included; bit-exact with the fp32 in-order sum every round. Its load
     step runs the ranks one after another, so each rank's buffer of round 0 is pre-filled with
-    non-sentinel words there (as the barrier pads are pre-set); reset_signals re-arms it."""
+    non-sentinel words there (as the barrier pads are pre-set); reset_signals re-arms it.
+    ``spin``: the per-thread spin's wait (world size 2)."""
     from autosymm.backends.triton_lamport import _LamportLauncher
     from autosymm.configs import AllReduceConfig
     from autosymm.geometry import LAMPORT_HEADER_BYTES, LAMPORT_REGION, LAMPORT_SLOT_BYTES
@@ -161,7 +178,7 @@ def test_lamport_all_reduce_emulated(world_size, counts):
 
     wss = workspaces(world_size)
     problem = Problem.all_reduce(2 * max(counts), "bf16", world_size)
-    launchers = [_LamportLauncher(problem, AllReduceConfig("lamport", 1024, 4, 4), ws) for ws in wss]
+    launchers = [_LamportLauncher(problem, AllReduceConfig("lamport", 1024, 4, 4, spin=spin), ws) for ws in wss]
     inputs = [[random(n, BF16, seed=100 * k + r) for r in range(world_size)] for k, n in enumerate(counts)]
     for k, per_rank in enumerate(inputs):
         for r, t in enumerate(per_rank):
@@ -185,7 +202,7 @@ def test_lamport_all_reduce_emulated(world_size, counts):
             assert_bits(results[rank][round_], want, f"lamport rank {rank} round {round_}")
 
 
-FUSED = [  # (algorithm, double_buffer, row_split, rows_per_program, n_tokens, hidden)
+FUSED = [  # (algorithm, double_buffer, row_split, rows_per_program, n_tokens, hidden[, spin: world size 2 only])
     ("one_shot", False, 1, 1, 7, 2048),
     ("one_shot", True, 1, 2, 5, 1032),
     ("one_shot_push", False, 1, 1, 7, 2048),
@@ -194,12 +211,16 @@ FUSED = [  # (algorithm, double_buffer, row_split, rows_per_program, n_tokens, h
     ("lamport", False, 1, 1, 7, 2048),
     ("lamport", False, 1, 1, 1, 8192),
     ("lamport", False, 4, 1, 3, 4096),
+    ("lamport", False, 1, 1, 1, 8192, True),
+    ("lamport", False, 1, 1, 1, 4096, True),
+    ("lamport", False, 4, 1, 3, 4096, True),
+    ("lamport", False, 1, 2, 5, 2048, True),
 ]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("case", FUSED, ids=lambda c: f"{c[0]}{'-double' if c[1] else ''}-split{c[2]}-rows{c[3]}"
-                         f"-{c[4]}x{c[5]}")
+                         f"-{c[4]}x{c[5]}" + ("-spin" if c[6:] else ""))
 def test_fused_rmsnorm_emulated(world_size, case):
     from _fused_ref import check as check_fused
 
@@ -208,11 +229,13 @@ def test_fused_rmsnorm_emulated(world_size, case):
     from autosymm.configs import FusedConfig
     from autosymm.problem import Problem
 
-    algorithm, double_buffer, row_split, rows, n_tokens, hidden = case
+    algorithm, double_buffer, row_split, rows, n_tokens, hidden, *spin = case
+    if spin and world_size != 2:
+        pytest.skip("the per-thread spin is for world size 2")
     wss = workspaces(world_size)
     block = fused_block_size(hidden)
     config = FusedConfig(algorithm, block, 4, 4, rows_per_program=rows, double_buffer=double_buffer,
-                         row_split=row_split)
+                         row_split=row_split, spin=bool(spin))
     problem = Problem.all_reduce_rmsnorm(n_tokens, hidden, "bf16", world_size)
     launchers = [_FusedLauncher(problem, config, ws) for ws in wss]
     xs = [[random((n_tokens, hidden), BF16, seed=100 * k + r) for r in range(world_size)] for k in range(ROUNDS)]
