@@ -11,6 +11,7 @@ score)`` reports its score (+inf for a failed candidate).
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Iterable, Optional
 
 from ..configs import iter_space_fields
@@ -63,7 +64,8 @@ class _OptunaChooser:
     MAX_DUPLICATES = 8
 
     def __init__(self, candidates: list[Any], indices: list[int], budget: int, seed: int):
-        import optuna
+        import optuna  # optuna may be missing (a random sample then) and costs ~0.15 s
+        # optuna may be missing (a random sample then) and costs ~0.15 s
         from optuna.distributions import CategoricalDistribution, IntDistribution
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -184,6 +186,4 @@ def make_chooser(candidates: list[Any], indices: list[int], strategy: str, budge
     try:
         return _OptunaChooser(candidates, indices, budget, seed)
     except ImportError:  # no optuna on this node: a seeded random sample of the same size
-        import random
-
         return _GridChooser(sorted(random.Random(seed).sample(indices, budget)))

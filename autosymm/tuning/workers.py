@@ -15,8 +15,11 @@ import traceback
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from .. import settings
+import autosymm.api
 
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (for MASTER_PORT)."""
@@ -35,8 +38,6 @@ def torchrun_world_size() -> int | None:
 
 
 def _init(rank: int, world_size: int, local_rank: int, cpu: bool = False) -> None:
-    import torch.distributed as dist
-
     if cpu:  # gloo ranks on the CPU (the --cpu smoke paths)
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -50,7 +51,6 @@ def _init(rank: int, world_size: int, local_rank: int, cpu: bool = False) -> Non
 def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, cpu: bool = False) -> None:
     settings.export(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)))
-    import torch.distributed as dist
 
     try:
         _init(rank, world_size, rank, cpu)
@@ -62,8 +62,6 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
         raise
     finally:
         if dist.is_initialized():
-            import autosymm.api
-
             autosymm.api.reset()  # no group reference may outlive destroy_process_group
             dist.destroy_process_group()
 
@@ -85,7 +83,6 @@ def run_workers(fn: Callable, nproc: int | None, *args: Any, cpu: bool = False) 
             raise RuntimeError(f"{nproc} CPU worker(s) asked for; at least 1")
     elif nproc < 1 or nproc > available:
         raise RuntimeError(f"--nproc {nproc} asked for, {available} CUDA GPUs visible")
-    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
