@@ -6,7 +6,8 @@
     autosymm.reduce_scatter_tensor(out, x)  # and all_gather_into_tensor: like torch.distributed's
     dst = autosymm.convert_dp_to_ep(src, assignment, expt_indx, gate_indx)
 
-See README.md for tuning (`autosymm tune`) and the shipped databases.
+README.md is the front page; docs/USAGE.md every call, docs/CLI.md `autosymm tune` and the other
+commands, docs/DATABASE.md the shipped databases.
 """
 
 from .version import __version__  # noqa: E402

@@ -33,8 +33,8 @@ def init(group=None, *, moe: Sequence = (), moe_max_bytes: Optional[int] = None,
     the group is set up already), so those calls run the Triton conversion, CUDA-graph capture
     included. ``moe_max_bytes``: how far eager MoE calls may grow the MoE region (bytes; default
     geometry.DEFAULT_MOE_MAX_BYTES; 0: never grow). ``deterministic``: True restricts this group's
-    calls to batch-invariant backends, False lifts it (default: AUTOSYMM_DETERMINISTIC; README,
-    "Batch-invariant bits"). Every rank must pass the same values; a bad one on any rank is a
+    calls to batch-invariant backends, False lifts it (default: AUTOSYMM_DETERMINISTIC;
+    docs/DETERMINISM.md). Every rank must pass the same values; a bad one on any rank is a
     ValueError on every rank, before anything is set up.
     """
     if not dist.is_initialized():
@@ -91,10 +91,10 @@ def stats(group=None) -> dict[str, dict[str, int]]:
     else:
         states = [STATES[group]] if group in STATES else []
     for state in {id(state): state for state in states}.values():  # a state may sit under two names
-        for entry in state.cache.values():
-            agg = out.setdefault(entry.decision.backend, {"calls": 0, "bytes": 0})
-            agg["calls"] += entry.calls
-            agg["bytes"] += entry.calls * entry.bytes_per_call
+        for backend, counts in state.counts().items():
+            agg = out.setdefault(backend, {"calls": 0, "bytes": 0})
+            agg["calls"] += counts["calls"]
+            agg["bytes"] += counts["bytes"]
     return out
 
 

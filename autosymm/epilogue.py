@@ -1,6 +1,8 @@
 """The epilogue of the fused all-reduce + RMSNorm (``all_reduce_rmsnorm``): what follows the sum
 (residual add or not, RMSNorm or Gemma RMSNorm, output quantization), as one record
-(:class:`Epilogue`), and THE reference formula every path of the op follows (:func:`reference`).
+(:class:`Epilogue`), the reference formula (:func:`reference`, by name :data:`SINGLE_ROUNDING`), and
+the name of the op's other formula, the stacks' unfused chain the default call's fallback computes
+(:data:`NATIVE_CHAIN`); which path computes which: docs/EPILOGUE.md#each-paths-formula.
 
 In short, per row, from ``sum_fp32`` (the ranks' x summed in fp32, ranks 0..W-1 in order) and the
 dtype ``T`` of x: ``s = sum_fp32 (+ residual.float())`` in fp32, the residual written back as

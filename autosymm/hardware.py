@@ -1,19 +1,14 @@
 """The hardware fingerprint: what a tuning result is valid for.
 
-Two slugs come out of it:
+``hardware_slug`` (database column ``hardware``: GPU model and link class, e.g.
+``nvidia-h200-nvlink``; rows are keyed by it and the world size) and ``node_slug`` (the shipped
+file's name: plus the local GPU count, e.g. ``nvidia-h200-nvlink-x2``). The link class comes from
+NVML, else from `nvidia-smi topo -m` (bounded by a timeout); where neither answers, a multi-GPU
+node is 'unknown' (``<gpu>-unknown``, which matches no tuned row) with one warning. Everything
+here reads properties and changes no device state; without CUDA a CPU fingerprint (slug ``cpu``)
+lets the CLI show plans from the shipped databases anywhere.
 
-* ``hardware_slug`` (database column ``hardware``): GPU model and link class, e.g.
-  ``nvidia-h200-nvlink``. Results are keyed by it plus the world size, so a 2-rank group on an
-  8-GPU NVLink node uses rows tuned with 2 ranks on any NVLink node of that GPU.
-* ``node_slug`` (shipped file name): the hardware slug plus the local GPU count, e.g.
-  ``nvidia-h200-nvlink-x2`` -> ``tuning_db/nvidia-h200-nvlink-x2.sqlite``.
-
-The link class comes from NVML (nvidia-ml-py, a dependency), else from `nvidia-smi topo -m`
-(bounded by a timeout); when neither answers, a multi-GPU node is 'unknown' (slug
-``<gpu>-unknown``, which matches no tuned row: NCCL serves) and one warning says what failed.
-
-Everything here reads properties; nothing changes device state. Without CUDA a CPU fingerprint
-is returned (slug ``cpu``), so the CLI can show plans from shipped databases anywhere.
+Design notes: docs/DATABASE.md#hardware
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Expert placement and routing indices of the MoE token conversions.
 
 Terms (as in triton_kernels' distributed MoE): ``R`` ranks each hold ``n_tokens_local`` tokens;
-``expt_indx`` [n_tokens_global, k] holds every token's top-k global expert ids (identical on
-all ranks, ``n_tokens_global = R * n_tokens_local``, -1 marks a dropped pair). Pairs are
-flattened ``p = t * k + j``; ``topk_indx`` [n_tokens_global * k] lists pairs in expert order
-(stable) and ``gate_indx`` [n_tokens_global, k] is its inverse (pair -> sorted row).
+``expt_indx`` [n_tokens_global, k] holds every token's top-k global expert ids (identical on all
+ranks, -1: a dropped pair). Pairs are flattened ``p = t * k + j``; ``topk_indx`` lists the pairs
+in expert order (stable), ``gate_indx`` is its inverse. dp->ep writes pair (t, j) of a local token
+to row ``gate_indx[t, j]`` of the expert owner's [n_tokens_global * k, d_model] buffer; ep->dp
+sends sorted row ``s`` (pair ``p = topk_indx[s]``) back to row ``p % (n_tokens_local * k)`` of its
+token's home rank. Rows of dropped pairs are written by neither op; the pure-torch references live
+on the tuning side (autosymm.tuning.reference).
 
-* dp->ep: pair (t, j) of a local token is written to row ``gate_indx[t, j]`` of the
-  [n_tokens_global * k, d_model] buffer of the rank owning expert ``expt_indx[t, j]``.
-* ep->dp: every rank sends the sorted rows of its own experts back: row ``s`` (pair
-  ``p = topk_indx[s]``) goes to row ``p % (n_tokens_local * k)`` of the
-  [n_tokens_local * k, d_model] buffer of token ``p // k``'s home rank.
-
-Rows of dropped pairs (expert id outside ``[0, n_expts_tot)``) are written by neither op. The
-pure-torch references of both ops live on the tuning side (autosymm.tuning.reference).
+Design notes: docs/BACKENDS.md#routing
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Sizes in bytes as text: SI prefixes are decimal, IEC prefixes binary.
 
-Reading (:func:`parse_size`): a number (``4096``, ``1.5``, ``1e6``) and an optional unit, any
-case, a space between allowed:
+:func:`parse_size` reads a number and an optional unit, any case: ``B`` or none (bytes), ``kB`` to
+``TB`` (powers of 10^3), ``KiB`` to ``TiB`` (powers of 2^10); ``K``, ``M``, ``G``, ``T`` without
+``B`` are refused as ambiguous, naming both readings; the result is a whole number of bytes from 0
+to 2^63 - 1. :func:`format_size` writes a size exactly, with at most three decimals, in the first
+unit that fits (the largest binary unit, the largest decimal one, the smaller binary and decimal
+ones, else bytes), up to GiB and GB; :func:`parse_size` reads every label back to the same number.
 
-* ``B`` or no unit: bytes;
-* ``kB``, ``MB``, ``GB``, ``TB``: 10^3, 10^6, 10^9, 10^12 bytes (``3MB`` = 3 000 000 B);
-* ``KiB``, ``MiB``, ``GiB``, ``TiB``: 2^10, 2^20, 2^30, 2^40 bytes (``3MiB`` = 3 145 728 B);
-* ``K``, ``M``, ``G``, ``T`` without ``B`` are refused as ambiguous, naming both readings.
-
-The result is a whole number of bytes from 0 to 2^63 - 1 (``1.5KiB`` = 1536; ``0.5B`` and
-``1e30`` are refused). Writing (:func:`format_size`): below 1 KiB in bytes; else exact, with at
-most three decimals, in the first unit of: the largest binary unit the size reaches (4096 ->
-'4KiB', 1572864 -> '1.5MiB'), the largest decimal one (3000000 -> '3MB', 2048000 -> '2.048MB'),
-the smaller binary units (1049600 -> '1025KiB'), the smaller decimal ones (1234567 ->
-'1234.567kB'); else in bytes (6291457 -> '6291457B'). Labels go up to GiB and GB (3 TiB ->
-'3072GiB'). :func:`parse_size` reads every label back to the same number.
+Design notes: docs/CLI.md#units
 """
 
 from __future__ import annotations

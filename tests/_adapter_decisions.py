@@ -55,4 +55,4 @@ def adapter_decisions(decide=None, backend: str = "triton_one_shot"):
 
 def _prepare_again(group) -> None:
     for state in set(group.STATES.values()):
-        state.cache.clear()
+        state.decide_again()

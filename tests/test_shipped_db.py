@@ -56,7 +56,7 @@ def test_shipped_h200_rows_drive_dispatch():
 
 
 def test_the_docs_state_the_shipped_h200_database_as_it_is():
-    """README and docs/BENCHMARKS.md give the file's row count and its 2^k + 1.5 x 2^k sizes."""
+    """docs/DATABASE.md and docs/BENCHMARKS.md give the file's row count and its 2^k + 1.5 x 2^k sizes."""
     from pathlib import Path
 
     from autosymm.problem import parse_size_range
@@ -64,7 +64,7 @@ def test_the_docs_state_the_shipped_h200_database_as_it_is():
     root = Path(__file__).parent.parent
     db = TuningDB(root / "tuning_db" / "nvidia-h200-nvlink-x2.sqlite", readonly=True)
     rows = db.rows()
-    assert f"default sweep, {len(rows)} rows: all-reduce at 2^k and 1.5 x 2^k bytes" in (root / "README.md").read_text()
+    assert f"default sweep, {len(rows)} rows: all-reduce at 2^k and 1.5 x 2^k bytes" in (root / "docs" / "DATABASE.md").read_text()
     assert f"exported: {len(rows)} rows" in (root / "docs" / "BENCHMARKS.md").read_text()
     sizes = sorted({r.bucket for r in rows if r.op == "all_reduce"})
     assert sizes == parse_size_range("4KiB:256MiB:2")

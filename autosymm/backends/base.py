@@ -1,32 +1,14 @@
 """What every backend is: a named way to run one or more ops, with a config space, and the one
 eligibility contract that dispatch, the tuner and the API all ask.
 
-A backend never decides; it answers:
+A backend never decides; it answers ``why_not(problem, caps, mode)`` (None, or a short reason:
+its declared :class:`Needs`, then :meth:`Backend.limits`), ``search_space(problem)``,
+``fallback_config(problem)`` and ``prepare(problem, config, ctx)``: a launcher bound to everything
+but the tensors, so a repeated call costs one Python call plus the kernel launch. It also names
+the formula its result follows (:meth:`Backend.formula`) and whether it is batch-invariant. The
+launchers' signatures, op by op: the design notes.
 
-* ``why_not(problem, caps, mode)``: None when it can serve ``problem`` on a group with
-  capabilities ``caps`` in ``mode`` ('eager' | 'graph'), else a short reason ("no multicast",
-  "dtype fp16 (supports bf16, fp32)", ...). The generic part reads the backend's declared
-  :class:`Needs`; :meth:`Backend.limits` adds what only the backend knows (sizes, alignment,
-  what fits its workspace region);
-* ``search_space(problem)``: the configs worth trying ([None] for backends without any);
-* ``fallback_config(problem)``: the config to run when no database row serves a call (None:
-  the backend is not a fallback, or has no config);
-* ``prepare(problem, config, ctx)``: a launcher bound to everything but the tensors, so a
-  repeated call costs one Python call plus the kernel launch.
-
-Launchers (what ``prepare`` returns, by op; the front doors, autosymm.collectives, call them):
-  all_reduce:         ``launcher(x) -> x`` (sum in place over the group);
-  all_reduce_rmsnorm: ``launcher(x, residual, weight, eps) -> out`` (residual += the sum of x,
-                      in place; out = RMSNorm(residual) * weight, a new tensor); for a problem
-                      with another epilogue, ``launcher(x, residual, weight, eps, *, scale=None) -> out``
-                      or ``(out, scales)`` (residual None: no add; autosymm.epilogue);
-  dp_to_ep:           ``launcher(src, assignment, expt_indx, gate_indx) -> dst`` (this rank's EP buffer);
-  ep_to_dp:           ``launcher(src, assignment, expt_indx, topk_indx) -> dst`` (this rank's DP rows);
-  reduce_scatter:     ``launcher(output, input, counts=None) -> output`` (output = this rank's
-                      segment of the sum over ranks of input; ``counts``: the segments' element
-                      counts per rank, reduce_scatterv; None: equal segments);
-  all_gather:         ``launcher(output, input, counts=None) -> output`` (every rank's input in
-                      rank order; ``counts``: the ranks' element counts, all_gatherv).
+Design notes: docs/BACKENDS.md#backends-base
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Lean launches of Triton kernels: bind and specialise once, then call the compiled kernel.
 
-``kernel[grid](*args, **constexprs)`` binds every argument, computes its specialisation key
-and looks the compiled kernel up on *every* call. A :class:`LeanLauncher` pays that once and
-afterwards calls ``CompiledKernel.run`` directly. Measured on 2x H200 (triton 3.6, torch 2.11,
-a VM where one cuLaunchKernelEx costs about 5 us), CPU time per eager 16 KiB one-shot
-all-reduce call: 26-33 us through ``kernel[grid]``, 15-17 us through ``CompiledKernel[grid]``
-(it builds launch metadata for the hook chains and asks the driver for the device each call),
-6.6-7 us through ``LeanLauncher.direct`` with int addresses; 7.5 us per call end to end.
-
-Written against triton 3.6 and 3.9 (checked in both sources):
-
-* ``JITFunction[grid](...)`` launches and returns the ``CompiledKernel`` it used (None under
-  ``TRITON_INTERPRET=1``: every call then takes the normal path);
-* ``CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata,
-  enter_hook, exit_hook, *args)`` is the call ``JITFunction.run`` makes, with *every* argument of
-  the signature in order, constexprs included (the C launcher skips them);
-* ``driver.active.get_current_stream(device)`` is torch's current raw stream (CUDA graphs capture).
-
-With a launch hook registered (``triton.knobs.runtime.launch_enter_hook.add(...)``, profilers),
-calls go through ``CompiledKernel[grid]``, which computes the launch metadata the hooks want.
-Anything unexpected (an older triton, a kernel whose constexprs are not its trailing parameters)
-keeps the normal path; nothing here raises for it.
-
-What the two Triton families over the all-reduce region (autosymm.backends.triton_all_reduce,
-autosymm.backends.triton_fused) share lives here too: the :class:`Algorithm` record each of
-their algorithms is, the checks of ``prepare``'s arguments and of a stage's size, and
+``kernel[grid](...)`` binds every argument and looks the compiled kernel up on every call; a
+:class:`LeanLauncher` pays that once and afterwards calls ``CompiledKernel.run`` directly (written
+against triton 3.6 and 3.9; with a launch hook registered, or anything unexpected, the normal path
+is kept, and nothing here raises for it). Also what the two Triton families over the all-reduce
+region (autosymm.backends.triton_all_reduce, autosymm.backends.triton_fused) share: the
+:class:`Algorithm` record, the checks of ``prepare``'s arguments and of a stage's size, and
 :class:`RegionLauncher`, the set-up of their launchers.
+
+Design notes: docs/BACKENDS.md#backends-launch
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..entries import load
+from ..epilogue import DEFAULT, NATIVE_CHAIN, SINGLE_ROUNDING
 from ..problem import Problem
 from .base import Backend, Capabilities, Needs, RunContext
 
@@ -31,6 +32,12 @@ class Local(Backend):
         if not record.empty_reason(problem) and not alone:
             return "the call exchanges data (noop serves only calls with nothing to exchange)"
         return None
+
+    def formula(self, problem: Problem) -> str:
+        """The op's, except the fused op's default epilogue: the native chain, as the NCCL
+        fallback computes it (autosymm.epilogue.local_launcher)."""
+        fused_default = problem.record.formula == SINGLE_ROUNDING and (problem.epilogue or DEFAULT) == DEFAULT
+        return NATIVE_CHAIN if fused_default else problem.record.formula
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
         return load(problem.record.local)(problem)

@@ -1,29 +1,14 @@
 """MoE dp->ep / ep->dp backend ``nccl_all_to_all``: one gather, ONE ``all_to_all_single``, one scatter.
 
-Both ops are an exchange of *items* (rows), each with a sender, a receiver, a source row on the
-sender and a destination row on the receiver, all computable on every rank from the global
-routing tensors (identical on all ranks), with the meaning of autosymm.routing and the exact
-skip rules of the Triton kernels (autosymm.kernels.moe_conversion):
+Both ops exchange *items* (rows) whose sender, receiver, source and destination rows every rank
+computes from the global routing tensors (autosymm.routing; the Triton kernels' skip rules).
+Every rank partitions (stably) the items it sends by receiver and those it receives by sender, so
+both sides agree on the order within each split without talking: on a CUDA device through
+autosymm.kernels.moe_splits, on the CPU through :func:`dp_to_ep_splits` / :func:`ep_to_dp_splits`
+(also the kernel's reference). The split sizes' one host copy is the only sync: eager only, not
+CUDA-graph capturable. Rows of skipped items are written by neither op.
 
-* dp->ep, item = pair ``p`` (``n_pairs_local = n_tokens_local * k``): sender ``p // n_pairs_local``,
-  receiver ``expt_owner[expt_indx[p]]``, source row ``(p % n_pairs_local) // k``, destination row
-  ``gate_indx[p]``; skipped when the expert id is outside ``[0, n_expts_tot)`` or the gate row
-  outside ``[0, n_pairs)``.
-* ep->dp, item = expert-sorted row ``s``, ``p = topk_indx[s]``: sender ``expt_owner[expt_indx[p]]``,
-  receiver ``p // n_pairs_local``, source row ``s``, destination row ``p % n_pairs_local``; skipped
-  when ``p`` is outside ``[0, n_pairs)`` or its expert id outside ``[0, n_expts_tot)``.
-
-Every rank partitions (stably) the items it sends by receiver and the items it receives by
-sender: both sides then agree on the order of the rows within each split without talking. On a
-CUDA device (or under TRITON_INTERPRET) the partition and the split sizes come from
-autosymm.kernels.moe_splits (one launch, or two for calls over ONE_PROGRAM_MAX_ITEMS items) into
-cached buffers; on the CPU (gloo) from :func:`dp_to_ep_splits` / :func:`ep_to_dp_splits`, torch
-ops on a 1-byte owner table (out-of-range ids map to "skip" by clamping) and stable sorts, which
-are also the reference the kernel is tested against. The split sizes' one host copy (``tolist``)
-is the only sync, so the path is eager only, not CUDA-graph capturable. Rows travel as 8- or
-4-byte words where the row size allows (bit copies; index kernels move fewer, wider elements).
-Rows of skipped items are written by neither op: the output buffer (one per shape, reused call
-after call, like triton_moe's workspace view) keeps what it held.
+Design notes: docs/BACKENDS.md#backends-nccl-all-to-all
 """
 
 from __future__ import annotations

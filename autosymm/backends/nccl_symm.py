@@ -1,24 +1,15 @@
 """Backend ``nccl_symm``: NCCL's all-reduce on window-registered (symmetric) buffers.
 
-NCCL >= 2.27 runs its *symmetric* kernels (lower latency, no proxy) when both buffers of a
-collective lie in a window registered with ``NCCL_WIN_COLL_SYMMETRIC`` at the same offset on every
-rank. What torch 2.11 exposes (scripts/nccl_symm_probe.py, one H200, torch 2.11 + NCCL 2.28.9):
-``ProcessGroupNCCL.mem_allocator`` raises "not supported in this NCCL version";
-``register_mem_pool(pool, symm=True)`` registers but aborts the process at exit (torch
-deregisters the window as a plain registration); torch's NCCL symm_mem backend works only on a
-group made with ``device_id`` (its rendezvous segfaults on a lazily created communicator), and
-its buffers are not the workspace autosymm's Triton kernels use. What works cleanly is NCCL's own
-call on torch's communicator: ``ncclCommWindowRegister(ProcessGroupNCCL._comm_ptr(), ...)``
-through ctypes, on the library torch loaded, over autosymm's symmetric workspace buffer (torch
-symm_mem, CUDA backend, cuMem).
+NCCL >= 2.27 runs its symmetric kernels when both buffers lie in a window registered with
+``NCCL_WIN_COLL_SYMMETRIC`` at the same offset on every rank. The window is the group's whole
+workspace buffer, registered once per workspace through ``ncclCommWindowRegister`` on torch's
+communicator (ctypes, the library torch loaded), a collective: the first prepare on every rank.
+A tensor of ``autosymm.empty`` is reduced where it lies (zero-copy); any other is copied into the
+top of the region, reduced there and copied back. Gated on the NCCL in use (:data:`MIN_NCCL`,
+:func:`nccl_version`: recorded in every reason). Why not torch's own registration paths: the
+design notes.
 
-So the window is the whole workspace buffer of the group (registered once per workspace, a
-collective: the first prepare on every rank, as every Triton backend's prepare is). A tensor of
-``autosymm.empty`` (inside the all-reduce region) is reduced where it lies (zero-copy, the same
-offset on every rank by the SPMD bump allocator); any other tensor is copied into the top of the
-region (clear of ``autosymm.empty``'s tensors, as the Triton stages), reduced there and copied back.
-
-Gated on the NCCL in use (:data:`MIN_NCCL`, :func:`nccl_version`: recorded in every reason).
+Design notes: docs/BACKENDS.md#backends-nccl-symm
 """
 
 from __future__ import annotations

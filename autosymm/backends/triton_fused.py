@@ -1,28 +1,16 @@
 """Backends ``triton_fused_one_shot``, ``triton_fused_one_shot_push`` and ``triton_fused_two_shot``:
 the fused all-reduce + residual add + RMSNorm kernels of autosymm.kernels.fused_rmsnorm over the
-symmetric workspace's all-reduce region (and its signal channel: calls are stream-ordered with
-the all-reduces, as theirs are with each other). Each is a record of :data:`ALGORITHMS`
-(autosymm.backends.launch.Algorithm) with its search space (:func:`fused_space`) beside it.
+workspace's all-reduce region (stream-ordered with the all-reduces through its signal channel),
+each a record of :data:`ALGORITHMS` with its search space (:func:`fused_space`) beside it.
 
-A launcher ``launcher(x, residual, weight, eps, out=None, *, scale=None) -> out`` (``(out,
-scales)`` for an epilogue with scales) serves contiguous x and residual of [tokens, hidden] (the
-prepared dtype and hidden size, any token count whose stage fits) and a contiguous weight [hidden]
-of the same dtype, with the problem's epilogue (``problem.epilogue``, autosymm.epilogue; the
-default add + RMSNorm where the problem has none): without a residual add ``residual`` is None;
-``scale`` is the float32 scalar of fp8 / nvfp4. ``out`` (an ``(out, scales)`` pair with scales) is
-written where given, else new tensors (autosymm.epilogue.Epilogue.empty_outputs; given nvfp4
-scales must hold zeros in the swizzled layout's padding, which the kernels never write); residual
-is updated in place, x is left unchanged. Stages: at the top of the region (clear of
-``Workspace.empty``'s tensors), as the all-reduce kernels' — the tensor itself (pull one-shot), one
-slot per peer (push), x's rows and the out rows (two-shot: twice the tensor; quantized out rows
-and their scales fit there) — or, for a one-shot config with ``double_buffer`` whose stage fits,
-in a half of the double-buffer region. Barrier failures are reported after the fact, as for the
-all-reduce backends (``Workspace.barrier_errors()``).
+A launcher ``launcher(x, residual, weight, eps, out=None, *, scale=None) -> out`` (or ``(out,
+scales)``) serves contiguous [tokens, hidden] x and residual of the prepared dtype and hidden
+size, any token count whose stage fits, with the problem's epilogue (autosymm.epilogue): the
+residual updated in place, x left unchanged. Split rows (``row_split`` > 1) run whole rows for
+calls beyond their scratch. Barrier failures are reported after the fact
+(``Workspace.barrier_errors()``). Stages and scratch: the design notes.
 
-Split rows (a one-shot config's ``row_split`` > 1) use this rank's scratch (:func:`split_scratch`:
-per-row counters and partial sums in the signal region, the fp32 stash region): a call with more
-rows than it holds (``FUSED_SPLIT_MAX_ROWS``, or a stash of ``rows x hidden`` fp32) runs the same
-config with whole rows instead, so a launcher serves any token count whose stage fits.
+Design notes: docs/BACKENDS.md#backends-triton-fused
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""Backend ``triton_lamport``: the Lamport one-shot all-reduce of
-autosymm.kernels.lamport_all_reduce for small tensors (at most
-:data:`autosymm.geometry.LAMPORT_SLOT_BYTES` per rank), without a barrier.
+"""Backend ``triton_lamport``: the Lamport one-shot all-reduce of autosymm.kernels.lamport_all_reduce
+for small tensors (at most :data:`autosymm.geometry.LAMPORT_SLOT_BYTES` per rank), without a
+barrier. Its record is ``ALGORITHMS["lamport"]`` of autosymm.backends.triton_all_reduce (the
+all-reduce family's config and search space); it stages nothing: peers store into this rank's
+Lamport region, so any tensor outside it is served without a copy.
 
-Its record is ``ALGORITHMS["lamport"]`` of autosymm.backends.triton_all_reduce (the all-reduce
-family: ``AllReduceConfig(algorithm="lamport", ...)``, the same search space over BLOCK, grid
-and warps); it stages nothing in the all-reduce region (stage 0 bytes): peers store into this
-rank's Lamport region (autosymm.geometry.LAMPORT_REGION, three rotating receive buffers), and
-``x`` is only read locally, so any tensor outside that region is served without a copy.
+Invariants: the rotation index lives on the device (a bound launch or a CUDA graph of one stays
+right call after call); all Lamport calls of a workspace are stream-ordered and run in the same
+sequence on every rank. A wait that gives up is counted in the 'all_reduce' error slot: every rank
+must then call ``Workspace.reset_signals()``, which also re-arms the receive buffers.
 
-The kernel keeps its rotation index on the device (the region's header), so a bound launch or a
-CUDA graph of one stays right call after call. All Lamport calls of a workspace must be
-stream-ordered and run in the same sequence on every rank (as every autosymm collective). A wait
-that gives up (a dead peer) is counted in the 'all_reduce' error slot:
-``Workspace.barrier_errors()`` is then non-zero and every rank must call
-``Workspace.reset_signals()``, which also re-arms the receive buffers.
+Design notes: docs/BACKENDS.md#backends-triton-lamport
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """MoE dp->ep / ep->dp backend ``triton_moe``: the symmetric-memory conversion kernels.
 
-Launchers (see backends/base.py):
-  dp_to_ep: ``launcher(src, assignment, expt_indx, gate_indx) -> dst [n_tokens_global * k, d_model]``
-  ep_to_dp: ``launcher(src, assignment, expt_indx, topk_indx) -> dst [n_tokens_local * k, d_model]``
-with the meaning of autosymm.routing (rows of dropped pairs are left unwritten).
+Launchers (autosymm.backends.base): dp_to_ep ``launcher(src, assignment, expt_indx, gate_indx)
+-> dst [n_tokens_global * k, d_model]``, ep_to_dp ``launcher(src, assignment, expt_indx,
+topk_indx) -> dst [n_tokens_local * k, d_model]`` (autosymm.routing; rows of dropped pairs left
+unwritten). ``dst`` is a workspace view, valid until the next call of the same op by any rank.
+The two ops own disjoint parts of the MoE region and end with a barrier, so the cycle dp->ep ->
+experts -> ep->dp needs no host sync; one op called twice while its first result is still read
+needs a copy or a host barrier between. Waits are bounded: failures are reported after the fact
+(``Workspace.barrier_errors()``, then ``Workspace.reset_signals()`` on every rank).
 
-``triton_moe``'s ``dst`` is a view into the workspace: valid until the next call of the same op
-by any rank of the group. The two ops own disjoint parts of the MoE region (ep->dp the first
-1/(R+1), dp->ep the rest), so in the usual cycle dp->ep -> experts -> ep->dp -> combine, the
-end barrier of each op guarantees that no peer writes a buffer its owner is still reading: a
-peer passes ep->dp's barrier only once this rank's ep->dp kernel ran, i.e. after this rank's
-expert kernels finished reading the dp->ep buffer (and symmetrically). Calling one op twice
-in a row while still reading the first result needs a copy or a host barrier in between.
-Each op uses its own signal slot, so the two may even run on different streams. (The tuner
-copies a validation result out and runs ``Workspace.device_barrier`` before its timing calls
-for exactly this reason: a peer's next call overwrites the rows this rank is checking.)
-
-Failures are reported after the fact, never on the hot path: the end barrier's waits are bounded
-(autosymm.kernels.barrier), so a peer that never launches its kernel makes this rank's kernel
-finish with garbage instead of hanging the GPU, and ``Workspace.barrier_errors()`` (non-zero)
-says so; ``Workspace.reset_signals()`` on every rank then re-arms the pads.
-
+Design notes: docs/BACKENDS.md#backends-triton-moe
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Backends ``triton_reduce_scatter_pull`` / ``_push`` and ``triton_all_gather_push`` / ``_pull``:
 the kernels of autosymm.kernels.reduce_scatter and autosymm.kernels.all_gather over the
-workspace's all-reduce region (its signal channel too: every collective kernel of a group is
-stream-ordered with the others and ends with a barrier after its last access to a stage).
+workspace's all-reduce region (stream-ordered with every collective kernel of the group).
 
-A launcher is ``launcher(output, input, counts=None) -> output``, torch.distributed's
-``reduce_scatter_tensor`` / ``all_gather_into_tensor`` on flat data: the full tensor (the
-reduce-scatter's input, the all-gather's output) is cut into world_size segments in rank order,
-equal ones (it must split evenly), or ``counts[r]`` elements for rank r (reduce_scatterv /
-all_gatherv; the same list on every rank). Any contiguous tensors of any element count;
-reduce-scatter sums bf16 / fp16 / fp32 (fp32 in rank order, so its bits are the Triton
-all-reduce's), all-gather copies bytes of any dtype.
+A launcher is ``launcher(output, input, counts=None) -> output``: torch.distributed's
+``reduce_scatter_tensor`` / ``all_gather_into_tensor`` on flat data, equal segments in rank order
+or ``counts[r]`` elements for rank r (the per-rank-size forms; the same list on every rank).
+Reduce-scatter sums bf16 / fp16 / fp32 (fp32 in rank order: the Triton all-reduce's bits);
+all-gather copies bytes of any dtype. ``Workspace.empty`` tensors are served zero-copy, others
+staged; in place is fine. Failures are the all-reduce's (bounded waits, ``barrier_errors``,
+``reset_signals`` on every rank).
 
-Zero-copy, as for the all-reduce: a tensor from ``Workspace.empty`` (inside the region, at the
-same offset on every rank) is the stage itself: the pull reduce-scatter's input, the
-all-gather pull's input, the all-gather push's output (the push reduce-scatter reads its input
-locally only: any tensor, no copy-in). Any other call stages at the top of the region (a
-kernel's fused copy-in or copy-out), clear of ``Workspace.empty``'s tensors. In place is fine:
-the reduce-scatter's output may be segment ``rank`` of its input, the all-gather's input may be
-shard ``rank`` of its output. Failures are the all-reduce's (bounded waits; after a timeout
-``Workspace.barrier_errors()`` says so and every rank must ``reset_signals``).
+Design notes: docs/BACKENDS.md#backends-triton-rs-ag
 """
 
 from __future__ import annotations

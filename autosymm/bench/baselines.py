@@ -1,27 +1,15 @@
 """The all-reduce implementations `autosymm bench` measures, each as its users run it at its best,
 how a measurement is planned, and how an output is checked against NCCL's.
 
-Implementations (names as in autosymm.bench.report.ALL_REDUCE_IMPLS); each is built for
-one size as an :class:`Impl` whose ``launch(*args)`` returns the output tensor:
+Implementations (autosymm.bench.report.ALL_REDUCE_IMPLS), each built for one size as an
+:class:`Impl` whose ``launch(*args)`` returns the output: ``nccl``; torch's ``symm_mem`` one-shot
+and two-shot on a symmetric buffer (no copy) and on a plain tensor (``_copy``: with the copy it
+needs); ``nccl_symm`` and ``nccl_symm_copy`` (window-registered buffers); ``autosymm`` on a plain
+tensor and ``autosymm_zero_copy`` on ``autosymm.empty`` tensors. torch's symmetric buffers are
+views of one rendezvoused ``symm_mem`` allocation (:class:`SymmetricPool`). What each one calls
+exactly: the design notes and docs/BENCHMARKS.md's method.
 
-* ``nccl``: ``dist.all_reduce(x)`` on a plain tensor, in place.
-* ``torch_one_shot``: ``torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", group, out)``
-  with the data already in a symmetric buffer (no copy), the sum into a plain ``out``.
-* ``torch_two_shot``: ``torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)`` in place
-  on a symmetric buffer (no copy).
-* ``torch_one_shot_copy``: a plain tensor through ``one_shot_all_reduce_copy_out(staging, x,
-  "sum", group, out)``, whose kernel copies ``x`` in itself (torch builds without that op:
-  ``staging.copy_(x)`` first).
-* ``torch_two_shot_copy``: ``staging.copy_(x)`` then ``two_shot_all_reduce_out(staging, "sum",
-  group, x)``, the sum straight into ``x`` (without that op: in place, then copied back).
-* ``nccl_symm``: NCCL's all-reduce on window-registered buffers (autosymm.backends.nccl_symm) on
-  tensors of ``autosymm.empty`` (no copy); ``nccl_symm_copy``: the same on a plain tensor, staged
-  into the window and copied back.
-* ``autosymm``: ``autosymm.all_reduce(x)`` on a plain tensor, in place, as users call it.
-* ``autosymm_zero_copy``: ``autosymm.all_reduce(x)`` on tensors from ``autosymm.empty``.
-
-The symmetric buffers of torch's ops are views of one ``symm_mem`` allocation
-(:class:`SymmetricPool`), rendezvoused once: the ops take the view's offset into the allocation.
+Design notes: docs/TUNING.md#bench-baselines
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """`autosymm bench --regret`: what the tuned database's choices cost where a call is not at a
 tuned point, how stable a tune's winners are, and whether a graph row is what a user's graph
 runs (the measures and their report: autosymm.bench.regret_report). Runs in every worker
-(autosymm.tuning.workers), every rank in lock-step:
+(autosymm.tuning.workers), every rank in lock-step: the points (:func:`regret_points`: between
+the databases' tuned sizes, or the sizes asked for); per point and mode the dispatcher's pick
+against a tune at the exact size, both re-timed interleaved ``rounds`` times (regret); every point
+tuned again by a second session (winner flips); the databases' graph rows replayed in a user's
+CUDA graph through the public call (replay fidelity). ``stand_in`` (``--cpu``): gloo ranks,
+stand-in backends and times (autosymm.bench.stand_in), no time printed.
 
-1. Points (:func:`regret_points`): per (op, dtype, shape) the databases tune on this node and
-   world size, the midpoint of each pair of neighbouring tuned sizes and, for an op keyed by
-   bytes, the odd sizes of :data:`ODD_POINTS` inside the tuned range; or the sizes asked for (the
-   ops' unit options: --sizes, --tokens) at those shapes; at most ``limit`` per op, spread.
-2. Regret, per point and mode: the dispatcher's pick as a call gets it (the runtime's databases
-   and capabilities); a tune at the exact size (autosymm.tuning.session.TuneSession: the search,
-   validation and timing of `autosymm tune`; nothing written); both picks re-timed interleaved,
-   ``rounds`` times, median of each (TuneSession.time_candidates; one pick: regret 0).
-3. Flips: every point tuned again by a second session over the same group and workspace.
-4. Replay fidelity: the databases' graph rows (at most ``limit`` per op): the op's public call
-   (through the dispatcher: TuningOp.public_call) checked against the reference once, then
-   ``calls`` of it captured in one CUDA graph on rotating inputs, replayed; per call, MAX over
-   ranks, over the row's median.
-
-``stand_in`` (``--cpu``): gloo ranks, stand-in backends and times (autosymm.bench.stand_in), the
-rows of the hardware the databases hold for this world size, calls up to STAND_IN_MAX_BYTES.
+Design notes: docs/TUNING.md#bench-regret
 """
 
 from __future__ import annotations

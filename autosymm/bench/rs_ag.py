@@ -1,22 +1,12 @@
 """`autosymm bench` of the reduce-scatter and the all-gather: autosymm against NCCL and torch's
-symmetric-memory ops, each run as its users run it at its best (the rules of autosymm.bench.run:
-every output checked against NCCL's first, then timed eager and graph, MAX over ranks).
+symmetric-memory ops, each run as its users run it at its best (autosymm.bench.run's rules: every
+output checked against NCCL's first, then timed eager and graph, MAX over ranks), per size (bytes
+of the full, unsharded tensor). Implementations (:data:`SHARDED_IMPLS`): ``nccl``; torch's
+``_low_contention_*`` ops on a symmetric buffer and on a plain tensor; ``torch_multimem``
+(all-gather, only where the workspace has a multicast address); ``autosymm`` on plain tensors and
+``autosymm_zero_copy`` on ``autosymm.empty`` tensors.
 
-Implementations (:data:`SHARDED_IMPLS`), per size (bytes of the full, unsharded tensor):
-
-* ``nccl``: ``dist.reduce_scatter_tensor`` / ``all_gather_into_tensor`` on plain tensors.
-* ``torch_low_contention``: ``torch.ops.symm_mem._low_contention_reduce_scatter(x, "sum", group)`` /
-  ``_low_contention_all_gather(x, group)`` with ``x`` already in a symmetric buffer (no copy).
-* ``torch_low_contention_copy``: the same ops on a plain tensor (they copy it into torch's
-  symmetric workspace themselves).
-* ``torch_multimem``: ``torch.ops.symm_mem.multimem_all_gather_out`` (all-gather only): needs a
-  multicast address, which autosymm never creates; measured only where the workspace has one.
-* ``autosymm``: ``autosymm.reduce_scatter_tensor`` / ``all_gather_into_tensor`` on plain tensors.
-* ``autosymm_zero_copy``: the same on ``autosymm.empty`` tensors (the reduce-scatter's input, the
-  all-gather's output: what its zero-copy kernels read or write in place).
-
-(torch's ``reduce_scatter_offset`` runs on its NCCL symmetric-memory backend only, not on the CUDA
-backend's buffers autosymm's workspace and torch's other ops use: not measured.)
+Design notes: docs/TUNING.md#bench-rs-ag
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """`autosymm bench`: autosymm against NCCL and torch's symmetric-memory ops, each run the way its
-users run it at its best (autosymm.bench.baselines), reported by
-autosymm.bench.report.
+users run it at its best (autosymm.bench.baselines), reported by autosymm.bench.report. Runs in
+every worker (autosymm.tuning.workers; the environment as the caller set it, recorded). Per size
+or MoE shape, and mode, every implementation's output is first compared with NCCL's on the same
+random data (one wrong on any rank is reported as failed, not timed); each one that passed is
+timed on rotating fresh inputs, every rank starting together: eager as back-to-back calls between
+two CUDA events, graph as replays of a graph of those calls; the median over repeats, then the MAX
+over ranks. Events are shared by many calls and torch's ops called directly on their buffers, so
+the harness is not what is measured.
 
-Runs in every worker (autosymm.tuning.workers, which leaves the environment as the caller set
-it: NCCL may use NVLS where the user lets it; the result records the variables). Per size or
-MoE shape, and mode:
-
-1. Every implementation reduces the same random data once and its output is compared with
-   NCCL's (bench_baselines.check_output: bit-equal on 2 ranks, a tolerance beyond). One that is
-   wrong on any rank is reported as failed and not timed.
-2. Each one that passed is timed on rotating inputs of fresh random data, every rank starting
-   together after a barrier. eager: ``calls`` back-to-back calls between two CUDA events, nothing
-   synchronising in between, divided by ``calls``; graph: a CUDA graph of ``calls`` calls,
-   replayed, divided by ``calls`` (bench_baselines.bench_plan). The median over repeats, then
-   the MAX over ranks.
-
-An eager sample is cheap to distort: on a node where a launch costs 5-10 us of host time, a CUDA
-event created and recorded per call (about 15 us) or a wrapper that stages a plain tensor and
-checks it on every call (three launches instead of one) measures the harness, not the op. So
-events are created before the samples and shared by 8-40 calls, and torch's ops are called
-directly on their buffers, not through autosymm's torch_symm backend launcher.
+Design notes: docs/TUNING.md#bench-run
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""Autograd formulas of autosymm's functional custom ops, the formulas of
-``torch.distributed.nn.functional`` where it has one (each op's door, autosymm.collectives,
-declares them with its custom op; autosymm.ops registers them with ``torch.library.register_autograd``).
+"""Autograd formulas of autosymm's functional custom ops, those of ``torch.distributed.nn.functional``
+where it has one (each op's door declares them with its custom op; autosymm.ops registers them).
 
-* ``all_reduce(x, op)``: ``y_p = sum_q x_q`` on every rank p, so ``dL/dx_q = sum_p dL/dy_p``: the
-  gradient is the all-reduce (sum) of the gradients (``_AllReduce.backward``); ``avg``: their
-  average. Other ops (max, min, product, bitwise) have no gradient here: torch's formula (the same
-  op over the gradients) is not their derivative, so backward raises instead.
-* ``all_reduce_rmsnorm_functional(x, residual, weight, eps) -> (out, new_residual)``:
-  ``s = residual + all_reduce(x)``, ``new_residual = s``, ``out = s * r * weight`` with
-  ``r = rsqrt(mean(s^2) + eps)``. With ``g = dL/dout * weight``:
-  ``dL/ds = r * g - s * r^3 * mean(g * s) + dL/dnew_residual``; then ``dL/dresidual = dL/ds``,
-  ``dL/dx = all_reduce(dL/ds)`` and ``dL/dweight = sum over rows of dL/dout * s * r`` (this rank's
-  rows: the weight is replicated, as in the composition of torch's functional all-reduce, add
-  and ``rms_norm``). Computed in fp32 from the rounded ``new_residual``. ``gemma``: the weight
-  applied is ``1 + weight``, so ``g = dL/dout * (1 + weight)`` and ``dL/dweight`` is unchanged;
-  without a residual (None) ``s`` is the sum itself and no residual gradient is returned. The
-  quantized epilogues have no backward (``autosymm.all_reduce_rmsnorm`` refuses a quantized call needing grad).
-* ``dp_to_ep`` / ``ep_to_dp``: pure row moves, so each one's backward is the other direction with
-  the same routing: the gradient rows of dp->ep go back to their tokens' ranks by ep->dp and are
-  summed over each token's top-k slots; those of ep->dp go to their experts' ranks by dp->ep with
-  one pair per "token" (top-k 1). Rows no pair fills (dropped pairs, experts of other ranks) get
-  a zero gradient.
+* ``all_reduce``: the gradient is the all-reduce (sum) of the gradients (``avg``: their average);
+  other reduce ops raise in backward (torch's formula is not their derivative).
+* ``all_reduce_rmsnorm_functional``: RMSNorm's gradient (Gemma's ``1 + weight`` included), then
+  the all-reduce of it for ``x``, computed in fp32 from the rounded new residual; the quantized
+  epilogues have no backward.
+* ``dp_to_ep`` / ``ep_to_dp``: each one's backward is the other direction with the same routing;
+  rows no pair fills get a zero gradient.
+
+Design notes: docs/DISPATCH.md#collectives-autograd
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""Opening a tuning-database file as untrusted data (see autosymm.db.store): what a path is, connections,
-locks, a bound on query time, hot journals, and which schema version a file holds.
+"""Opening a tuning-database file as untrusted data (see autosymm.db.store): what a path is,
+connections, locks, a bound on query time, hot journals, and which schema version a file holds.
 
-A path is data: every file is opened through the URI naming exactly it (:func:`path_uri`; SQLite
-is often built to read any ``file:`` name as a URI); one that is not a regular file (or a link
-to one) nor free (:func:`path_kind`) raises :class:`NotADatabaseFileError` naming it and what it
-is before anything is opened or made; a new file is made exclusively (:func:`claim`), so a failed
-write removes only what it made (:meth:`Claim.undo`). A file's schema never runs code of its
-making on autosymm's behalf: ``PRAGMA trusted_schema=OFF`` on every connection; only the
-``results`` and ``meta`` tables are read, never the ``winners`` view; a file with a trigger, or
-whose ``results``/``meta`` is not a table, is refused; every statement runs under a
-:class:`QueryClock`, so one that spins ends with :class:`QueryTimeoutError` after
-``QUERY_LIMIT_S``. A file locked by another process raises :class:`DatabaseLockedError` naming
-it after the lock wait (``LOCK_WAIT_S`` for reads).
+A path is data: every file is opened through the URI naming exactly it (:func:`path_uri`); one
+that is neither a regular file nor free raises :class:`NotADatabaseFileError` before anything is
+opened; a new file is made exclusively (:func:`claim`). A file's schema never runs code on
+autosymm's behalf (``trusted_schema=OFF``; only ``results`` and ``meta`` are read; a trigger
+refuses the file); every statement runs under a :class:`QueryClock` (:class:`QueryTimeoutError`
+after ``QUERY_LIMIT_S``); a locked file raises :class:`DatabaseLockedError` naming it.
 
-Design notes: docs/DISPATCH.md#db-store
+Design notes: docs/DISPATCH.md#db-open
 """
 
 from __future__ import annotations

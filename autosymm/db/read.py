@@ -1,21 +1,15 @@
 """The one read path of the tuning databases: which databases a process reads, which rows a
 lookup gets from them, and what a key's winner is.
 
-Precedence: the user database first, then the shipped ones (:func:`open_sources`). A key's rows
-are the valid rows of that key (autosymm.db.schema.Key: hardware, world size, op, dtype, bucket,
-shape, mode) in the **first database holding any valid row for it**: a user's tune of a point
-replaces the shipped point whole, never mixes with it.
-
-**The winner** of a key is the fastest of its rows (ties: backend name). That is what
-``autosymm show`` lists per key (:func:`winners`) and what the dispatcher serves at a tuned
-point when its backend can serve the call (autosymm.runtime.dispatch: else the next fastest of the same
-rows; off a tuned point it models the rows of the neighbouring points, each from its own first
-database). A file's ``winners`` view gives the same for that file alone, bad rows included; it
-is there for the ``sqlite3`` command line and never read by autosymm.
-
-A :class:`DBSource` reads its database's valid rows once, when opened (the digest the ranks
-agree on is of the same rows), and serves every lookup from them: after set-up a call never
+Precedence: the user database, then the shipped ones (:func:`open_sources`). A key's rows are its
+valid rows in the **first database holding any valid row for it**: a user's tune of a point
+replaces the shipped point whole, never mixes with it. **The winner** of a key is its fastest row
+(ties: backend name): what ``autosymm show`` lists (:func:`winners`) and what the dispatcher serves
+at a tuned point where its backend can serve the call. A :class:`DBSource` reads its database's
+valid rows once, when opened, and serves every lookup from them: after set-up a call never
 touches the file.
+
+Design notes: docs/DISPATCH.md#db-read
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """vLLM's all-gather / reduce-scatter MoE layout over autosymm's dp->ep / ep->dp conversions.
 
-vLLM 0.33.0's ``AgRsAll2AllManager`` (``distributed/device_communicators/all2all.py:55``) hands
-every rank of the call's group every rank's tokens, concatenated in rank order, rank ``r``
-contributing ``sizes[r]`` tokens (uneven under data parallelism: ``dp_metadata``'s chunk sizes),
-and its combine is a reduce-scatter of each rank's per-token partial outputs back to
-``sizes``. :class:`GatheredRows` produces the same two layouts through
-:class:`~autosymm.integrations.AutosymmAll2AllManager`:
+vLLM 0.33.0's ``AgRsAll2AllManager`` hands every rank every rank's tokens in rank order
+(``sizes[r]`` from rank r, uneven under data parallelism) and reduce-scatters the per-token
+partial outputs back. :class:`GatheredRows` produces the same two layouts through
+:class:`~autosymm.integrations.AutosymmAll2AllManager`: ``dispatch(hidden_states, topk_ids, sizes)``
+-> (``hidden_states`` [sum(sizes), d], ``topk_ids``, a :class:`GatheredCall`), a token's row sent
+only to the ranks owning one of its experts (the other rows zero, which vLLM's experts skip), and
+``combine(partial, call)`` -> this rank's [sizes[rank], d] (fp32 accumulation, one rounding).
+Ranks pad to ``max(sizes)`` with ids -1; 1-byte rows travel as 2-byte words where they can.
 
-* ``dispatch(hidden_states [sizes[rank], d], topk_ids [sizes[rank], k], sizes)`` ->
-  (``hidden_states`` [sum(sizes), d], ``topk_ids`` [sum(sizes), k], a :class:`GatheredCall`).
-  A token's row travels only to the ranks owning one of its experts; rows of tokens routed to
-  none of this rank's experts are zero (vLLM's experts skip them through ``expert_map``, so
-  their outputs are what vLLM's would be).
-* ``combine(partial [sum(sizes), d], call)`` -> [sizes[rank], d]: for each of this rank's
-  tokens the sum over ranks of their partials (fp32 accumulation, one rounding), where a rank
-  contributes only to tokens it owns an expert of (the other partials of vLLM's experts are zero).
-
-Ranks pad their tokens to ``max(sizes)`` with ids -1 (sent nowhere) for the manager, which needs
-equal counts; ``sizes`` is the same list on every rank (vLLM's host-side ``dp_metadata``), so every
-rank pads alike. Rows of 1-byte dtypes (FP8, packed NVFP4) travel as 2-byte words (a bit copy)
-where the row has an even number of bytes; ``combine`` takes bf16, fp16 or fp32.
+Design notes: docs/INTEGRATIONS.md#integrations-moe-rows
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
 """The MoE manager (:class:`~autosymm.integrations.AutosymmAll2AllManager`) in torchtitan's shape.
 
-:class:`TitanTokenDispatcher`: torchtitan's EP token dispatcher (``AllToAllTokenDispatcher`` in
-``torchtitan/models/common/token_dispatcher.py``, pytorch/torchtitan main):
+:class:`TitanTokenDispatcher`: torchtitan's EP token dispatcher (``AllToAllTokenDispatcher``):
 ``dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E) ->
-(routed_input_RD, num_tokens_per_local_expert_e, metadata)`` with the rows of this rank's experts
-compact and expert-major; ``combine(routed_output_RD, metadata, x_TD, *,
+(routed_input_RD, num_tokens_per_local_expert_e, metadata)``, the rows of this rank's experts
+compact and expert-major, and ``combine(routed_output_RD, metadata, x_TD, *,
 num_local_tokens_after_padding, local_seq_len_after_padding) -> out_TD``: the score-weighted sum
-per token (fp32, cast once to ``x_TD``'s dtype), written into a zero buffer of
-``num_local_tokens_after_padding * sp_size`` rows where local token ``t`` lands at torchtitan's
-sequence-parallel position (``BaseEPTokenDispatcher._sp_global_token_indices``: batch
-``t // local_seq_len_after_padding``, position ``t % local_seq_len_after_padding``, shifted by
-``sp_rank * local_seq_len_after_padding`` in a sequence of ``sp_size`` times that length). Rows
-no token reaches (padding, other SP ranks' tokens) are zero.
+per token (fp32, cast once) at torchtitan's sequence-parallel position, zero elsewhere. Where no
+tuned row decides both conversions of a call, torchtitan's own collectives run instead
+(:class:`TitanAllToAll`), giving the same rows, counts and output. Every rank holds the same
+number of tokens (pad with ids -1); one dispatch, then its combine.
 
-vLLM's shape is :mod:`autosymm.integrations.vllm_all2all` (a subclass of vLLM's own manager), over
-:mod:`autosymm.integrations.moe_rows`. SGLang 0.5.23's ``BaseDispatcher.dispatch(hidden_states,
-topk_output) -> DispatchOutput`` hands its result to MoE runners chosen by the output's ``format``
-(standard, DeepEP, ...); no runner reads autosymm's layout, so no SGLang shape is offered here
-(docs/INTEGRATIONS.md).
-
-Where no tuned row decides both conversions of a call for autosymm's conversion (the same
-decision on every rank, after they agree on the call), the dispatcher runs torchtitan's own
-collectives instead (:class:`TitanAllToAll`): ``all_to_all_single`` of the per-expert counts, then
-of the expert-sorted rows with the split sizes they give (one host sync, as torchtitan's), and the
-local permute to expert-major; its combine sends the rows back the same way. Both paths give the
-same rows, counts and combined output.
-
-Every rank must hold the same number of tokens (pad with ids -1); one dispatch, then its combine.
+Design notes: docs/INTEGRATIONS.md#integrations-moe-shapes
 """
 
 from __future__ import annotations

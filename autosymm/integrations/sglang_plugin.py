@@ -1,30 +1,18 @@
-"""SGLang plugin: autosymm first in the custom-all-reduce slot and the fused all-reduce + RMSNorm
-(checked against SGLang 0.5.23).
+"""SGLang plugin: autosymm first in the custom-all-reduce slot and the fused all-reduce + RMSNorm,
+and warm-up tuning at SGLang's CUDA-graph set-up (checked against SGLang 0.5.23).
 
-Installing autosymm declares the ``sglang.srt.plugins`` entry point ``autosymm`` ->
-:func:`register`, which SGLang's ``load_plugins()`` runs in every process before applying its
-hooks (``sglang.srt.plugins.hook_registry.HookRegistry``). Two AROUND hooks:
+Installing autosymm declares the ``sglang.srt.plugins`` entry point ``autosymm`` -> :func:`register`,
+which SGLang's ``load_plugins()`` runs in every process. Three AROUND hooks: :data:`CA_DISPATCH`
+(``dispatch_custom_allreduce``) builds SGLang's own custom all-reduce with autosymm first in its
+slot calls (of a generated subclass of its class, so ``isinstance`` checks and SGLang's V2 fusions
+hold), or autosymm's standalone slot where SGLang's is disabled or failed; :data:`FUSED`
+(``flashinfer_allreduce_residual_rmsnorm``) runs autosymm's fused op where the group's slot holds
+an autosymm adapter and a tuned row decides the call, else FlashInfer's; :data:`WARMUP`
+(``ModelRunner.init_cuda_graphs``) runs SGLang's warm-up inside ``autosymm.autotune`` with
+``AUTOSYMM_STACK_AUTOTUNE``'s budget. ``SGLANG_PLUGINS`` selects plugins; nothing here imports
+SGLang until :func:`register` runs.
 
-* :data:`CA_DISPATCH` (``dispatch_custom_allreduce(group, device)``, the class SGLang then builds
-  as ``CAClass(group=cpu_group, device=device)``): returns a factory building SGLang's own custom
-  all-reduce with autosymm first in its slot calls (:func:`build`): the object itself, of a
-  generated subclass of its class (so ``isinstance(ca_comm, CustomAllReduceV2)`` holds and SGLang's
-  own V2 fusions stay on, its methods unshadowed), or autosymm's standalone slot where SGLang's
-  is disabled or failed. autosymm serves where a tuned row decides the call for something other
-  than NCCL, SGLang's own object where that one accepts, else SGLang's next path (pynccl, NCCL).
-* :data:`FUSED` (``flashinfer_allreduce_residual_rmsnorm(input_tensor, residual, weight, eps,
-  ..., use_attn_tp_group)`` -> ``(norm_out, residual_out)``, what SGLang's RMSNorm calls with
-  ``--enable-flashinfer-allreduce-fusion``): autosymm's fused op where the group's slot holds an
-  autosymm adapter and a tuned row decides the call, else FlashInfer's (whose ``(None, None)``
-  sends SGLang to its unfused path).
-
-SGLang's deterministic inference is its own: on CUDA it turns its custom all-reduce and its
-FlashInfer fusion off (arg_groups/attention_hook.py:599-614, :683), so neither hook is
-reached; where the slot is built under ``SGLANG_ENABLE_DETERMINISTIC_INFERENCE`` alone, autosymm
-reads only batch-invariant tuned rows and SGLang's own path serves the rest.
-
-``SGLANG_PLUGINS`` (SGLang's allow-list) selects plugins by name. Nothing here imports SGLang
-until :func:`register` runs.
+Design notes: docs/INTEGRATIONS.md#integrations-sglang-plugin
 """
 
 from __future__ import annotations

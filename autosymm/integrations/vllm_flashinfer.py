@@ -1,19 +1,15 @@
 """autosymm in front of vLLM's FlashInfer replacement of all-reduce -> RMSNorm [-> quant] (vLLM 0.33.0).
 
-Where vLLM's ``AllReduceFusionPass`` would replace a chain by FlashInfer's fused call
-(compilation/passes/fusion/allreduce_rms_fusion.py:379-400 and 445-462, Gemma 515-535 and 575-594,
-static FP8 653-668 and 736-751, NVFP4 827-842 and 934-949), autosymm's pass writes that same
-replacement, with the same buffers, :func:`write`: ``auto_functionalized`` of
-``torch.ops.autosymm.vllm_fused_allreduce_norm``, the schema and mutated arguments of vLLM's
-``torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm`` (:274-320) plus the group's name.
+Where vLLM's ``AllReduceFusionPass`` would replace a chain by FlashInfer's fused call, autosymm's
+pass writes that same replacement with the same buffers (:func:`write`): ``auto_functionalized``
+of ``torch.ops.autosymm.vllm_fused_allreduce_norm``, the schema and mutated arguments of vLLM's
+``torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm`` plus the group's name. At run time the
+op is vLLM's op on the same buffers (no copy vLLM's replacement does not make); where a tuned
+autosymm row serves the call instead (the group adapter's ``serves_fused``), autosymm's fused op
+runs and its outputs go where FlashInfer's would. vLLM's lines and the outputs' places: the
+design notes.
 
-At run time the op is vLLM's op, called with the same arguments on the same buffers: no copy that
-vLLM's replacement does not make. Where a tuned autosymm row serves the call instead (the group
-adapter's ``serves_fused`` for the pattern's epilogue), autosymm's fused op runs and its outputs go
-where FlashInfer's would: the norm into ``allreduce_in`` (``norm_out`` without a residual, the sum
-then into ``allreduce_in``), the quantized values into ``quant_out`` / ``scale_out`` (one copy of
-each output autosymm's op returns as a new tensor; ``allreduce_in`` is scratch in the quantized
-patterns with a residual, where vLLM's graph reads no norm).
+Design notes: docs/INTEGRATIONS.md#integrations-vllm-flashinfer
 """
 
 from __future__ import annotations

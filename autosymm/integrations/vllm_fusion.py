@@ -1,25 +1,17 @@
 """vLLM's all-reduce -> RMSNorm [-> quant] chains as one fused call, ahead of vLLM's own fusion (vLLM 0.33.0).
 
-In vLLM's compiled graphs a tensor-parallel layer's output reaches
-``torch.ops.vllm.all_reduce(x, group_name)`` and then the next RMSNorm's
-``vllm_ir.fused_add_rms_norm(sum, residual, w, eps, None)`` or ``vllm_ir.rms_norm(sum, w, eps,
-None)``, ``w`` being the layer's weight or Gemma's ``weight.float() + 1.0`` (vLLM's pre-grad
-pass makes the layer's ``maybe_inplace`` call functional; model_executor/layers/layernorm.py:93,
-171), the norm's output possibly quantized to static FP8 or NVFP4 (autosymm.integrations.vllm_fusion_quant).
 :class:`VllmAllReduceRMSNormPass` takes each of the 8 patterns of vLLM's ``AllReduceFusionPass``
-(compilation/passes/fusion/allreduce_rms_fusion.py:349-954; its Gemma patterns have no quant).
-Where vLLM's pass would fuse the chain now (its pass enabled, this compile range applicable, eps
-1e-5/1e-6, the model dtype), it writes vLLM's own FlashInfer replacement with autosymm's op in
-front (autosymm.integrations.vllm_flashinfer: vLLM's op on the same buffers unless a tuned row
-serves); a quant chain vLLM's pass would leave beside its fused pair stays too. Elsewhere it writes
-``torch.ops.autosymm.vllm_all_reduce_rmsnorm`` (or ``..._quant`` with the chain), whose fallback is
-vLLM's unfused ops. A quant chain autosymm cannot serve is left to vLLM's pass; a norm whose
-output reaches anything else fuses unquantized, as in vLLM's pass. :func:`install` (called by the
-plugin platform's ``check_and_update_config``) makes it inductor's post-grad pre pass, which runs
-before vLLM's pass manager, except where vLLM turns its own all-reduce fusion off as an opt-out.
+(``vllm.all_reduce`` then ``vllm_ir.fused_add_rms_norm`` or ``rms_norm``, the layer's or Gemma's
+weight, possibly followed by static FP8 or NVFP4 quant: autosymm.integrations.vllm_fusion_quant).
+Where vLLM's pass would fuse the chain now, it writes vLLM's own FlashInfer replacement with
+autosymm's op in front (autosymm.integrations.vllm_flashinfer); elsewhere
+``torch.ops.autosymm.vllm_all_reduce_rmsnorm`` (or ``..._quant``), whose fallback is vLLM's
+unfused ops. :func:`install` (the plugin platform's ``check_and_update_config``) makes it
+inductor's post-grad pre pass, before vLLM's pass manager, except where vLLM opts out of its own
+fusion. It rewrites [tokens, hidden] tensors of one dtype, ``x`` contiguous, a weight given; with
+the add, only where the norm alone reads the sum.
 
-It rewrites [tokens, hidden] tensors of one dtype (bf16, fp16, fp32), ``x`` contiguous, a weight
-given, no ``variance_size``; with the add, only where the norm alone reads the sum.
+Design notes: docs/INTEGRATIONS.md#integrations-vllm-fusion
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """vLLM's all-reduce -> RMSNorm -> quant chains as one fused call (vLLM 0.33.0): the 4 quantized
-patterns of vLLM's ``AllReduceFusionPass`` (compilation/passes/fusion/allreduce_rms_fusion.py:609-954),
-RMSNorm with and without the residual add followed by
+patterns of vLLM's ``AllReduceFusionPass``, RMSNorm with and without the residual add followed by
+static per-tensor FP8 (e4m3) quant in either of vLLM's two forms (``"fp8"``: its
+``_C.static_scaled_fp8_quant``; ``"fp8_native"``: ``QuantFP8.forward_native``'s torch ops) or by
+NVFP4 quant (``"nvfp4"``: ``_C.scaled_fp4_quant.out``, swizzled scales), ``s`` one float32 value.
+:func:`quant_use` finds the chain after a norm's output; autosymm.integrations.vllm_fusion's pass
+replaces it by vLLM's FlashInfer replacement with autosymm's op in front where vLLM's pass would
+fuse it, else by ``torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant``, the run-time op here. The
+graphs matched, with vLLM's file:line: the design notes.
 
-* static per-tensor FP8 (e4m3) quant as vLLM's ``MatcherQuantFP8(kFp8StaticTensorSym)`` matches it
-  (matcher_utils.py:374-517), in one of two forms, by ``QuantFP8.enabled()``:
-  ``"fp8"``: ``auto_functionalized(_C.static_scaled_fp8_quant.default, result=empty, input=y,
-  scale=s, group_shape=[-1, -1])`` (``QuantFP8.forward_cuda`` -> ``ops.scaled_fp8_quant``,
-  _custom_ops.py:1902; schema ``static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale,
-  int[]? group_shape=None) -> ()``), or ``"fp8_native"``: ``QuantFP8.forward_native``'s torch ops
-  (input_quant_fp8.py:216-221), in inductor's post-grad graph ``convert_element_type(y, f32) *
-  reciprocal(s)``, ``clamp_min(-448)``, ``clamp_max(448)``, ``convert_element_type(e4m3)``;
-* NVFP4 quant, ``"nvfp4"``: ``auto_functionalized(_C.scaled_fp4_quant.out, input=y, input_scale=s,
-  is_sf_swizzled_layout=True, output=empty, output_scale=empty)`` as vLLM's pattern writes it
-  (allreduce_rms_fusion.py:804-811, 912-919; ``ops.scaled_fp4_quant``, _custom_ops.py:1592; schema
-  ``scaled_fp4_quant.out(Tensor input, Tensor input_scale, bool is_sf_swizzled_layout, *,
-  Tensor(a!) output, Tensor(b!) output_scale) -> ()``).
-
-``s`` is one float32 value. :func:`quant_use` finds the chain after a norm's output ``y``;
-autosymm.integrations.vllm_fusion's pass replaces the whole chain by vLLM's FlashInfer
-replacement with autosymm's op in front (autosymm.integrations.vllm_flashinfer) where vLLM's pass
-would fuse it, else by ``torch.ops.autosymm.vllm_all_reduce_rmsnorm_quant``, the run-time op here.
+Design notes: docs/INTEGRATIONS.md#integrations-vllm-fusion-quant
 """
 
 from __future__ import annotations

@@ -1,35 +1,17 @@
 """vLLM plugin: autosymm first in the tensor-parallel all-reduce chain (checked against vLLM 0.33.0).
 
 Installing autosymm declares the ``vllm.platform_plugins`` entry point ``autosymm`` ->
-:func:`platform_plugin`. Where vLLM's own CUDA platform would activate, it names
-:class:`AutosymmCudaPlatform`: vLLM's CUDA platform whose ``get_device_communicator_cls()`` is
-:class:`AutosymmCudaCommunicator`, vLLM's ``CudaCommunicator`` with, on each ``tp`` group of
-more than one rank (the groups vLLM gives its custom all-reduce):
+:func:`platform_plugin`, which names :class:`AutosymmCudaPlatform` where vLLM's CUDA platform
+would activate: vLLM's platform whose communicator (:class:`AutosymmCudaCommunicator`) puts, on
+each ``tp`` group of more than one rank, autosymm in vLLM's own ``ca_comm`` slot and first in
+``all_reduce`` and the dim-0 ``all_gather`` / ``reduce_scatter`` where a tuned row decides the call
+for something other than NCCL; else vLLM's own chain runs unchanged (it is also the stack path
+warm-up tuning times, autosymm.integrations.vllm_warmup, whose ``AutosymmWorker`` the platform names
+as vLLM's worker). It stays out under ``--disable-custom-all-reduce`` and ``--enable-elastic-ep``;
+under ``VLLM_BATCH_INVARIANT=1`` only batch-invariant tuned rows serve. ``VLLM_PLUGINS`` selects
+plugins; nothing here imports vLLM until vLLM asks for a class.
 
-* autosymm in vLLM's own ``ca_comm`` slot (:func:`~autosymm.integrations.custom_all_reduce.wrap`,
-  on the communicator's CPU group, device and device group: vLLM's ``CustomAllreduce`` itself with
-  autosymm first in its slot calls, or a standalone slot over it where it is disabled; vLLM's graph
-  capture enters its ``capture()``). Under ``--disable-custom-all-reduce`` (``ca_comm`` None)
-  autosymm stays out of the group entirely; under ``VLLM_BATCH_INVARIANT=1`` vLLM's own invariant
-  path serves (its custom all-reduce, pinned NCCL) unless a tuned batch-invariant autosymm row
-  decides (autosymm's deterministic setting: only such rows are read). ``destroy()`` stops it;
-* ``all_reduce(x)``: autosymm's sum where a tuned row decides it for something other than NCCL
-  (autosymm.integrations.serving), else vLLM's own chain unchanged (NCCL symmetric memory,
-  FlashInfer, custom all-reduce, symm_mem, pynccl);
-* ``all_gather(x, dim)`` / ``reduce_scatter(x, dim)`` (what ``GroupCoordinator.all_gather`` /
-  ``reduce_scatter`` and their ``torch.ops.vllm`` ops reach: sequence parallelism's gather before
-  the GEMM and scatter after it): at dim 0, autosymm's where its decision is not NCCL, else vLLM's
-  own (NCCL symmetric memory, pynccl) unchanged; other dims always vLLM's;
-* ``custom_all_gather`` / ``custom_reduce_scatter``: vLLM's, which ask ``ca_comm`` (the adapter:
-  autosymm's where it serves, else vLLM's custom all-reduce's, else None).
-
-With ``--enable-elastic-ep`` the platform names vLLM's own ``CudaCommunicator``: elastic EP's
-``StatelessGroupCoordinator`` asserts that class (``distributed/stateless_coordinator.py:189-193``)
-and the platform cannot tell its groups from the others, so under elastic EP autosymm serves no
-group (vLLM's own chain runs unchanged).
-
-vLLM's allow-list selects plugins: ``VLLM_PLUGINS=autosymm`` (or a list without it to leave
-autosymm out). Nothing here imports vLLM until vLLM asks for a class.
+Design notes: docs/INTEGRATIONS.md#integrations-vllm-plugin
 """
 
 from __future__ import annotations

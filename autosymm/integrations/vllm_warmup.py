@@ -1,22 +1,16 @@
 """vLLM's own path as a warm-up candidate, and the warm-up itself (vLLM 0.33.0).
 
 :func:`stack_path`: what vLLM runs for a call without autosymm, on one communicator, as the
-launchers warm-up tuning times beside autosymm's (autosymm.backends.stack): its all-reduce chain
-(custom all-reduce, FlashInfer, symm_mem, pynccl, as vLLM's ``CudaCommunicator.all_reduce``
-selects them), its all-gather and reduce-scatter, each with autosymm out of the slot
-(``AutosymmServing.bypassed``); and for the fused all-reduce + RMSNorm the form vLLM's graph uses
-at that call (:data:`FORMS`, recorded by the run-time ops as they run): FlashInfer's fused call
-with vLLM's parameters where vLLM's pass would have fused it (autosymm.integrations.vllm_flashinfer),
-else vLLM's all-reduce then its ``vllm_ir`` norm (autosymm.integrations.vllm_ops). Their numerics
-name the reference a candidate must match: FlashInfer's fused call accumulates in fp32 and rounds
-once (``single-rounding``), vLLM's unfused chain rounds the sum, then the add (``native-chain``).
+launchers warm-up tuning times beside autosymm's (autosymm.backends.stack): its all-reduce chain,
+its all-gather and reduce-scatter, each with autosymm out of the slot, and for the fused
+all-reduce + RMSNorm the form vLLM's graph uses at that call (:data:`FORMS`): FlashInfer's fused
+call (``single-rounding``) or vLLM's all-reduce then its ``vllm_ir`` norm (``native-chain``), the
+reference a candidate must match. :class:`AutosymmWorker` (named as vLLM's worker where vLLM would
+use its own): vLLM's GPU worker whose ``compile_or_warm_up_model`` runs inside
+``autosymm.autotune`` with ``AUTOSYMM_STACK_AUTOTUNE``'s budget (default 30 s; off: none), so the
+keys the model calls are tuned on every TP rank together and read back at the next start.
 
-:class:`AutosymmWorker` (the platform names it as vLLM's worker where vLLM would use its own):
-vLLM's GPU worker whose ``compile_or_warm_up_model`` (the compile warm-up, vLLM's kernel tuning
-and the CUDA-graph capture with its eager warm-up runs, vllm/v1/worker/gpu_worker.py:940-1000)
-runs inside ``autosymm.autotune`` with ``AUTOSYMM_STACK_AUTOTUNE``'s budget (default 30 s; off:
-none): the keys the model calls are tuned there, on every TP rank together, and the next start
-reads them back from the user database (none tuned again).
+Design notes: docs/INTEGRATIONS.md#integrations-vllm-warmup
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """All-gather over the symmetric workspace, push and pull (Triton, device side only).
 
-Bytes are copied, whatever the dtype (the host passes uint8 views), so every dtype, integers
-included, takes the same kernels. Rank s's *shard* (``count_s`` bytes) lands at byte
-``start_s`` of every rank's output: equal shards ``start_s = s * seg``, variable ones
-(all_gatherv) from the table of autosymm.kernels.reduce_scatter's ``_segment``; 16-byte
-vectors, a byte-granular tail (``copy_segment``). ``region_ptrs[q] + stage_offset`` is rank
-q's stage. The work split, the per-program barriers and the end-barrier rule (a kernel returns
-only after every peer's same program is past its last access to this rank's stage, so the next
-kernel may write a peer's stage at once) are those of autosymm.kernels.reduce_scatter; the rank
-is a run-time argument there too.
+Bytes are copied whatever the dtype (the host passes uint8 views): rank s's shard lands at byte
+``start_s`` of every rank's output (equal shards, or all_gatherv's table from
+autosymm.kernels.reduce_scatter's ``_segment``), as 16-byte vectors with a byte-granular tail.
+The work split, the per-program barriers and the end-barrier rule (a kernel returns only after
+every peer's same program is past its last access to this rank's stage) are
+autosymm.kernels.reduce_scatter's. ``_all_gather_pull``: the shard staged (or the zero-copy
+input), barrier, every peer's shard read, end barrier. ``_all_gather_push``: the shard stored into
+every peer's stage and our output, barrier, copy-out, end barrier (zero-copy: a start barrier, the
+pushes land in the peers' outputs, one barrier). Traffic per rank: the design notes.
 
-* ``_all_gather_pull``: staged, the shard is copied into bytes [0, count_rank) of this rank's
-  stage; ZERO_COPY, the input is the stage (``Workspace.empty``, the same offset on every
-  rank). Barrier, read every peer's shard from its stage into the output, end barrier (peers
-  may overwrite their stage, or their zero-copy input, once we return). Per rank (N = bytes of
-  the output): N (W-1)/W in over NVLink, N/W copied in locally (none with ZERO_COPY).
-* ``_all_gather_push``: staged, each rank stores its shard into every peer's stage at
-  ``stage_start_rank`` (16-byte aligned: 128-bit remote stores whatever the shard sizes) and
-  into its own output; barrier; copy the peers' shards from the stage into the output; end
-  barrier (a peer's next push lands in our stage at once, not before our copy-out). No start
-  barrier: the stage is the workspace's, free once the previous kernels' end barriers passed.
-  ZERO_COPY, the output is the stage (``Workspace.empty``): a start barrier first (a peer's
-  output is the peer's tensor, free only once its stream reached this call), the pushes land in
-  the peers' outputs, then one barrier (every shard arrived); no copy-out. Per rank: N (W-1)/W
-  out over NVLink, N (W-1)/W copied out locally (none with ZERO_COPY).
+Design notes: docs/KERNELS.md#kernels-all-gather
 """
 
 import triton

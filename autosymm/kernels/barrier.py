@@ -4,14 +4,13 @@ Slot ``[program][sender]`` of a rank's signal channel (autosymm.workspace.symm) 
 that program ``program`` of rank ``sender`` sent it and that it has not consumed. A barrier: CTA
 barrier; one ``red.add.release.sys`` on slot ``[program][RANK]`` of every peer (one vector
 instruction, one fence); acquire-poll our slot of every peer (one vector poll) until none is
-empty, then subtract one from each; CTA barrier. Every barrier consumes exactly
-what it was sent (the pads are back to zero after each kernel: a CUDA graph replays with no host
-reset); all ranks must launch the same grid. Waits are bounded (:data:`MAX_POLLS`): a wait that
-gives up adds one to the rank's error slot (``signal_ptrs[WORLD_SIZE]``) and performs no acquire,
-so the host must treat every call since the last clean ``Workspace.barrier_errors()`` as failed
-and call ``Workspace.reset_signals()`` on every rank before the next collective kernel.
-Also here: ``count_in`` / ``publish``, how a grid advances a per-call word (the double-buffer
-epoch, the Lamport rotation) once every program has read it, with nothing left at its end.
+empty, then subtract one from each; CTA barrier. Every barrier consumes exactly what it was sent
+(the pads are back to zero after each kernel: a CUDA graph replays with no host reset); all ranks
+must launch the same grid. Waits are bounded (:data:`MAX_POLLS`): a wait that gives up adds one to
+the rank's error slot (``signal_ptrs[WORLD_SIZE]``) and performs no acquire, so the host must treat
+every call since the last clean ``Workspace.barrier_errors()`` as failed and call
+``Workspace.reset_signals()`` on every rank before the next collective kernel. Also here:
+``count_in`` / ``publish``, a per-call word advanced once every program has read it.
 
 Design notes: docs/KERNELS.md#kernels-barrier
 """

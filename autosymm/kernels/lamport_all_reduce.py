@@ -2,18 +2,14 @@
 
 No barrier: the data carries its own arrival mark. Every rank stores its x (its *wire* form, the
 sign bit flipped, so the sentinel "not arrived" is the word 0) into its slot of buffer ``k % 3``
-of every peer's receive buffers (the workspace's Lamport region, autosymm.geometry); each rank
-polls its own buffer with volatile loads, every peer's chunk in one pass, until the whole chunk is
-there, sums in fp32 in the peer order 0..W-1 and rounds once (the other one-shots' bits), and
-re-arms (zeroes) what it read at once. Invariants: every rank runs the same sequence of Lamport
-calls since the last reset; a peer runs at most one call ahead; the rotation index k % 3 lives
-on the device (header word 0), read by every program first and advanced by the grid's last
-program once all have read it (autosymm.kernels.barrier's ``count_in`` / ``publish``), so no
-atomic or fence remains at the kernel's end. Waits are bounded as autosymm.kernels.barrier's:
-after a timeout every result since the last clean ``Workspace.barrier_errors()`` is suspect, and
-``Workspace.reset_signals()`` must run on every rank before the next collective kernel.
-The fused all-reduce + RMSNorm's Lamport variant (autosymm.kernels.fused_rmsnorm) uses the same
-region, rotation and helpers: Lamport calls of both ops share one sequence.
+of every peer's receive buffers (the workspace's Lamport region); each rank polls its own buffer
+with volatile loads until the whole chunk is there, sums in fp32 in the peer order 0..W-1, rounds
+once (the other one-shots' bits) and re-arms (zeroes) what it read at once. Invariants: every rank
+runs the same sequence of Lamport calls since the last reset; a peer runs at most one call ahead;
+the rotation index k % 3 lives on the device (header word 0), advanced by the grid's last program
+once all have read it (autosymm.kernels.barrier's ``count_in`` / ``publish``). Waits are bounded as
+the barrier's (then ``Workspace.reset_signals()`` on every rank). The fused all-reduce + RMSNorm's
+Lamport variant shares the region, rotation and helpers: Lamport calls of both ops are one sequence.
 
 Design notes: docs/KERNELS.md#kernels-lamport-all-reduce
 """

@@ -1,27 +1,15 @@
 """Split planning of the NCCL MoE exchange (autosymm.backends.nccl_all_to_all), on the device.
 
-Items, their sender, receiver, source and destination rows and their skip rules are those of
-autosymm.backends.nccl_all_to_all (its docstring). From the global routing tensors, every rank
-computes for each item a *send key* (its receiver when this rank sends it, else WORLD_SIZE: not
-sent) and a *receive key* (its sender when this rank receives it, else WORLD_SIZE), and writes a
-stable partition by key:
+From the global routing tensors every rank computes for each item (the items and skip rules of
+autosymm.backends.nccl_all_to_all) a *send key* (its receiver, or WORLD_SIZE: not sent by this
+rank) and a *receive key* (its sender, or WORLD_SIZE), and writes a stable partition by key:
+``send_rows`` and ``recv_rows`` (int64, grouped by receiver / sender, each group in item order, so
+both sides agree on the order within a split) and ``counts`` (int32 [2 * WORLD_SIZE]: rows sent to,
+then received from, each rank). PASS 0 and 1 are two launches of GRID programs (each chunk's key
+counts, then the placement); PASS 2 does both in one program, for small calls. No program waits
+for another: no co-residency is needed, and the kernel runs under the interpreter.
 
-* ``send_rows`` int64: the source rows of the items it sends, grouped by receiver, each group in
-  item order; ``recv_rows`` int64: the destination rows of the items it receives, grouped by
-  sender, each group in item order (so both sides agree on the order within a split);
-* ``counts`` int32 [2 * WORLD_SIZE]: rows sent to each rank, then rows received from each.
-
-An item's position is the start of its key's group (exclusive sum of the key totals) plus the
-items of that key before it: earlier chunks (other programs), earlier tiles of its chunk (a
-running count) and earlier items of its tile (``tl.cumsum`` over a one-hot [BLOCK, KEYS] tile;
-KEYS = next power of two >= WORLD_SIZE <= 8, so the tile is small).
-
-PASS 0 and 1 run as two launches of GRID programs, program ``pid`` owning the items
-``[pid * chunk, (pid + 1) * chunk)``: pass 0 writes each chunk's key counts to
-``block_counts`` int32 [GRID, 2, KEYS]; pass 1 (stream-ordered after it) reads them all, places
-its chunk's items and (program 0) writes ``counts``. PASS 2 is both in one program (GRID 1,
-``chunk`` = every item): one launch, for small calls. No program waits for another, so the
-kernel needs no co-residency and runs under the interpreter.
+Design notes: docs/KERNELS.md#kernels-moe-splits
 """
 
 import triton

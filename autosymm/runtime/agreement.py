@@ -1,26 +1,16 @@
 """Rank agreement with a deadline: the ranks of a group exchange small JSON reports through the
 default c10d store (host memory, no device work, so it also runs during a CUDA-graph capture).
 
-Why the store and not a collective: a rank that failed before a collective leaves its peers
-waiting until the process-group timeout (minutes to hours). Every rank publishes a report, even
-"I failed, here is why", and waits for the others' with a deadline
-(``AUTOSYMM_AGREE_TIMEOUT_S``, default 300 s); a peer that never reports (it crashed, or took
-another path) turns into an :class:`AgreementError` naming it, on every rank that waits.
+Every rank publishes a report, even "I failed, here is why", and waits for the others' until
+``AUTOSYMM_AGREE_TIMEOUT_S``; a peer that never reports, or a dead store host (rank 0), turns into
+an :class:`AgreementError` naming it on every rank that waits. Keys are
+``autosymm/<group name>/<generation>/<tag>/<rank>``: every rank makes the same exchanges in the
+same order, and a new group state (after ``autosymm.reset()``) takes a new generation. Each key is
+written once, first writer wins (compare-and-set): its rank's report, or the verdict of a peer that
+gave up waiting, so either every rank goes on or every rank that gets there raises, the late one
+too.
 
-The store lives in the process of global rank 0 (torch.distributed's c10d store host): when that
-process dies, every store call of its peers fails ("DistNetworkError: Broken pipe"); that too
-becomes an :class:`AgreementError`, naming rank 0 as the store host.
-
-Keys are ``autosymm/<group name>/<generation>/<tag>/<rank>``. The generation counts the group
-states this process made for the group name (``autosymm.reset()`` then a new first call gives
-the next one), so keys of an earlier state are never read again. Every rank of a group makes
-the same exchanges in the same order, hence the same tags.
-
-A deadline ends an exchange alike on every rank. Each key is written once, first writer wins
-(the store's compare-and-set): its rank's report, or the verdict of a peer that gave up waiting
-for it. So either every key holds a report and every rank goes on, or some key holds a verdict
-and every rank that gets there raises, the late rank included (it finds the verdict where its
-report would go), instead of going on alone into a collective its peers have left.
+Design notes: docs/DISPATCH.md#runtime-agreement
 """
 
 from __future__ import annotations

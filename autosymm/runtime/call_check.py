@@ -1,20 +1,14 @@
 """The checked mode (``AUTOSYMM_CHECK_CALLS=1``): every call on a group agrees on its fingerprint
 (op, dtypes, shapes, reduce op, mode) with every rank before it runs, and a difference raises on
-every rank naming what differed, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s collective fingerprints.
+every rank naming what differed, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Without it, ranks agree
+only on a call's first use (its cache key), and different later calls hang or mislead as with
+``torch.distributed``. On, nothing is served from a cache before the check (:func:`check_call`,
+through the group's agreement channel and its deadline); replays of a captured graph run no
+Python and are not checked. Cost: this rank's checks and four store round trips a call (measured:
+docs/BENCHMARKS.md#cpu-host-costs); off, nothing of this runs (a :class:`CheckedCache` makes the
+lookups miss only when on).
 
-Without it, autosymm agrees only on a call's first use per group (its cache key): two ranks that
-later make different calls whose keys both are cached (another size, dtype or reduce op on one
-rank) run mismatched collectives, which hang or return garbage, as ``torch.distributed`` does.
-In checked mode nothing is served from a cache before the check: the entry path
-(:func:`check_call`, through the group's agreement channel, so with its deadline
-``AUTOSYMM_AGREE_TIMEOUT_S``) runs first on every call, the hot paths included; a rank that
-never makes the call leaves its peers an AgreementError naming it. Calls inside a CUDA-graph
-capture are checked when captured; replays run no Python, so they are not.
-
-Cost: this rank's checks of the call, one store round trip to publish, one to wait, one to read
-every rank's fingerprint and one to delete the previous one (the store stays small): README's
-Environment section gives the measured cost per call. Off, nothing of this runs: the entry
-paths' cache lookups hit as before (a :class:`CheckedCache` makes them miss only when on).
+Design notes: docs/DISPATCH.md#runtime-call-check
 """
 
 from __future__ import annotations

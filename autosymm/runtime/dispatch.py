@@ -3,15 +3,11 @@ call of every op, inside the tuned domain or not, is decided here (the front doo
 and launch), so ``autosymm.explain`` answers for every call.
 
 The decision is a pure function of (problem, mode, capabilities, database rows), so every rank
-that sees the same databases decides the same (autosymm.runtime.group agrees on the databases'
-digest across ranks once per group, and caches each prepared call by its autosymm.spec.CallKey).
-Each op's spec (autosymm.spec.OpSpec) gives its domain, fallbacks, lookups and growth model.
-Rules, in order: 1. nothing to exchange (an empty call; one rank, where the op's spec says a
-rank alone holds the result) -> ``noop``; 2. ``AUTOSYMM_DISABLE=1`` -> :func:`last_resort`; 3. a
-group spanning nodes -> :func:`last_resort` (NCCL); 4. a call outside the op's tuned domain (a
-reduction or dtype no kernel computes) -> :func:`fallback_decision`, no row read; 5. the
-databases' rows under the op's lookups, each modelled at the call, the fastest trusted one whose
-backend can serve wins; 6. nothing usable -> :func:`fallback_decision` (the op's
+that sees the same databases decides the same. Rules, in order: 1. nothing to exchange ->
+``noop``; 2. ``AUTOSYMM_DISABLE=1`` -> :func:`last_resort`; 3. a group spanning nodes ->
+:func:`last_resort` (NCCL); 4. a call outside the op's tuned domain -> :func:`fallback_decision`,
+no row read; 5. the databases' rows under the op's lookups, each modelled at the call, the fastest
+trusted one whose backend can serve wins; 6. nothing usable -> :func:`fallback_decision` (the op's
 ``fallback_order``). ``deterministic``: only backends batch-invariant for the call serve.
 
 Design notes: docs/DISPATCH.md#runtime-dispatch

@@ -152,6 +152,8 @@ class GroupState:
         self.agreed_reports: list[dict] = []  # every rank's report of the last agreed check
         self.control_group = None  # the warm-up tuner's protocol group (autosymm.tuning.warmup), made at need
         self.warmup = WarmupLog()
+        #: calls and bytes per backend of the calls decided again since (decide_again)
+        self.past_counts: dict[str, dict[str, int]] = {}
 
     def decide(self, problem: Problem, mode: str) -> Decision:
         if self.safe_reason is not None:
@@ -170,7 +172,7 @@ class GroupState:
         self.caps = replace(self.caps, stack=path.name, stack_path=path)
         if control_group is not None and control_group is not self.group:
             self.control_group = control_group
-        self.cache.clear()
+        self.decide_again()
 
     def add_rows(self, rows, label: str) -> None:
         """Rows measured on this node since set-up (warm-up tuning: the same on every rank), served
@@ -188,7 +190,22 @@ class GroupState:
         if trouble is not None:
             raise AgreementError(f"autosymm: ranks disagree on init(deterministic=...): {trouble}")
         self.deterministic = value
+        self.decide_again()
+
+    def decide_again(self) -> None:
+        """Drop the prepared calls (each is decided again on its next use); their counts stay."""
+        for backend, agg in self.counts().items():
+            self.past_counts[backend] = dict(agg)
         self.cache.clear()
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Calls and bytes per backend since set-up."""
+        out = {backend: dict(agg) for backend, agg in self.past_counts.items()}
+        for entry in self.cache.values():
+            agg = out.setdefault(entry.decision.backend, {"calls": 0, "bytes": 0})
+            agg["calls"] += entry.calls
+            agg["bytes"] += entry.calls * entry.bytes_per_call
+        return out
 
     def prepare(self, problem: Problem, mode: str) -> Entry:
         decision = self.decide(problem, mode)

@@ -1,29 +1,16 @@
-"""Which tuned rows may serve a call that was not tuned at its exact size, and how long each
-would take there: a model fitted to the rows. Pure functions of the call and the rows, so every
-rank that reads the same databases gets the same answer (autosymm.runtime.dispatch decides with them).
+"""Which tuned rows may serve a call that was not tuned at its exact size, and how long each would
+take there: a model fitted to the rows, pure functions of the call and the rows (every rank that
+reads the same databases gets the same answer; autosymm.runtime.dispatch decides with them).
 
-Points. A row is tuned at one size, its ``bucket`` (bytes for all-reduce, tokens per rank for
-MoE; autosymm.problem). A call of size n uses the rows at n when there are any, else those at its
-neighbouring tuned sizes L < n < U (only one of them outside the tuned range). Every backend runs
-any size its ``why_not`` accepts with any of its configs, so a row tuned at another size is a
-valid candidate (the dispatcher still asks ``why_not`` for the call itself); only its time at n
-is unknown, and is modelled:
+A call of size n uses the rows at n, else those at its neighbouring tuned sizes L < n < U. A row
+tuned at another size is a valid candidate (``why_not`` is still asked for the call); its time at
+n is modelled: below the smallest tuned size, the time measured there; a (backend, config) tuned at
+both L and U, interpolated linearly; else ``f + (t - f) * growth`` from its one row (f the
+backend's floor, :func:`floors_of`; :func:`growth` the change of the critical path's work: rounds
+per program for a Triton all-reduce config, else bytes moved). MoE shapes without rows take the
+nearest tuned (shape, tokens per rank) point (:func:`nearest_moe_point`).
 
-* a call below the smallest tuned size: the times measured there (they bound a smaller call);
-* a (backend, config) tuned at both L and U (config-less backends such as NCCL always are, Triton
-  configs often at large sizes): the two measured times, interpolated linearly in n;
-* else, from its one row (time t at size s): ``f + (t - f) * growth``, where f is the
-  backend's floor (:func:`floors_of`: its time at size 0 on the line through its two smallest
-  tuned sizes, launch and synchronisation, below its fastest time) and ``growth``
-  (:func:`growth`) how the work on the critical path changes from s to n: for a Triton
-  all-reduce config the rounds one program makes (a config tuned larger keeps its time at a
-  smaller call until a round drops; on 2x H200 the 4 MiB push config took the 4 MiB time at
-  3 MB), else the bytes moved; for n > s never less than the bytes ratio.
-
-MoE shapes without rows: the nearest tuned (shape, tokens per rank) point by bytes per row
-(d_model x element bytes) and rows per rank (tokens x top-k), distance
-``|ln(a / a')| + |ln(b / b')|`` (:func:`nearest_moe_point`); its rows are modelled with the
-bytes-moved growth above.
+Design notes: docs/DISPATCH.md#runtime-neighbours
 """
 
 from __future__ import annotations

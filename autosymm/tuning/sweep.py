@@ -1,26 +1,15 @@
 """What a tune sweeps and how it times it: problems, modes, timing plans, candidates per backend,
 and the record of each (problem, mode) (:class:`SweepItem`). The driver is
 :class:`autosymm.tuning.session.TuneSession`: every rank calls its ``sweep`` in lock-step; per
-problem and mode it asks each backend whether it serves the problem and for its space
-(:func:`candidates_for`), builds the inputs and a reference (autosymm.tuning.reference), and
-searches with the evaluator of autosymm.tuning.evaluator; rank 0 writes each backend's best row
-under the problem's exact size (autosymm.problem).
+problem and mode it asks each backend whether it serves and for its space (:func:`candidates_for`),
+builds the inputs and a reference (autosymm.tuning.reference) and searches with the evaluator of
+autosymm.tuning.evaluator; rank 0 writes each backend's best row under the problem's exact size.
+Default points are each op's spec's (all-reduce: 2^k and 1.5 x 2^k bytes from 4 KiB to 256 MiB,
+so a call between tuned sizes has neighbours at most 1.5x apart); modes: eager and graph for every
+problem. A (problem, mode) that no tuned backend can serve is skipped and reported
+(:meth:`SweepItem.skip_line`).
 
-Default points: each op's spec declares them (autosymm.spec: ``points``). All-reduce at
-two points per octave, 2^k and 1.5 * 2^k bytes from 4 KiB to 256 MiB
-(autosymm.spec.kinds.SIZES, 33 sizes; `autosymm tune --sizes` default
-autosymm.spec.kinds.SIZES_SPEC): the dispatcher serves a call between tuned sizes
-from its two neighbours (autosymm.runtime.dispatch), and at most 1.5x apart the neighbours' configs stay
-close to what a tune at the call's own size finds; at one point per octave the 4 MiB config
-served 3 MB 15 % slower than a 3 MB tune (2x H200). MoE at autosymm.spec.kinds.TOKEN_COUNTS
-tokens per rank.
-
-Modes: ``eager`` and ``graph`` for every problem: all-reduce at
-every size, the MoE conversions at every token count (decode batches are captured, and so are
-prefill batches where users capture them; the tune's workspace is sized to fit the sweep). A
-(problem, mode) that no tuned backend can serve (e.g. graph mode where only NCCL's host-split
-all_to_all would) is skipped and reported (:meth:`SweepItem.skip_line`). NCCL's all_to_all is
-not capturable, so graph-mode MoE rows carry no ``nccl_us``.
+Design notes: docs/TUNING.md#tuning-sweep
 """
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
 """Rank-consistent timing of a (collective) call: barrier, warm-up, CUDA events or graph replay,
 median of per-call samples, MAX over ranks.
 
-Two modes, matching the database column ``mode``:
+:func:`time_eager` launches the call from Python each time, the host running ahead of the GPU, so
+a sample is the steady-state cost of a call with its launch overhead where the host bounds it (what
+an eager model pays); events in one chain, ``calls_per_sample`` calls between two (the same number
+on every rank: every call is a collective). :func:`time_graph` captures one CUDA graph of
+``len(inputs)`` calls on a side stream after an eager warm-up and times replays. Every call
+rotates over fresh inputs (not reduced again while in L2); :func:`max_over_ranks` gives every rank
+the same (pessimistic) numbers. The clock is pluggable (:class:`Clock`: :class:`CudaClock`,
+:class:`HostClock`, a fake one in tests).
 
-* :func:`time_eager` launches the call from Python each time. The host runs ahead of the GPU
-  (nothing synchronises between calls), so a sample is the steady-state cost of one call *with*
-  its launch overhead whenever the host, not the GPU, is the bottleneck - which is what an eager
-  model pays. Events are recorded in one chain (``n + 1`` events for ``n`` samples, no gaps).
-  For tiny calls the ~1-2 us an event costs is not negligible: ``calls_per_sample > 1`` puts
-  events around batches of calls and divides (it must be the same number on every rank, since
-  every call is a collective; it is a parameter, never measured).
-* :func:`time_graph` captures one CUDA graph of ``len(inputs)`` calls (one per rotating input)
-  on a side stream after an eager warm-up, then times replays; per-call time = replay / calls.
-
-Every call rotates over ``inputs`` (a list of argument tuples with fresh random data), so the
-same buffer is not reduced again and again while it sits in L2 from its own previous call.
-
-Timing a collective on several ranks gives several numbers; :func:`max_over_ranks` combines
-them element-wise by MAX so every rank holds the same (pessimistic) timing.
-
-The clock is pluggable (:class:`Clock`): :class:`CudaClock` (CUDA events) on GPUs,
-:class:`HostClock` (``perf_counter``) on the CPU, or a fake one in tests.
+Design notes: docs/TUNING.md#tuning-timing
 """
 
 from __future__ import annotations

@@ -2,18 +2,15 @@
 calls a model makes, on the spot, at the first eager call of each key this node has no row for
 (autosymm.runtime.warmup decides which, and hands the call here on every rank together).
 
-One key's tune is ``autosymm tune``'s search (autosymm.tuning.session / tuner): every rank in
-lock-step through the rank protocol, each candidate validated against the op's reference before
-it is timed, eager and graph (autosymm's own capture, never the user's), MAX over ranks, rank 0's
-word on the winner; here with a light timing plan, a few configs per backend and a deadline per
-key (rank 0's clock). Inside a serving stack the stack's own path (autosymm.backends.stack) is a
-baseline timed beside NCCL and the default to beat (autosymm.runtime.dispatch's stack rule), and
-only candidates computing the reference path's formula compete (the stack's, else the op's
-fallback's; :attr:`WarmupSettings.numerics` ``'any'`` lifts it); under the deterministic setting
-only batch-invariant ones. The rows (every backend's best, with NCCL's and the stack's times, full
-provenance) go into the user database (rank 0 writes) and into every rank's sources at once.
-The budget (seconds in total, agreed: rank 0's clock) bounds a start; once spent, the untuned
-path serves and ``explain`` says so.
+One key's tune is ``autosymm tune``'s search (the rank protocol, validation before timing, eager
+and graph, MAX over ranks, rank 0's word) with a light timing plan, a few configs per backend and a
+deadline per key. Inside a serving stack the stack's own path is a baseline and the default to
+beat; only candidates computing the reference path's formula compete (``numerics='any'`` lifts
+it), under the deterministic setting only batch-invariant ones. The rows go into the user database
+and every rank's sources at once; the budget (seconds in total, rank 0's clock) bounds a start,
+after which the untuned path serves and ``explain`` says so.
+
+Design notes: docs/TUNING.md#tuning-warmup
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ import torch
 from _adapter_decisions import adapter_decisions
 from _gloo import run_gloo
 
+from autosymm.integrations import vllm_plugin
+
 stubs.require_real_sources()
 
 HIDDEN, INTER, VOCAB, TOKENS, EPS = 64, 128, 256, 5, 1e-6
@@ -377,7 +379,8 @@ def _compile_and_run(rank, world_size, tmp: str, block: str, plugin: bool) -> di
 
     counts = _Counts()
     config = _config(Path(tmp) / f"model-{block}", quant_fp8)
-    out = dict(platform=type(vllm.platforms.current_platform).__name__, hashes=[config.compute_hash()])
+    out = dict(platform=type(vllm.platforms.current_platform).__name__, hashes=[config.compute_hash()],
+               worker=config.parallel_config.worker_cls)
     _parallel_state(rank, world_size, config)
     adapter = getattr(get_tp_group().device_communicator, "autosymm", None)
 
@@ -447,6 +450,8 @@ def test_vllm_compiles_with_autosymm_and_its_config_hash_is_a_stable_str(runs):
     for rank in (0, 1):
         # vLLM's own CUDA platform class is NvmlCudaPlatform where NVML answers (platforms/cuda.py)
         assert on[rank]["platform"] == "AutosymmCudaPlatform" and off[rank]["platform"] == "NvmlCudaPlatform"
+        # vLLM's own worker, as vLLM chose it, becomes autosymm's (its warm-up runs inside warm-up tuning)
+        assert (on[rank]["worker"], off[rank]["worker"]) == (vllm_plugin.WORKER_QUALNAME, vllm_plugin.VLLM_WORKER)
         assert all(isinstance(h, str) and h for h in on[rank]["hashes"] + off[rank]["hashes"])
     assert len({h for rank in (0, 1) for h in on[rank]["hashes"]}) == 1
     assert off[0]["hashes"] == off[1]["hashes"] != on[0]["hashes"][:1]  # the pass is part of the hash

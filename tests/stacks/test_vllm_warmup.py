@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pickle
+
 import stubs
 import torch
 from _gloo import run_gloo
+
+from autosymm.integrations import vllm_plugin
+from autosymm.runtime import warmup
 
 stubs.require_real_sources()
 
@@ -53,7 +58,25 @@ def _warm_start(rank, world_size, tmp: str) -> dict:
                 stack_rows=sum(row.stack == "vllm" for source in state.sources for row in source.db.rows()))
 
 
-def test_vllms_warm_up_tunes_the_blocks_keys_once_against_vllms_own_path(tmp_path):
+def test_autosymms_worker_is_vllms_with_its_warm_up_inside_warm_up_tuning(monkeypatch):
+    """The worker the platform names (tests/stacks/test_vllm_compile.py checks it does, where vLLM
+    chose its own): vLLM's Worker, found and pickled by its name, whose compile_or_warm_up_model
+    (vLLM's dummy runs at each compile and capture size, then its graph capture) runs vLLM's own
+    with a warm-up tuner on, and none after."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker = resolve_obj_by_qualname(vllm_plugin.WORKER_QUALNAME)
+    assert issubclass(worker, Worker) and pickle.loads(pickle.dumps(worker)) is worker
+    seen = []
+    monkeypatch.setattr(Worker, "compile_or_warm_up_model",
+                        lambda self: seen.append(warmup.active_tuner() is not None) or 1.5)
+    assert warmup.active_tuner() is None
+    assert worker.compile_or_warm_up_model(object.__new__(worker)) == 1.5
+    assert seen == [True] and warmup.active_tuner() is None
+
+
+def test_vllms_warm_up_tunes_the_blocks_keys_once_against_vllms_own_path(tmp_path, capsys):
     env = {"all": {"AUTOSYMM_DB": str(tmp_path / "user.sqlite"), "VLLM_DISABLE_PYNCCL": "1",
                    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "AUTOSYMM_STACK_AUTOTUNE": "120"}}
@@ -64,6 +87,9 @@ def test_vllms_warm_up_tunes_the_blocks_keys_once_against_vllms_own_path(tmp_pat
     assert {op for op, _ in tuned} >= {"all_reduce_rmsnorm"}, tuned
     assert first[0]["stack_rows"] > 0  # every tuned row timed vLLM's own path beside NCCL (or says why not)
     again = run_gloo(_warm_start, 2, str(tmp_path), env=env, deadline_s=DEADLINE_S)
+    with capsys.disabled():  # the counts, in the tier's output
+        print(f"\nvLLM warm-up, block A at TP 2: first start tuned {len(tuned)} keys "
+              f"({', '.join(f'{op} {bucket}' for op, bucket in tuned)}), second start {len(again[0]['tuned'])}")
     for rank in (0, 1):
         assert again[rank]["tuned"] == [], again[rank]["notes"]  # a restart reads the rows back
         assert again[rank]["decisions"] == first[rank]["decisions"]
