@@ -21,8 +21,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..geometry import ALIGN, align
 import autosymm
+
+from ..geometry import ALIGN, align
 from ..backends import Capabilities, RunContext, get_backend
 from ..problem import DTYPE_NAMES, Problem
 from ..runtime.agreement import Exchange

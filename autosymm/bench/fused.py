@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
+import autosymm
+
 from ..spec import ALL_REDUCE_RMSNORM
 from ..spec.all_reduce_rmsnorm import HIDDEN
 from ..problem import DTYPE_NAMES, Problem
 from .baselines import Setup, agree, bench_plan, measure
 from .report import FUSED_OTHERS, BenchOp, BenchRow, cells, compare
-import autosymm
 from ..backends import RunContext, get_backend
 
 FUSED_IMPLS = ("nccl_fused", "flashinfer_fused", "autosymm")

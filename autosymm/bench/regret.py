@@ -20,11 +20,12 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+import autosymm
+
 from .. import spec
 from ..problem import MODES, Problem
 from ..spec import BYTES, Values
 from .regret_report import FlipRow, RegretResult, RegretRow, ReplayRow, regret_of
-import autosymm
 from ..configs import config_fields
 from ..db.read import open_sources, winners
 from ..db import store

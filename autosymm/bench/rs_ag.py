@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
+import autosymm
+
 from ..backends.nccl_rs_ag import pick_collective
 from ..problem import DTYPE_NAMES, Problem
 from ..spec import ALL_GATHER, REDUCE_SCATTER
 from ..tuning import ops as tuning_ops
 from .baselines import Impl, Setup, agree, bench_plan, check_output, measure, pool_bytes
 from .report import SHARDED_COPY_OTHERS, SHARDED_NO_COPY_OTHERS, BenchOp, BenchRow, cells, compare, size_label
-import autosymm
 
 SHARDED_IMPLS = ("nccl", "torch_low_contention", "torch_low_contention_copy", "torch_multimem", "autosymm",
                  "autosymm_zero_copy")

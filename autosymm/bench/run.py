@@ -19,13 +19,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import autosymm
+
 from ..problem import DTYPES, MoEShape, Problem
 from .baselines import (Setup, SymmetricPool, agree, bench_plan, build, check_output, measure, nccl_symm_why_not,
                         pool_bytes, torch_ops_why_not, zero_copy_why_not)
 from .report import (ALL_REDUCE_IMPLS, COPY_OTHERS, MOE_OTHERS, NO_COPY_OTHERS, BenchOp, BenchResult, BenchRow,
                      all_reduce_table, benches, failures, losses, moe_link_gbps, moe_table, size_label, worst_ratios,
                      write_bench_csv)
-import autosymm
 from ..backends import RunContext, get_backend
 from ..hardware import fingerprint, provenance
 from .moe_plain import NOT_CAPTURABLE, PLAIN_IMPL, plain, plain_rows

@@ -281,7 +281,7 @@ class LocalSetup:
             region_bytes = settings.default_region_bytes()
             polls = settings.get_or_default("AUTOSYMM_BARRIER_MAX_POLLS")[0]
             if self.wants_workspace:
-                # a group with a workspace compiles the kernels: the limit their module holds
+                # Triton kernels load only with a workspace; the limit is the one they compile with
                 from ..kernels.barrier import MAX_POLLS
 
                 polls = int(MAX_POLLS.value)

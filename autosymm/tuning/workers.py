@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import settings
 import autosymm.api
+
+from .. import settings
 
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (for MASTER_PORT)."""
