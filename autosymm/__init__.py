@@ -42,7 +42,7 @@ def vllm_fusion_pass(graph) -> None:
     fused add + RMSNorm (autosymm.integrations.vllm_fusion). vLLM resolves the name as an
     attribute of the top-level package and keys its compile cache by this function's source:
     clear the cache after upgrading autosymm."""
-    from .integrations.vllm_fusion import PASS
+    from .integrations.vllm_fusion import PASS  # the integrations load only when vLLM calls the pass
 
     PASS(graph)
 

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 #: Reduce ops by the name autosymm's ops take (the ``dist.ReduceOp`` of the same name, upper case).
 REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
@@ -100,6 +101,7 @@ def reduce_dtensor(x, op: str, op_given: bool, reduce: Callable[..., torch.Tenso
     ``op_given``: the caller passed an op, which must then match the placements' reduce op.
     ValueError names the placements when there is nothing partial, or a partial kind autosymm
     cannot reduce (a subclass of Partial, e.g. a norm's)."""
+    # DTensor: ~1 s of imports `import torch` skips; only a DTensor call needs it
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     placements = tuple(x.placements)
@@ -160,8 +162,6 @@ def group_device(group=None) -> torch.device:
 def resolve_group(name: str):
     """The group named ``name``, as autosymm.api keys its state: None for the world group (so
     compiled and eager calls on the default group share one state and its prepared calls)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     world = dist.group.WORLD
     if world is not None and world.group_name == name:
         return None

@@ -104,7 +104,7 @@ class Fingerprint:
 @functools.lru_cache(maxsize=1)
 def _triton_version() -> str:
     try:
-        import triton
+        import triton  # triton stays off the runtime's import path (and may be missing)
 
         return triton.__version__
     except Exception:  # triton missing or broken: the fingerprint still works
@@ -147,7 +147,7 @@ def _driver_version() -> str:
     except OSError:
         pass
     try:
-        import pynvml
+        import pynvml  # NVML is optional: the fingerprint works without it
 
         pynvml.nvmlInit()
         version = pynvml.nvmlSystemGetDriverVersion()
@@ -159,7 +159,7 @@ def _driver_version() -> str:
 def _nvml_nvlink_counts(gpu_count: int) -> tuple[tuple[int, ...], str]:
     """(active NVLinks per GPU, '') through NVML (nvidia-ml-py), or ((), why NVML gave nothing)."""
     try:
-        import pynvml
+        import pynvml  # NVML is optional: the fingerprint works without it
     except ImportError as exc:
         return (), f"NVML: nvidia-ml-py is not importable ({exc})"
     try:

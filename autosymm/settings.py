@@ -15,12 +15,14 @@ Variables of other programs (torch, NCCL, NVSHMEM, CUDA, torchrun, XDG) are decl
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from .geometry import ALIGN, DEFAULT_ALL_REDUCE_BYTES, DEFAULT_MOE_BYTES, align
+from .problem import format_bytes, parse_bytes
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -53,8 +55,6 @@ def parse_bool(name: str, text: str) -> bool:
 
 def _bytes_in(low: int, high: int) -> Callable[[str, str], int]:
     def parse(name: str, text: str) -> int:
-        from .problem import format_bytes, parse_bytes
-
         try:
             nbytes = parse_bytes(text)
         except ValueError:
@@ -98,8 +98,6 @@ def _threads(name: str, text: str) -> int:
 def parse_log_level(text: str) -> Optional[int]:
     """'debug' -> 10, 'WARNING' -> 30, 'warn' -> 30, '15' -> 15; None for anything else
     (numbers must be >= 0)."""
-    import logging
-
     text = text.strip()
     if text.isdigit():
         return int(text)

@@ -101,7 +101,7 @@ def _one_rank_state(monkeypatch, moe_bytes):
     state.channel, state.prepared_calls = Exchange(None, 0, 1, store=object()), 0  # one rank: no store traffic
     state.caps = Capabilities.of(1, workspace=ws, compute_capability=(9, 0))
     state.ctx, state.cache = RunContext(workspace=ws), {}
-    state.warmup, state.agreed_reports = WarmupLog(), []
+    state.warmup, state.agreed_reports, state.past_counts = WarmupLog(), [], {}
     monkeypatch.setitem(api.STATES, None, state)
     moves = []
 

@@ -22,6 +22,7 @@ import inspect
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..configs import FlashInferFusedConfig
 from ..epilogue import DEFAULT, Epilogue
@@ -197,8 +198,6 @@ _AT_EXIT: list[bool] = []
 
 
 def _group_key(group) -> Any:
-    import torch.distributed as dist
-
     group = group if group is not None else dist.group.WORLD
     return getattr(group, "group_name", None) or id(group)
 
@@ -207,8 +206,6 @@ def workspace_for(comm, group, problem: Problem):
     """The group's FlashInfer workspace for ``problem``: the existing one where it holds the call
     (its ``is_buffer_size_sufficient``), else a new one (collective over ``group``) for
     ``next_pow2(tokens)`` rows of ``hidden`` (at least :data:`MIN_WORKSPACE_TOKENS` rows)."""
-    import torch.distributed as dist
-
     dtype = DTYPES[problem.dtype]
     key = (_group_key(group), problem.dtype == "fp32")
     workspace = _WORKSPACES.get(key)

@@ -42,7 +42,7 @@ def compile_only() -> Iterator[None]:
 
 def interpreter_active() -> bool:
     """True when triton runs kernels on the CPU (TRITON_INTERPRET, as triton itself reads it)."""
-    from triton import knobs
+    from triton import knobs  # triton loads at the first launch, not with this module
 
     return knobs.runtime.interpret
 
@@ -61,7 +61,7 @@ def spin_constexpr(config: Any, world_size: int, tile_elems: int, threads: int, 
 
 def _stream_source() -> tuple[Callable[[int], int], int]:
     """(get_stream(device) -> raw stream, current device index), as triton's launches use them."""
-    from triton.runtime import driver
+    from triton.runtime import driver  # triton loads at the first launch, not with this module
 
     return driver.active.get_current_stream, driver.active.get_current_device()
 
@@ -69,7 +69,7 @@ def _stream_source() -> tuple[Callable[[int], int], int]:
 def _direct_launch(compiled: Any, grid: tuple[int, int, int], tail: tuple[Any, ...]) -> Optional[Callable[..., None]]:
     """A function ``launch(*args)`` calling ``compiled`` on the current stream, or None."""
     try:
-        from triton import knobs
+        from triton import knobs  # triton loads at the first launch, not with this module
 
         runner = compiled[grid]  # the public path, for launch hooks
         run = compiled.run  # loads the module on first access

@@ -15,6 +15,7 @@ for every path.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -90,8 +91,6 @@ def check_inputs(problem: Problem, device: torch.device, world_size: int, src, a
 def ids_digest(expt_indx: torch.Tensor) -> str:
     """12 hex digits of a SHA-1 over the values of ``expt_indx`` (as int64): the ranks compare it
     at a call's first use, since every rank must pass the same ids. Reads the ids back."""
-    import hashlib
-
     return hashlib.sha1(expt_indx.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:12]
 
 

@@ -4,6 +4,7 @@ for every dtype and reduction torch.distributed's backend takes."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..problem import Problem
 from ..spec.all_reduce import needs_ordering
@@ -22,8 +23,6 @@ class NcclAllReduce(Backend):
         return not needs_ordering(problem.reduce_op, problem.torch_dtype)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        import torch.distributed as dist
-
         group, all_reduce = ctx.group, dist.all_reduce
         reduce_op = getattr(dist.ReduceOp, problem.reduce_op.upper())
 

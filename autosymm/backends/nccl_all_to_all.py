@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..spec import get as collective
 from ..problem import Problem, next_pow2
@@ -46,8 +47,6 @@ class NcclAllToAll(Backend):
         return shape_reason(problem)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        import torch.distributed as dist
-
         group = ctx.group
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         if world_size != problem.world_size:
@@ -122,6 +121,7 @@ class DeviceSplits:
         return Splits(buffers[1][:sum(send_counts)], send_counts, buffers[2][:sum(recv_counts)], recv_counts)
 
     def _make_launchers(self, key: tuple) -> tuple[LeanLauncher, ...]:
+        # Triton kernels load at the first launch: a CPU group imports none
         from ..kernels.moe_splits import _moe_splits
 
         one, k = key[:2]
@@ -223,8 +223,6 @@ def _diffs(starts: list[int]) -> list[int]:
 def exchange(src: torch.Tensor, out: torch.Tensor, split: Splits, world_size: int, group) -> None:
     """Send ``src``'s rows ``split.send_rows``, write the received rows into ``out``'s rows
     ``split.recv_rows``: one index_select, one ``all_to_all_single``, one index_copy_."""
-    import torch.distributed as dist
-
     src_w, out_w = _words(src), _words(out)
     send = src_w.index_select(0, split.send_rows)
     if world_size == 1:

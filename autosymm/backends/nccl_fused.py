@@ -9,9 +9,11 @@ would put a quantized value many e4m3 steps off where the ranks' values cancel).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..problem import Problem
 from .base import Backend, Needs, RunContext
+from ..epilogue import DEFAULT, NATIVE_CHAIN, SINGLE_ROUNDING, epilogue_launcher
 
 
 class NcclFused(Backend):
@@ -24,15 +26,9 @@ class NcclFused(Backend):
     def formula(self, problem: Problem) -> str:
         """The default epilogue: the native chain (two roundings); the others: the reference
         formula from NCCL's fp32 sum."""
-        from ..epilogue import DEFAULT, NATIVE_CHAIN, SINGLE_ROUNDING
-
         return NATIVE_CHAIN if problem.epilogue == DEFAULT else SINGLE_ROUNDING
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        import torch.distributed as dist
-
-        from ..epilogue import DEFAULT, epilogue_launcher
-
         group, all_reduce, rms_norm = ctx.group, dist.all_reduce, torch.nn.functional.rms_norm
         hidden = (problem.hidden,)
         if problem.epilogue != DEFAULT:  # launcher(x, residual, weight, eps, scale)

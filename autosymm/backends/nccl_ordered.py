@@ -18,11 +18,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..problem import Problem
 from ..spec.all_reduce import ORDERED_OPS, needs_ordering
 from .base import Backend, BackendError, Needs, RunContext
 from .nccl_rs_ag import checked_counts
+from ..epilogue import DEFAULT, epilogue_launcher
 
 
 
@@ -68,8 +70,6 @@ def ordered_rmsnorm(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def _gather(x: torch.Tensor, world_size: int, group) -> torch.Tensor:
     """[world_size, *x.shape]: every rank's ``x`` (contiguous), by rank."""
-    import torch.distributed as dist
-
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gathered = torch.empty(world_size * x.numel(), dtype=x.dtype, device=x.device)
     gather(gathered, x.reshape(-1), group=group)
@@ -88,8 +88,6 @@ def ordered_all_reduce_launcher(group, world_size: int, op: str = "sum"):
 def ordered_reduce_scatter_launcher(group, world_size: int, rank: int, op: str = "sum"):
     """``launcher(output, input, counts=None) -> output`` (autosymm.backends.nccl_rs_ag's form):
     every rank's segment ``rank`` of ``input`` by one all-to-all, then :func:`ordered_reduce`."""
-    import torch.distributed as dist
-
     def launcher(output: torch.Tensor, input: torch.Tensor, counts=None) -> torch.Tensor:
         counts = checked_counts("reduce_scatter", counts, input.numel(), world_size)
         mine = input.numel() // world_size if counts is None else counts[rank]
@@ -134,8 +132,6 @@ class NcclOrderedReduceScatter(_Ordered):
     needs = Needs(dtypes=None, reduce_ops=ORDERED_OPS)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        import torch.distributed as dist
-
         return ordered_reduce_scatter_launcher(ctx.group, problem.world_size, dist.get_rank(ctx.group),
                                                problem.reduce_op)
 
@@ -148,8 +144,6 @@ class NcclOrderedFused(Backend):
     batch_invariant = True
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        from ..epilogue import DEFAULT, epilogue_launcher
-
         group, world_size = ctx.group, problem.world_size
         if problem.epilogue != DEFAULT:  # the fp32 in-order sum, unrounded, then the reference epilogue
             return epilogue_launcher(problem.epilogue, lambda x: ordered_sum(_gather(x, world_size, group)),

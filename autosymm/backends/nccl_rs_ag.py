@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..problem import Problem
 from ..spec.all_reduce import UNREDUCIBLE, needs_ordering
@@ -26,8 +27,6 @@ from .base import Backend, BackendError, Needs, RunContext
 
 def pick_collective(*names: str):
     """The first of torch.distributed's functions ``names`` this torch has."""
-    import torch.distributed as dist
-
     return next(getattr(dist, name) for name in names if hasattr(dist, name))
 
 
@@ -57,15 +56,11 @@ class NcclReduceScatter(Backend):
         return not needs_ordering(problem.reduce_op, problem.torch_dtype)
 
     def prepare(self, problem: Problem, config: None, ctx: RunContext):
-        import torch.distributed as dist
-
         return reduce_scatter_launcher(ctx.group, getattr(dist.ReduceOp, problem.reduce_op.upper()))
 
 
 def reduce_scatter_launcher(group, reduce_op):
     """``launcher(output, input, counts=None) -> output`` reducing with ``reduce_op`` on ``group``."""
-    import torch.distributed as dist
-
     single = pick_collective("reduce_scatter_single", "reduce_scatter_tensor")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
@@ -109,8 +104,6 @@ def as_bytes(launcher):
 
 def all_gather_launcher(group):
     """``launcher(output, input, counts=None) -> output`` gathering on ``group``."""
-    import torch.distributed as dist
-
     single = pick_collective("all_gather_single", "all_gather_into_tensor")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 

@@ -20,6 +20,7 @@ import threading
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..geometry import ALIGN, ALL_REDUCE_REGION
 from ..problem import Problem
@@ -73,8 +74,6 @@ def _nccl():
 
 def comm_pointer(group, device: torch.device) -> int:
     """torch's ``ncclComm_t`` of ``group`` on ``device`` (a collective first if not yet created)."""
-    import torch.distributed as dist
-
     backend = group._get_backend(device)
     get = getattr(backend, "_comm_ptr", None)
     if not callable(get):
@@ -118,8 +117,6 @@ class _SymmLauncher:
     """``launcher(x) -> x``: x summed in place by NCCL inside the registered workspace."""
 
     def __init__(self, workspace, group) -> None:
-        import torch.distributed as dist
-
         self.workspace, self.group, self._all_reduce = workspace, group, dist.all_reduce
         region = workspace.regions[ALL_REDUCE_REGION]
         self.capacity = region.nbytes

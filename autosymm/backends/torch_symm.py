@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..problem import DTYPES, Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext, ops_available
@@ -55,6 +56,7 @@ def staging_buffer(group_name: str, device: torch.device, dtype: torch.dtype, ca
     with _LOCK:
         buf = _STAGING.get(key)
         if buf is None:
+            # symmetric memory: `import torch` skips it; only a workspace needs it
             import torch.distributed._symmetric_memory as symm_mem
 
             elem = torch.empty((), dtype=dtype).element_size()
@@ -122,7 +124,6 @@ class TorchSymmAllReduce(Backend):
         """Collective on first use per (group, device, dtype, capacity): every rank must call it."""
         if not ops_available():
             raise BackendError(f"{self.name}: torch.ops.symm_mem has no one-shot/two-shot all-reduce here")
-        import torch.distributed as dist
 
         group = ctx.group if ctx.group is not None else dist.group.WORLD
         group_name = getattr(group, "group_name", None)

@@ -53,7 +53,7 @@ class Conversion:
         # The kernels load with the first Conversion (a workspace exists): a group without one,
         # a CPU group, asks this backend why not and never imports a Triton kernel.
         from ..kernels.barrier import _barrier_kernel
-        from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp
+        from ..kernels.moe_conversion import _convert_dp_to_ep, _convert_ep_to_dp  # Triton, as above
 
         self.kernel_fn = _convert_dp_to_ep if op == DP_TO_EP.name else _convert_ep_to_dp
         self.op, self.ws, self.config = op, ws, config

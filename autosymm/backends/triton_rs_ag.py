@@ -211,6 +211,7 @@ class ReduceScatterLauncher(_SegmentLauncher):
     op = "reduce_scatter"
 
     def __init__(self, config: ReduceScatterConfig, workspace, dtype: torch.dtype) -> None:
+        # Triton kernels load at the first launch: a CPU group imports none
         from ..kernels.reduce_scatter import _reduce_scatter, _reduce_scatter_push
 
         self.push = config.algorithm == "push"
@@ -264,6 +265,7 @@ class AllGatherLauncher(_SegmentLauncher):
     op = "all_gather"
 
     def __init__(self, algorithm: str, config: AllGatherConfig, workspace) -> None:
+        # Triton kernels load at the first launch: a CPU group imports none
         from ..kernels.all_gather import _all_gather_pull, _all_gather_push
 
         self.push = algorithm == "push"

@@ -21,7 +21,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+import autosymm
+
 from ..geometry import ALIGN, align
+from ..backends import Capabilities, RunContext, get_backend
+from ..problem import DTYPE_NAMES, Problem
+from ..runtime.agreement import Exchange
+from ..tuning.timing import max_over_ranks, time_eager, time_graph
 
 #: Bytes of all distinct inputs a measurement rotates over (fewer, larger ones for large calls).
 ROTATION_BYTES = 64 << 20
@@ -89,6 +95,7 @@ class SymmetricPool:
     symmetric buffers for torch's ops."""
 
     def __init__(self, nbytes: int, device: torch.device, group_name: str) -> None:
+        # symmetric memory: `import torch` skips it; only a workspace needs it
         import torch.distributed._symmetric_memory as symm_mem
 
         self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -142,8 +149,6 @@ def torch_ops_why_not(setup: Setup, nbytes: int) -> Optional[str]:
 
 
 def _nccl(s: Setup, numel: int, count: int) -> Impl:
-    import torch.distributed as dist
-
     all_reduce, group = dist.all_reduce, s.group
 
     def launch(x):
@@ -204,8 +209,6 @@ def _torch_two_shot_copy(s: Setup, numel: int, count: int) -> Impl:
 
 
 def _autosymm(s: Setup, numel: int, count: int, zero_copy: bool) -> Impl:
-    import autosymm
-
     if not zero_copy:
         return Impl("autosymm", autosymm.all_reduce, [(x,) for x in s.plain(count, numel)])
     tensors = [autosymm.empty((numel,), s.dtype) for _ in range(count)]
@@ -222,16 +225,12 @@ def zero_copy_why_not(s: Setup, nbytes: int, count: int, world_size: int) -> Opt
 
 
 def _problem(s: Setup, nbytes: int, world_size: int):
-    from ..problem import DTYPE_NAMES, Problem
-
     return Problem.all_reduce(nbytes, DTYPE_NAMES[s.dtype], world_size)
 
 
 def nccl_symm_why_not(s: Setup, nbytes: int, count: int, world_size: int, zero_copy: bool) -> Optional[str]:
     """None when the nccl_symm backend can run a call of ``nbytes`` here (its own eligibility; the
     zero-copy form also needs ``count`` tensors of ``autosymm.empty``)."""
-    from ..backends import Capabilities, get_backend
-
     if s.workspace is None:
         return "no autosymm workspace here (needs CUDA and one node)"
     why = get_backend("nccl_symm").why_not(_problem(s, nbytes, world_size), Capabilities.of(world_size,
@@ -240,10 +239,6 @@ def nccl_symm_why_not(s: Setup, nbytes: int, count: int, world_size: int, zero_c
 
 
 def _nccl_symm(s: Setup, numel: int, count: int, zero_copy: bool) -> Impl:
-    import autosymm
-
-    from ..backends import RunContext, get_backend
-
     problem = _problem(s, numel * torch.empty((), dtype=s.dtype).element_size(), s.workspace.world_size)
     launcher = get_backend("nccl_symm").prepare(problem, None, RunContext(group=s.group, workspace=s.workspace))
     if zero_copy:
@@ -272,8 +267,6 @@ def build(name: str, s: Setup, numel: int, count: int) -> Impl:
 
 def measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device: torch.device) -> float:
     """Median us per call of ``fn`` in ``mode`` under ``plan``, MAX over the ranks of ``group``."""
-    from ..tuning.timing import max_over_ranks, time_eager, time_graph
-
     if device.type != "cuda":  # gloo (the CPU tests): a token measurement of the same code path
         plan = replace(plan, calls=2, repeats=3, warmup_calls=1)
     # timing's clock: CUDA events created and recorded before the timed loop (CudaClock.reserve)
@@ -289,6 +282,4 @@ def measure(fn, inputs: list[tuple], plan: BenchPlan, mode: str, group, device: 
 def agree(ok: bool, group) -> bool:
     """True on every rank iff ``ok`` on every rank (autosymm.runtime.agreement): measuring starts with a
     host barrier, so all ranks must make the same choice (or the ones that measure wait forever)."""
-    from ..runtime.agreement import Exchange
-
     return not Exchange(group, dist.get_rank(group), dist.get_world_size(group)).all_ok("bench", ok)

@@ -15,12 +15,16 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from rich.table import Table
+
+import autosymm
 
 from ..spec import ALL_REDUCE_RMSNORM
 from ..spec.all_reduce_rmsnorm import HIDDEN
 from ..problem import DTYPE_NAMES, Problem
 from .baselines import Setup, agree, bench_plan, measure
 from .report import FUSED_OTHERS, BenchOp, BenchRow, cells, compare
+from ..backends import RunContext, get_backend
 
 FUSED_IMPLS = ("nccl_fused", "flashinfer_fused", "autosymm")
 #: How far a fused output may be from the NCCL composition's (x's dtype: 16-bit sums round).
@@ -44,10 +48,6 @@ def _args(problem: Problem, setup: Setup, count: int) -> tuple[tuple, list[tuple
 
 def _launcher(name: str, problem: Problem, setup: Setup, caps, mode: str):
     """(launcher, backend that runs, why not or None) of implementation ``name`` in ``mode``."""
-    import autosymm
-
-    from ..backends import RunContext, get_backend
-
     if name == "autosymm":
         decision = autosymm.api.state_of(None).decide(problem, mode)
         return (lambda x, r, w, eps: autosymm.all_reduce_rmsnorm(x, r, w, eps)), decision.backend, None
@@ -99,8 +99,6 @@ def fused_rows(options, setup: Setup, caps) -> list[BenchRow]:
 
 
 def fused_table(result, op: str = ALL_REDUCE_RMSNORM.name):
-    from rich.table import Table
-
     table = Table(title=f"{op}: median us per call (MAX over ranks); ratio < 1: autosymm faster")
     for column in ["hidden/tokens", "mode", *[i.replace("_", " ") for i in FUSED_IMPLS], "chosen",
                    "autosymm / best other"]:

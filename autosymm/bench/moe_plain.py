@@ -18,6 +18,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+
+from ..tuning.ops import get
+from ..tuning.ops.moe import MoETuning
 
 PLAIN_IMPL = "plain_all_to_all"
 #: Why the plain path has no graph-mode measurement.
@@ -32,8 +36,6 @@ def _owners(assignment, expt_indx: torch.Tensor) -> torch.Tensor:
 def plain_dp_to_ep(rank: int, world_size: int, group=None) -> Callable[..., torch.Tensor]:
     """``call(src, assignment, expt_indx, gate_indx)`` -> the rows this rank's experts receive:
     every sender's pairs owned here, senders in rank order, each sender's in pair order."""
-    import torch.distributed as dist
-
     def call(src, assignment, expt_indx, gate_indx):
         k = expt_indx.shape[1]
         ranks = torch.arange(world_size, device=src.device)
@@ -52,8 +54,6 @@ def plain_dp_to_ep(rank: int, world_size: int, group=None) -> Callable[..., torc
 def plain_ep_to_dp(rank: int, world_size: int, group=None) -> Callable[..., torch.Tensor]:
     """``call(src, assignment, expt_indx, topk_indx)`` -> the rows of this rank's tokens: from
     every expert rank in rank order, each sender's in its expert-sorted row order."""
-    import torch.distributed as dist
-
     def call(src, assignment, expt_indx, topk_indx):
         n_pairs_local = src.shape[0] // world_size
         ranks = torch.arange(world_size, device=src.device)
@@ -80,9 +80,6 @@ def plain(op: str, rank: int, world_size: int, group=None) -> Callable[..., torc
 def _to_experts(op: str) -> bool:
     """Whether ``op`` is the MoE conversion to the experts (dp->ep); ValueError naming any op
     that is not a MoE conversion."""
-    from ..tuning.ops import get
-    from ..tuning.ops.moe import MoETuning
-
     if not isinstance(get(op), MoETuning):
         raise ValueError(f"op={op!r} is not a MoE conversion (dp_to_ep or ep_to_dp)")
     return get(op).record.to_experts

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from ..spec import ALL_REDUCE
+
 
 def plot_bench(result, path: str) -> None:
     """Latency and bus bandwidth of all-reduce against size, one line per implementation and
     mode, log axes, with the link floor (bytes / measured peer-read bandwidth) marked."""
-    import matplotlib
+    import matplotlib  # matplotlib: the optional `plot` extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ..spec import ALL_REDUCE
+    import matplotlib.pyplot as plt  # after use('Agg')
 
     rows = [r for r in result.rows if r.op == ALL_REDUCE.name and r.us]
     if not rows:

@@ -18,10 +18,25 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch.distributed as dist
+
+import autosymm
+
 from .. import spec
 from ..problem import MODES, Problem
 from ..spec import BYTES, Values
 from .regret_report import FlipRow, RegretResult, RegretRow, ReplayRow, regret_of
+from ..configs import config_fields
+from ..db.read import open_sources, winners
+from ..db import store
+from ..hardware import fingerprint
+from ..runtime.dispatch import decide
+from .stand_in import STAND_IN_MAX_BYTES, StandInEvaluator, stand_in_backends, stand_in_caps, stand_in_us
+from ..tuning.outcome import Candidate
+from ..tuning.rank_comm import RankComm
+from ..tuning.reference import check_output
+from ..tuning.session import TuneSession, TuneSettings
+from ..tuning.timing import max_over_ranks, time_graph
 
 #: Sizes that are not round (odd element counts of bf16 among them), by bucket unit: where a
 #: bucketed dispatcher is weakest (6 KiB + 2 B, 100 kB, 800 kB, 3 MB, 5 MB, 12 MiB + 6 B).
@@ -49,8 +64,6 @@ class RegretOptions:
 def tuned_families(sources, hardware: str, world_size: int, ops=None) -> dict[tuple[str, str, str], list[int]]:
     """(op, dtype, shape key) -> the buckets tuned (in any mode) for ``hardware`` at ``world_size``
     in ``sources``, of the ops in ``ops`` (None: all)."""
-    from ..db.read import winners
-
     families: dict[tuple[str, str, str], set[int]] = {}
     for _, row in winners(sources, hardware=hardware, world_size=world_size):
         if ops is None or row.op in ops:
@@ -107,8 +120,6 @@ def replay_keys(sources, hardware: str, world_size: int, ops, limit: Optional[in
                 max_bytes: Optional[int] = None) -> list:
     """(problem, winner row) of the databases' graph-mode keys for ``hardware`` at ``world_size``
     (calls of at most ``max_bytes``; None: any), at most ``limit`` per op, registry order."""
-    from ..db.read import winners
-
     by_op: dict[str, list] = {}
     for _, row in winners(sources, hardware=hardware, world_size=world_size, mode="graph"):
         problem = spec.get(row.op).problem_of_row(row)
@@ -135,15 +146,8 @@ class Rig:
 def _gpu_rig(options: RegretOptions, world_size: int) -> tuple[Rig, list[Problem], list]:
     """Collective: the session (its workspace sized for every point and replayed key), then the
     runtime on that workspace (autosymm.init): its databases and capabilities decide."""
-    import autosymm
-
-    from ..db.read import open_sources
-    from ..db.store import shipped_db_paths, user_db_path
-    from ..hardware import fingerprint
-    from ..tuning.session import TuneSession, TuneSettings
-
     hardware = fingerprint().hardware_slug
-    sources = open_sources(user_db_path(), shipped_db_paths(), hardware)
+    sources = open_sources(store.user_db_path(), store.shipped_db_paths(), hardware)
     points, keys = _plan(options, sources, hardware, world_size)
     session = TuneSession.open(TuneSettings(modes=tuple(options.modes)), points + [p for p, _ in keys], db_path=None)
     autosymm.init()
@@ -155,15 +159,7 @@ def _gpu_rig(options: RegretOptions, world_size: int) -> tuple[Rig, list[Problem
 def _stand_in_rig(options: RegretOptions, world_size: int) -> tuple[Rig, list[Problem], list]:
     """The stand-in node (autosymm.bench.stand_in) over the gloo world: the databases' rows of the
     first hardware that has rows at this world size, decided as `autosymm explain` decides them."""
-    import torch.distributed as dist
-
-    from ..db.read import open_sources, winners
-    from ..db.store import shipped_db_paths, user_db_path
-    from ..runtime.dispatch import decide
-    from ..tuning.session import TuneSession, TuneSettings
-    from .stand_in import STAND_IN_MAX_BYTES, StandInEvaluator, stand_in_backends, stand_in_caps
-
-    sources = open_sources(user_db_path(), shipped_db_paths())
+    sources = open_sources(store.user_db_path(), store.shipped_db_paths())
     hardware = min((row.hardware for _, row in winners(sources, world_size=world_size)), default="none")
     points, keys = _plan(options, sources, hardware, world_size, STAND_IN_MAX_BYTES)
     session = TuneSession(TuneSettings(modes=tuple(options.modes)), stand_in_backends(), group=dist.group.WORLD,
@@ -201,8 +197,6 @@ def regret_job(rank: int, world_size: int, options: RegretOptions) -> Optional[R
 
 def measure_regret(rig: Rig, points: list[Problem], rounds: int, result: RegretResult) -> list:
     """Step 2 for every point and mode (rows into ``result.regret``); the exact tunes' items."""
-    from ..tuning.outcome import Candidate
-
     firsts = []
     for problem in points:
         modes = rig.session.modes_for(problem)
@@ -247,8 +241,6 @@ def measure_flips(rig: Rig, firsts: list, result: RegretResult) -> None:
 
 def measure_replay(rig: Rig, problem: Problem, row, calls: int) -> ReplayRow:
     """Step 4 for one graph row (see the module docstring)."""
-    from ..tuning.outcome import Candidate
-
     decision = rig.decide(problem, "graph")
     served = Candidate(decision.backend, decision.config)
     out = ReplayRow(problem.op, _label(problem), pick_text(Candidate(row.backend, row.config_obj)), pick_text(served),
@@ -268,11 +260,6 @@ def _replayed(rig: Rig, evaluator, call, served, calls: int) -> tuple[Optional[f
     """(per-call us of ``call`` replayed in a user's graph, MAX over ranks; or None, why):
     checked against the reference first, on every rank. A stand-in run captures nothing: its
     time is the stand-in's of the pick that serves."""
-    from ..tuning.rank_comm import RankComm
-    from ..tuning.reference import check_output
-    from ..tuning.timing import max_over_ranks, time_graph
-    from .stand_in import stand_in_us
-
     session, data = rig.session, evaluator.data
     failure = ""
     try:
@@ -296,8 +283,6 @@ def _label(problem: Problem) -> str:
 
 def pick_text(candidate) -> str:
     """'triton_one_shot block_size=1024 num_blocks=4 ...' (words a table wraps between)."""
-    from ..configs import config_fields
-
     fields = config_fields(candidate.config) if candidate.config is not None else {}
     return " ".join([candidate.backend, *(f"{k}={v}" for k, v in fields.items())])
 

@@ -16,6 +16,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
+from rich.table import Table
+
 from ..entries import load
 from ..spec import ALL_REDUCE, get, registered
 from ..problem import format_bytes, parse_bytes, parse_size_range
@@ -243,8 +245,6 @@ def _x(ratio: Optional[float]) -> str:
 
 
 def all_reduce_table(result: BenchResult):
-    from rich.table import Table
-
     table = Table(title="all_reduce: median us per call (MAX over ranks); ratios < 1: autosymm faster")
     ratio_columns = ["autosymm / best no-copy", "autosymm / best with-copy", "zero-copy / best no-copy"]
     for column in ["size", "mode", *[i.replace("_", " ") for i in ALL_REDUCE_IMPLS], "chosen", *ratio_columns]:
@@ -258,8 +258,6 @@ def all_reduce_table(result: BenchResult):
 
 
 def moe_table(result: BenchResult, op: str):
-    from rich.table import Table
-
     table = Table(title=f"{op}: median us per call (MAX over ranks); link GB/s = rows leaving the rank / time")
     for column in ["shape/tokens", "mode", *MOE_IMPLS, "chosen", "autosymm / plain", "autosymm / best other",
                    *[f"link GB/s {i}" for i in MOE_IMPLS], "autosymm % peer write"]:

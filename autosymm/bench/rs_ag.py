@@ -15,6 +15,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from rich.table import Table
+
+import autosymm
 
 from ..backends.nccl_rs_ag import pick_collective
 from ..problem import DTYPE_NAMES, Problem
@@ -56,8 +59,6 @@ def why_not(reduces: bool, name: str, setup: Setup, caps, nbytes: int, world_siz
 def build(reduces: bool, name: str, setup: Setup, numel: int, count: int) -> Impl:
     """Implementation ``name`` of the reduce-scatter (``reduces``) or the all-gather for a full
     tensor of ``numel`` elements, ``count`` inputs; ``launch(input, output) -> output``."""
-    import autosymm
-
     world_size, group, gname = dist.get_world_size(setup.group), setup.group, setup.group_name
     n_in, n_out = _shapes(reduces, numel, world_size)
     rs = reduces
@@ -93,8 +94,6 @@ def build(reduces: bool, name: str, setup: Setup, numel: int, count: int) -> Imp
 def _op_size_rows(tuning, nbytes: int, modes: list[str], setup: Setup, caps) -> list[BenchRow]:
     """Every implementation's rows of one op (``tuning``: its tuning side) at one size (NCCL's
     result on the same data the reference)."""
-    import autosymm
-
     world_size, rank = dist.get_world_size(setup.group), dist.get_rank(setup.group)
     op, reduces = tuning.name, tuning.full_input
     elem = torch.empty((), dtype=setup.dtype).element_size()
@@ -143,8 +142,6 @@ def sharded_rows(options, setup: Setup, caps) -> list[BenchRow]:
 
 
 def sharded_table(result, op: str):
-    from rich.table import Table
-
     table = Table(title=f"{op}: median us per call (MAX over ranks) at the full tensor's bytes; ratios < 1: "
                         "autosymm faster")
     for column in ["size", "mode", *[i.replace("_", " ") for i in SHARDED_IMPLS], "chosen",

@@ -19,12 +19,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..problem import MoEShape, Problem
+import autosymm
+
+from ..problem import DTYPES, MoEShape, Problem
 from .baselines import (Setup, SymmetricPool, agree, bench_plan, build, check_output, measure, nccl_symm_why_not,
                         pool_bytes, torch_ops_why_not, zero_copy_why_not)
 from .report import (ALL_REDUCE_IMPLS, COPY_OTHERS, MOE_OTHERS, NO_COPY_OTHERS, BenchOp, BenchResult, BenchRow,
                      all_reduce_table, benches, failures, losses, moe_link_gbps, moe_table, size_label, worst_ratios,
                      write_bench_csv)
+from ..backends import RunContext, get_backend
+from ..hardware import fingerprint, provenance
+from .moe_plain import NOT_CAPTURABLE, PLAIN_IMPL, plain, plain_rows
+from ..routing import make_expt_assignment, make_expt_dict_uniform, route
+from ..spec import BYTES, TOKENS
+from ..spec.moe import MOE_SHAPE
+from ..tuning.ops import get as tuning_op
+from ..tuning.ops.moe import DP_TO_EP, EP_TO_DP
+from ..tuning.session import sweep_problems, workspace_bytes
+from ..tuning.timing import comm_device, max_over_ranks, time_eager
+from ..workspace.symm import get_workspace
 
 __all__ = ["BenchOptions", "BenchResult", "BenchRow", "bench_job", "moe_link_gbps", "print_bench", "write_bench_csv"]
 
@@ -41,8 +54,6 @@ class BenchOptions:
 
 def peer_bandwidth(workspace, group, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
     """(read, write) GB/s of this GPU to its next peer through the workspace, MAX-time over ranks."""
-    from ..tuning.timing import max_over_ranks, time_eager
-
     peer = (workspace.rank + 1) % workspace.world_size
     nbytes = min(nbytes, workspace.capacity("all_reduce"))
     numel = nbytes // 2
@@ -70,8 +81,6 @@ def _time_impl(impl, pristine: torch.Tensor, reference: torch.Tensor, nbytes: in
                setup: Setup) -> list[BenchRow]:
     """Rows of one implementation at one size: its output on ``pristine`` checked against NCCL's
     ``reference`` on every rank, then (if right everywhere) one measurement per mode."""
-    import autosymm
-
     world_size = dist.get_world_size(setup.group)
     checked = impl.inputs[-1]  # the last rotating input: at an offset in a symmetric buffer
     checked[0].copy_(pristine)
@@ -131,8 +140,6 @@ def _all_reduce_size(nbytes: int, modes: list[str], setup: Setup) -> list[BenchR
 def _moe_equal(got, expected, to_experts: bool, expt_indx, assignment, rank) -> bool:
     """Compare only rows that the conversion defines (the rest of the buffer is don't-care)."""
     if to_experts:
-        from ..routing import route
-
         owner = assignment.expt_boolmask[rank][expt_indx.long().flatten()]
         gate_indx, _ = route(expt_indx)
         rows = gate_indx.long().flatten()[owner]
@@ -144,12 +151,6 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
     """autosymm's, the NCCL all_to_all path's and the plain path's (autosymm.bench.moe_plain)
     rows for one MoE problem: every output checked against the NCCL path's (the reference; the
     plain path's rows in its arrival order), then timed in every mode it can run in."""
-    import autosymm
-
-    from ..backends import RunContext, get_backend
-    from .moe_plain import NOT_CAPTURABLE, PLAIN_IMPL, plain, plain_rows
-    from ..tuning.ops import get as tuning_op
-
     rank, world_size = dist.get_rank(setup.group), dist.get_world_size(setup.group)
     nbytes = problem.nbytes * problem.shape.n_expts_act  # the rows each rank sends
     baseline = get_backend("nccl_all_to_all")
@@ -182,8 +183,6 @@ def _moe_op_rows(problem: Problem, args: tuple, label: str, modes: list[str], se
 def _moe_args(op, shape: MoEShape, tokens: int, setup: Setup, assignment) -> tuple:
     """Random routing and rows for ``tokens`` tokens per rank: the arguments of ``op`` (a MoE
     conversion's tuning side)."""
-    from ..routing import route
-
     world_size = dist.get_world_size(setup.group)
     gen = torch.Generator(device=setup.device).manual_seed(99 + tokens)  # the same routing on every rank
     n_global = tokens * world_size
@@ -197,9 +196,6 @@ def _moe_args(op, shape: MoEShape, tokens: int, setup: Setup, assignment) -> tup
 
 def moe_rows(options: BenchOptions, setup: Setup, caps) -> list[BenchRow]:
     """The MoE conversions' rows (of those in ``options.ops``): per shape, token count and op."""
-    from ..routing import make_expt_assignment, make_expt_dict_uniform
-    from ..tuning.ops.moe import DP_TO_EP, EP_TO_DP
-
     world_size = dist.get_world_size(setup.group)
     rows = []
     for name, shape in options.shapes.items():
@@ -220,13 +216,6 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
     """Collective: the workspace sized for every measured call (zero-copy inputs and stages
     included, as a user would size it), autosymm initialised on the default group, torch's
     symmetric pool. Returns the Setup and autosymm's Capabilities."""
-    import autosymm
-
-    from ..problem import DTYPES
-    from ..workspace.symm import get_workspace
-    from ..tuning.session import sweep_problems, workspace_bytes
-    from ..tuning.timing import comm_device
-
     group = dist.group.WORLD
     device = comm_device(group)
     if world_size > 1 and device.type == "cuda":
@@ -245,9 +234,6 @@ def _setup(options: BenchOptions, world_size: int) -> tuple[Setup, object]:
 
 def _sweep_points(options: BenchOptions) -> dict:
     """The sweep options' values (autosymm.spec.OpSpec.sweep_options) of what bench measures."""
-    from ..spec import BYTES, TOKENS
-    from ..spec.moe import MOE_SHAPE
-
     shapes, = MOE_SHAPE.sweep
     return {BYTES.sweep.flag: options.sizes, TOKENS.sweep.flag: options.tokens,
             shapes.flag: tuple(options.shapes.values())}
@@ -255,8 +241,6 @@ def _sweep_points(options: BenchOptions) -> dict:
 
 def bench_job(rank: int, world_size: int, options: BenchOptions) -> Optional[BenchResult]:
     """Worker body of `autosymm bench`; rank 0 returns the result."""
-    from ..hardware import fingerprint, provenance
-
     setup, caps = _setup(options, world_size)
     if setup.device.type != "cuda":  # gloo (tests): no CUDA graphs
         options = replace(options, modes=[m for m in options.modes if m == "eager"])

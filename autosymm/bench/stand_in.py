@@ -21,6 +21,7 @@ from ..problem import Problem
 from ..tuning.evaluator import SweepEvaluator
 from ..tuning.outcome import Candidate
 from ..tuning.timing import Timing
+from ..settings import default_region_bytes
 
 #: Configs per backend a stand-in tune tries (spread evenly over the backend's space).
 STAND_IN_CONFIGS = 4
@@ -33,8 +34,6 @@ HOPPER = (9, 0)
 
 def stand_in_caps(world_size: int) -> Capabilities:
     """The capabilities of the node the stand-ins play: the default workspace, no multicast."""
-    from ..settings import default_region_bytes
-
     return Capabilities.of(world_size, region_bytes=default_region_bytes(), compute_capability=HOPPER)
 
 

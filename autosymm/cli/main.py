@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import click
+import torch
 
 from .. import __version__
 from .errors import OneLineErrorGroup
@@ -24,6 +25,19 @@ from ..problem import DTYPES, MODEL_SHAPES, MODES
 from ..bench.report import DEFAULT_SIZES as DEFAULT_BENCH_SIZES, parse_bench_sizes
 from ..spec.kinds import parse_counts
 from ..spec.moe import parse_moe_shapes
+from ..backends import backend_names
+from ..bench.plot import plot_bench
+from ..bench.run import BenchOptions, bench_job, print_bench, write_bench_csv
+from ..db.merge import merge_files
+from ..db.read import DBSource, open_sources, winners
+from ..db import store
+from ..db.store import TuningDB, user_db_path, verdict
+from ..hardware import fingerprint, hardware_slug_for
+from .overview import overview
+from ..settings import TUNING_MAX_POLLS, export
+from ..tuning.session import TuneOptions, tune_job
+from ..tuning import workers
+from ..tuning.workers import torchrun_world_size
 
 #: `autosymm tune --ops` (and `bench --ops`) by default: the ops tuned by default, registry order.
 DEFAULT_OPS = ",".join(spec.default_tuned())
@@ -53,17 +67,11 @@ def main() -> None:
 def run(ctx: click.Context) -> None:
     """The main job: `tune` with the default sweep on a GPU node; elsewhere, say so in a screenful:
     what this machine would run, what the shipped databases cover and what to do next."""
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
         ctx.invoke(tune)
         return
-    from ..db.read import open_sources
-    from ..db.store import shipped_db_paths
-    from ..hardware import fingerprint
-    from .overview import overview
 
-    for line in overview(fingerprint(), _open(()), open_sources(None, shipped_db_paths())):
+    for line in overview(fingerprint(), _open(()), open_sources(None, store.shipped_db_paths())):
         click.echo(line)
 
 
@@ -86,14 +94,9 @@ def tune(nproc, json_summary, **opts) -> None:
     Each op's sweep takes its options (sizes, shapes, tokens, ...: the ops' records); --model
     CONFIG --tp N tunes exactly the keys that model calls instead. The summary gives each winner's
     margin over NCCL (and over a serving stack's own path where one was timed)."""
-    import torch
-
     calls = model_calls(click.get_current_context(), opts)
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm tune needs CUDA GPUs; none is visible here (no database was touched)")
-    from ..settings import TUNING_MAX_POLLS, export
-    from ..tuning.session import tune_job
-    from ..tuning.workers import run_workers, torchrun_world_size
 
     options = _tune_options(opts)
     if calls is not None:
@@ -102,7 +105,7 @@ def tune(nproc, json_summary, **opts) -> None:
         click.echo(keys_line(calls))
     # Workers inherit it: a candidate whose peer failed gives up in seconds, not minutes.
     export({"AUTOSYMM_BARRIER_MAX_POLLS": str(TUNING_MAX_POLLS)}, overwrite=False)
-    result = run_workers(tune_job, nproc, options)
+    result = workers.run_workers(tune_job, nproc, options)
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return
     _console().print(summary_table(result.rows))
@@ -115,9 +118,6 @@ def tune(nproc, json_summary, **opts) -> None:
 def _tune_options(opts: dict):
     """autosymm.tuning.session.TuneOptions of `tune`'s options (the ops' sweep options by their
     names, as click gives them); bad values are usage errors."""
-    from ..db.store import user_db_path
-    from ..tuning.session import TuneOptions
-
     def items(name: str) -> list[str]:
         return [t.strip() for t in opts[name].split(",") if t.strip()]
 
@@ -142,7 +142,6 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
     """Backend names of --backends (None: all); unknown names are a usage error naming the known."""
     if not text:
         return None
-    from ..backends import backend_names
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in backend_names()]
@@ -168,16 +167,12 @@ def _parse_backends(text: Optional[str]) -> Optional[list[str]]:
 def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, **opts) -> None:
     """Measure autosymm (through the dispatcher) against NCCL and torch's built-ins; with --regret,
     the database's regret between tuned points, winner flips and replay fidelity."""
-    import torch
-
     ctx = click.get_current_context()
     check_regret_options(ctx, opts)
     if opts["regret"]:
         run_regret(ctx, dict(ctx.params), _console())
         return
     plot_path = opts["plot_path"]
-    from ..bench.run import BenchOptions, bench_job, print_bench, write_bench_csv
-    from ..tuning.workers import run_workers
 
     options = BenchOptions(sizes=_parsed(parse_bench_sizes, sizes, "--sizes"), modes=[m.strip() for m in modes.split(",")],
                            shapes=_parsed(parse_moe_shapes, shapes, "--shapes"),
@@ -185,13 +180,11 @@ def bench(nproc, sizes, modes, shapes, tokens, ops, csv_path, **opts) -> None:
                            ops=[o.strip() for o in ops.split(",") if o.strip()])
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise click.ClickException("autosymm bench needs CUDA GPUs; none is visible here")
-    result = run_workers(bench_job, nproc, options)
+    result = workers.run_workers(bench_job, nproc, options)
     print_bench(result, _console())
     if csv_path:
         write_bench_csv(result, csv_path)
     if plot_path:
-        from ..bench.plot import plot_bench
-
         plot_bench(result, plot_path)
 
 
@@ -222,21 +215,16 @@ def show(db_paths, all_rows, as_json, op, world_size) -> None:
 
 
 def _db_paths(db_paths) -> list[Path]:
-    from ..db.store import shipped_db_paths, user_db_path
-
     if db_paths:
         return [Path(p) for p in db_paths]
     user = user_db_path()
-    return ([user] if user.exists() else []) + list(shipped_db_paths())
+    return ([user] if user.exists() else []) + list(store.shipped_db_paths())
 
 
 def _collect_rows(db_paths, op, world_size, winners_only: bool):
     """Rows of the databases: every valid row, or with ``winners_only`` each key's winner
     (autosymm.db.read: the fastest row of the first database holding the key). A database that
     cannot be used is an error saying why (autosymm.db.store.verdict)."""
-    from ..db.store import TuningDB, verdict
-    from ..db.read import DBSource, winners
-
     filters = {k: v for k, v in (("op", op), ("world_size", world_size)) if v is not None}
     rows, sources = [], []
     for path in _db_paths(db_paths):
@@ -299,8 +287,6 @@ def explain(**opts) -> None:
     """Which backend and config would serve a call, and why (no GPU needed).
 
     Each op takes its own options for the call's size and shape (the ops' records)."""
-    from ..hardware import fingerprint, hardware_slug_for
-
     record, values = spec.get(opts["op"]), parsed(opts, call_options)
     _check_own_options(record, values)
     fp = fingerprint()
@@ -335,9 +321,6 @@ def _check_own_options(record, values: dict) -> None:
 def _open(db_paths):
     """Sources for --db paths (as given) or, without any, the user DB then the shipped ones; a
     database that cannot be used is an error saying why, as in `show` (autosymm.db.store.verdict)."""
-    from ..db.store import verdict
-    from ..db.read import open_sources
-
     paths = _db_paths(db_paths)
     why = next((why for why in map(verdict, paths) if why is not None), None)
     if why is not None:
@@ -349,9 +332,6 @@ def _open(db_paths):
 @main.command()
 def info() -> None:
     """This machine's hardware fingerprint and the databases autosymm would read."""
-    from ..db.store import shipped_db_paths, user_db_path, verdict
-    from ..hardware import fingerprint
-
     def state(path: Path) -> str:  # the verdict `show` and `explain` act on
         why = verdict(path) if path.exists() else "absent"
         return "usable" if why is None else why if why == "absent" else f"unusable: {why}"
@@ -361,7 +341,7 @@ def info() -> None:
     for key, value in fp.as_dict().items():
         console.print(f"{key:20s} {value}")
     console.print(f"{'user_db':20s} {user_db_path()} ({state(user_db_path())})")
-    for path in shipped_db_paths():
+    for path in store.shipped_db_paths():
         console.print(f"{'shipped_db':20s} {path} ({state(path)})")
 
 
@@ -376,8 +356,6 @@ def db() -> None:
 @click.option("--into", "target", required=True, type=click.Path(dir_okay=False), help="database to merge into (created if absent)")
 def db_merge(sources, target) -> None:
     """Merge SOURCES into --into, keeping the faster row per key."""
-    from ..db.merge import merge_files
-
     for source, counts in zip(sources, merge_files(sources, target)):
         skipped = f", {counts.skipped} bad rows skipped" if counts.skipped else ""
         click.echo(f"{source}: {counts.inserted} new, {counts.replaced} replaced by faster rows, {counts.kept} kept"
@@ -392,8 +370,6 @@ def db_merge(sources, target) -> None:
 @click.option("--overwrite", is_flag=True)
 def db_export(output, source, hardware, world_size, overwrite) -> None:
     """Export (a subset of) a database into a new shippable file, e.g. tuning_db/<node slug>.sqlite."""
-    from ..db.store import TuningDB, user_db_path
-
     filters = {k: v for k, v in (("hardware", hardware), ("world_size", world_size)) if v is not None}
     with TuningDB(Path(source) if source else user_db_path(), readonly=True) as src:
         count = src.export(output, overwrite=overwrite, **filters)

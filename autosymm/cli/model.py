@@ -18,6 +18,7 @@ from click.core import ParameterSource
 
 from .options import registry_options, sweep_options
 from .plans import table
+from ..tuning.model_calls import ModelCalls, ModelShape, default_capture_sizes, parse_capture_sizes
 
 #: The options `--model` takes besides the model's config (their click names).
 MODEL_ONLY = ("tp", "capture_sizes", "sequence_parallel")
@@ -46,8 +47,6 @@ def model_calls(ctx: click.Context, opts: dict):
     """The autosymm.tuning.model_calls.ModelCalls `tune`'s options ask for (None without
     --model); usage errors naming the options that clash with it or need it, or a config that
     cannot be read."""
-    from ..tuning.model_calls import ModelCalls, ModelShape, default_capture_sizes, parse_capture_sizes
-
     given = [name for name in opts if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)]
     if opts.get("model_path") is None:
         needing = [_flag(ctx, name) for name in MODEL_ONLY if name in given]

@@ -12,6 +12,7 @@ from .. import settings, spec
 from ..problem import Problem
 from ..spec import OpSpec, PointRequest
 from .plans import Target, cannot_serve, offline_caps, tuned_hardware
+from ..runtime.dispatch import decide
 
 #: The calls `run` decides for this machine: bf16 on a group of this many ranks (the README's example's).
 WORLD_SIZE = 2
@@ -29,8 +30,6 @@ def representative(record: OpSpec, world_size: int, dtype: str) -> Optional[Prob
 
 def decision_lines(target: Target, sources) -> list[str]:
     """One line per registered op: what a representative call would run on ``target`` (eager)."""
-    from ..runtime.dispatch import decide
-
     caps, lines = offline_caps(target), []
     for record in spec.registered():
         problem = representative(record, target.world_size, target.dtype)

@@ -14,10 +14,17 @@ from dataclasses import replace
 from typing import NamedTuple, Optional, Sequence
 
 import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from .. import settings
 from ..spec import OpSpec, OptionError, PointRequest, Values
 from ..problem import MODES, Problem
+from ..backends import Capabilities, get_backend
+from ..configs import config_fields
+from ..runtime.dispatch import decide
+from ..settings import default_region_bytes
 
 #: Width of a console that is not a terminal (a pipe, a file, a test): wide enough that no
 #: table is cut or wrapped. On a terminal, columns fold (never cut) to its width.
@@ -31,8 +38,6 @@ PLAN_CAPTION = ("us: measured at the tuned point; ~us: modelled (between or beyo
 
 def console():
     """A rich console for the commands' output (see PLAIN_WIDTH)."""
-    from rich.console import Console
-
     terminal = Console()
     return terminal if terminal.is_terminal else Console(width=PLAIN_WIDTH)
 
@@ -40,9 +45,6 @@ def console():
 def table(title: str, columns: list[str], rows: list[list], caption: Optional[str] = None):
     """A rich table whose cells wrap between words, never inside one, when the console is narrow
     (each column at least its longest word wide, up to MAX_WORD): names are never cut."""
-    from rich.table import Table
-    from rich.text import Text
-
     cells = [[str(v) for v in row] for row in rows]
     table = Table(title=title, caption=caption)
     for i, column in enumerate(columns):
@@ -135,9 +137,6 @@ def explained_problem(record: OpSpec, values: Values, size_text: str, target: Ta
 def offline_caps(target: Target):
     """Capabilities assumed when explaining for another machine: the default workspace (or
     AUTOSYMM_WORKSPACE_BYTES), intra-node (autosymm.backends.Capabilities.of)."""
-    from ..backends import Capabilities
-    from ..settings import default_region_bytes
-
     cc = (9, 0) if any(name in target.gpu.upper() for name in ("H100", "H200", "H800", "H20", "GH200")) else (8, 0)
     return Capabilities.of(target.world_size, region_bytes=default_region_bytes(), compute_capability=cc)
 
@@ -147,8 +146,6 @@ def cannot_serve(decision, problem: Problem, caps, mode: str) -> Optional[tuple[
     cannot serve it in ``mode`` (NCCL's all_to_all inside a CUDA-graph capture); the remedy is
     the one the skipped backends name (autosymm.init(moe=[autosymm.MoEPlan(...)])) or ''.
     None when the backend serves the call."""
-    from ..backends import get_backend
-
     try:
         why = get_backend(decision.backend).why_not(problem, caps, mode)
     except KeyError as exc:
@@ -161,8 +158,6 @@ def cannot_serve(decision, problem: Problem, caps, mode: str) -> Optional[tuple[
 
 def explain_lines(problem: Problem, modes, target: Target, sources) -> list[str]:
     """`explain`'s lines for one call: the decision per mode and the faster rows passed over."""
-    from ..runtime.dispatch import decide
-
     caps, lines = offline_caps(target), []
     for mode in modes:
         decision = decide(problem, mode, caps, sources, target.hardware, settings.deterministic())
@@ -180,8 +175,6 @@ def plan(console, target: Target, sources, records: Sequence[OpSpec], modes=MODE
          values: Optional[Values] = None) -> None:
     """One table per op of ``records``: the decision at every default and tuned size (and shape,
     as its kind's option ``values`` select)."""
-    from ..runtime.dispatch import decide
-
     hardware, gpu, world_size, dtype = target
     caps, deterministic = offline_caps(target), settings.deterministic()
     for record in records:
@@ -229,8 +222,6 @@ def _plan_problems(record: OpSpec, target: Target, sources, values: Values) -> l
 
 
 def _short_config_obj(config) -> str:
-    from ..configs import config_fields
-
     if config is None:
         return "-"
     return " ".join(f"{k}={v}" for k, v in config_fields(config).items() if k != "algorithm")

@@ -8,10 +8,16 @@ with stand-in timings and prints no time.
 from __future__ import annotations
 
 import click
+import torch
 from click.core import ParameterSource
 
 from .. import spec
 from ..problem import MODES
+from ..bench.regret import RegretOptions, regret_job
+from ..bench.regret_report import lines, tables, write_csv, write_json
+from .plans import table
+from ..settings import export
+from ..tuning import workers
 
 #: `bench`'s options that only go with --regret, and those that do not (their click names).
 REGRET_ONLY = ("db_path", "rounds", "limit", "replay_calls", "cpu", "json_summary")
@@ -65,8 +71,6 @@ def check_regret_options(ctx: click.Context, opts: dict) -> None:
 
 def regret_options_of(ctx: click.Context, opts: dict):
     """autosymm.bench.regret.RegretOptions of `bench`'s options; bad values are usage errors."""
-    from ..bench.regret import RegretOptions
-
     modes = tuple(m.strip() for m in opts["modes"].split(",") if m.strip())
     ops = [o.strip() for o in opts["ops"].split(",") if o.strip()] if _given(ctx, "ops") else None
     unknown = [m for m in modes if m not in MODES] + [o for o in ops or () if o not in spec.names()]
@@ -86,14 +90,6 @@ def regret_options_of(ctx: click.Context, opts: dict):
 
 def run_regret(ctx: click.Context, opts: dict, console) -> None:
     """`autosymm bench --regret`: the workers (GPUs, or 2 gloo ranks with --cpu), then the report."""
-    import torch
-
-    from ..bench.regret import regret_job
-    from ..bench.regret_report import lines, tables, write_csv, write_json
-    from ..settings import export
-    from ..tuning.workers import run_workers
-    from .plans import table
-
     options = regret_options_of(ctx, opts)
     if not options.stand_in and (not torch.cuda.is_available() or torch.cuda.device_count() == 0):
         raise click.ClickException("autosymm bench --regret needs CUDA GPUs; none is visible here (--cpu runs its "
@@ -101,7 +97,7 @@ def run_regret(ctx: click.Context, opts: dict, console) -> None:
     if opts["db_path"]:
         export({"AUTOSYMM_DB": str(opts["db_path"])})  # the workers' runtime reads it first, as a user's does
     nproc = opts["nproc"] or (2 if options.stand_in else None)
-    result = run_workers(regret_job, nproc, options, cpu=options.stand_in)
+    result = workers.run_workers(regret_job, nproc, options, cpu=options.stand_in)
     if result is None:  # a rank other than 0 under torchrun
         return
     for title, columns, body in tables(result):

@@ -15,6 +15,9 @@ Design notes: docs/DISPATCH.md#collectives-autograd
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from ..dist_compat import resolve_group
 
 #: Reduce ops whose all-reduce is linear in the inputs, so the gradient is an all-reduce of the
 #: gradients with the same op.
@@ -75,10 +78,6 @@ def moe_setup(ctx, inputs, output) -> None:
 
 
 def _rank(group_name: str) -> int:
-    import torch.distributed as dist
-
-    from ..dist_compat import resolve_group
-
     return dist.get_rank(resolve_group(group_name))
 
 

@@ -25,6 +25,7 @@ import re
 import sqlite3
 import tempfile
 import warnings
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
@@ -356,8 +357,6 @@ def user_db_path() -> Path:
 def shipped_db_dir() -> Optional[Path]:
     """The installed package data ``autosymm.tuning_db``, else <repo>/tuning_db (a checkout)."""
     try:
-        from importlib.resources import files
-
         installed = Path(str(files("autosymm.tuning_db")))
         if installed.is_dir():
             return installed

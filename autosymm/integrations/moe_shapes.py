@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from .moe_all2all import AutosymmAll2AllManager, DispatchHandle
 from . import serving  # its gate: what every adapter asks
+from autosymm.problem import DTYPES, MoEShape, Problem, dtype_name
+from autosymm.spec import DP_TO_EP, EP_TO_DP
 
 
 @dataclass
@@ -54,8 +56,6 @@ class TitanTokenDispatcher:
     def wire_meshes(self, *, ep_mesh=None, tp_mesh=None) -> None:
         """torchtitan's ``BaseEPTokenDispatcher.wire_meshes``: the SP coordinates from ``tp_mesh``
         (1-D); ``ep_mesh`` must span this dispatcher's group (ValueError otherwise)."""
-        import torch.distributed as dist
-
         if ep_mesh is not None:
             mine = dist.get_process_group_ranks(self.manager.group or dist.group.WORLD)
             if dist.get_process_group_ranks(ep_mesh.get_group()) != mine:
@@ -109,9 +109,6 @@ class TitanTokenDispatcher:
     def _tuned(self, x_TD: torch.Tensor, k: int) -> bool:
         """Whether tuned rows decide both conversions of this (agreed) call for autosymm's
         conversion, not NCCL (autosymm.integrations.serving.serves); asked once per call shape."""
-        from autosymm.problem import DTYPES, MoEShape, Problem, dtype_name
-        from autosymm.spec import DP_TO_EP, EP_TO_DP
-
         key = (x_TD.shape[0], x_TD.shape[1], k, x_TD.dtype)
         if key not in self._decided:
             manager = self.manager

@@ -43,6 +43,7 @@ WARMUP = "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs"
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: register the three hooks (see the module docstring)."""
+    # SGLang is optional: imported only when SGLang runs
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(CA_DISPATCH, dispatch_custom_allreduce, HookType.AROUND)
@@ -104,7 +105,7 @@ def build(stack_class, group, device):
 def _deterministic() -> Optional[bool]:
     """True under SGLang's deterministic inference (``SGLANG_ENABLE_DETERMINISTIC_INFERENCE``, read
     through SGLang's ``envs``), else None (autosymm's own default)."""
-    from sglang.srt.environ import envs
+    from sglang.srt.environ import envs  # SGLang is optional: imported only when SGLang runs
 
     return True if envs.SGLANG_ENABLE_DETERMINISTIC_INFERENCE.get() else None
 
@@ -122,6 +123,7 @@ def serve_fused(slot, x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 def fused_allreduce_residual_rmsnorm(original, input_tensor, residual, weight, eps=1e-6, **options):
     """AROUND FlashInfer's fused call: autosymm's where it serves (see the module docstring)."""
+    # SGLang is optional: imported only when SGLang runs
     from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
 
     _, _, coordinator = resolve_fusion_group(use_attn_tp_group=options.get("use_attn_tp_group", True))

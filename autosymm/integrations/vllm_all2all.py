@@ -27,6 +27,8 @@ from autosymm.problem import MoEShape, Problem, dtype_name
 from autosymm.spec import DP_TO_EP, EP_TO_DP
 
 from . import serving
+from autosymm.runtime.group import state_of
+from .moe_rows import SUMMED_DTYPES, GatheredRows, row_view
 
 MANAGER_QUALNAME = "autosymm.integrations.vllm_all2all.AutosymmAgRsAll2AllManager"
 
@@ -36,6 +38,7 @@ def install(comm) -> None:
     all-gather / reduce-scatter manager (``all2all_backend`` ``allgather_reducescatter``, vLLM's
     default, or ``naive``); other managers, and none, stay. Collective over the group's ranks, as
     vLLM's construction is."""
+    # vLLM is optional: imported only when vLLM runs
     from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
 
     manager = getattr(comm, "all2all_manager", None)
@@ -80,8 +83,6 @@ class Served:
         self.tuned: dict[tuple, bool] = {}  # a call's (experts, d, k, tokens, dtype, mode) -> tuned rows decide it
 
     def rows_for(self, n_experts: int):
-        from .moe_rows import GatheredRows
-
         if n_experts not in self.rows:  # collective: every rank reaches the first call together
             self.rows[n_experts] = GatheredRows(n_experts, self.device_group)
         return self.rows[n_experts]
@@ -95,9 +96,8 @@ class Served:
 
 def _capturable(rows, hidden: torch.Tensor, k: int, n_tokens: int) -> bool:
     """Whether both conversions of this call run the Triton kernels on the workspace as it is."""
+    # a backend loads on first use (autosymm.backends), not with this module
     from autosymm.backends.triton_moe import TRITON_MOE, fits
-    from autosymm.runtime.group import state_of
-    from autosymm.problem import MoEShape, Problem, dtype_name
 
     state = state_of(rows.manager.group)
     shape = MoEShape(hidden.shape[1], rows.manager.n_experts, k)
@@ -125,15 +125,13 @@ def tuned(served: Served, n_experts: int, rows: torch.Tensor, k: int, n_tokens: 
 
 def why_not_dispatch(manager, dist_group, hidden_states, topk_ids, sizes) -> tuple[str, Optional[object]]:
     """('', GatheredRows) where autosymm serves this dispatch, else (why not, None); the same on every rank."""
-    from .moe_rows import row_view
-
     served = manager.autosymm
     if served.reason:
         return served.reason, None
     if list(dist_group.ranks) != served.ranks:
         return f"the call's group {dist_group.unique_name} is not the EP group's ranks", None
     if served.layout is None:
-        from vllm.config import get_current_vllm_config_or_none
+        from vllm.config import get_current_vllm_config_or_none  # vLLM is optional: imported only when vLLM runs
 
         served.layout = moe_layout(manager.vllm_config or get_current_vllm_config_or_none(), len(served.ranks))
     n_experts, why = served.layout
@@ -156,6 +154,7 @@ def why_not_dispatch(manager, dist_group, hidden_states, topk_ids, sizes) -> tup
 
 @functools.cache
 def _manager_class():
+    # vLLM is optional: imported only when vLLM runs
     from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
 
     class AutosymmAgRsAll2AllManager(AgRsAll2AllManager):
@@ -165,7 +164,7 @@ def _manager_class():
 
         def __init__(self, cpu_group, tcp_store_group=None, *, device_group=None):
             super().__init__(cpu_group, tcp_store_group)
-            from vllm.config import get_current_vllm_config_or_none
+            from vllm.config import get_current_vllm_config_or_none  # vLLM is optional: imported only when vLLM runs
 
             self.vllm_config = get_current_vllm_config_or_none()
             stateless = tcp_store_group is not None or device_group is None
@@ -195,8 +194,6 @@ def _manager_class():
 
         def _served_combine(self, hidden_states, is_sequence_parallel):
             """autosymm's combine of the pending served dispatch, or None (vLLM's then runs)."""
-            from .moe_rows import SUMMED_DTYPES
-
             pending = self.autosymm.take()
             if pending is None:
                 return None

@@ -74,6 +74,7 @@ torch.library.register_fake("autosymm::vllm_fused_allreduce_norm", lambda *args,
 
 def _patterns():
     """FlashInfer's ``AllReduceFusionPattern`` as vLLM's fusion module holds it."""
+    # vLLM is optional: imported only when vLLM runs
     from vllm.compilation.passes.fusion import allreduce_rms_fusion as fusion
 
     return fusion.flashinfer_comm.AllReduceFusionPattern

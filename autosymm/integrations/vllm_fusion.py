@@ -149,6 +149,7 @@ def _functional(graph: Graph, match: _Match, use) -> tuple[Node, Node, Optional[
 def _flashinfer_form(graph: Graph, match: _Match, use, vllm_pass) -> tuple[Node, Node, Optional[Node]]:
     """Where vLLM's pass would fuse: its FlashInfer replacement with autosymm's op in front
     (autosymm.integrations.vllm_flashinfer), on the same buffers."""
+    # vLLM is optional: imported only when vLLM runs
     from vllm.compilation.passes.fusion import allreduce_rms_fusion as fusion
 
     codes = fusion.flashinfer_comm.AllReduceFusionPattern
@@ -265,7 +266,7 @@ def _gemma_weight(weight: Node) -> Optional[Node]:
 def _vllm_fusion_pass():
     """vLLM's ``AllReduceFusionPass`` in the pass manager compiling now (vLLM's
     PostGradPassManager is inductor's post-grad post pass, compilation/backends.py:999), or None."""
-    from torch._inductor import config as inductor_config
+    from torch._inductor import config as inductor_config  # torch._inductor: ~1 s of imports; only a compile needs it
 
     manager = inductor_config.post_grad_custom_post_pass
     for candidate in getattr(manager, "passes", ()):
@@ -283,7 +284,7 @@ def _vllm_fused_max_tokens(vllm_pass, x, weight, eps: float, form: Optional[str]
     QuantFP8 form, matcher_utils.py:384)."""
     if vllm_pass is None or getattr(vllm_pass, "disabled", True) or eps not in (1e-5, 1e-6):
         return 0
-    from vllm.compilation.passes.pass_manager import get_pass_context
+    from vllm.compilation.passes.pass_manager import get_pass_context  # vLLM is optional: imported only when vLLM runs
 
     if not vllm_pass.is_applicable_for_range(get_pass_context().compile_range):
         return 0
@@ -300,9 +301,10 @@ def _vllm_has_quant_pattern(vllm_pass, form: str) -> bool:
     if not getattr(vllm_pass, "supports_quant_fusion", False):
         return False
     if form == "nvfp4":
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # vLLM is optional: imported only when vLLM runs
 
         return bool(current_platform.has_device_capability(100))
+    # vLLM is optional: imported only when vLLM runs
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 
     return (form == "fp8") == bool(QuantFP8.enabled())  # MatcherQuantFP8's form is QuantFP8's
@@ -327,7 +329,7 @@ def install(vllm_config) -> bool:
     fusion off as an opt-out (:func:`opted_out`); True when it is there. vLLM's own
     ``fuse_allreduce_rms`` stays as vLLM set it: its pass keeps the FlashInfer workspace and its
     replacement's parameters, which the FlashInfer form autosymm writes uses."""
-    from vllm.config import CompilationMode
+    from vllm.config import CompilationMode  # vLLM is optional: imported only when vLLM runs
 
     compilation = vllm_config.compilation_config
     if (vllm_config.parallel_config.tensor_parallel_size <= 1 or compilation.mode != CompilationMode.VLLM_COMPILE
@@ -348,7 +350,8 @@ def opted_out(vllm_config) -> str:
     ``fuse_allreduce_rms=False`` where vLLM's own check would turn it on (the user's choice). Off
     for want of FlashInfer or of sm90/sm100 (:193-202) is no opt-out: the pass serves there, its
     fallback vLLM's unfused ops."""
-    import vllm.envs as envs
+    import vllm.envs as envs  # vLLM is optional: imported only when vLLM runs
+    # vLLM is optional: imported only when vLLM runs
     from vllm.config.vllm import OptimizationLevel, enable_allreduce_rms_fusion
 
     if envs.VLLM_BATCH_INVARIANT:

@@ -103,7 +103,7 @@ def quantize(y: Tensor, quant: str, scale: Tensor) -> tuple[Tensor, Tensor]:
     if quant == "fp8_native":
         product = y.to(torch.float32) * scale.reciprocal()
         return product.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(_FP8), _no_scales(y)
-    from vllm._custom_ops import create_fp4_output_tensors
+    from vllm._custom_ops import create_fp4_output_tensors  # vLLM is optional: imported only when vLLM runs
 
     out, scales = create_fp4_output_tensors(y.shape[0], y.shape[1], y.device, True)
     torch.ops._C.scaled_fp4_quant.out(y, scale, True, output=out, output_scale=scales)

@@ -21,7 +21,7 @@ from .vllm_warmup import record_form
 
 def group_coordinator(name: str):
     """vLLM's live ``GroupCoordinator`` called ``name`` (its ``unique_name``, e.g. 'tp:0')."""
-    from vllm.distributed.parallel_state import _groups
+    from vllm.distributed.parallel_state import _groups  # vLLM is optional: imported only when vLLM runs
 
     ref = _groups.get(name)
     coordinator = ref() if ref is not None else None

@@ -38,7 +38,7 @@ VLLM_WORKER = "vllm.v1.worker.gpu_worker.Worker"  # what vLLM's CUDA platform na
 def platform_plugin() -> Optional[str]:
     """The ``vllm.platform_plugins`` entry point: :data:`PLATFORM_QUALNAME` where vLLM's CUDA
     platform plugin activates (a CUDA device), else None (vLLM's detection goes on)."""
-    from vllm.platforms import cuda_platform_plugin
+    from vllm.platforms import cuda_platform_plugin  # vLLM is optional: imported only when vLLM runs
 
     return PLATFORM_QUALNAME if cuda_platform_plugin() is not None else None
 
@@ -61,14 +61,14 @@ def attach(comm, deterministic: Optional[bool] = None) -> Optional[AutosymmServi
 def batch_invariant() -> Optional[bool]:
     """True under vLLM's batch-invariant mode (``vllm.envs.VLLM_BATCH_INVARIANT``, which vLLM's
     own communicators read), else None (autosymm's own default)."""
-    import vllm.envs as envs
+    import vllm.envs as envs  # vLLM is optional: imported only when vLLM runs
 
     return True if envs.VLLM_BATCH_INVARIANT else None
 
 
 def elastic_ep() -> bool:
     """True when the current vLLM config enables elastic EP (``--enable-elastic-ep``)."""
-    from vllm.config import get_current_vllm_config_or_none
+    from vllm.config import get_current_vllm_config_or_none  # vLLM is optional: imported only when vLLM runs
 
     config = get_current_vllm_config_or_none()
     return bool(config is not None and config.parallel_config.enable_elastic_ep)
@@ -109,6 +109,7 @@ def _dim0_first(serves, run, x: torch.Tensor, dim: int, chain) -> torch.Tensor:
 
 @functools.cache
 def _communicator_class():
+    # vLLM is optional: imported only when vLLM runs
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     class AutosymmCudaCommunicator(CudaCommunicator):
@@ -143,7 +144,7 @@ def _communicator_class():
 
 @functools.cache
 def _platform_class():
-    from vllm.platforms.cuda import CudaPlatform
+    from vllm.platforms.cuda import CudaPlatform  # vLLM is optional: imported only when vLLM runs
 
     class AutosymmCudaPlatform(CudaPlatform):
         """vLLM's CUDA platform with :class:`AutosymmCudaCommunicator` as its device communicator."""

@@ -44,6 +44,7 @@ def record_form(x: torch.Tensor, epilogue, form: str, params: Optional[dict] = N
 def stack_path(comm, adapter) -> StackPath:
     """vLLM's own path on communicator ``comm`` (an AutosymmCudaCommunicator) whose slot holds
     ``adapter`` (module docstring)."""
+    # vLLM is optional: imported only when vLLM runs
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     def bypassing(call: Callable):
@@ -146,7 +147,7 @@ def _unfused_launcher(problem: Problem, vllm_all_reduce: Callable):
 @functools.cache
 def worker_class():
     """:class:`AutosymmWorker`, built (importing vLLM) on first use."""
-    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.gpu_worker import Worker  # vLLM is optional: imported only when vLLM runs
 
     class AutosymmWorker(Worker):
         """vLLM's GPU worker whose warm-up runs inside autosymm's warm-up tuning (module docstring)."""

@@ -15,20 +15,24 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import dispatch
-from .. import settings
+from .. import hardware, settings
 from .agreement import AgreementError, Exchange, problems
 from .call_check import CheckedCache
 from ..backends import Capabilities, RunContext, get_backend
-from ..db.read import DBSource
+from ..db.read import DBSource, open_sources
+from ..db import store
 from ..db.store import TuningDB
 from .dispatch import Decision
 from ..dist_compat import check_group, group_device
 from ..problem import Problem
 from .replay import wrap_eager
 from .warmup import WarmupLog, key_of as warmup_key
+from ..geometry import DOUBLE_BUFFER_HALF_BYTES, MAX_WORLD_SIZE, workspace_layout
+from ..workspace.symm import get_workspace
 
 log = logging.getLogger("autosymm")
 
@@ -60,7 +64,6 @@ def check_traced(x, what: str) -> None:
     itself only while compiling)."""
     if torch.compiler.is_dynamo_compiling() or _current_dispatch_mode() is not None:
         return
-    from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(x, FakeTensor) or getattr(x, "is_meta", False):
         kind = "is a fake tensor" if isinstance(x, FakeTensor) else "is on meta"
@@ -139,8 +142,6 @@ class GroupState:
             warnings.warn(f"autosymm: every rank uses NCCL on this group: {self.safe_reason}", stacklevel=4)
         self.workspace = None
         if self.safe_reason is None and local.wants_workspace and self.intra_node:
-            from ..workspace.symm import get_workspace
-
             self.workspace = get_workspace(group, self.device)
         self.caps = Capabilities.of(self.world_size, workspace=self.workspace, intra_node=self.intra_node,
                                     compute_capability=self.fingerprint.compute_capability)
@@ -257,9 +258,7 @@ class LocalSetup:
     goes into ``report`` (ok False) so that every rank learns it and takes the same path."""
 
     def __init__(self, device: torch.device, world_size: int) -> None:
-        from ..hardware import cpu_fingerprint
-
-        self.fingerprint, self.sources, self.wants_workspace = cpu_fingerprint(), [], False
+        self.fingerprint, self.sources, self.wants_workspace = hardware.cpu_fingerprint(), [], False
         self.report: dict[str, Any] = {"ok": True, "error": "", "host": socket.gethostname(),
                                        "capturing": stream_capturing(),
                                        "settings": {}}
@@ -269,25 +268,20 @@ class LocalSetup:
             self.report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
 
     def _find_out(self, device: torch.device, world_size: int) -> None:
-        from ..db.store import shipped_db_paths, user_db_path
-        from ..db.read import open_sources
-        from ..geometry import MAX_WORLD_SIZE
-        from ..hardware import fingerprint, nccl_version
-
         settings.check()  # a bad value of any runtime variable: every rank hears it and uses NCCL
-        self.fingerprint = fingerprint()
+        self.fingerprint = hardware.fingerprint()
         disabled = settings.disabled()
         agreed = self.report["settings"]
-        agreed.update(hardware=self.fingerprint.hardware_slug, nccl_version=nccl_version(), disabled=disabled,
+        agreed.update(hardware=self.fingerprint.hardware_slug, nccl_version=hardware.nccl_version(), disabled=disabled,
                       deterministic=settings.deterministic(), check_calls=settings.check_calls())
-        self.sources = open_sources(user_db_path(), shipped_db_paths(), self.fingerprint.hardware_slug)
+        self.sources = open_sources(store.user_db_path(), store.shipped_db_paths(), self.fingerprint.hardware_slug)
         agreed["databases"] = hashlib.sha256("".join(s.digest() for s in self.sources).encode()).hexdigest()
         self.wants_workspace = (device.type == "cuda" and 1 < world_size <= MAX_WORLD_SIZE and not disabled)
         if world_size > 1:  # what the kernels would be built with, compared even where none run
             region_bytes = settings.default_region_bytes()
             polls = settings.get_or_default("AUTOSYMM_BARRIER_MAX_POLLS")[0]
             if self.wants_workspace:
-                # a group with a workspace compiles the kernels: the limit their module holds
+                # Triton kernels load only with a workspace; the limit is the one they compile with
                 from ..kernels.barrier import MAX_POLLS
 
                 polls = int(MAX_POLLS.value)
@@ -299,8 +293,6 @@ class LocalSetup:
 def check_free_memory(device: torch.device, region_bytes: tuple[int, int]) -> None:
     """MemoryError naming the bytes when ``device`` cannot hold the workspace: checked before the
     rendezvous, because a rank whose allocation fails inside it would leave its peers waiting."""
-    from ..geometry import DOUBLE_BUFFER_HALF_BYTES, workspace_layout
-
     needed = workspace_layout(*region_bytes, DOUBLE_BUFFER_HALF_BYTES).total_bytes
     free, _ = torch.cuda.mem_get_info(device)
     if free < needed:

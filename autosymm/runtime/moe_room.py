@@ -18,15 +18,20 @@
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from ..backends import get_backend
 from ..geometry import MOE_REGION, grown_moe_bytes, moe_region_bytes
 from ..spec import KEY_SPEC
 from ..problem import DTYPES, MODEL_SHAPES, MoEShape, Problem, dtype_name
+from .agreement import Exchange, problems
+from ..settings import MAX_WORKSPACE_BYTES
+from ..workspace.symm import peer_buffers
 
 log = logging.getLogger("autosymm")
 
@@ -74,10 +79,6 @@ def agree(group, plans: Sequence[MoEPlan], moe_max_bytes, wrong: str = "") -> tu
     ``group`` (an exchange with a deadline, autosymm.runtime.agreement); a ValueError on every rank when
     the ranks were given different ones, or one of them could not read its plans, or found
     ``wrong`` with init's other arguments (its message)."""
-    import torch.distributed as dist
-
-    from .agreement import Exchange, problems
-
     world_size = dist.get_world_size(group)
     report = {"ok": True, "error": "", "settings": {}}
     try:
@@ -97,10 +98,6 @@ def agree(group, plans: Sequence[MoEPlan], moe_max_bytes, wrong: str = "") -> tu
 def checked_max_bytes(moe_max_bytes) -> int:
     """``moe_max_bytes`` of ``autosymm.init``: a whole number of bytes >= 0 (0: never grow), at most
     settings.MAX_WORKSPACE_BYTES; TypeError or ValueError naming the value otherwise."""
-    from ..settings import MAX_WORKSPACE_BYTES
-
-    import operator
-
     try:
         nbytes = operator.index(moe_max_bytes)  # ints (numpy's too), never floats
     except TypeError:
@@ -129,6 +126,7 @@ def prepare(state, problem: Problem, mode: str):
     """``state.prepare(problem, mode)`` for a MoE call, after growing the region (eager) or
     raising a clear error (graph) where only room stops the Triton conversion."""
     if state.workspace is not None:
+        # a backend loads on first use (autosymm.backends), not with this module
         from ..backends.triton_moe import TRITON_MOE, fits, region_bytes_for
 
         caps = state.caps
@@ -144,6 +142,7 @@ def prepare(state, problem: Problem, mode: str):
 
 
 def graph_room_message(problem: Problem, have: int) -> str:
+    # a backend loads on first use (autosymm.backends), not with this module
     from ..backends.triton_moe import buffer_bytes, region_bytes_for
 
     shape, dtype = problem.shape, str(DTYPES[problem.dtype]).replace("torch.", "")
@@ -190,10 +189,8 @@ def grow_region(ws, name: str, nbytes: int) -> bool:
     """Collective over ``ws.group``: every rank allocates ``nbytes`` of symmetric memory, the ranks
     agree that all succeeded, rendezvous, and region ``name`` moves there (Workspace.move_region).
     False on every rank, nothing changed, when any rank could not allocate."""
+    # symmetric memory: `import torch` skips it; only a workspace needs it
     import torch.distributed._symmetric_memory as symm_mem
-
-    from .agreement import Exchange
-    from ..workspace.symm import peer_buffers
 
     try:
         buffer = symm_mem.empty((nbytes,), dtype=torch.uint8, device=ws.device)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import torch
+
 from .. import spec
 from ..epilogue import Epilogue
 from ..problem import DTYPE_NAMES, MoEShape, Problem, any_dtype_name
@@ -168,8 +170,6 @@ def _first(config: dict, names: Sequence[str], what: str, default: Optional[int]
 
 
 def _dtype(text: str) -> str:
-    import torch
-
     dtype = getattr(torch, text, None)
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"the model's dtype {text!r} is not one autosymm's kernels compute in "

@@ -7,11 +7,14 @@ kernel variant) while the other ranks wait in the tuner's protocol.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .. import settings
 from ..problem import Problem
+from ..backends import launch
+from ..backends.launch import compile_only
 
 
 def compile_threads() -> int:
@@ -31,9 +34,7 @@ def precompile(problem: Problem, candidates: dict[str, list], backends: dict, ct
     launch, no collective: autosymm.backends.launch.compile_only). A failure is left for the
     candidate's own prepare/measure to report. Without it, the first candidates of each problem
     compile one by one (about 0.3-1 s per kernel variant)."""
-    from ..backends.launch import compile_only, interpreter_active
-
-    if interpreter_active():
+    if launch.interpreter_active():
         return 0
     jobs = [(name, config) for name, configs in candidates.items()
             if backends[name].needs.compiles_kernels for config in configs]
@@ -57,7 +58,6 @@ def precompile(problem: Problem, candidates: dict[str, list], backends: dict, ct
     firsts = {name: i for i, (name, _) in reversed(list(enumerate(jobs)))}
     built = sum(build(jobs[i]) for i in sorted(firsts.values()))
     rest = [job for i, job in enumerate(jobs) if i not in firsts.values()]
-    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=compile_threads()) as pool:
         return built + sum(pool.map(build, rest))

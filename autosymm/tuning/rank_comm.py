@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..runtime.agreement import Exchange
 from .timing import Timing, comm_device, group_size
@@ -46,8 +47,6 @@ class RankComm:
     long an agreement waits for a peer (None: the process group's timeout)."""
 
     def __init__(self, group, wait_s: Optional[float] = None):
-        import torch.distributed as dist
-
         self.dist = dist
         self.group = group
         self.world_size = group_size(group)

@@ -11,6 +11,7 @@ score)`` reports its score (+inf for a failed candidate).
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Iterable, Optional
 
 from ..configs import iter_space_fields
@@ -63,8 +64,7 @@ class _OptunaChooser:
     MAX_DUPLICATES = 8
 
     def __init__(self, candidates: list[Any], indices: list[int], budget: int, seed: int):
-        import optuna
-        from optuna.distributions import CategoricalDistribution, IntDistribution
+        import optuna  # optuna may be missing (make_chooser then samples at random) and costs ~0.15 s
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._optuna = optuna
@@ -84,7 +84,8 @@ class _OptunaChooser:
             ordinal = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
             self.axes.append((name, values, ordinal))
         self.distributions = {
-            name: IntDistribution(0, len(values) - 1) if ordinal else CategoricalDistribution(values)
+            name: (optuna.distributions.IntDistribution(0, len(values) - 1) if ordinal
+                   else optuna.distributions.CategoricalDistribution(values))
             for name, values, ordinal in self.axes
         }
         self._coords = {i: self._coordinates(candidates[i]) for i in indices}
@@ -184,6 +185,4 @@ def make_chooser(candidates: list[Any], indices: list[int], strategy: str, budge
     try:
         return _OptunaChooser(candidates, indices, budget, seed)
     except ImportError:  # no optuna on this node: a seeded random sample of the same size
-        import random
-
         return _GridChooser(sorted(random.Random(seed).sample(indices, budget)))

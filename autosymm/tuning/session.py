@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .. import spec
 from ..spec import PointRequest, Values
@@ -32,6 +33,12 @@ from .reference import ProblemData
 from .sweep import SweepItem, TimingPlan, candidates_for, control_group_for, measure_timeout_s, timing_plan
 from .timing import comm_device
 from .tuner import SearchSettings, tune
+from ..backends import Capabilities, RunContext, backend_names, get_backend
+from ..db.store import Row, TuningDB
+from ..hardware import fingerprint, provenance
+from .ops import workspace_bytes as needs
+from ..settings import default_region_bytes
+from ..workspace.symm import get_workspace
 
 
 @dataclass
@@ -84,9 +91,6 @@ def workspace_bytes(problems: list[Problem]) -> tuple[int, int]:
     """(all-reduce, MoE) region bytes the sweep needs (at least the defaults): each op's needs
     (autosymm.tuning.ops: the push one-shot's slot per peer; the fused two-shot's x and out rows;
     both MoE buffers)."""
-    from ..settings import default_region_bytes
-    from .ops import workspace_bytes as needs
-
     return needs(problems, default_region_bytes())
 
 
@@ -127,11 +131,6 @@ class TuneSession:
 
     def __init__(self, settings: TuneSettings, backends: dict, *, group=None, workspace=None, db=None,
                  hardware=None, control_group=None):
-        import torch.distributed as dist
-
-        from ..backends import Capabilities, RunContext
-        from ..hardware import fingerprint, provenance
-
         self.settings, self.backends = settings, dict(backends)
         self.group, self.workspace, self.db = group, workspace, db
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -157,11 +156,6 @@ class TuneSession:
         world). On an NCCL group of several ranks, the workspace sized for the problems
         (:func:`workspace_bytes`); the control group; on rank 0 the database at ``db_path``
         (None or '': a dry run); the settings' backends (``backends``: name -> Backend instead)."""
-        import torch.distributed as dist
-
-        from ..db.store import TuningDB
-        from ..workspace.symm import get_workspace
-
         group = group if group is not None else dist.group.WORLD
         device, workspace = comm_device(group), None
         if dist.get_world_size(group) > 1 and device.type == "cuda":
@@ -292,7 +286,6 @@ class TuneSession:
         """Rank 0 writes a tuned item's rows; a failure lands in ``item.reason``, never raised."""
         if self.rank != 0 or self.db is None or item.status != "tuned" or item.outcome is None:
             return
-        from ..db.store import Row
 
         try:
             rows = item.outcome.rows(mode=item.mode, hardware=self.hardware_slug, provenance=self.provenance)
@@ -304,8 +297,6 @@ class TuneSession:
 def _load_backends(names: Optional[Sequence[str]]) -> tuple[dict, dict[str, str]]:
     """({name: Backend} of ``names`` (None: every registered one), {name: why unavailable}):
     one that cannot be imported (e.g. torch without symmetric memory) leaves the others."""
-    from ..backends import backend_names, get_backend
-
     backends, unavailable = {}, {}
     for name in names or backend_names():
         try:
@@ -328,7 +319,7 @@ class TuneResult:
 def tune_job(rank: int, world_size: int, options: TuneOptions) -> Optional[TuneResult]:
     """Tune ``options`` on this rank; rank 0 writes the DB and returns the :class:`TuneResult`
     (None on the other ranks)."""
-    from ..kernels import barrier
+    from ..kernels import barrier  # Triton kernels load at the first launch: a CPU group imports none
 
     if rank == 0 and int(barrier.MAX_POLLS.value) > barrier.TUNING_MAX_POLLS:
         print(f"autosymm tune: barrier waits give up after {int(barrier.MAX_POLLS.value)} polls; set "
@@ -358,6 +349,7 @@ def _progress(session: TuneSession, problems: list[Problem]):
     """A rich progress bar on rank 0 (no-op elsewhere): (callback per item, finish)."""
     if session.rank != 0:
         return (lambda item: None), (lambda: None)
+    # rich: only the CLI's tune draws progress; the serving warm-up imports this module
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = sum(len(session.modes_for(p)) for p in problems)

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch.distributed as dist
+
 from ..configs import config_to_json
 from ..problem import Problem
 from .outcome import TuneOutcome
@@ -28,7 +30,7 @@ MEASURE_TIMEOUT_S = 120.0  # default per-measurement timeout floor (s)
 def measure_timeout_s() -> float:
     """Default timeout of one measurement (s): at least twice a barrier wait's pessimistic spin
     limit plus a minute, so a kernel whose peer never arrives gives up by itself first."""
-    from ..kernels.barrier import max_wait_s
+    from ..kernels.barrier import max_wait_s  # Triton kernels load at the first launch: a CPU group imports none
 
     return max(MEASURE_TIMEOUT_S, 2 * max_wait_s() + 60.0)
 
@@ -147,8 +149,6 @@ def with_eager_launches(configs: list, mode: str) -> list:
 def control_group_for(group):
     """A gloo group over ``group``'s ranks for the tuner's protocol (kept off the GPU, so a hung
     stream cannot block it). Collective over the default group: every process must call it."""
-    import torch.distributed as dist
-
     if "gloo" in str(dist.get_backend(group)).lower():
         return group
     ranks = dist.get_process_group_ranks(group) if group is not None else None

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
+
+from ..dist_compat import group_device
 
 DEFAULT_WARMUP = 5
 DEFAULT_REPEATS = 50
@@ -146,7 +149,6 @@ def _as_args(inputs: Sequence[Any]) -> list[tuple]:
 def _barrier(group) -> None:
     if group is None:
         return
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)
@@ -242,15 +244,12 @@ def comm_device(group=None, device: Optional[torch.device | str] = None) -> torc
     device for NCCL, a mixed 'cpu:gloo,cuda:nccl' group included; the CPU for gloo)."""
     if device is not None:
         return torch.device(device)
-    from ..dist_compat import group_device
 
     return group_device(group)
 
 
 def group_size(group=None) -> int:
     """World size of ``group``, 1 when torch.distributed is not initialised."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
@@ -261,7 +260,6 @@ def max_over_ranks(timing: Timing, group=None, *, device: Optional[torch.device 
     rank. NaN counts as +inf (a failure). Without a process group it returns ``timing``."""
     if group_size(group) <= 1:
         return timing
-    import torch.distributed as dist
 
     values = [timing.median_us, timing.p10_us, timing.p90_us, float(timing.samples)]
     values = [math.inf if math.isnan(v) else v for v in values]

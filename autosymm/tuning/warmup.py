@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
-from .. import settings as env
+import torch.distributed as dist
+
+from .. import settings as env, spec
 from ..backends import get_backend
 from ..backends.stack import path_formula
 from ..db.schema import Key
@@ -87,8 +89,6 @@ class WarmupSettings:
         if not isinstance(self.trials, int) or self.trials < 1:
             raise ValueError(f"autotune: trials={self.trials!r} must be an integer >= 1")
         if self.ops is not None:
-            from .. import spec
-
             unknown = [op for op in self.ops if op not in spec.names()]
             if unknown:
                 raise ValueError(f"autotune: ops {unknown} are not among {spec.names()}")
@@ -277,8 +277,6 @@ def _control_group(state):
     group the candidates run on (a candidate's collective must never meet a protocol message),
     made by the group's ranks together at their first tune."""
     if state.control_group is None:
-        import torch.distributed as dist
-
         ranks = dist.get_process_group_ranks(state.group)
         state.control_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     return state.control_group

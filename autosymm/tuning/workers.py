@@ -15,6 +15,10 @@ import traceback
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import autosymm.api
 
 from .. import settings
 
@@ -35,8 +39,6 @@ def torchrun_world_size() -> int | None:
 
 
 def _init(rank: int, world_size: int, local_rank: int, cpu: bool = False) -> None:
-    import torch.distributed as dist
-
     if cpu:  # gloo ranks on the CPU (the --cpu smoke paths)
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -50,7 +52,6 @@ def _init(rank: int, world_size: int, local_rank: int, cpu: bool = False) -> Non
 def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, cpu: bool = False) -> None:
     settings.export(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)))
-    import torch.distributed as dist
 
     try:
         _init(rank, world_size, rank, cpu)
@@ -62,8 +63,6 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
         raise
     finally:
         if dist.is_initialized():
-            import autosymm.api
-
             autosymm.api.reset()  # no group reference may outlive destroy_process_group
             dist.destroy_process_group()
 
@@ -85,7 +84,6 @@ def run_workers(fn: Callable, nproc: int | None, *args: Any, cpu: bool = False) 
             raise RuntimeError(f"{nproc} CPU worker(s) asked for; at least 1")
     elif nproc < 1 or nproc > available:
         raise RuntimeError(f"--nproc {nproc} asked for, {available} CUDA GPUs visible")
-    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()

@@ -21,6 +21,7 @@ from math import prod
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..geometry import (ALIGN, ALL_REDUCE_EPOCH_SLOT, ALL_REDUCE_REGION, LAMPORT_REGION, DOUBLE_BUFFER_HALF_BYTES,
                         DOUBLE_BUFFER_REGION, ERROR_SLOTS_OFFSET, MAX_PROGRAMS, MOE_REGION, Layout, MAX_WORLD_SIZE,
@@ -283,7 +284,6 @@ class Workspace:
     def _host_barrier(group) -> None:
         if group is None:
             return
-        import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=group)
@@ -294,6 +294,7 @@ class Workspace:
         reached it. Bounded like every autosymm barrier (see :meth:`barrier_errors`)."""
         if self.world_size == 1:
             return
+        # Triton kernels load at the first launch: a CPU group imports none
         from ..kernels.barrier import _barrier_kernel
 
         _barrier_kernel[(1,)](self.signal_ptrs("host"), RANK=self.rank, WORLD_SIZE=self.world_size, num_warps=1)
@@ -326,8 +327,6 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
     :data:`DOUBLE_BUFFER_HALF_BYTES`) and the Lamport receive buffers
     (autosymm.geometry.LAMPORT_BYTES), not counted in AUTOSYMM_WORKSPACE_BYTES.
     """
-    import torch.distributed as dist
-
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     default_ar, default_moe = default_region_bytes()
@@ -351,7 +350,7 @@ def get_workspace(group=None, device: Optional[torch.device] = None, *, all_redu
 
 def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: int,
                 double_buffer_bytes: int = DOUBLE_BUFFER_HALF_BYTES) -> Workspace:
-    import torch.distributed as dist
+    # symmetric memory: `import torch` skips it; only a workspace needs it
     import torch.distributed._symmetric_memory as symm_mem
 
     if device.type != "cuda":
@@ -376,6 +375,7 @@ def _rendezvous(group, device: torch.device, all_reduce_bytes: int, moe_bytes: i
 def peer_buffers(buffer: torch.Tensor, group) -> tuple[list[torch.Tensor], object, int]:
     """Rendezvous (collective) of this rank's symmetric uint8 ``buffer``: (every rank's buffer as
     this rank addresses it, the handle, the buffer's byte offset in its symmetric allocation)."""
+    # symmetric memory: `import torch` skips it; only a workspace needs it
     import torch.distributed._symmetric_memory as symm_mem
 
     handle = symm_mem.rendezvous(buffer, group=group_name(group))

@@ -9,6 +9,8 @@ import torch
 from ...spec import ALL_GATHER as RECORD
 from ...problem import Problem
 from .reduce_scatter import ShardedTuning, full_tensor_stage_bytes
+from ...backends.nccl_rs_ag import all_gather_launcher
+from ...collectives.all_gather import all_gather_into_tensor, all_gatherv
 
 
 class AllGatherTuning(ShardedTuning):
@@ -16,13 +18,9 @@ class AllGatherTuning(ShardedTuning):
     full_input = False
 
     def public_functions(self):
-        from ...collectives.all_gather import all_gather_into_tensor, all_gatherv
-
         return all_gather_into_tensor, all_gatherv
 
     def build_reference(self, data) -> None:
-        from ...backends.nccl_rs_ag import all_gather_launcher
-
         data.expected = torch.empty_like(data.val_output)
         all_gather_launcher(data.group)(data.expected, data.val_input, data.counts)
 

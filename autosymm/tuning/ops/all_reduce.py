@@ -6,10 +6,12 @@ region; `bench` over sizes, with torch's symmetric pool."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ...spec import ALL_REDUCE as RECORD
 from ...problem import Problem
 from .base import TuningOp
+from ...collectives.all_reduce import all_reduce
 
 
 class AllReduceTuning(TuningOp):
@@ -20,8 +22,6 @@ class AllReduceTuning(TuningOp):
         data.timing = [torch.empty(p.numel, dtype=data.dtype, device=dev) for _ in range(data.n_inputs)]
 
     def build_reference(self, data) -> None:
-        import torch.distributed as dist
-
         data.expected = data.val_input.clone()
         dist.all_reduce(data.expected, group=data.group)
 
@@ -29,11 +29,10 @@ class AllReduceTuning(TuningOp):
         return (data.val_input.clone(), *data.extra)  # all-reduce is in place
 
     def public_call(self, data):
-        from ...collectives.all_reduce import all_reduce
-
         return all_reduce  # all_reduce(x) -> x
 
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
+        # this backend imports the Triton kernels: only a tune's sizing needs it
         from ...backends import triton_all_reduce
 
         # the largest stage of any Triton all-reduce algorithm (the push one-shot's slot per peer)

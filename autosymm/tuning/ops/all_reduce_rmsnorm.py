@@ -16,11 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ...spec import ALL_REDUCE_RMSNORM as RECORD
 from ...epilogue import DEFAULT, reference
 from ...problem import Problem
 from .base import SEED, TuningOp, quarters
+from ...collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
 
 EPS = 1e-6
 #: The validation's scales: FP8's per-tensor scale (|y| <= 4.48 unclipped) and NVFP4's global scale.
@@ -40,8 +42,6 @@ class FusedTuning(TuningOp):
         data.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=dev)
 
     def build_reference(self, data) -> None:
-        import torch.distributed as dist
-
         total = data.val_input.clone()
         dist.all_reduce(total, group=data.group)  # exact: small multiples of 1/4
         epilogue = _epilogue(data.problem)
@@ -90,8 +90,6 @@ class FusedTuning(TuningOp):
 
     def public_call(self, data):
         """autosymm.all_reduce_rmsnorm with the problem's epilogue (its keywords)."""
-        from ...collectives.all_reduce_rmsnorm import all_reduce_rmsnorm
-
         epilogue = _epilogue(data.problem)
         if epilogue == DEFAULT:
             return all_reduce_rmsnorm
@@ -103,7 +101,7 @@ class FusedTuning(TuningOp):
         return call
 
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
-        from ...backends import triton_fused
+        from ...backends import triton_fused  # this backend imports the Triton kernels: only a tune's sizing needs it
 
         # the largest stage of any fused algorithm (the two-shot's x and out rows)
         return triton_fused.largest_stage_bytes(problem.nbytes, problem.world_size), 0

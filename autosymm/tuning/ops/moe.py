@@ -6,11 +6,14 @@ conversion writes; both conversions' buffers in the MoE region; `bench` over sha
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ...collectives.moe import convert_dp_to_ep, convert_ep_to_dp
 from ...spec import DP_TO_EP as DP_TO_EP_RECORD, EP_TO_DP as EP_TO_DP_RECORD
 from ...problem import Problem
 from .base import SEED, TuningOp
+from ...geometry import moe_region_bytes
+from ...routing import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
 
 _TO_EXPERTS = {DP_TO_EP_RECORD.name: True, EP_TO_DP_RECORD.name: False}
 
@@ -26,8 +29,6 @@ class MoETuning(TuningOp):
     exact = True  # pure copies: compared bit for bit
 
     def allocate(self, data, gen: torch.Generator) -> None:
-        from ...routing import make_expt_assignment, make_expt_dict_uniform, random_expt_indx, route
-
         p, dev = data.problem, data.device
         shape, world_size = p.shape, p.world_size
         n_global = world_size * p.n_tokens_local
@@ -43,8 +44,6 @@ class MoETuning(TuningOp):
         data.extra = (data.assignment, data.expt_indx, data.indx)
 
     def build_reference(self, data) -> None:
-        import torch.distributed as dist
-
         p = data.problem
         gathered = torch.empty((p.world_size, *data.val_input.shape), dtype=data.dtype, device=data.device)
         dist.all_gather(list(gathered.unbind(0)), data.val_input, group=data.group)  # stable API, any torch
@@ -54,8 +53,6 @@ class MoETuning(TuningOp):
         data.expected, data.mask = moe_reference_for_rank(p.op, gathered, owner, data.indx, data.rank)
 
     def workspace_bytes(self, problem: Problem) -> tuple[int, int]:
-        from ...geometry import moe_region_bytes
-
         shape = problem.shape
         return 0, moe_region_bytes(problem.n_tokens_local, shape.n_expts_act, shape.d_model * problem.elem_bytes,
                                    problem.world_size)

@@ -9,10 +9,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ...spec import REDUCE_SCATTER as RECORD
 from ...problem import Problem
 from .base import TuningOp, quarters
+from ...backends.nccl_rs_ag import reduce_scatter_launcher
+from ...backends.rs_ag_layout import stage_bytes
+from ...collectives.reduce_scatter import reduce_scatter_tensor, reduce_scatterv
 
 
 def tuning_counts(numel: int, world_size: int) -> Optional[list[int]]:
@@ -26,8 +30,6 @@ def tuning_counts(numel: int, world_size: int) -> Optional[list[int]]:
 def full_tensor_stage_bytes(problem: Problem) -> int:
     """All-reduce region bytes the largest Triton stage of either op takes for ``problem`` (every
     segment staged; a per-rank split: up to 16 bytes more per rank)."""
-    from ...backends.rs_ag_layout import stage_bytes
-
     return stage_bytes(False, problem.nbytes, problem.world_size) + 16 * problem.world_size
 
 
@@ -75,14 +77,9 @@ class ShardedTuning(TuningOp):
 
 class ReduceScatterTuning(ShardedTuning):
     def public_functions(self):
-        from ...collectives.reduce_scatter import reduce_scatter_tensor, reduce_scatterv
-
         return reduce_scatter_tensor, reduce_scatterv
 
     def build_reference(self, data) -> None:
-        from ...backends.nccl_rs_ag import reduce_scatter_launcher
-        import torch.distributed as dist
-
         data.expected = torch.empty_like(data.val_output)
         reduce_scatter_launcher(data.group, dist.ReduceOp.SUM)(data.expected, data.val_input, data.counts)
 
