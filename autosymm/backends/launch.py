@@ -54,7 +54,7 @@ def spin_constexpr(config: Any, world_size: int, tile_elems: int, threads: int, 
     otherwise, always under the interpreter. ``tile_elems``: the elements of a program's tile."""
     if not getattr(config, "spin", False) or world_size != 2 or interpreter_active():
         return 0
-    from ..kernels.lamport_all_reduce import spin_pack
+    from ..kernels.lamport_all_reduce import spin_pack  # the kernels (and triton) load at the first launch
 
     return spin_pack(max(1, tile_elems // threads), elem_bytes)
 
