@@ -206,8 +206,7 @@ def test_split_launcher_replays_and_takes_whole_rows_beyond_its_scratch():
 
 
 def test_lamport_spin_config_space_and_constexpr(monkeypatch):
-    """FusedConfig.spin: the Lamport algorithm's alone; its space at world size 2 gets every config
-    again with it (after the plain ones); the launcher's SPIN is spin_pack of a thread's share of
+    """FusedConfig.spin: the Lamport algorithm's alone, never in the tuner's space; the launcher's SPIN is spin_pack of a thread's share of
     the tile on a GPU at world size 2 (0 under the interpreter: the CTA-uniform wait)."""
     import dataclasses
 
@@ -218,9 +217,8 @@ def test_lamport_spin_config_space_and_constexpr(monkeypatch):
         FusedConfig("one_shot_push", 8192, 8, 1, spin=True)
     spin = FusedConfig("lamport", 8192, 16, 1, spin=True)
     assert config_from_json(config_to_json(spin)) == spin
-    space = fused_space("lamport", 1, 8192, 2, 2)
-    plain = [c for c in space if not c.spin]
-    assert space == plain + [dataclasses.replace(c, spin=True) for c in plain]
+    # not in the tuner's space (its FP8 case gave up waits on H200): the bench asks for it by config
+    assert not any(c.spin for c in fused_space("lamport", 1, 8192, 2, 2))
     assert not any(c.spin for c in fused_space("lamport", 1, 8192, 4, 2))
     assert not any(c.spin for c in fused_space("one_shot_push", 1, 8192, 2, 2))
     recorded = []

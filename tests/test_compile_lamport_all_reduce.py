@@ -32,6 +32,7 @@ CASES = [
     ("fp32", 2, 1024, 4, True, 4, 4),
     ("fp32", 2, 256, 4, False, 4, 2),
     ("fp32", 2, 1024, 32, True, 1, 1),
+    ("bf16", 1, 1024, 4, True, 8, 0),  # one rank (a one-GPU group): no peer to wait for
 ]
 #: Elements a thread holds (BLOCK / threads) by case, and whether they make a 16-byte vector.
 ELEMS = [c[2] // (32 * c[3]) for c in CASES]

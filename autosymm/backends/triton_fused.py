@@ -30,8 +30,7 @@ from ..geometry import (ALL_REDUCE_REGION, DOUBLE_BUFFER_HALF_BYTES, FUSED_COUNT
 from ..kernels.fused_rmsnorm import _one_shot_all_reduce_rmsnorm, _two_shot_all_reduce_rmsnorm
 from ..problem import Problem
 from .base import Backend, BackendError, Capabilities, Needs, RunContext
-from .launch import (MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, spin_constexpr,
-                     stage_limits, with_spin)
+from .launch import MAX_NUMEL, Algorithm, LeanLauncher, RegionLauncher, prepared_workspace, spin_constexpr, stage_limits
 from .triton_lamport import lamport_header, lamport_limits
 
 OP = ALL_REDUCE_RMSNORM.name
@@ -352,7 +351,9 @@ def fused_space(algorithm: str, n_tokens: int, hidden: int, world_size: int, ele
         space += [dataclasses.replace(config, double_buffer=True) for config in space]
     if record.row_split:  # latency-bound: double-buffered only, where it fits
         space += [dataclasses.replace(c, double_buffer=double) for c in _split_space(algorithm, rows, hidden, elem_bytes)]
-    return with_spin(space, record, world_size)
+    # No spin=True configs: on 1x H200 (2026-12-03, docs/BENCHMARKS.md) the fused Lamport's spin
+    # gave up its waits in the static-FP8 case at 1 x 8192, g1 w16; FusedConfig.spin stays for the bench.
+    return space
 
 
 def _split_space(algorithm: str, rows: int, hidden: int, elem_bytes: int) -> list[FusedConfig]:

@@ -199,9 +199,10 @@ def _poll(own_bases, offset, slot_bytes, offs, mask, RANK: tl.constexpr, WORLD_S
 
 
 @triton.jit
-def _missing(wires, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
-    """Per element, how many peers' words are still the sentinel."""
-    missing = 0
+def _missing(wires, offs, RANK: tl.constexpr, WORLD_SIZE: tl.constexpr):
+    """Per element of ``offs``, how many peers' words are still the sentinel (a tensor of zeros at
+    world size 1: no peer)."""
+    missing = tl.zeros(offs.shape, tl.int32)
     for peer in tl.static_range(WORLD_SIZE):
         if peer != RANK:
             missing += (wires[peer] == 0).to(tl.int32)
@@ -231,13 +232,13 @@ def lamport_sum(own, bases, errors, failed, offset, slot_bytes, offs, mask, RANK
         wires = (_spin(wires[0], src, errors, failed, SPIN), wires[1]) if peer == 0 else \
             (wires[0], _spin(wires[1], src, errors, failed, SPIN))
     else:
-        missing = tl.sum(_missing(wires, RANK, WORLD_SIZE), axis=None)  # over every axis (a chunk or a row tile)
+        missing = tl.sum(_missing(wires, offs, RANK, WORLD_SIZE), axis=None)  # over every axis (a chunk or a row tile)
         if missing > 0:  # slow path only: a peer's chunk is not all there yet; poll every peer again
             # a channel that already timed out is stale until the host resets it: fail fast
             polls = tl.where(failed == 0, 0, _barrier.MAX_POLLS)
             while (missing > 0) & (polls < _barrier.MAX_POLLS):
                 wires = _poll(bases, offset, slot_bytes, offs, mask, RANK, WORLD_SIZE, WIRE, MASKED)
-                missing = tl.sum(_missing(wires, RANK, WORLD_SIZE), axis=None)
+                missing = tl.sum(_missing(wires, offs, RANK, WORLD_SIZE), axis=None)
                 polls += 1
             if missing > 0:
                 tl.atomic_add(errors, 1, sem="relaxed", scope="gpu")
