@@ -15,7 +15,7 @@ from autosymm.backends.stack import StackPath
 from autosymm.configs import AllReduceConfig
 
 #: The stand-in's configs, by the sleep (us) each adds to a call: BLOCK 1024 is the fastest.
-SLEEP_US = {1024: 100.0, 2048: 500.0, 4096: 1500.0}
+SLEEP_US = {1024: 100.0, 2048: 2000.0, 4096: 6000.0}
 CONFIGS = tuple(AllReduceConfig("one_shot", block, 1, 4) for block in SLEEP_US)
 
 
