@@ -95,6 +95,7 @@ def main() -> None:
     say("convert_dp_to_ep, convert_ep_to_dp: every token's k rows back")
 
     say(f"calls per backend (rank 0): {autosymm.stats()}")
+    dist.barrier()  # every rank's last collective done before any rank tears its connections down
     dist.destroy_process_group()
 
 
